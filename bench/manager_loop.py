@@ -1,0 +1,106 @@
+"""Manager loop on a shared-prompt workload: admit (hashing included), then release.
+
+    python bench/manager_loop.py [--requests 2000] [--blocks 20000] [--repeats 5]
+
+Prints requests/s (median of repeats, each on a fresh manager), the token hit rate next to the
+infinite-cache bound, and memory per cached block (RSS delta and tracemalloc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import contextlib
+
+from workload import infinite_cache_hit_rate, shared_prompt_workload
+
+from prefixcache import CacheManager, Namespace
+
+
+def rss_bytes() -> int:
+    """Resident set size, after returning freed heap memory to the OS (so reuse hides nothing)."""
+    gc.collect()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def run(prompts, blocks: int, block_size: int) -> tuple[float, CacheManager]:
+    mgr = CacheManager(blocks, block_size)
+    ns = Namespace(model="bench")
+    admit, release = mgr.admit, mgr.release
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        admit(i, p, ns)
+        release(i)
+    return time.perf_counter() - t0, mgr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--blocks", type=int, default=20_000)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    prompts = shared_prompt_workload(args.requests)
+    tokens = sum(len(p) for p in prompts)
+    print(
+        f"workload: {len(prompts)} requests, {tokens:,} prompt tokens, "
+        f"block_size={args.block_size}, pool={args.blocks} blocks"
+    )
+
+    # memory first, while the process is fresh: RSS around one run, then tracemalloc around another
+    base_rss = rss_bytes()
+    _, mgr = run(prompts, args.blocks, args.block_size)
+    rss = rss_bytes() - base_rss
+    cached = mgr.block_counts().cached
+    del mgr
+    gc.collect()
+    tracemalloc.start()
+    snap0 = tracemalloc.take_snapshot()
+    _, mgr = run(prompts, args.blocks, args.block_size)
+    gc.collect()
+    snap1 = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    traced = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
+    nodes = mgr.index.num_nodes
+    del mgr
+
+    times = []
+    for _ in range(args.repeats):
+        gc.collect()
+        dt, mgr = run(prompts, args.blocks, args.block_size)
+        times.append(dt)
+    med = statistics.median(times)
+    st = mgr.stats
+    print(
+        f"  requests/s        {len(prompts) / med:10,.0f}  (median of {args.repeats}; "
+        f"min {len(prompts) / max(times):,.0f}, max {len(prompts) / min(times):,.0f})"
+    )
+    print(f"  us/request        {med / len(prompts) * 1e6:10.1f}")
+    print(
+        f"  token hit rate    {st.token_hit_rate:10.4f}  (infinite cache "
+        f"{infinite_cache_hit_rate(prompts, args.block_size):.4f})"
+    )
+    print(f"  evicted blocks    {st.evicted_blocks:10,}")
+
+    print(f"  cached blocks     {cached:10,}  in {nodes:,} nodes")
+    print(f"  bytes/cached blk  {traced / cached:10.1f}  (tracemalloc, incl. 64 B of token ids)")
+    print(
+        f"  bytes/cached blk  {rss / cached:10.1f}  (RSS delta, incl. the pool's per-block arrays)"
+    )
+
+
+if __name__ == "__main__":
+    main()

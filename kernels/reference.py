@@ -1,0 +1,92 @@
+"""Torch reference attention: the definition of truth the paged kernels are checked against."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Dense attention for one sequence, GQA/MQA aware, computed in fp32.
+
+    q: [Tq, Hq, D] (the last Tq positions of the sequence), k/v: [Tk, Hkv, D] with Tk >= Tq.
+    Causal masking is bottom-right aligned: query i sits at position Tk - Tq + i.
+    Returns [Tq, Hq, D] in q's dtype.
+    """
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    group = hq // hkv
+    qf = q.float().transpose(0, 1)  # [Hq, Tq, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tk, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tk, D]
+    scores = (qf @ kf.transpose(-2, -1)) * scale  # [Hq, Tq, Tk]
+    if causal:
+        qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+        kpos = torch.arange(tk, device=q.device)[None, :]
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vf  # [Hq, Tq, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence, gathered from a paged cache.
+
+    cache: [num_blocks, block_size, Hkv, D], block_table: [>= cdiv(length, block_size)] ids.
+    Returns [length, Hkv, D]. Table entries past the last used block are never read.
+    """
+    block_size = cache.shape[1]
+    used = -(-length // block_size)
+    ids = block_table[:used].to(device=cache.device, dtype=torch.long)
+    return cache[ids].flatten(0, 1)[:length]
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Varlen paged attention by gathering each sequence and running ``reference_attention``.
+
+    q: [total_q, Hq, D] packed; sequence b owns rows query_start_loc[b]:query_start_loc[b+1], the
+    last q_len of its seq_lens[b] tokens. Returns [total_q, Hq, D] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        k = gather_kv(k_cache, block_tables[b], seq_len)
+        v = gather_kv(v_cache, block_tables[b], seq_len)
+        out[lo:hi] = reference_attention(q[lo:hi], k, v, causal=True, scale=scale)
+    return out
+
+
+def reference_store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k/v [n, Hkv, D] into the caches at ``slot_mapping`` [n] (slot -1 = skip), in place."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)

@@ -1,0 +1,52 @@
+"""prefixcache: a prefix cache for LLM inference.
+
+Full KV blocks are identified by chained 128-bit hashes over token ids, namespace and position; a
+radix index maps prefixes to shared physical blocks with refcounts, eviction and copy-on-write.
+"""
+
+from prefixcache.errors import (
+    CacheInUseError,
+    ConfigError,
+    DuplicateRequestError,
+    InvalidTokensError,
+    OutOfBlocksError,
+    PrefixCacheError,
+    RequestTooLargeError,
+    UnknownRequestError,
+)
+from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixcache.eviction import POLICIES
+from prefixcache.hashing import BlockHasher
+from prefixcache.kv_cache import PagedKVCache
+from prefixcache.manager import Admission, AppendResult, CacheManager, Copy, Lookup
+from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
+from prefixcache.stats import BlockCounts, CacheStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "POLICIES",
+    "Admission",
+    "AllBlocksCleared",
+    "AppendResult",
+    "BlockCounts",
+    "BlockHasher",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheInUseError",
+    "CacheManager",
+    "CacheStats",
+    "ConfigError",
+    "Copy",
+    "DuplicateRequestError",
+    "InvalidTokensError",
+    "Lookup",
+    "Namespace",
+    "OutOfBlocksError",
+    "PagedKVCache",
+    "PrefixCacheError",
+    "RequestTooLargeError",
+    "UnknownRequestError",
+    "__version__",
+]

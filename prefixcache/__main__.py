@@ -1,0 +1,5 @@
+import sys
+
+from prefixcache.cli import main
+
+sys.exit(main())

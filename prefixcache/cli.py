@@ -1,0 +1,37 @@
+"""Command line: ``prefixcache <command>`` (also ``python -m prefixcache``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+
+# Modules that add subcommands: each has ``register(subparsers)`` and sets ``func`` on its parsers.
+COMMAND_MODULES = (
+    "prefixcache.demo",
+    "prefixcache.replay.commands",
+    "prefixcache.report.commands",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixcache",
+        description="Prefix cache for LLM inference: demo, replay workloads, analyze traces, "
+        "and read hit-rate reports.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and name.startswith(exc.name):
+                continue  # that part of the package is not present
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,38 @@
+"""Typed errors. Every rejected call raises one of these and leaves the cache state unchanged."""
+
+from __future__ import annotations
+
+
+class PrefixCacheError(Exception):
+    """Base class of every error the library raises on purpose."""
+
+
+class ConfigError(PrefixCacheError, ValueError):
+    """A constructor or option got a value it cannot work with."""
+
+
+class InvalidTokensError(PrefixCacheError, ValueError):
+    """Token ids are not a 1-D sequence of integers in [0, 2**31)."""
+
+
+class UnknownRequestError(PrefixCacheError, KeyError):
+    """The request id is not admitted (never was, or was already released)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class DuplicateRequestError(PrefixCacheError, ValueError):
+    """The request id is already admitted."""
+
+
+class OutOfBlocksError(PrefixCacheError, RuntimeError):
+    """Not enough free or evictable blocks right now; retry after other requests release."""
+
+
+class RequestTooLargeError(PrefixCacheError, ValueError):
+    """The request needs more blocks than the whole pool has; it can never be admitted."""
+
+
+class CacheInUseError(PrefixCacheError, RuntimeError):
+    """The operation needs an idle cache, but blocks are still referenced."""

@@ -1,0 +1,36 @@
+"""Block events, carrying what vLLM's KV events carry, for global indexes and routers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefixcache.namespace import Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A run of consecutive full blocks entered the cache."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None  # None when the first block starts the sequence
+    token_ids: list[int]
+    block_size: int
+    namespace: Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks were evicted from the cache."""
+
+    block_hashes: list[bytes]
+    namespace: Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The cache was reset."""
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+EventListener = Callable[[CacheEvent], None]

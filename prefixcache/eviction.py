@@ -1,0 +1,83 @@
+"""Eviction order: a policy is one key function over a cached leaf; the smallest key goes first."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from prefixcache.errors import ConfigError
+from prefixcache.radix import Node
+
+PolicyKey = Callable[[Node, float], tuple]
+
+POLICIES: dict[str, PolicyKey] = {
+    # least recently used first
+    "lru": lambda n, now: (n.last_access,),
+    # least often hit first, then least recently used
+    "lfu": lambda n, now: (n.hits, n.last_access),
+    # lowest priority first while its retention lasts (then it counts as priority 0), then LRU
+    "priority": lambda n, now: (n.priority if now < n.retain_until else 0, n.last_access),
+}
+
+
+def get_policy(policy: str | PolicyKey) -> PolicyKey:
+    if callable(policy):
+        return policy
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[policy]
+
+
+class Evictor:
+    """A lazy heap of evictable leaves (ref 0, no children).
+
+    A node is pushed whenever it becomes evictable; entries made stale by a later push, a new
+    reference or a new child are skipped when popped. A priority whose retention ends changes the
+    key without any event, so such nodes also sit in an expiry heap and are re-keyed on time.
+    """
+
+    def __init__(self, policy: str | PolicyKey) -> None:
+        self.key = get_policy(policy)
+        self._heap: list[tuple[tuple, int, int, Node]] = []
+        self._expiring: list[tuple[float, int, int, Node]] = []
+        self._counter = 0
+
+    def push(self, node: Node, now: float) -> None:
+        node.heap_token += 1
+        self._counter += 1
+        heapq.heappush(self._heap, (self.key(node, now), self._counter, node.heap_token, node))
+        if node.priority and node.retain_until > now:
+            heapq.heappush(
+                self._expiring, (node.retain_until, self._counter, node.heap_token, node)
+            )
+
+    def pop(self, now: float) -> Node | None:
+        """Remove and return the evictable leaf with the smallest key (None if there is none)."""
+        while self._expiring and self._expiring[0][0] <= now:
+            _, _, token, node = heapq.heappop(self._expiring)
+            if token == node.heap_token and self._evictable(node):
+                self.push(node, now)
+        heap = self._heap
+        while heap:
+            _, _, token, node = heapq.heappop(heap)
+            if token == node.heap_token and self._evictable(node):
+                return node
+        return None
+
+    def compact(self, live_nodes: int) -> None:
+        """Drop stale entries once they outnumber the live nodes, so the heap stays bounded."""
+        if len(self._heap) > 2 * live_nodes + 1024:
+            self._heap = [
+                e for e in self._heap if e[2] == e[3].heap_token and self._evictable(e[3])
+            ]
+            heapq.heapify(self._heap)
+            self._expiring = [e for e in self._expiring if e[2] == e[3].heap_token]
+            heapq.heapify(self._expiring)
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._expiring.clear()
+
+    @staticmethod
+    def _evictable(node: Node) -> bool:
+        return node.ref == 0 and not node.children and node.parent is not None and len(node) > 0

@@ -1,0 +1,89 @@
+"""Paged K/V storage: per layer, K and V [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from prefixcache.errors import ConfigError
+
+
+class PagedKVCache:
+    """The physical K/V blocks a CacheManager hands out. slot = block * block_size + offset."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float16,
+        device: str | torch.device = "cpu",
+        fill: float = 0.0,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.k = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+    ) -> int:
+        """K and V bytes of one block across all layers."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: Sequence[int] | torch.Tensor
+    ) -> None:
+        """Store ``k``/``v`` [n, num_kv_heads, head_dim] at ``slots`` [n] (slot -1 = skip)."""
+        slots_t = torch.as_tensor(slots, dtype=torch.int64, device=k.device)
+        if (
+            k.shape != v.shape
+            or k.shape[0] != slots_t.numel()
+            or k.shape[1:] != self.k[layer].shape[2:]
+        ):
+            _, _, hkv, d = self.k[layer].shape
+            raise ValueError(
+                f"k/v must be [{slots_t.numel()}, {hkv}, {d}] to match the slots, "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        keep = slots_t >= 0
+        slots_t = slots_t[keep]
+        if slots_t.numel() and int(slots_t.max()) >= self.num_blocks * self.block_size:
+            raise ValueError(f"slot {int(slots_t.max())} is outside the cache")
+        flat_k = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        flat_v = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        flat_k[slots_t] = k[keep].to(flat_k.dtype)
+        flat_v[slots_t] = v[keep].to(flat_v.dtype)
+
+    def apply_copies(self, copies: Iterable[tuple[int, int, int]]) -> None:
+        """Run the manager's (src, dst, num_slots) copies in order, on every layer."""
+        for src, dst, n in copies:
+            for cache in (*self.k, *self.v):
+                cache[dst, :n] = cache[src, :n]
+
+    def gather(
+        self, layer: int, block_table: Sequence[int] | torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K and V, each [length, num_kv_heads, head_dim], read through its table."""
+        table = torch.as_tensor(block_table, dtype=torch.int64, device=self.k[layer].device)
+        pos = torch.arange(length, device=table.device)
+        blocks = table[pos // self.block_size]
+        if length and int(blocks.min()) < 0:
+            raise ValueError("block table has padding inside the sequence's length")
+        offsets = pos % self.block_size
+        return self.k[layer][blocks, offsets], self.v[layer][blocks, offsets]

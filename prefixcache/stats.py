@@ -1,0 +1,49 @@
+"""Counters of the cache manager. Definitions match the hit accounting in the README."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CacheStats:
+    requests: int = 0  # admitted requests
+    lookup_tokens: int = 0  # prompt tokens of admitted requests
+    hit_tokens: int = 0  # prompt tokens whose K/V were not computed
+    lookup_blocks: int = 0  # full prompt blocks
+    hit_blocks: int = 0  # full prompt blocks served from the cache
+    zero_hit_requests: int = 0
+    evicted_blocks: int = 0
+    cow_copies: int = 0  # copy-on-write copies of shared blocks
+    partial_copies: int = 0  # partially matched blocks copied instead of recomputed
+    partial_copy_tokens: int = 0
+    stored_blocks: int = 0  # blocks entered into the index
+    appended_tokens: int = 0
+    forks: int = 0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dict(asdict(self))
+        d["token_hit_rate"] = self.token_hit_rate
+        d["block_hit_rate"] = self.block_hit_rate
+        return d
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    """Physical blocks per state; they always add up to ``num_blocks``."""
+
+    free: int
+    active: int  # referenced by at least one request or pin
+    cached: int  # in the index, unreferenced, evictable
+
+    @property
+    def total(self) -> int:
+        return self.free + self.active + self.cached

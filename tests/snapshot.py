@@ -1,0 +1,48 @@
+"""A deep snapshot of a CacheManager's state, to prove rejected calls change nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixcache.manager import CacheManager
+from prefixcache.radix import Node
+
+
+def _node(node: Node) -> tuple[Any, ...]:
+    children = sorted((k, _node(c)) for k, c in (node.children or {}).items())
+    return (
+        bytes(node.digests),
+        bytes(node.tokens),
+        list(node.blocks),
+        node.ref,
+        node.depth,
+        node.last_access,
+        node.hits,
+        node.priority,
+        node.retain_until,
+        tuple(children),
+    )
+
+
+def snapshot(mgr: CacheManager) -> dict[str, Any]:
+    seqs = {
+        repr(rid): (
+            bytes(s.tokens),
+            s.num_tokens,
+            list(s.table),
+            list(s.private),
+            s.blocked,
+            mgr.index.path_blocks(s.deepest),
+        )
+        for rid, s in mgr._seqs.items()
+    }
+    return {
+        "trees": sorted((repr(ns), _node(root)) for ns, root in mgr.index.roots.items()),
+        "counts": (mgr.index.num_blocks, mgr.index.active_blocks, mgr.index.num_nodes),
+        "free": mgr.pool.free_ids(),
+        "refcount": list(mgr.pool.refcount),
+        "seqs": seqs,
+        "pins": {h: mgr.index.path_blocks(n) for h, n in mgr._pins.items()},
+        "stats": mgr.stats.as_dict(),
+        "tick": mgr._tick,
+    }

@@ -1,0 +1,83 @@
+import pytest
+import torch
+from prefixcache.kernels.reference import reference_attention
+
+from prefixcache import CacheManager, ConfigError, Namespace, PagedKVCache
+
+
+def test_write_gather_roundtrip_and_skip_slot():
+    kv = PagedKVCache(2, 6, 4, 2, 8, dtype=torch.float32, fill=float("nan"))
+    k = torch.randn(3, 2, 8)
+    v = torch.randn(3, 2, 8)
+    kv.write(1, k, v, [5, -1, 20])
+    assert torch.equal(kv.k[1][1, 1], k[0]) and torch.equal(kv.v[1][5, 0], v[2])
+    assert torch.isnan(kv.k[0]).all()  # other layers untouched
+    gk, _gv = kv.gather(1, [1], 2)
+    assert torch.equal(gk[1], k[0])
+
+
+def test_copies_run_on_every_layer():
+    kv = PagedKVCache(2, 4, 4, 1, 8, dtype=torch.float32)
+    for layer in range(2):
+        kv.k[layer][0].normal_()
+        kv.v[layer][0].normal_()
+    kv.apply_copies([(0, 3, 2)])
+    for layer in range(2):
+        assert torch.equal(kv.k[layer][3, :2], kv.k[layer][0, :2])
+        assert torch.equal(kv.k[layer][3, 2:], torch.zeros(2, 1, 8))
+
+
+def test_bad_shapes_and_config_are_rejected():
+    with pytest.raises(ConfigError):
+        PagedKVCache(1, 0, 4, 1, 8)
+    kv = PagedKVCache(1, 2, 4, 1, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="match the slots"):
+        kv.write(0, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), [0])
+    with pytest.raises(ValueError, match="outside the cache"):
+        kv.write(0, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [8])
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2), (4, 1)])
+def test_paged_attention_through_manager_equals_contiguous(hq, hkv):
+    """Shared prefix, a fork that diverges (copy-on-write), shuffled physical blocks."""
+    torch.manual_seed(0)
+    p, d, n = 4, 16, 32
+    mgr = CacheManager(n, p)
+    mgr.pool._free.reverse()  # hand out blocks from the far end: tables are not 0, 1, 2, ...
+    kv = PagedKVCache(1, n, p, hkv, d, dtype=torch.float32, fill=float("nan"))
+    ns = Namespace(model="m")
+    kv_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # token id -> its K/V (by position)
+
+    def kv_for(tokens):
+        # K/V depend on the whole prefix: derive them from (position, prefix) deterministically
+        ks, vs = [], []
+        for i in range(len(tokens)):
+            key = hash(tuple(tokens[: i + 1]))
+            if key not in kv_of:
+                kv_of[key] = (torch.randn(hkv, d), torch.randn(hkv, d))
+            ks.append(kv_of[key][0])
+            vs.append(kv_of[key][1])
+        return torch.stack(ks), torch.stack(vs)
+
+    seqs = {"a": list(range(10)), "b": list(range(8)) + [90, 91, 92]}
+    for rid, tokens in seqs.items():
+        adm = mgr.admit(rid, tokens, ns)
+        kv.apply_copies(adm.copies)
+        k, v = kv_for(tokens)
+        kv.write(0, k[adm.cached_len :], v[adm.cached_len :], adm.slot_mapping())
+    mgr.fork("b", "c")
+    seqs["c"] = list(seqs["b"])
+    for rid, new in (("c", [5, 6, 7]), ("b", [1])):
+        res = mgr.append(rid, new)
+        seqs[rid] += new
+        kv.apply_copies(res.copies)
+        k, v = kv_for(seqs[rid])
+        kv.write(0, k[-len(new) :], v[-len(new) :], res.slots)
+    assert mgr.stats.cow_copies == 1 and mgr.stats.hit_tokens == 8
+    for rid, tokens in seqs.items():
+        q = torch.randn(2, hq, d)
+        k, v = kv_for(tokens)
+        pk, pv = kv.gather(0, mgr.block_table(rid), len(tokens))
+        torch.testing.assert_close(pk, k)
+        torch.testing.assert_close(reference_attention(q, pk, pv), reference_attention(q, k, v))
+    mgr.check_integrity()
