@@ -36,6 +36,8 @@ def check_manager(mgr: CacheManager) -> None:
     nodes = active = 0
     for root in index.roots.values():
         _require(root.parent is None and len(root.blocks) == 0, "root holds blocks")
+        _require(root.namespace is not None, "root without a namespace")
+        assert root.namespace is not None
         _require(bytes(root.digests) == mgr.hasher.seed(root.namespace), "root seed is wrong")
         stack: list[Node] = [root]
         while stack:

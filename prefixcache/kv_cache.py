@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from prefixcache.errors import ConfigError
@@ -47,7 +48,11 @@ class PagedKVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
 
     def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: Sequence[int] | torch.Tensor
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: Sequence[int] | np.ndarray | torch.Tensor,
     ) -> None:
         """Store ``k``/``v`` [n, num_kv_heads, head_dim] at ``slots`` [n] (slot -1 = skip)."""
         slots_t = torch.as_tensor(slots, dtype=torch.int64, device=k.device)

@@ -202,7 +202,7 @@ class CacheManager:
         st.lookup_blocks += t // p
         st.hit_blocks += n
         st.zero_hit_requests += cached_len == 0
-        return Admission(cached_len, table, copies, t, p)
+        return Admission(cached_len, list(table), copies, t, p)
 
     def _plan(self, arr: np.ndarray, buf: bytes, namespace: Namespace) -> tuple[Any, ...]:
         """Match and size an admission without changing anything.

@@ -10,6 +10,7 @@ holders), which keeps the held set, like the cached set, prefix-closed.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 from prefixcache.hashing import DIGEST_SIZE, BlockHasher
 from prefixcache.namespace import Namespace
@@ -129,7 +130,9 @@ class RadixIndex:
                 break
         return node, j, n, digest
 
-    def _common_blocks(self, node: Node, off: int, buf: bytes, start: int, k: int) -> int:
+    def _common_blocks(
+        self, node: Node, off: int, buf: bytes | bytearray, start: int, k: int
+    ) -> int:
         """How many of ``k`` blocks from ``node[off]`` equal the sequence's from ``start``."""
         bb = self.block_bytes
         return (
@@ -297,15 +300,25 @@ class RadixIndex:
         node.parent = None
         self.num_nodes -= 1
 
+    def subtree_blocks(self, node: Node) -> int:
+        """Blocks cached at or below ``node`` (computed on demand: reports, scheduling)."""
+        total, stack = 0, [node]
+        while stack:
+            cur = stack.pop()
+            total += len(cur.blocks)
+            if cur.children:
+                stack.extend(cur.children.values())
+        return total
+
     def namespace_of(self, node: Node) -> Namespace:
         while node.parent is not None:
             node = node.parent
         assert node.namespace is not None
         return node.namespace
 
-    def iter_nodes(self):
+    def iter_nodes(self) -> Iterator[Node]:
         """Every non-root node of every tree (depth-first)."""
-        stack = [r for r in self.roots.values()]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             if node.parent is not None:

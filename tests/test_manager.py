@@ -301,6 +301,16 @@ def test_block_tables_tensor():
     assert t[0].tolist() == m.block_table("a") and t[1].tolist() == m.block_table("b") + [-1]
 
 
+def test_subtree_sizes():
+    m = mgr_()
+    m.admit("a", toks(0, 12), NS)
+    m.admit("b", toks(0, 4) + toks(50, 8), NS)
+    root = m.index.roots[NS]
+    assert m.index.subtree_blocks(root) == 5  # one shared block + 2 + 2
+    (shared,) = root.children.values()
+    assert len(shared) == 1 and m.index.subtree_blocks(shared) == 5
+
+
 def test_evict_api():
     m = mgr_()
     m.admit("a", toks(0, 12), NS)
