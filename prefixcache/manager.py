@@ -16,6 +16,7 @@ from prefixcache.errors import (
     CacheInUseError,
     ConfigError,
     DuplicateRequestError,
+    InvalidTokensError,
     OutOfBlocksError,
     RequestTooLargeError,
     UnknownRequestError,
@@ -27,7 +28,7 @@ from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.pool import BlockPool
 from prefixcache.radix import Node, RadixIndex
 from prefixcache.stats import BlockCounts, CacheStats
-from prefixcache.tokens import TokenIds, as_token_array
+from prefixcache.tokens import MAX_TOKEN_ID, TokenIds, as_token_array
 
 
 class Copy(NamedTuple):
@@ -76,8 +77,10 @@ class _Seq:
 
     __slots__ = ("blocked", "deepest", "num_tokens", "private", "table", "tokens")
 
-    def __init__(self, tokens: bytearray, num_tokens: int, table: list[int], deepest: Node):
-        self.tokens = tokens  # int32 LE token ids
+    def __init__(
+        self, tokens: bytes | bytearray, num_tokens: int, table: list[int], deepest: Node
+    ) -> None:
+        self.tokens = tokens  # int32 LE token ids (bytes until the first append)
         self.num_tokens = num_tokens
         self.table = table  # block table
         self.private: list[int] = []  # table blocks that are not on the index path
@@ -173,7 +176,7 @@ class CacheManager:
         fresh = self._take(need)
         path = self.index.path_blocks(node) if n else []
         table = path[:shared] + fresh
-        seq = _Seq(bytearray(buf), t, table, node)
+        seq = _Seq(buf, t, table, node)
         seq.private = list(fresh)
         copies: list[Copy] = []
         cached_len = shared * p
@@ -241,19 +244,26 @@ class CacheManager:
         seq = self._seq(request_id)
         return self._append_need(seq, num_tokens) <= self._available(0)
 
-    def append(self, request_id: Hashable, tokens: TokenIds) -> AppendResult:
-        """Append generated tokens; allocates blocks as needed and copies a shared partial last
-        block before writing into it. Newly filled blocks enter the index."""
+    def append(self, request_id: Hashable, tokens: TokenIds | int) -> AppendResult:
+        """Append generated tokens (one int, or any token container); allocates blocks as needed
+        and copies a shared partial last block before writing into it. Newly filled blocks enter
+        the index."""
         seq = self._seq(request_id)
-        arr = as_token_array(tokens)
-        need = self._append_need(seq, len(arr))
+        if type(tokens) is int:  # the decode fast path: no array round trip for one token
+            if not 0 <= tokens <= MAX_TOKEN_ID:
+                raise InvalidTokensError(f"token ids must be in [0, 2**31), got {tokens}")
+            data, k = tokens.to_bytes(4, "little"), 1
+        else:
+            data = as_token_array(tokens).tobytes()
+            k = len(data) // 4
+        need = self._append_need(seq, k)
         if need > self._available(0):
             raise OutOfBlocksError(
-                f"appending {len(arr)} tokens to {request_id!r} needs {need} blocks but only "
+                f"appending {k} tokens to {request_id!r} needs {need} blocks but only "
                 f"{self._available(0)} are free or evictable"
             )
         p, t0 = self.block_size, seq.num_tokens
-        t1 = t0 + len(arr)
+        t1 = t0 + k
         fresh = self._take(need)
         copies: list[Copy] = []
         if t0 % p and self.pool.refcount[seq.table[-1]] > 1:  # shared partial block: copy first
@@ -265,14 +275,20 @@ class CacheManager:
             self.stats.cow_copies += 1
         seq.table.extend(fresh)
         seq.private.extend(fresh)
-        seq.tokens += arr.tobytes()
+        if type(seq.tokens) is bytes:  # first append: the prompt's buffer becomes growable
+            seq.tokens = bytearray(seq.tokens)
+        seq.tokens += data
         seq.num_tokens = t1
-        self.stats.appended_tokens += len(arr)
+        self.stats.appended_tokens += k
         if self.enable_caching and t1 // p > t0 // p:
             full = np.frombuffer(seq.tokens, dtype="<i4")
             self._commit(seq, full, seq.tokens, t1 // p, None, self._now())
             del full  # release the buffer export so the sequence can grow again
-        return AppendResult(_slots(seq.table, p, t0, t1), copies)
+        if k == 1:
+            slots = np.array([seq.table[t0 // p] * p + t0 % p], dtype=np.int64)
+        else:
+            slots = _slots(seq.table, p, t0, t1)
+        return AppendResult(slots, copies)
 
     def _append_need(self, seq: _Seq, k: int) -> int:
         p, t0 = self.block_size, seq.num_tokens
@@ -358,10 +374,11 @@ class CacheManager:
         import torch
 
         tables = [self._seq(r).table for r in request_ids]
-        width = max((len(t) for t in tables), default=0)
+        lens = np.array([len(t) for t in tables], dtype=np.int64)
+        width = int(lens.max()) if len(tables) else 0
+        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
         out = np.full((len(tables), width), pad, dtype=np.int32)
-        for row, table in enumerate(tables):
-            out[row, : len(table)] = table
+        out[np.arange(width) < lens[:, None]] = flat  # row-major fill of each row's prefix
         return torch.from_numpy(out).to(device)
 
     @property
