@@ -2,13 +2,15 @@
 
     python bench/manager_loop.py [--requests 2000] [--blocks 20000] [--repeats 5]
 
-Prints requests/s (median of repeats, each on a fresh manager), the token hit rate next to the
-infinite-cache bound, and memory per cached block (RSS delta and tracemalloc).
+Prints requests/s (median of repeats, each on a fresh manager) next to a conventional per-block
+baseline run interleaved in the same process, the token hit rate next to the infinite-cache
+bound, and memory per cached block (RSS delta and tracemalloc).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import statistics
@@ -17,10 +19,10 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import contextlib
-
+from baseline_block_manager import BaselineBlockManager
 from workload import infinite_cache_hit_rate, shared_prompt_workload
 
 from prefixcache import CacheManager, Namespace
@@ -35,7 +37,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def run(prompts, blocks: int, block_size: int) -> tuple[float, CacheManager]:
+def run(prompts: list[np.ndarray], blocks: int, block_size: int) -> tuple[float, CacheManager]:
     mgr = CacheManager(blocks, block_size)
     ns = Namespace(model="bench")
     admit, release = mgr.admit, mgr.release
@@ -44,6 +46,36 @@ def run(prompts, blocks: int, block_size: int) -> tuple[float, CacheManager]:
         admit(i, p, ns)
         release(i)
     return time.perf_counter() - t0, mgr
+
+
+def run_baseline(
+    prompts: list[np.ndarray], blocks: int, block_size: int
+) -> tuple[float, BaselineBlockManager]:
+    mgr = BaselineBlockManager(blocks, block_size)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        mgr.admit(i, p)
+        mgr.release(i)
+    return time.perf_counter() - t0, mgr
+
+
+def measure_memory(prompts: list[np.ndarray], blocks: int, block_size: int) -> None:
+    base_rss = rss_bytes()
+    _, mgr = run(prompts, blocks, block_size)
+    rss = rss_bytes() - base_rss
+    cached = mgr.block_counts().cached
+    del mgr
+    gc.collect()
+    tracemalloc.start()
+    snap0 = tracemalloc.take_snapshot()
+    _, mgr = run(prompts, blocks, block_size)
+    gc.collect()
+    snap1 = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    traced = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
+    print(f"  cached blocks     {cached:10,}  in {mgr.index.num_nodes:,} nodes")
+    print(f"  bytes/cached blk  {traced / cached:10.1f}  (tracemalloc, incl. 64 B of token ids)")
+    print(f"  bytes/cached blk  {rss / cached:10.1f}  (RSS delta, incl. allocator overhead)")
 
 
 def main() -> None:
@@ -59,30 +91,17 @@ def main() -> None:
         f"workload: {len(prompts)} requests, {tokens:,} prompt tokens, "
         f"block_size={args.block_size}, pool={args.blocks} blocks"
     )
+    measure_memory(prompts, args.blocks, args.block_size)  # first, while the process is fresh
 
-    # memory first, while the process is fresh: RSS around one run, then tracemalloc around another
-    base_rss = rss_bytes()
-    _, mgr = run(prompts, args.blocks, args.block_size)
-    rss = rss_bytes() - base_rss
-    cached = mgr.block_counts().cached
-    del mgr
-    gc.collect()
-    tracemalloc.start()
-    snap0 = tracemalloc.take_snapshot()
-    _, mgr = run(prompts, args.blocks, args.block_size)
-    gc.collect()
-    snap1 = tracemalloc.take_snapshot()
-    tracemalloc.stop()
-    traced = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
-    nodes = mgr.index.num_nodes
-    del mgr
-
-    times = []
-    for _ in range(args.repeats):
+    times, base_times = [], []
+    for _ in range(args.repeats):  # interleaved, so both see the same machine noise
         gc.collect()
         dt, mgr = run(prompts, args.blocks, args.block_size)
         times.append(dt)
-    med = statistics.median(times)
+        gc.collect()
+        dt, base = run_baseline(prompts, args.blocks, args.block_size)
+        base_times.append(dt)
+    med, base_med = statistics.median(times), statistics.median(base_times)
     st = mgr.stats
     print(
         f"  requests/s        {len(prompts) / med:10,.0f}  (median of {args.repeats}; "
@@ -90,16 +109,15 @@ def main() -> None:
     )
     print(f"  us/request        {med / len(prompts) * 1e6:10.1f}")
     print(
-        f"  token hit rate    {st.token_hit_rate:10.4f}  (infinite cache "
+        f"  baseline req/s    {len(prompts) / base_med:10,.0f}  (per-block dict, sha256 of "
+        f"pickled tokens; speedup {base_med / med:.1f}x)"
+    )
+    print(
+        f"  token hit rate    {st.token_hit_rate:10.4f}  (baseline "
+        f"{base.hit_tokens / base.prompt_tokens:.4f}; infinite cache, full blocks "
         f"{infinite_cache_hit_rate(prompts, args.block_size):.4f})"
     )
     print(f"  evicted blocks    {st.evicted_blocks:10,}")
-
-    print(f"  cached blocks     {cached:10,}  in {nodes:,} nodes")
-    print(f"  bytes/cached blk  {traced / cached:10.1f}  (tracemalloc, incl. 64 B of token ids)")
-    print(
-        f"  bytes/cached blk  {rss / cached:10.1f}  (RSS delta, incl. the pool's per-block arrays)"
-    )
 
 
 if __name__ == "__main__":
