@@ -38,3 +38,13 @@ def test_example_script_runs():
     ).stdout
     for line in EXPECTED:
         assert line in out
+
+
+def test_embedding_example_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "embedding.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "token_hit_rate=" in out and "active=0" in out
