@@ -1,8 +1,54 @@
 """Attention kernels over paged K/V (installed as ``prefixcache.kernels``).
 
-``reference`` holds the torch definitions of truth; the Triton kernels live beside it.
+``paged_attention`` and ``store_kv`` run the Triton kernels on CUDA (or through the Triton
+interpreter when TRITON_INTERPRET=1) and the torch reference otherwise; triton is optional.
 """
 
-from prefixcache.kernels.reference import reference_attention
+from prefixcache.kernels.attention import paged_attention
+from prefixcache.kernels.backend import (
+    Backend,
+    interpreter_enabled,
+    resolve_backend,
+    triton_available,
+)
+from prefixcache.kernels.config import AttentionConfig, choose_config
+from prefixcache.kernels.errors import (
+    BlockTableError,
+    DeviceMismatchError,
+    KernelDTypeError,
+    KernelInputError,
+    SequenceLayoutError,
+    ShapeMismatchError,
+    TritonUnavailableError,
+    UnsupportedConfigError,
+)
+from prefixcache.kernels.reference import (
+    gather_kv,
+    reference_attention,
+    reference_paged_attention,
+    reference_store_kv,
+)
+from prefixcache.kernels.store import store_kv
 
-__all__ = ["reference_attention"]
+__all__ = [
+    "AttentionConfig",
+    "Backend",
+    "BlockTableError",
+    "DeviceMismatchError",
+    "KernelDTypeError",
+    "KernelInputError",
+    "SequenceLayoutError",
+    "ShapeMismatchError",
+    "TritonUnavailableError",
+    "UnsupportedConfigError",
+    "choose_config",
+    "gather_kv",
+    "interpreter_enabled",
+    "paged_attention",
+    "reference_attention",
+    "reference_paged_attention",
+    "reference_store_kv",
+    "resolve_backend",
+    "store_kv",
+    "triton_available",
+]

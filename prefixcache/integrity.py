@@ -29,6 +29,7 @@ def check_manager(mgr: CacheManager) -> None:
     tree_blocks: list[int] = []
     expected_ref: Counter[int] = Counter()
     holders = [s.deepest for s in mgr._seqs.values()] + list(mgr._pins.values())
+    holders += [s.copy_source for s in mgr._seqs.values() if s.copy_source is not None]
     for node in holders:
         while node.parent is not None:
             expected_ref[id(node)] += 1

@@ -75,10 +75,16 @@ class PagedKVCache:
         flat_k[slots_t] = k[keep].to(flat_k.dtype)
         flat_v[slots_t] = v[keep].to(flat_v.dtype)
 
-    def apply_copies(self, copies: Iterable[tuple[int, int, int]]) -> None:
-        """Run the manager's (src, dst, num_slots) copies in order, on every layer."""
+    def apply_copies(
+        self, copies: Iterable[tuple[int, int, int]], layer: int | None = None
+    ) -> None:
+        """Run the manager's (src, dst, num_slots) copies in order, on ``layer`` or on all.
+
+        In a forward pass, run each layer's copies after its K/V store and before its attention.
+        """
+        caches = (*self.k, *self.v) if layer is None else (self.k[layer], self.v[layer])
         for src, dst, n in copies:
-            for cache in (*self.k, *self.v):
+            for cache in caches:
                 cache[dst, :n] = cache[src, :n]
 
     def gather(

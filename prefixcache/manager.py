@@ -32,9 +32,13 @@ from prefixcache.tokens import MAX_TOKEN_ID, TokenIds, as_token_array
 
 
 class Copy(NamedTuple):
-    """Copy slots ``0 .. num_slots-1`` of block ``src`` into block ``dst`` (every layer, K and V).
+    """Copy slots ``0 .. num_slots-1`` of block ``src`` into block ``dst`` (K and V).
 
-    Run the copies in the order given, before any K/V write of the step that produced them.
+    When to run it: in each layer, after that layer's K/V store of the step that produced the
+    copy and before its attention (``PagedKVCache.apply_copies(copies, layer)``). The copied
+    slots never overlap the slots the step writes, and ``src`` may be a block whose K/V is
+    written in that same step (indexed by an earlier admission of the step). The source stays
+    protected from eviction until the request's next ``append`` or its ``release``.
     """
 
     src: int
@@ -75,7 +79,7 @@ class AppendResult(NamedTuple):
 class _Seq:
     """A request's private state. It holds the index path from the root down to ``deepest``."""
 
-    __slots__ = ("blocked", "deepest", "num_tokens", "private", "table", "tokens")
+    __slots__ = ("blocked", "copy_source", "deepest", "num_tokens", "private", "table", "tokens")
 
     def __init__(
         self, tokens: bytes | bytearray, num_tokens: int, table: list[int], deepest: Node
@@ -86,6 +90,7 @@ class _Seq:
         self.private: list[int] = []  # table blocks that are not on the index path
         self.deepest = deepest
         self.blocked = False  # a digest collision stopped committing this sequence
+        self.copy_source: Node | None = None  # held until its partial copy has surely run
 
 
 class CacheManager:
@@ -190,7 +195,8 @@ class CacheManager:
             if cand.parent is not None and off < len(cand.blocks):
                 copies.append(Copy(cand.blocks[off], fresh[0], m))
                 cached_len += m
-                cand.last_access = now
+                self.index.hold(cand, now)
+                seq.copy_source = cand
                 self.stats.partial_copies += 1
                 self.stats.partial_copy_tokens += m
         if self.enable_caching:
@@ -264,6 +270,9 @@ class CacheManager:
             )
         p, t0 = self.block_size, seq.num_tokens
         t1 = t0 + k
+        if seq.copy_source is not None:  # the prefill that ran the partial copy is done
+            self._unhold(seq.copy_source)
+            seq.copy_source = None
         fresh = self._take(need)
         copies: list[Copy] = []
         if t0 % p and self.pool.refcount[seq.table[-1]] > 1:  # shared partial block: copy first
@@ -317,6 +326,8 @@ class CacheManager:
         """Finish a request. Its indexed blocks stay cached (evictable); private ones are freed."""
         seq = self._seq(request_id)
         del self._seqs[request_id]
+        if seq.copy_source is not None:
+            self._unhold(seq.copy_source)
         self._unhold(seq.deepest)
         self.pool.drop(seq.private)
 

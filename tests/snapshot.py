@@ -33,6 +33,7 @@ def snapshot(mgr: CacheManager) -> dict[str, Any]:
             list(s.private),
             s.blocked,
             mgr.index.path_blocks(s.deepest),
+            None if s.copy_source is None else mgr.index.path_blocks(s.copy_source),
         )
         for rid, s in mgr._seqs.items()
     }

@@ -1,8 +1,8 @@
 import pytest
 import torch
-from prefixcache.kernels.reference import reference_attention
 
 from prefixcache import CacheManager, ConfigError, Namespace, PagedKVCache
+from prefixcache.kernels.reference import reference_attention
 
 
 def test_write_gather_roundtrip_and_skip_slot():

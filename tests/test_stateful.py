@@ -1,9 +1,11 @@
 """Random admit / append / fork / release / evict / pin sequences against every DESIGN.md invariant.
 
 Besides ``check_integrity`` after each step, a fake K/V store follows the manager's instructions
-(copies first, then writes at the returned slots, each token id standing in for its K/V). Reading
-any live request through its block table must give back exactly its tokens: shared blocks are
-never overwritten by a non-owner and no hit is ever served from a block holding other tokens.
+as a runtime's forward pass does (each token id stands in for its K/V): a step admits one to
+three prompts, then writes every new token at its slot, then runs the step's copies. Reading any
+live request through its block table must give back exactly its tokens: shared blocks are never
+overwritten by a non-owner, no hit is served from a block holding other tokens, and copies may
+read blocks indexed earlier in the same step.
 """
 
 import os
@@ -11,7 +13,14 @@ import os
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    multiple,
+    rule,
+)
 
 from prefixcache import CacheManager, Namespace, OutOfBlocksError, RequestTooLargeError
 from tests.snapshot import snapshot
@@ -56,21 +65,30 @@ class CacheMachine(RuleBasedStateMachine):
         for s, v in zip(slots.tolist(), values, strict=False):
             self.store[s // P, s % P] = v
 
-    @rule(target=requests, tokens=prompts, ns=st.integers(0, 2))
-    def admit(self, tokens, ns):
-        rid = self.next_id
-        self.next_id += 1
-        before = snapshot(self.mgr)
-        try:
-            adm = self.mgr.admit(rid, tokens, NAMESPACES[ns])
-        except (OutOfBlocksError, RequestTooLargeError):
-            assert snapshot(self.mgr) == before
-            return rid  # unknown to the manager: later rules on it are no-ops
-        assert 0 <= adm.cached_len < len(tokens)
-        self._copy(adm.copies)
-        self._write(adm.slot_mapping(), tokens[adm.cached_len :])
-        self.tokens[rid] = list(tokens)
-        return rid
+    @rule(
+        target=requests,
+        batch=st.lists(st.tuples(prompts, st.integers(0, 2)), min_size=1, max_size=3),
+    )
+    def admit(self, batch):
+        writes, copies, ids = [], [], []
+        for tokens, ns in batch:
+            rid = self.next_id
+            self.next_id += 1
+            ids.append(rid)
+            before = snapshot(self.mgr)
+            try:
+                adm = self.mgr.admit(rid, tokens, NAMESPACES[ns])
+            except (OutOfBlocksError, RequestTooLargeError):
+                assert snapshot(self.mgr) == before
+                continue  # unknown to the manager: later rules on this id are no-ops
+            assert 0 <= adm.cached_len < len(tokens)
+            writes.append((adm.slot_mapping(), tokens[adm.cached_len :]))
+            copies += adm.copies
+            self.tokens[rid] = list(tokens)
+        for slots, values in writes:  # the step's K/V stores, then its copies
+            self._write(slots, values)
+        self._copy(copies)
+        return multiple(*ids)
 
     @rule(rid=requests, new=st.lists(st.integers(0, 3), min_size=1, max_size=6))
     def append(self, rid, new):
@@ -82,8 +100,8 @@ class CacheMachine(RuleBasedStateMachine):
         except OutOfBlocksError:
             assert snapshot(self.mgr) == before
             return
-        self._copy(res.copies)
         self._write(res.slots, new)
+        self._copy(res.copies)
         self.tokens[rid] += new
 
     @rule(target=requests, rid=requests)

@@ -1,0 +1,111 @@
+"""Compile every kernel variant for a GPU architecture without a GPU (``ptxas`` ships with triton).
+
+The Triton interpreter does not enforce the compiler's rules (loop-carried types, constexpr use,
+layouts), so this catches what CPU tests cannot. Run
+``python -m prefixcache.kernels.compile_check`` with TRITON_INTERPRET unset: ``triton.jit`` picks
+its mode at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+
+
+def _attention_variants() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    """(label, constexprs, dtype of q/k/v/out) per variant; covers every constexpr branch."""
+    variants = []
+    for dtype, d, block_q, block_m, tile_n, splits, extra in [
+        ("fp16", 128, 1, 16, 64, 1, {}),
+        ("bf16", 128, 1, 16, 64, 8, {}),
+        ("fp32", 64, 16, 64, 64, 4, {}),
+        ("bf16", 128, 16, 64, 32, 1, {}),
+        ("fp16", 64, 1, 16, 64, 1, {"num_seqs": 1}),  # ints equal to 1 are specialized
+        ("fp32", 128, 5, 16, 16, 1, {}),
+    ]:
+        const = {
+            "HEAD_DIM": d,
+            "BLOCK_SIZE": 16,
+            "GROUP": 4 if block_q * 4 <= block_m else 3,
+            "BLOCK_Q": block_q,
+            "BLOCK_M": block_m,
+            "TILE_N": tile_n,
+            "NUM_SPLITS": splits,
+            "SPLIT": splits > 1,
+            "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+            **extra,
+        }
+        variants.append(
+            (
+                f"attention {dtype} d{d} q{block_q} m{block_m} n{tile_n} s{splits}",
+                const,
+                {"dtype": dtype},
+            )
+        )
+    return variants
+
+
+def _signature(fn: Any, const: dict[str, Any], ptrs: dict[str, str]) -> dict[str, str]:
+    """Argument types: listed pointers, fp32 scale, i32 for every other runtime scalar."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+    return sig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 80, 90")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET to compile", file=sys.stderr)
+        return 2
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from prefixcache.kernels.triton_attention import merge_splits_kernel, paged_attention_kernel
+    from prefixcache.kernels.triton_store import store_kv_kernel
+
+    target = GPUTarget("cuda", args.arch, 32)
+    jobs = []
+    for label, const, kind in _attention_variants():
+        dt = PTR[kind["dtype"]]
+        ptrs = dict.fromkeys(("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr"), dt)
+        ptrs |= dict.fromkeys(("seg_out_ptr", "seg_lse_ptr"), "*fp32")
+        ptrs |= dict.fromkeys(("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"), "*i32")
+        jobs.append((label, paged_attention_kernel, const, ptrs, 4))
+    for dtype, splits, block_h in (("bf16", 32, 2), ("fp32", 4, 8)):
+        const = {"HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_H": block_h}
+        ptrs = {"out_ptr": PTR[dtype], "seg_out_ptr": "*fp32", "seg_lse_ptr": "*fp32"}
+        jobs.append((f"merge {dtype} s{splits} h{block_h}", merge_splits_kernel, const, ptrs, 4))
+    for dtype, d, slot in (("fp16", 128, "*i64"), ("bf16", 80, "*i32")):
+        const = {
+            "HEAD_DIM": d,
+            "HEAD_DIM_PAD": 1 << (d - 1).bit_length(),
+            "BLOCK_SIZE": 16,
+            "BLOCK_T": 32,
+        }
+        ptrs = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"), PTR[dtype])
+        ptrs["slot_mapping_ptr"] = slot
+        jobs.append((f"store {dtype} d{d} {slot}", store_kv_kernel, const, ptrs, 4))
+
+    for label, fn, const, ptrs, num_warps in jobs:
+        src = ASTSource(fn, _signature(fn, const, ptrs), const)
+        kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
+        print(f"ok  sm_{args.arch}  {label}  shared={kernel.metadata.shared}B")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Launch configuration of the paged attention kernel and the heuristic that picks it.
+
+No autotuning: the choice is a pure function of the batch shape, so it is cheap, deterministic and
+testable without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixcache.kernels.errors import UnsupportedConfigError
+
+MAX_SPLITS = 32
+# A split should stream at least this many key tiles, or the merge costs more than it wins.
+MIN_TILES_PER_SPLIT = 4
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _prev_pow2(x: int) -> int:
+    return 1 << (x.bit_length() - 1) if x > 0 else 0
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes of one launch.
+
+    A program owns ``block_q`` query tokens times the ``group`` query heads that share one KV head,
+    packed into ``block_m`` rows, and streams the keys ``tile_n`` at a time. ``num_splits > 1``
+    splits every sequence's keys across programs (flash-decoding) and merges them afterwards.
+    """
+
+    block_q: int
+    block_m: int
+    tile_n: int
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self, group: int) -> None:
+        """Raise UnsupportedConfigError unless this config can run with ``group`` heads per KV."""
+        for name in ("block_m", "tile_n", "num_splits", "num_warps"):
+            if not _is_pow2(getattr(self, name)):
+                raise UnsupportedConfigError(f"{name} must be a power of two, got {self}")
+        if self.block_m < 16 or self.tile_n < 16:
+            raise UnsupportedConfigError(f"block_m and tile_n must be >= 16 (tl.dot), got {self}")
+        if self.block_q < 1 or self.block_q * group > self.block_m:
+            raise UnsupportedConfigError(
+                f"block_q * group ({self.block_q} * {group}) must be in [1, block_m={self.block_m}]"
+            )
+        if self.num_splits > MAX_SPLITS or self.num_stages < 1:
+            raise UnsupportedConfigError(
+                f"num_splits must be <= {MAX_SPLITS} and num_stages >= 1, got {self}"
+            )
+
+    def num_q_blocks(self, total_q: int, num_seqs: int) -> int:
+        """Grid size along queries; matches the kernel's sequence lookup (see the kernel)."""
+        return total_q if self.block_q == 1 else total_q // self.block_q + num_seqs
+
+
+def choose_split(programs: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
+    """KV splits so that ``programs * splits`` fills about two waves of ``num_sms``.
+
+    Splitting only pays when the grid is too small for the GPU and every split still streams
+    ``MIN_TILES_PER_SPLIT`` tiles; ``num_sms <= 0`` (no GPU) never splits.
+    """
+    if num_sms <= 0 or programs >= num_sms:
+        return 1
+    by_length = _prev_pow2(-(-max_seq_len // tile_n) // MIN_TILES_PER_SPLIT)
+    by_occupancy = _next_pow2(-(-2 * num_sms // programs))
+    splits = min(by_length, by_occupancy, MAX_SPLITS)
+    return splits if splits >= 2 else 1
+
+
+def choose_config(
+    *,
+    num_seqs: int,
+    total_q: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_seq_len: int,
+    num_sms: int,
+    num_splits: int | None = None,
+) -> AttentionConfig:
+    """Heuristic launch config for one batch; ``num_splits`` forces the split count."""
+    group_rows = _next_pow2(group)
+    if total_q == num_seqs:
+        # Pure decode: one query token per program, wider key tiles since it is bandwidth bound.
+        block_m, block_q, tile_n = max(16, group_rows), 1, 64
+    else:
+        block_m = max(64, group_rows)
+        block_q = block_m // group
+        tile_n = 64 if head_dim <= 64 else 32
+    cfg = AttentionConfig(block_q=block_q, block_m=block_m, tile_n=tile_n)
+    programs = cfg.num_q_blocks(total_q, num_seqs) * num_kv_heads
+    splits = (
+        choose_split(programs, max_seq_len, tile_n, num_sms) if num_splits is None else num_splits
+    )
+    return AttentionConfig(block_q=block_q, block_m=block_m, tile_n=tile_n, num_splits=splits)

@@ -1,0 +1,112 @@
+"""Random paged batches for tests and benchmarks, with traps for out-of-bounds reads.
+
+Every cache slot that no sequence owns holds NaN, and block 0 is reserved all-NaN and used as the
+block-table padding, so any load the kernel fails to mask shows up as NaN in its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.kernels.reference import reference_attention
+
+NAN_BLOCK = 0
+
+
+@dataclass
+class PagedBatch:
+    """A varlen batch whose K/V live both in a paged cache and contiguously per sequence."""
+
+    q: torch.Tensor  # [total_q, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    keys: list[torch.Tensor]  # B x [seq_len, Hkv, D] contiguous truth
+    values: list[torch.Tensor]  # B x [seq_len, Hkv, D]
+
+    def slot_mapping(self, b: int) -> torch.Tensor:
+        """int64 [seq_len] slots of sequence b's tokens."""
+        block_size = self.k_cache.shape[1]
+        pos = torch.arange(int(self.seq_lens[b]), device=self.block_tables.device)
+        blocks = self.block_tables[b, pos // block_size].long()
+        return blocks * block_size + pos % block_size
+
+
+def make_paged_batch(
+    seq_lens: Sequence[int],
+    q_lens: Sequence[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    shared_prefix_blocks: int = 0,
+    spare_blocks: int = 3,
+    pad_id: int = NAN_BLOCK,
+    seed: int = 0,
+) -> PagedBatch:
+    """Build a batch: sequence b has ``seq_lens[b]`` tokens of which the last ``q_lens[b]`` query.
+
+    Physical block ids are shuffled; the first ``shared_prefix_blocks`` blocks of every sequence
+    are the same physical blocks (same K/V), as a prefix cache would hand them out. Unused table
+    entries hold ``pad_id`` (the NaN block by default, or e.g. -1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    shared = shared_prefix_blocks
+    if any(n < shared for n in blocks_per_seq):
+        raise ValueError("every sequence needs at least shared_prefix_blocks blocks")
+    num_private = sum(n - shared for n in blocks_per_seq)
+    num_blocks = 1 + shared + num_private + spare_blocks
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 stays NaN
+    shared_ids, private_ids = ids[:shared], iter(ids[shared:])
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    kv_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(kv_shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(kv_shape, float("nan"), dtype=dtype)
+    prefix_len = shared * block_size
+    prefix_k, prefix_v = (randn(prefix_len, num_kv_heads, head_dim) for _ in range(2))
+    table = torch.full((len(seq_lens), max(blocks_per_seq, default=1) + 1), pad_id)
+    keys, values = [], []
+    for b, n in enumerate(seq_lens):
+        k = torch.cat([prefix_k, randn(n - prefix_len, num_kv_heads, head_dim)])
+        v = torch.cat([prefix_v, randn(n - prefix_len, num_kv_heads, head_dim)])
+        row = shared_ids + [next(private_ids) for _ in range(blocks_per_seq[b] - shared)]
+        table[b, : len(row)] = torch.tensor(row, dtype=table.dtype)
+        pos = torch.arange(n)
+        blocks = table[b, pos // block_size].long()
+        k_cache[blocks, pos % block_size] = k
+        v_cache[blocks, pos % block_size] = v
+        keys.append(k.to(device))
+        values.append(v.to(device))
+    starts = torch.tensor([0, *q_lens]).cumsum(0)
+    return PagedBatch(
+        q=randn(int(starts[-1]), num_q_heads, head_dim).to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=table.to(device=device, dtype=torch.int32),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        query_start_loc=starts.to(device=device, dtype=torch.int32),
+        keys=keys,
+        values=values,
+    )
+
+
+def contiguous_attention(batch: PagedBatch, scale: float | None = None) -> torch.Tensor:
+    """Truth for ``batch``: ``reference_attention`` over each sequence's contiguous K/V."""
+    out = torch.empty_like(batch.q)
+    starts = batch.query_start_loc.tolist()
+    for b, (k, v) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        lo, hi = starts[b], starts[b + 1]
+        out[lo:hi] = reference_attention(batch.q[lo:hi], k, v, causal=True, scale=scale)
+    return out

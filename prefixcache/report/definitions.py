@@ -1,0 +1,226 @@
+"""What each figure in a report means. Every renderer takes its definitions from here."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Definition(NamedTuple):
+    key: str
+    term: str
+    text: str
+
+
+_ALL = (
+    Definition(
+        "config_sha256",
+        "Config digest",
+        "SHA-256 of the replay configuration in canonical JSON; equal digests, equal runs.",
+    ),
+    Definition(
+        "trace_sha256", "Workload digest", "SHA-256 of the scenario or trace file replayed."
+    ),
+    Definition(
+        "capacity",
+        "Capacity",
+        "Physical KV blocks in the pool; bytes = blocks × bytes per block of the model.",
+    ),
+    Definition(
+        "replay_speed",
+        "Replay speed",
+        "Requests replayed per second of wall-clock time on this machine.",
+    ),
+    Definition(
+        "hit_tokens",
+        "Hit tokens",
+        "Prompt tokens whose K/V a request did not compute: tokens of full blocks found in "
+        "the cache plus slots copied from a partially matched block. The last prompt token "
+        "is always computed (its logits are needed), so a fully cached prompt costs one "
+        "token.",
+    ),
+    Definition(
+        "token_hit_rate", "Token hit rate", "Hit tokens / prompt tokens, over all requests."
+    ),
+    Definition(
+        "block_hit_rate",
+        "Block hit rate",
+        "Full prompt blocks served from the cache / full prompt blocks.",
+    ),
+    Definition(
+        "upper_bound",
+        "Upper bound",
+        "The hit rate of the same workload with an infinite cache and the same block size: "
+        "the most any capacity or policy can reach. The gap to it is capacity misses.",
+    ),
+    Definition(
+        "achieved",
+        "Achieved / upper bound",
+        "Hit rate divided by its upper bound; 100% means capacity costs nothing.",
+    ),
+    Definition(
+        "request_hit_ratio",
+        "Per-request hit ratio",
+        "A request's hit tokens / its prompt tokens. Percentiles are nearest-rank: pN is "
+        "the smallest ratio with at least N% of requests at or below it.",
+    ),
+    Definition("zero_hit_requests", "Requests with zero hits", "Requests with no hit tokens."),
+    Definition(
+        "misses",
+        "Miss tokens",
+        "Prompt tokens − hit tokens. Each is assigned to exactly one cause below; the "
+        "causes add up to all misses.",
+    ),
+    Definition(
+        "miss_cold",
+        "Cold miss",
+        "The block (these tokens after this prefix, in this namespace) was never cached.",
+    ),
+    Definition(
+        "miss_capacity",
+        "Capacity miss",
+        "The block had been cached but was evicted before the request came.",
+    ),
+    Definition(
+        "miss_isolation",
+        "Isolation miss",
+        "The same tokens after the same prefix are cached, but in another namespace "
+        "(model, adapter or tenant salt); blocks never match across namespaces.",
+    ),
+    Definition(
+        "miss_tail",
+        "Tail miss",
+        "Tokens of the partial last block, which is never shared, and the final prompt "
+        "token, which is always computed.",
+    ),
+    Definition(
+        "miss_routing",
+        "Routing miss",
+        "The block is cached on a replica other than the one the request was sent to.",
+    ),
+    Definition(
+        "prefill_tokens_saved",
+        "Prefill tokens saved",
+        "Prompt tokens not run through prefill; equal to hit tokens.",
+    ),
+    Definition(
+        "flops_saved",
+        "FLOPs saved (estimate)",
+        "First-order estimate: 2 × model parameters × hit tokens, plus the attention each hit "
+        "token would have done against every token before it (QK and AV, all layers and "
+        "heads). Ignores how efficiently real kernels run.",
+    ),
+    Definition(
+        "logical_blocks",
+        "Logical blocks (peak)",
+        "Most blocks referenced by requests at one time, a shared block counted once per "
+        "request: what the cache would need without sharing.",
+    ),
+    Definition(
+        "physical_blocks",
+        "Physical blocks (peak)",
+        "Most distinct physical blocks in use at one time.",
+    ),
+    Definition(
+        "sharing_factor",
+        "Sharing factor",
+        "Logical / physical blocks, each at its peak; 1.0 means no block was shared.",
+    ),
+    Definition(
+        "kv_bytes_saved",
+        "KV bytes saved by sharing",
+        "(Logical − physical blocks, each at its peak) × bytes per block: KV memory that "
+        "sharing avoided.",
+    ),
+    Definition(
+        "fragmentation",
+        "Internal fragmentation",
+        "Allocated slots holding no token (the unused end of each sequence's last block), at "
+        "the moment physical blocks in use peaked.",
+    ),
+    Definition(
+        "rejected_requests",
+        "Rejected requests",
+        "Requests whose prompt needs more blocks than the whole cache holds; never admitted, "
+        "they count with no hits.",
+    ),
+    Definition(
+        "truncated_outputs",
+        "Truncated outputs",
+        "Sampled outputs cut short because the cache ran out of blocks while writing them.",
+    ),
+    Definition(
+        "cow_copies",
+        "Copy-on-write copies",
+        "Shared blocks copied to a private block before a write (fork, or a fully cached "
+        "prompt whose last token is recomputed).",
+    ),
+    Definition(
+        "partial_copy_tokens",
+        "Partially copied tokens",
+        "Slots copied from a partially matched cached block instead of being recomputed; "
+        "they count as hit tokens.",
+    ),
+    Definition("evicted_blocks", "Evicted blocks", "Cached blocks freed to make room for others."),
+    Definition(
+        "peak_blocks_in_use",
+        "Peak blocks in use",
+        "Most blocks referenced by requests at one time.",
+    ),
+    Definition(
+        "block_states",
+        "Active / cached / free blocks",
+        "Active: referenced by a request. Cached: unreferenced, content kept, evictable. "
+        "Free: no content. They add up to the capacity at every moment.",
+    ),
+    Definition(
+        "rolling_hit_rate",
+        "Rolling hit rate",
+        "Token hit rate over a trailing window of recent requests; a low start is the "
+        "cache warming up.",
+    ),
+    Definition(
+        "warm_up",
+        "Warm-up",
+        "How far into the run (requests replayed, or simulated seconds in serving mode) the "
+        "rolling hit rate first reaches 90% of its final value.",
+    ),
+    Definition(
+        "ttft",
+        "Time to first token (estimate)",
+        "Simulated queueing plus prefill of the missed tokens under the replay's cost model; "
+        "'no cache' prefills every prompt token. An estimate, not a measurement.",
+    ),
+    Definition(
+        "preemptions",
+        "Preemptions",
+        "Requests paused and restarted because the pool ran out of blocks.",
+    ),
+    Definition(
+        "top_prefixes",
+        "Top shared prefixes",
+        "Cached prefixes ranked by the tokens they saved; shown by id and depth in blocks, "
+        "never by prompt text.",
+    ),
+    Definition(
+        "miss_ratio_curve",
+        "Miss-ratio curve",
+        "Hit rate of the same workload at each capacity; miss ratio = 1 − hit rate.",
+    ),
+    Definition(
+        "knee",
+        "Knee",
+        "The capacity where the hit-rate curve lies furthest above the straight line "
+        "joining its ends (on the plot's axes); past it, more capacity buys little.",
+    ),
+    Definition(
+        "consistency",
+        "Consistency checks",
+        "Totals of requests.csv and timeline.csv recomputed and compared with report.json.",
+    ),
+)
+
+DEFINITIONS: dict[str, Definition] = {d.key: d for d in _ALL}
+
+
+def definition(key: str) -> Definition:
+    return DEFINITIONS[key]

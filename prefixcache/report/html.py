@@ -1,0 +1,155 @@
+"""One self-contained HTML page: figures, tables and inline PNG plots; no scripts, no network."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from html import escape
+from typing import TYPE_CHECKING
+
+from prefixcache.errors import PrefixCacheError
+from prefixcache.report.definitions import DEFINITIONS
+from prefixcache.report.model import Document, Field, Section, Table
+from prefixcache.report.run import Run
+from prefixcache.report.style import CSS
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# (definition key, label) of the figures repeated as tiles at the top of the page
+TILES = (
+    ("token_hit_rate", "Token hit rate"),
+    ("upper_bound", "Upper bound"),
+    ("achieved", "Achieved / upper bound"),
+    ("block_hit_rate", "Block hit rate"),
+    ("zero_hit_requests", "Requests with zero hits"),
+    ("prefill_tokens_saved", "Prefill tokens saved"),
+)
+WIDE_INCHES = 10.0  # plots at least this wide span the whole section
+SIDE_TABLE_COLUMNS = 5  # wider tables take the full width, with the plots below them
+SPLIT_FIELDS = 6  # more full-width figures than this are shown in two columns
+Plotter = Callable[[Run], tuple[str, bool]]
+
+
+class MissingDependencyError(PrefixCacheError, ImportError):
+    """An optional dependency needed for this output is not installed."""
+
+
+def _plotters() -> dict[str, Plotter]:
+    """Each plot as a function from the run to a base64 PNG and whether it is wide."""
+    try:
+        from prefixcache.report.plots import RUN_PLOTS, png_base64
+        from prefixcache.report.plots_sweep import SWEEP_PLOTS
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.split(".")[0] == "matplotlib":
+            raise MissingDependencyError(
+                "the HTML report draws its plots with matplotlib, which is not installed; "
+                "install it with: pip install 'prefixcache[report]'"
+            ) from exc
+        raise
+
+    def plotter(draw: Callable[[Run], Figure]) -> Plotter:
+        def run_plot(run: Run) -> tuple[str, bool]:
+            fig = draw(run)
+            return png_base64(fig), fig.get_figwidth() >= WIDE_INCHES
+
+        return run_plot
+
+    return {name: plotter(draw) for name, draw in {**RUN_PLOTS, **SWEEP_PLOTS}.items()}
+
+
+def _term(label: str, key: str | None) -> str:
+    if key is None:
+        return escape(label)
+    return f'<span class="term" title="{escape(DEFINITIONS[key].text)}">{escape(label)}</span>'
+
+
+def _fields(fields: list[Field], narrow: bool = False) -> str:
+    rows = []
+    for f in fields:
+        note = f' <span class="note">({escape(f.note)})</span>' if f.note else ""
+        cls = ' class="digest"' if f.key in ("trace_sha256", "config_sha256") else ""
+        rows.append(
+            f"<tr><td>{_term(f.label, f.key)}</td><td{cls}>{escape(f.value)}{note}</td></tr>"
+        )
+    cls = "fields narrow" if narrow else "fields"
+    return f'<table class="{cls}"><tbody>{"".join(rows)}</tbody></table>'
+
+
+def _table(t: Table, failed: bool = False) -> str:
+    head = "".join(f"<th>{escape(c)}</th>" for c in t.columns)
+    keys = t.row_keys or [None] * len(t.rows)
+    body = "".join(
+        "<tr>"
+        + f"<td>{_term(row[0], key)}</td>"
+        + "".join(f"<td>{escape(c)}</td>" for c in row[1:])
+        + "</tr>"
+        for row, key in zip(t.rows, keys, strict=True)
+    )
+    caption = f'<p class="caption">{escape(t.caption)}</p>' if t.caption else ""
+    title = f' title="{escape(DEFINITIONS[t.key].text)}"' if t.key else ""
+    cls = ' class="failed"' if failed else ""
+    return (
+        f"<table{title}{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>" + caption
+    )
+
+
+def _figure(name: str, run: Run, plotters: dict[str, Plotter]) -> tuple[str, bool]:
+    data, wide = plotters[name](run)
+    alt = escape(name.replace("_", " "))
+    cls = ' class="wide"' if wide else ""
+    return f'<figure{cls}><img alt="{alt}" src="data:image/png;base64,{data}"></figure>', wide
+
+
+def _section(s: Section, run: Run, plotters: dict[str, Plotter]) -> str:
+    """Figures beside the plots when both fit; otherwise text on top and plots below, paired."""
+    figures = [_figure(name, run, plotters) for name in s.plots]
+    narrow = [html for html, wide in figures if not wide]
+    wide = "".join(html for html, is_wide in figures if is_wide)
+    side = bool(narrow) and all(len(t.columns) <= SIDE_TABLE_COLUMNS for t in s.tables)
+    fields = ""
+    if s.fields and not side and len(s.fields) > SPLIT_FIELDS:
+        half = -(-len(s.fields) // 2)
+        fields = f'<div class="pair">{_fields(s.fields[:half])}{_fields(s.fields[half:])}</div>'
+    elif s.fields:
+        fields = _fields(s.fields, narrow=not side)
+    tables = "".join(_table(t, failed=s.id == "consistency") for t in s.tables)
+    notes = "".join(f'<p class="note">{escape(n)}</p>' for n in s.notes)
+    if side:
+        text = f"<div>{fields}{tables}{notes}</div>"
+        body = f'<div class="cols">{text}<div>{"".join(narrow)}</div></div>{wide}'
+    else:  # plots before long tables, so a sweep's curve is seen before its rows
+        pair = f'<div class="pair">{"".join(narrow)}</div>' if narrow else ""
+        body = f"{fields}{wide}{pair}{tables}{notes}"
+    return f'<section id="{s.id}"><h2>{escape(s.title)}</h2>{body}</section>'
+
+
+def _tiles(doc: Document) -> str:
+    first: dict[str, Field] = {}
+    for f in (f for s in doc.sections for f in s.fields):
+        if f.key is not None:
+            first.setdefault(f.key, f)
+    tiles = [
+        f'<div class="tile"><div class="v">{escape(first[k].value)}</div>'
+        f'<div class="k">{_term(label, k)}</div></div>'
+        for k, label in TILES
+        if k in first
+    ]
+    return f'<div class="tiles">{"".join(tiles)}</div>'
+
+
+def render_html(doc: Document, run: Run) -> str:
+    plotters = _plotters()
+    nav = "".join(f'<a href="#{s.id}">{escape(s.title.split(":")[0])}</a>' for s in doc.sections)
+    body = "".join(_section(s, run, plotters) for s in doc.sections)
+    glossary = "".join(
+        f"<dt>{escape(d.term)}</dt><dd>{escape(d.text)}</dd>" for d in doc.definitions()
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{escape(doc.title)}: {escape(doc.subtitle)}</title><style>{CSS}</style></head>"
+        f'<body><main><h1>{escape(doc.title)}</h1><p class="sub">{escape(doc.subtitle)}</p>'
+        f'<nav>{nav}<a href="#definitions">Definitions</a></nav>{_tiles(doc)}{body}'
+        f'<section id="definitions"><h2>Definitions</h2><dl>{glossary}</dl></section>'
+        "</main></body></html>\n"
+    )

@@ -1,0 +1,165 @@
+"""Plots of one run, drawn with matplotlib (imported by the HTML renderer only when needed)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
+
+from prefixcache.report.figures import (
+    MISS_CAUSES,
+    hit_ratio_histogram,
+    ratio_percentiles,
+    request_hit_ratios,
+    timeline_in_seconds,
+    ttft_samples,
+)
+from prefixcache.report.run import Run
+
+BLUE, ORANGE, GREEN, RED, PURPLE, GREY = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#7f7f7f",
+)
+MISS_COLORS = dict(zip(MISS_CAUSES, (BLUE, ORANGE, GREEN, RED, PURPLE), strict=True))
+MAX_POINTS = 4000  # timeline samples drawn; longer timelines are thinned evenly
+WIDE, NARROW = (11.0, 3.4), (6.4, 3.4)
+
+
+def new_figure(size: tuple[float, float] = NARROW, rows: int = 1) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=size, layout="constrained")
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.spines[["top", "right"]].set_visible(False)
+    return fig, list(axes)
+
+
+def png_base64(fig: Figure, dpi: int = 144) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, facecolor="white")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def headline(run: Run) -> Figure:
+    r = run.report
+    fig, (ax,) = new_figure((6.4, 2.2))
+    names = ["Block hit rate", "Token hit rate"]
+    bounds = [r["upper_bound_block_hit_rate"], r["upper_bound_token_hit_rate"]]
+    rates = [r["block_hit_rate"], r["token_hit_rate"]]
+    ax.barh(names, bounds, color="#d9e6f2", edgecolor=BLUE, label="upper bound (infinite cache)")
+    ax.barh(names, rates, color=BLUE, height=0.5, label="achieved")
+    for y, (rate, bound) in enumerate(zip(rates, bounds, strict=True)):
+        ax.text(max(bound, rate) + 0.01, y, f"{rate:.1%} of {bound:.1%}", va="center")
+    ax.set_xlim(0, 1.2)
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.legend(
+        loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=2, fontsize="small", frameon=False
+    )
+    return fig
+
+
+def hit_ratio_histogram_plot(run: Run) -> Figure:
+    ratios = request_hit_ratios(run)
+    hist = hit_ratio_histogram(ratios)
+    fig, (ax,) = new_figure()
+    ax.bar(
+        hist.edges[:-1],
+        hist.counts,
+        width=np.diff(hist.edges),
+        align="edge",
+        color=BLUE,
+        edgecolor="white",
+    )
+    for (q, value), color in zip(
+        ratio_percentiles(ratios).items(), (GREEN, ORANGE, RED), strict=True
+    ):
+        ax.axvline(value, color=color, linestyle="--", label=f"p{q} = {value:.1%}")
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_xlabel("hit tokens / prompt tokens")
+    ax.set_ylabel("requests")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def misses(run: Run) -> Figure:
+    m = run.report["misses"]
+    fig, (ax,) = new_figure((6.4, 2.8))
+    total = sum(m.values()) or 1
+    ax.barh(
+        list(reversed(MISS_CAUSES)),
+        [m[c] for c in reversed(MISS_CAUSES)],
+        color=[MISS_COLORS[c] for c in reversed(MISS_CAUSES)],
+    )
+    for y, c in enumerate(reversed(MISS_CAUSES)):
+        ax.text(m[c], y, f" {m[c]:,} ({m[c] / total:.1%})", va="center", fontsize="small")
+    ax.set_xlim(0, max(m.values(), default=0) * 1.35 or 1)
+    ax.set_xlabel("missed prompt tokens")
+    return fig
+
+
+def _thin(n: int) -> np.ndarray:
+    return np.linspace(0, n - 1, min(n, MAX_POINTS)).astype(np.int64)
+
+
+def timeline(run: Run) -> Figure:
+    tl, r = run.timeline, run.report
+    idx = _thin(len(tl["t"]))
+    t = tl["t"][idx]
+    fig, (blocks, evictions, rate) = new_figure((11.0, 6.6), rows=3)
+    blocks.stackplot(
+        t,
+        tl["blocks_active"][idx],
+        tl["blocks_cached"][idx],
+        tl["blocks_free"][idx],
+        labels=["active", "cached", "free"],
+        colors=[BLUE, ORANGE, "#e8e8e8"],
+    )
+    blocks.set_ylabel("blocks")
+    blocks.legend(loc="upper left", ncols=3, fontsize="small")
+    evictions.plot(t, tl["evicted_blocks_cum"][idx], color=RED)
+    evictions.set_ylabel("evicted blocks\n(cumulative)")
+    cumulative = tl["hit_tokens_cum"] / np.maximum(tl["prompt_tokens_cum"], 1)
+    rate.plot(t, cumulative[idx], color=GREEN, linewidth=2.5, alpha=0.6, label="cumulative")
+    rate.plot(t, tl["rolling_token_hit_rate"][idx], color=BLUE, linewidth=1, label="rolling")
+    rate.axhline(
+        r["upper_bound_token_hit_rate"], color=GREY, linestyle="--", label="upper bound (whole run)"
+    )
+    rate.set_ylim(0, 1)
+    rate.yaxis.set_major_formatter(PercentFormatter(1.0))
+    rate.set_ylabel("token hit rate")
+    rate.set_xlabel("simulated time (s)" if timeline_in_seconds(run) else "requests replayed")
+    rate.legend(loc="lower right", ncols=3, fontsize="small")
+    return fig
+
+
+def ttft(run: Run) -> Figure:
+    cached, nocache = ttft_samples(run)
+    fig, (ax,) = new_figure()
+    for values, label, color in ((nocache, "no cache", GREY), (cached, "with cache", BLUE)):
+        xs = np.sort(values) * 1000
+        ax.step(
+            xs, np.arange(1, len(xs) + 1) / max(len(xs), 1), where="post", label=label, color=color
+        )
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_xlabel("estimated time to first token (ms)")
+    ax.set_ylabel("requests at or below")
+    ax.legend(fontsize="small", loc="lower right")
+    return fig
+
+
+RUN_PLOTS: dict[str, Callable[[Run], Figure]] = {
+    "headline": headline,
+    "hit_ratio_histogram": hit_ratio_histogram_plot,
+    "misses": misses,
+    "timeline": timeline,
+    "ttft": ttft,
+}

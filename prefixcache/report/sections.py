@@ -1,0 +1,217 @@
+"""Report sections about the run as a whole: header, headline, requests, misses, savings."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+from prefixcache.report import fmt
+from prefixcache.report.figures import (
+    MISS_CAUSES,
+    PERCENTILES,
+    achieved,
+    hit_ratio_histogram,
+    ratio_percentiles,
+    request_hit_ratios,
+)
+from prefixcache.report.model import Field, Section, Table, TextChart
+from prefixcache.report.run import Run
+from prefixcache.report.textcharts import bars
+
+MAX_NAMESPACES_SHOWN = 8
+TOP_PREFIXES_SHOWN = 10
+
+
+def _model_name(model: Any) -> str:
+    if isinstance(model, dict):
+        return str(
+            model.get("name") or model.get("id") or ", ".join(f"{k}={v}" for k, v in model.items())
+        )
+    return str(model)
+
+
+def header(run: Run) -> Section:
+    r, cfg = run.report, run.report["config"]
+    ns = r["namespaces"]
+    shown = ", ".join(ns[:MAX_NAMESPACES_SHOWN])
+    more = f" (+{len(ns) - MAX_NAMESPACES_SHOWN} more)" if len(ns) > MAX_NAMESPACES_SHOWN else ""
+    capacity = f"{fmt.count(cfg['capacity_blocks'])} blocks"
+    if cfg["capacity_bytes"] is not None:
+        capacity += f" ({fmt.nbytes(cfg['capacity_bytes'])})"
+    fields = [
+        Field("Library version", r["library_version"]),
+        Field("Workload", f"{r['source']['path']} ({r['source']['kind']})"),
+        Field("Workload digest", r["source"]["sha256"], "trace_sha256"),
+        Field("Config digest", r["config_sha256"], "config_sha256"),
+        Field("Hash algorithm", cfg["hash_algo"]),
+        Field("Namespaces", f"{len(ns)}: {shown}{more}" if ns else "0"),
+        Field("Block size", f"{cfg['block_size']} tokens"),
+        Field("Capacity", capacity, "capacity"),
+        Field("Bytes per block", fmt.nbytes(cfg["bytes_per_block"])),
+        Field("Policy", cfg["policy"]),
+        Field("Mode", cfg["mode"]),
+        Field("Seed", str(cfg["seed"])),
+        Field("Model", _model_name(cfg["model"]) if cfg["model"] is not None else fmt.NA),
+        Field("Partial-block copy", "on" if cfg["partial_copy"] else "off"),
+        Field(
+            "Replay speed",
+            f"{fmt.count(round(r['requests_per_second']))} requests/s "
+            f"({fmt.count(r['requests'])} in {fmt.seconds(r['replay_seconds'])})",
+            "replay_speed",
+        ),
+    ]
+    note = (
+        f"Data in {run.path}: report.json (schema version {r['schema_version']}), "
+        "requests.csv (a row per request), timeline.csv (time series)."
+    )
+    return Section("run", "Run", fields=fields, notes=[note])
+
+
+def headline(run: Run) -> Section:
+    r = run.report
+    tok, tok_ub = r["token_hit_rate"], r["upper_bound_token_hit_rate"]
+    blk, blk_ub = r["block_hit_rate"], r["upper_bound_block_hit_rate"]
+    fields = [
+        Field("Requests", fmt.count(r["requests"])),
+        Field("Prompt tokens", fmt.count(r["prompt_tokens"])),
+        Field("Hit tokens", fmt.count(r["hit_tokens"]), "hit_tokens"),
+        Field("Token hit rate", fmt.pct(tok), "token_hit_rate"),
+        Field("Token hit rate upper bound", fmt.pct(tok_ub), "upper_bound"),
+        Field("Token hit rate achieved / upper bound", fmt.pct(achieved(tok, tok_ub)), "achieved"),
+        Field("Prompt blocks", fmt.count(r["prompt_blocks"])),
+        Field("Hit blocks", fmt.count(r["hit_blocks"])),
+        Field("Block hit rate", fmt.pct(blk), "block_hit_rate"),
+        Field("Block hit rate upper bound", fmt.pct(blk_ub), "upper_bound"),
+        Field("Block hit rate achieved / upper bound", fmt.pct(achieved(blk, blk_ub)), "achieved"),
+        Field("Output tokens", fmt.count(r["output_tokens"])),
+    ]
+    # optional counters, shown when the replay reports them
+    for key, label in (
+        ("rejected_requests", "Rejected requests"),
+        ("truncated_outputs", "Truncated outputs"),
+    ):
+        if isinstance(r.get(key), int):
+            fields.append(Field(label, fmt.count(r[key]), key))
+    return Section("headline", "Hit rate", fields=fields, plots=["headline"])
+
+
+def requests(run: Run) -> Section:
+    ratios = request_hit_ratios(run)
+    pcts = ratio_percentiles(ratios)
+    zero = run.report["zero_hit_requests"]
+    share = zero / run.report["requests"] if run.report["requests"] else None
+    fields = [
+        Field(f"Per-request hit ratio p{q}", fmt.pct(pcts[q]), "request_hit_ratio")
+        for q in PERCENTILES
+    ]
+    fields.append(
+        Field(
+            "Requests with zero hits", f"{fmt.count(zero)} ({fmt.pct(share)})", "zero_hit_requests"
+        )
+    )
+    hist = hit_ratio_histogram(ratios)
+    labels = [f"{100 * lo:3.0f}–{100 * hi:3.0f}%" for lo, hi in pairwise(hist.edges)]
+    chart = TextChart("Requests by hit ratio", bars(labels, list(hist.counts)))
+    return Section(
+        "requests",
+        "Per-request hit ratio",
+        fields=fields,
+        charts=[chart],
+        plots=["hit_ratio_histogram"],
+    )
+
+
+def misses(run: Run) -> Section:
+    r = run.report
+    total = r["prompt_tokens"] - r["hit_tokens"]
+    rows, keys = [], []
+    for cause in MISS_CAUSES:
+        n = r["misses"][cause]
+        rows.append(
+            [
+                f"{cause.capitalize()} miss",
+                fmt.count(n),
+                fmt.pct(n / total if total else None),
+                fmt.pct(n / r["prompt_tokens"] if r["prompt_tokens"] else None),
+            ]
+        )
+        keys.append(f"miss_{cause}")
+    rows.append(
+        [
+            "All misses",
+            fmt.count(total),
+            fmt.pct(1.0 if total else None),
+            fmt.pct(total / r["prompt_tokens"] if r["prompt_tokens"] else None),
+        ]
+    )
+    keys.append(None)
+    table = Table(
+        ["Cause", "Tokens", "Share of misses", "Share of prompt tokens"],
+        rows,
+        key="misses",
+        row_keys=keys,
+    )
+    return Section("misses", "Where the misses come from", tables=[table], plots=["misses"])
+
+
+def savings(run: Run) -> Section:
+    r, s = run.report, run.report["savings"]
+    flops = s["flops_saved_estimate"]
+    kv = s["kv_bytes_saved_by_sharing"]
+    fields = [
+        Field("Prefill tokens saved", fmt.count(s["prefill_tokens_saved"]), "prefill_tokens_saved"),
+        Field(
+            "FLOPs saved",
+            fmt.flops(flops),
+            "flops_saved",
+            "estimate" if flops is not None else "no model given",
+        ),
+        Field("Logical blocks (peak)", fmt.count(s["logical_blocks_peak"]), "logical_blocks"),
+        Field("Physical blocks (peak)", fmt.count(s["physical_blocks_peak"]), "physical_blocks"),
+        Field("Sharing factor", fmt.ratio(s["sharing_factor"]), "sharing_factor"),
+        Field(
+            "KV bytes saved by sharing",
+            fmt.nbytes(kv),
+            "kv_bytes_saved",
+            "" if kv is not None else "bytes per block unknown",
+        ),
+        Field(
+            "Internal fragmentation",
+            f"{fmt.count(s['internal_fragmentation_slots'])} slots",
+            "fragmentation",
+        ),
+        Field("Copy-on-write copies", fmt.count(r["cow_copies"]), "cow_copies"),
+        Field(
+            "Partially copied tokens", fmt.count(r["partial_copy_tokens"]), "partial_copy_tokens"
+        ),
+        Field("Evicted blocks", fmt.count(r["evicted_blocks"]), "evicted_blocks"),
+        Field("Peak blocks in use", fmt.count(r["peak_blocks_in_use"]), "peak_blocks_in_use"),
+    ]
+    return Section("savings", "Savings", fields=fields)
+
+
+def top_prefixes(run: Run) -> Section:
+    prefixes = sorted(run.report["top_prefixes"], key=lambda p: -p["tokens_saved"])
+    hits = run.report["hit_tokens"]
+    rows = [
+        [
+            str(p["prefix_id"]),
+            fmt.count(p["depth_blocks"]),
+            fmt.count(p["requests"]),
+            fmt.count(p["tokens_saved"]),
+            fmt.pct(p["tokens_saved"] / hits if hits else None),
+        ]
+        for p in prefixes[:TOP_PREFIXES_SHOWN]
+    ]
+    section = Section("prefixes", "Top shared prefixes")
+    if rows:
+        section.tables.append(
+            Table(
+                ["Prefix id", "Depth (blocks)", "Requests", "Tokens saved", "Share of hit tokens"],
+                rows,
+                key="top_prefixes",
+            )
+        )
+    else:
+        section.notes.append("No prefix was shared.")
+    return section

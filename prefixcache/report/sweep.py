@@ -1,0 +1,78 @@
+"""Capacity, block-size and policy sweeps: grouping into curves and finding the knee."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# Keys that identify a sweep point besides its capacity; others are measurements.
+VARIANT_KEYS = ("block_size", "policy")
+BASE_KEYS = ("capacity_blocks", "token_hit_rate", "block_hit_rate", "evicted_blocks")
+LOG_X_SPAN = 16  # capacities spanning this factor or more are read on a log axis
+
+Point = dict[str, Any]
+
+
+def varying(points: Sequence[Point], key: str) -> bool:
+    """True when ``key`` takes more than one value across the sweep."""
+    return len({p.get(key) for p in points}) > 1
+
+
+def extra_keys(points: Sequence[Point]) -> list[str]:
+    known = set(BASE_KEYS) | set(VARIANT_KEYS)
+    return sorted({k for p in points for k in p if k not in known})
+
+
+def _label(point: Point, keys: Sequence[str]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {point.get(k)}" for k in keys)
+
+
+def series(points: Sequence[Point], x: str, by: Sequence[str]) -> dict[str, list[Point]]:
+    """Points grouped by the values of ``by`` (in first-seen order), each group sorted by ``x``."""
+    groups: dict[str, list[Point]] = {}
+    for p in points:
+        groups.setdefault(_label(p, by), []).append(p)
+    return {k: sorted(v, key=lambda p: sort_key(p.get(x))) for k, v in groups.items()}
+
+
+def sort_key(value: Any) -> tuple[int, Any]:
+    return (0, value) if isinstance(value, (int, float)) else (1, str(value))
+
+
+def use_log_x(xs: Sequence[float]) -> bool:
+    lo, hi = min(xs), max(xs)
+    return lo > 0 and hi / lo >= LOG_X_SPAN
+
+
+def knee_index(xs: Sequence[float], ys: Sequence[float], log_x: bool) -> int | None:
+    """Index of the point furthest above the chord joining the curve's ends (Kneedle).
+
+    None when there are fewer than three points or no point lies above the chord.
+    """
+    if len(xs) < 3:
+        return None
+    x = np.log2(np.asarray(xs, dtype=np.float64)) if log_x else np.asarray(xs, dtype=np.float64)
+    y = np.asarray(ys, dtype=np.float64)
+    if x[-1] == x[0] or y[-1] == y[0]:
+        return None
+    xn = (x - x[0]) / (x[-1] - x[0])
+    yn = (y - y[0]) / (y[-1] - y[0])
+    gap = yn - xn
+    best = int(np.argmax(gap))
+    return best if gap[best] > 1e-9 else None
+
+
+def capacity_knees(points: Sequence[Point]) -> dict[str, Point]:
+    """The knee of each hit-rate-vs-capacity curve, by curve label."""
+    by = [k for k in VARIANT_KEYS if varying(points, k)]
+    log_x = use_log_x([p["capacity_blocks"] for p in points]) if points else False
+    out: dict[str, Point] = {}
+    for label, curve in series(points, "capacity_blocks", by).items():
+        i = knee_index(
+            [p["capacity_blocks"] for p in curve], [p["token_hit_rate"] for p in curve], log_x
+        )
+        if i is not None:
+            out[label] = curve[i]
+    return out

@@ -1,0 +1,162 @@
+"""The wrappers reject bad inputs with typed errors whose messages say what is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from prefixcache.kernels import (
+    AttentionConfig,
+    BlockTableError,
+    DeviceMismatchError,
+    KernelDTypeError,
+    SequenceLayoutError,
+    ShapeMismatchError,
+    UnsupportedConfigError,
+    paged_attention,
+    store_kv,
+)
+from prefixcache.kernels.testing import PagedBatch, make_paged_batch
+
+
+@pytest.fixture
+def batch() -> PagedBatch:
+    return make_paged_batch(
+        [20, 5], [3, 1], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=1
+    )
+
+
+def _attend(b: PagedBatch, **override: Any) -> torch.Tensor:
+    args: dict[str, Any] = {
+        "q": b.q,
+        "k_cache": b.k_cache,
+        "v_cache": b.v_cache,
+        "block_tables": b.block_tables,
+        "seq_lens": b.seq_lens,
+        "query_start_loc": b.query_start_loc,
+    }
+    kwargs = {k: override.pop(k) for k in list(override) if k not in args}
+    args |= override
+    return paged_attention(*args.values(), **kwargs)
+
+
+def _i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _table(b: PagedBatch, row: int, col: int, value: int) -> torch.Tensor:
+    table = b.block_tables.clone()
+    table[row, col] = value
+    return table
+
+
+ATTENTION_ERRORS: list[tuple[str, Callable[[PagedBatch], dict], type[Exception], str]] = [
+    ("q-not-tensor", lambda b: {"q": b.q.tolist()}, KernelDTypeError, "q must be a torch.Tensor"),
+    ("q-int", lambda b: {"q": b.q.long()}, KernelDTypeError, "q has dtype torch.int64"),
+    ("q-vs-cache", lambda b: {"q": b.q.half()}, KernelDTypeError, "cast one"),
+    ("table-i64", lambda b: {"block_tables": b.block_tables.long()}, KernelDTypeError, "int32"),
+    ("q-rank", lambda b: {"q": b.q[0]}, ShapeMismatchError, r"\[total_q, num_q_heads"),
+    ("v-shape", lambda b: {"v_cache": b.v_cache[:-1]}, ShapeMismatchError, "differs from k_cache"),
+    ("head-dim", lambda b: {"q": b.q[..., :32]}, ShapeMismatchError, "q head_dim 32"),
+    ("heads", lambda b: {"q": b.q[:, :3]}, ShapeMismatchError, "multiple of num_kv_heads"),
+    ("batch", lambda b: {"seq_lens": b.seq_lens[:1]}, ShapeMismatchError, "batch sizes disagree"),
+    ("qsl-start", lambda b: {"query_start_loc": _i32(1, 3, 4)}, SequenceLayoutError, "start at 0"),
+    ("qsl-end", lambda b: {"query_start_loc": _i32(0, 3, 5)}, SequenceLayoutError, "total_q=4"),
+    ("q-len-0", lambda b: {"query_start_loc": _i32(0, 4, 4)}, SequenceLayoutError, "q_len=0"),
+    ("seq<q", lambda b: {"seq_lens": _i32(2, 5)}, SequenceLayoutError, "q_len <= seq_len"),
+    (
+        "narrow-table",
+        lambda b: {"block_tables": b.block_tables[:, :1]},
+        BlockTableError,
+        "only 1 columns",
+    ),
+    (
+        "id-too-big",
+        lambda b: {"block_tables": _table(b, 0, 1, b.k_cache.shape[0])},
+        BlockTableError,
+        r"block_tables\[0, 1\]",
+    ),
+    ("id-negative", lambda b: {"block_tables": _table(b, 1, 0, -1)}, BlockTableError, "outside"),
+    ("on-meta", lambda b: {"seq_lens": b.seq_lens.to("meta")}, DeviceMismatchError, "seq_lens on"),
+    (
+        "strided-q",
+        lambda b: {"q": b.q.transpose(1, 2).contiguous().transpose(1, 2)},
+        UnsupportedConfigError,
+        r"q\.contiguous\(\)",
+    ),
+    ("out-dtype", lambda b: {"out": b.q.half()}, ShapeMismatchError, "out must match q"),
+    (
+        "both",
+        lambda b: {"num_splits": 2, "config": AttentionConfig(1, 16, 16)},
+        ValueError,
+        "not both",
+    ),
+    (
+        "bad-config",
+        lambda b: {"config": AttentionConfig(block_q=4, block_m=16, tile_n=24)},
+        UnsupportedConfigError,
+        "power of two",
+    ),
+    (
+        "config-rows",
+        lambda b: {"config": AttentionConfig(block_q=9, block_m=16, tile_n=16)},
+        UnsupportedConfigError,
+        "block_q",
+    ),
+    ("backend", lambda b: {"backend": "cuda"}, ValueError, "backend must be"),
+]
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "match"),
+    [case[1:] for case in ATTENTION_ERRORS],
+    ids=[case[0] for case in ATTENTION_ERRORS],
+)
+def test_attention_rejects(
+    batch: PagedBatch, override: Callable[[PagedBatch], dict], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        _attend(batch, **override(batch))
+
+
+@pytest.mark.parametrize(("head_dim", "block_size"), [(96, 16), (64, 12), (64, 4)])
+def test_unsupported_head_dim_and_block_size(head_dim: int, block_size: int) -> None:
+    cache = torch.zeros(4, block_size, 1, head_dim)
+    q = torch.zeros(1, 1, head_dim)
+    with pytest.raises(UnsupportedConfigError, match=r"head_dim|block_size"):
+        paged_attention(q, cache, cache, _i32(0)[None], _i32(1), _i32(0, 1))
+
+
+def test_negative_padding_past_the_used_blocks_is_accepted(batch: PagedBatch) -> None:
+    _attend(batch, block_tables=_table(batch, 1, 1, -1), backend="torch")
+
+
+STORE_ERRORS: list[tuple[str, dict, type[Exception], str]] = [
+    ("slot-range", {"slots": torch.tensor([0, 64])}, BlockTableError, r"slot_mapping\[1\] = 64"),
+    ("slot-neg", {"slots": torch.tensor([-2, 0])}, BlockTableError, "not -1"),
+    ("slot-float", {"slots": torch.tensor([0.0, 1.0])}, KernelDTypeError, "slot_mapping has"),
+    ("k-shape", {"k": torch.zeros(3, 2, 64)}, ShapeMismatchError, "k must be"),
+    ("k-dtype", {"k": torch.zeros(2, 2, 64, dtype=torch.float16)}, KernelDTypeError, "cast it"),
+    ("v-2d", {"v": torch.zeros(2, 128)}, ShapeMismatchError, "v must be"),
+]
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "match"),
+    [case[1:] for case in STORE_ERRORS],
+    ids=[case[0] for case in STORE_ERRORS],
+)
+def test_store_rejects(override: dict, error: type, match: str) -> None:
+    cache = torch.zeros(4, 16, 2, 64)
+    args = {"k": torch.zeros(2, 2, 64), "v": torch.zeros(2, 2, 64), "slots": torch.tensor([0, 1])}
+    args |= override
+    with pytest.raises(error, match=match):
+        store_kv(args["k"], args["v"], cache, cache.clone(), args["slots"])
+
+
+def test_errors_are_builtin_subclasses() -> None:
+    assert issubclass(BlockTableError, ValueError)
+    assert issubclass(KernelDTypeError, TypeError)

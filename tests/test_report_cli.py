@@ -1,0 +1,157 @@
+"""``prefixcache report`` / ``compare`` and ``render_all``: files written, output, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_report_figures import markdown_rows, shown, terminal_rows
+from test_report_runs import write_run
+
+from prefixcache.cli import main
+from prefixcache.report import MissingDependencyError, render_all
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("runs")
+    a = write_run(base / "a", n=120, seed=1, sweep="none")
+    b = write_run(base / "b", n=150, seed=2, serving=False, sweep="none")
+    return a, b
+
+
+def test_report_prints_summary_and_writes_files(
+    runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, _ = runs
+    html, md = tmp_path / "out" / "r.html", tmp_path / "r.md"
+    assert main(["report", str(a), "--html", str(html), "--md", str(md)]) == 0
+    out = capsys.readouterr().out
+    for title in (
+        "Run",
+        "Hit rate",
+        "Where the misses come from",
+        "Savings",
+        "Over time",
+        "Definitions",
+    ):
+        assert f"── {title} " in out
+    assert html.read_text().startswith("<!DOCTYPE html>")
+    assert "## Where the misses come from" in md.read_text()
+
+
+def test_report_json_and_quiet(runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    a, _ = runs
+    assert main(["report", str(a), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads((a / "report.json").read_text())
+    assert main(["report", str(a), "--quiet"]) == 0
+    assert capsys.readouterr().out == ""
+    assert main(["report", str(a), "--no-definitions"]) == 0
+    assert "── Definitions" not in capsys.readouterr().out
+
+
+def test_report_errors_are_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", str(tmp_path / "nowhere")]) == 1
+    assert "prefixcache report: error:" in capsys.readouterr().err
+    run = write_run(tmp_path / "bad", n=20, sweep="none")
+    report = json.loads((run / "report.json").read_text())
+    report["token_hit_rate"] = 2
+    (run / "report.json").write_text(json.dumps(report))
+    assert main(["report", str(run)]) == 1
+    assert "$.token_hit_rate: 2 > maximum 1" in capsys.readouterr().err
+
+
+def test_compare_shows_setup_and_deltas(
+    runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = runs
+    md = tmp_path / "cmp.md"
+    assert main(["compare", str(a), str(b), "--md", str(md)]) == 0
+    rows = terminal_rows(capsys.readouterr().out)
+    ra, rb = (json.loads((r / "report.json").read_text()) for r in (a, b))
+    assert rows["config.mode"][0] == ["serving", "sequential"]
+    cells = rows["Token hit rate"][0]
+    assert shown(cells[0], ra["token_hit_rate"]) and shown(cells[1], rb["token_hit_rate"])
+    assert shown(cells[2], rb["token_hit_rate"] - ra["token_hit_rate"])  # in pp
+    hits = rows["Hit tokens"][0]
+    assert shown(hits[2], rb["hit_tokens"] - ra["hit_tokens"])
+    assert shown(hits[3], (rb["hit_tokens"] - ra["hit_tokens"]) / ra["hit_tokens"])
+    assert rows["TTFT p50 (estimate)"][0][1:3] == ["n/a", "n/a"]  # B has no serving figures
+    assert markdown_rows(md.read_text())["Hit tokens"][0] == hits
+
+
+def test_compare_run_with_itself(
+    runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, _ = runs
+    assert main(["compare", str(a), str(a), "--no-definitions"]) == 0
+    out = capsys.readouterr().out
+    assert "Same workload and configuration." in out
+    assert terminal_rows(out)["Token hit rate"][0][2] == "+0.00 pp"
+
+
+def test_render_all_writes_into_the_run_dir(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", n=60, sweep="none")
+    paths = render_all(run)
+    assert paths == {"md": run / "report.md", "html": run / "report.html"}
+    assert all(p.stat().st_size > 0 for p in paths.values())
+
+
+def test_html_without_matplotlib_fails_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = write_run(tmp_path / "run", n=30, sweep="none")
+    for name in [m for m in sys.modules if m.startswith("matplotlib")] + [
+        "prefixcache.report.plots",
+        "prefixcache.report.plots_sweep",
+    ]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'prefixcache\[report\]'"):
+        render_all(run)
+    assert (run / "report.md").is_file() and not (run / "report.html").exists()
+    assert render_all(run, html=False) == {"md": run / "report.md"}
+
+
+def test_package_import_does_not_load_matplotlib() -> None:
+    code = "import sys, prefixcache.report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_run_without_requests_still_renders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = write_run(tmp_path / "empty", n=5, serving=False, model=False, sweep="none")
+    report = json.loads((run / "report.json").read_text())
+    zero = (
+        "requests",
+        "prompt_tokens",
+        "hit_tokens",
+        "prompt_blocks",
+        "hit_blocks",
+        "zero_hit_requests",
+        "output_tokens",
+        "evicted_blocks",
+    )
+    report |= dict.fromkeys(zero, 0) | {
+        "token_hit_rate": 0.0,
+        "block_hit_rate": 0.0,
+        "top_prefixes": [],
+    }
+    report["misses"] = dict.fromkeys(report["misses"], 0)
+    report["savings"]["prefill_tokens_saved"] = 0
+    (run / "report.json").write_text(json.dumps(report))
+    for name in ("requests.csv", "timeline.csv"):
+        header = (run / name).read_text().splitlines()[0]
+        (run / name).write_text(header + "\n")
+    assert main(["report", str(run), "--html", str(tmp_path / "e.html")]) == 0
+    out = capsys.readouterr().out
+    assert "The timeline is empty." in out and "No prefix was shared." in out
+    passed, total = re.findall(r"\d+", terminal_rows(out)["Consistency checks"][0][0])
+    assert passed == total
