@@ -71,17 +71,16 @@ class BlockHasher:
             return []
         p = self.block_size
         digest = self.digest
-        out: list[bytes] = [b""] * n
+        out: list[bytes] = []
+        append = out.append
         prev = parent
         if n < 32:  # few blocks: building the record buffer would cost more than it saves
             width = 4 * p
             body = tokens[first_block * p : end_block * p].tobytes()
             start = first_block * p
-            for i in range(n):
-                prev = digest(
-                    prev + start.to_bytes(8, "little") + body[i * width : (i + 1) * width]
-                )
-                out[i] = prev
+            for offset in range(0, n * width, width):
+                prev = digest(prev + start.to_bytes(8, "little") + body[offset : offset + width])
+                append(prev)
                 start += p
             return out
         # One record per block, [start position as int64 | token ids], in one buffer: the loop
@@ -92,9 +91,9 @@ class BlockHasher:
         records[:, :2] = starts.view("<i4").reshape(n, 2)
         buf = records.tobytes()
         width = (p + 2) * 4
-        for i, offset in enumerate(range(0, n * width, width)):
+        for offset in range(0, n * width, width):
             prev = digest(prev + buf[offset : offset + width])
-            out[i] = prev
+            append(prev)
         return out
 
     def hash_prompt(self, tokens: TokenIds, namespace: Namespace) -> list[bytes]:
