@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -27,53 +27,9 @@ from prefixcache.hashing import BlockHasher
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.pool import BlockPool
 from prefixcache.radix import Node, RadixIndex
+from prefixcache.results import Admission, AppendResult, Copy, Lookup, slots_of
 from prefixcache.stats import BlockCounts, CacheStats
 from prefixcache.tokens import MAX_TOKEN_ID, TokenIds, as_token_array
-
-
-class Copy(NamedTuple):
-    """Copy slots ``0 .. num_slots-1`` of block ``src`` into block ``dst`` (K and V).
-
-    When to run it: in each layer, after that layer's K/V store of the step that produced the
-    copy and before its attention (``PagedKVCache.apply_copies(copies, layer)``). The copied
-    slots never overlap the slots the step writes, and ``src`` may be a block whose K/V is
-    written in that same step (indexed by an earlier admission of the step). The source stays
-    protected from eviction until the request's next ``append`` or its ``release``.
-    """
-
-    src: int
-    dst: int
-    num_slots: int
-
-
-class Lookup(NamedTuple):
-    cached_len: int  # tokens a new request would not compute
-    cached_blocks: int  # full blocks found in the index
-
-
-def _slots(table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
-    """Slot ids (block * block_size + offset) of positions ``start .. end-1``."""
-    first = start // block_size
-    blocks = np.asarray(table[first : -(-end // block_size)], dtype=np.int64)
-    pos = np.arange(start, end, dtype=np.int64)
-    return blocks[pos // block_size - first] * block_size + pos % block_size
-
-
-class Admission(NamedTuple):
-    cached_len: int  # leading prompt tokens whose K/V are already in place
-    block_table: list[int]  # physical block of each logical block of the prompt
-    copies: list[Copy]  # run first (copy-on-write, partially matched block)
-    num_tokens: int
-    block_size: int
-
-    def slot_mapping(self) -> np.ndarray:
-        """int64 slots of the tokens to compute, ``tokens[cached_len:]``."""
-        return _slots(self.block_table, self.block_size, self.cached_len, self.num_tokens)
-
-
-class AppendResult(NamedTuple):
-    slots: np.ndarray  # int64 slot of each appended token
-    copies: list[Copy]
 
 
 class _Seq:
@@ -296,7 +252,7 @@ class CacheManager:
         if k == 1:
             slots = np.array([seq.table[t0 // p] * p + t0 % p], dtype=np.int64)
         else:
-            slots = _slots(seq.table, p, t0, t1)
+            slots = slots_of(seq.table, p, t0, t1)
         return AppendResult(slots, copies)
 
     def _append_need(self, seq: _Seq, k: int) -> int:

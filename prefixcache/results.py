@@ -1,0 +1,52 @@
+"""What the manager hands back to a runtime: admissions, appends, copies, lookups."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Copy(NamedTuple):
+    """Copy slots ``0 .. num_slots-1`` of block ``src`` into block ``dst`` (K and V).
+
+    When to run it: in each layer, after that layer's K/V store of the step that produced the
+    copy and before its attention (``PagedKVCache.apply_copies(copies, layer)``). The copied
+    slots never overlap the slots the step writes, and ``src`` may be a block whose K/V is
+    written in that same step (indexed by an earlier admission of the step). The source stays
+    protected from eviction until the request's next ``append`` or its ``release``.
+    """
+
+    src: int
+    dst: int
+    num_slots: int
+
+
+class Lookup(NamedTuple):
+    cached_len: int  # tokens a new request would not compute
+    cached_blocks: int  # full blocks found in the index
+
+
+def slots_of(table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """Slot ids (block * block_size + offset) of positions ``start .. end-1``."""
+    first = start // block_size
+    blocks = np.asarray(table[first : -(-end // block_size)], dtype=np.int64)
+    pos = np.arange(start, end, dtype=np.int64)
+    return blocks[pos // block_size - first] * block_size + pos % block_size
+
+
+class Admission(NamedTuple):
+    cached_len: int  # leading prompt tokens whose K/V are already in place
+    block_table: list[int]  # physical block of each logical block of the prompt
+    copies: list[Copy]  # run first (copy-on-write, partially matched block)
+    num_tokens: int
+    block_size: int
+
+    def slot_mapping(self) -> np.ndarray:
+        """int64 slots of the tokens to compute, ``tokens[cached_len:]``."""
+        return slots_of(self.block_table, self.block_size, self.cached_len, self.num_tokens)
+
+
+class AppendResult(NamedTuple):
+    slots: np.ndarray  # int64 slot of each appended token
+    copies: list[Copy]
