@@ -4,6 +4,8 @@ Full KV blocks are identified by chained 128-bit hashes over token ids, namespac
 radix index maps prefixes to shared physical blocks with refcounts, eviction and copy-on-write.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from prefixcache.errors import (
     CacheInUseError,
     ConfigError,
@@ -17,12 +19,24 @@ from prefixcache.errors import (
 from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixcache.eviction import POLICIES
 from prefixcache.hashing import BlockHasher
-from prefixcache.kv_cache import PagedKVCache
 from prefixcache.manager import Admission, AppendResult, CacheManager, Copy, Lookup
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.stats import BlockCounts, CacheStats
 
+if TYPE_CHECKING:
+    from prefixcache.kv_cache import PagedKVCache
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported only by code that stores K/V, so the CLI and replay start fast
+    if name == "PagedKVCache":
+        from prefixcache.kv_cache import PagedKVCache
+
+        return PagedKVCache
+    raise AttributeError(f"module 'prefixcache' has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_NAMESPACE",

@@ -12,10 +12,6 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from prefixcache.kernels.reference import reference_attention
-from prefixcache.kv_cache import PagedKVCache
 from prefixcache.manager import CacheManager
 from prefixcache.namespace import Namespace
 
@@ -32,6 +28,11 @@ class DemoResult:
 
 
 def run_demo(device: str = "cpu", seed: int = 53) -> DemoResult:
+    import torch
+
+    from prefixcache.kernels.reference import reference_attention
+    from prefixcache.kv_cache import PagedKVCache
+
     torch.manual_seed(seed)
     hq, hkv, d, p, lengths = 4, 2, 8, 4, (10, 7)
     dtype = torch.float32
@@ -82,6 +83,8 @@ def run_demo(device: str = "cpu", seed: int = 53) -> DemoResult:
 
 
 def format_demo(result: DemoResult, device: str = "cpu") -> str:
+    import torch
+
     r = result
     return "\n".join(
         [
@@ -99,6 +102,8 @@ def format_demo(result: DemoResult, device: str = "cpu") -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with torch.inference_mode():
         print(format_demo(run_demo(device), device))

@@ -50,7 +50,10 @@ _ALL = (
         "upper_bound",
         "Upper bound",
         "The hit rate of the same workload with an infinite cache and the same block size: "
-        "the most any capacity or policy can reach. The gap to it is capacity misses.",
+        "every whole block whose prefix was seen before in the namespace, less the one token "
+        "always computed; slots this run copied from partially matching blocks count too, so "
+        "the bound can move slightly with capacity when partial copies are on. The gap to it "
+        "is capacity misses.",
     ),
     Definition(
         "achieved",

@@ -1,0 +1,44 @@
+"""Workload replay: scenarios and traces driven through the real CacheManager.
+
+from prefixcache.replay import ReplayConfig, replay_path, write_run
+
+result = replay_path("scenarios/rag.yaml", ReplayConfig(capacity_blocks=4096))
+print(result.to_report_dict()["token_hit_rate"])
+write_run(result, "runs/rag")
+"""
+
+from prefixcache.replay.config import ReplayConfig
+from prefixcache.replay.errors import ScenarioError, TraceFormatError
+from prefixcache.replay.models import ModelConfig, get_model, parse_size
+from prefixcache.replay.output import write_run
+from prefixcache.replay.request import Request
+from prefixcache.replay.result import ReplayResult
+from prefixcache.replay.run import replay_path, replay_requests, replay_source
+from prefixcache.replay.scenario import Scenario, load_scenario
+from prefixcache.replay.sources import Source, open_source
+from prefixcache.replay.sweep import replay_sweep
+from prefixcache.replay.traces import TraceOptions, read_trace
+from prefixcache.replay.workload import Workload
+
+__all__ = [
+    "ModelConfig",
+    "ReplayConfig",
+    "ReplayResult",
+    "Request",
+    "Scenario",
+    "ScenarioError",
+    "Source",
+    "TraceFormatError",
+    "TraceOptions",
+    "Workload",
+    "get_model",
+    "load_scenario",
+    "open_source",
+    "parse_size",
+    "read_trace",
+    "replay_path",
+    "replay_requests",
+    "replay_source",
+    "replay_sweep",
+    "write_run",
+]

@@ -1,0 +1,153 @@
+"""Distributions of lengths and times in scenarios, and weights for picking among items.
+
+A value is either a plain number (fixed) or ``{dist: NAME, ...}``; every form takes optional
+``min`` / ``max`` clips. Draws come from numpy in chunks, so one draw costs a list pop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from prefixcache.replay.fields import Where, get, integer, mapping, number, sequence
+
+KINDS = ("fixed", "uniform", "normal", "lognormal", "exponential", "choice")
+_COMMON = ("dist", "min", "max")
+_PARAMS = {
+    "fixed": ("value",),
+    "uniform": ("low", "high"),
+    "normal": ("mean", "std"),
+    "lognormal": ("median", "mean", "sigma"),
+    "exponential": ("mean",),
+    "choice": ("values", "weights"),
+}
+
+
+@dataclass(frozen=True)
+class Dist:
+    kind: str
+    params: tuple[tuple[str, Any], ...]
+    lo: float
+    hi: float | None
+    integer: bool
+
+    def draw(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        p = dict(self.params)
+        k = self.kind
+        if k == "fixed":
+            x = np.full(size, p["value"], dtype=float)
+        elif k == "uniform":
+            if self.integer:
+                x = rng.integers(int(p["low"]), int(p["high"]) + 1, size).astype(float)
+            else:
+                x = rng.uniform(p["low"], p["high"], size)
+        elif k == "normal":
+            x = rng.normal(p["mean"], p["std"], size)
+        elif k == "lognormal":
+            sigma = p["sigma"]
+            mu = np.log(p["median"]) if "median" in p else np.log(p["mean"]) - sigma**2 / 2
+            x = rng.lognormal(mu, sigma, size)
+        elif k == "exponential":
+            x = rng.exponential(p["mean"], size)
+        else:  # choice
+            weights = np.asarray(p["weights"], dtype=float) if "weights" in p else None
+            probs = None if weights is None else weights / weights.sum()
+            x = rng.choice(np.asarray(p["values"], dtype=float), size=size, p=probs)
+        if self.integer:
+            x = np.rint(x)
+        return np.clip(x, self.lo, self.hi)
+
+    def sampler(self, rng: np.random.Generator) -> Callable[[], Any]:
+        """A zero-argument function returning the next draw (int for integer distributions)."""
+        if self.kind == "fixed":
+            value = self.draw(rng, 1)[0]
+            const = int(value) if self.integer else float(value)
+            return lambda: const
+        return _Chunked(self, rng).next
+
+
+class _Chunked:
+    __slots__ = ("_buf", "_dist", "_rng")
+
+    def __init__(self, dist: Dist, rng: np.random.Generator) -> None:
+        self._dist, self._rng = dist, rng
+        self._buf: list[Any] = []
+
+    def next(self) -> Any:
+        if not self._buf:
+            x = self._dist.draw(self._rng, 4096)
+            values = x.astype(np.int64).tolist() if self._dist.integer else x.tolist()
+            values.reverse()  # pop() from the end keeps draw order
+            self._buf = values
+        return self._buf.pop()
+
+
+def parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float) -> Dist:
+    """Parse a number or ``{dist: ...}`` mapping; draws never go below ``minimum``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        v = number(value, where, minimum=minimum)
+        if integer_valued:
+            v = float(integer(value, where, minimum=int(minimum)))
+        return Dist("fixed", (("value", v),), minimum, None, integer_valued)
+    kind = get(value if isinstance(value, dict) else {}, "dist", where, None)
+    if kind not in KINDS:
+        raise (where / "dist" if isinstance(value, dict) else where).fail(
+            f"a number or a mapping with dist: one of {', '.join(KINDS)}", kind or value
+        )
+    m = mapping(value, where, _COMMON + _PARAMS[kind])
+    lo = number(get(m, "min", where, minimum), where / "min", minimum=minimum)
+    hi_raw = get(m, "max", where, None)
+    hi = None if hi_raw is None else number(hi_raw, where / "max", minimum=lo)
+    params: dict[str, Any] = {}
+    if kind == "fixed":
+        params["value"] = number(get(m, "value", where), where / "value", minimum=minimum)
+    elif kind == "uniform":
+        params["low"] = number(get(m, "low", where), where / "low", minimum=minimum)
+        params["high"] = number(get(m, "high", where), where / "high", minimum=params["low"])
+    elif kind == "normal":
+        params["mean"] = number(get(m, "mean", where), where / "mean")
+        params["std"] = number(get(m, "std", where), where / "std", minimum=0)
+    elif kind == "lognormal":
+        if ("median" in m) == ("mean" in m):
+            raise where.fail("exactly one of median or mean (with sigma)")
+        key = "median" if "median" in m else "mean"
+        params[key] = number(m[key], where / key, minimum=0, strict=True)
+        params["sigma"] = number(get(m, "sigma", where), where / "sigma", minimum=0)
+    elif kind == "exponential":
+        params["mean"] = number(get(m, "mean", where), where / "mean", minimum=0, strict=True)
+    else:
+        values = sequence(get(m, "values", where), where / "values", min_len=1)
+        params["values"] = [
+            number(v, where / "values" / i, minimum=minimum) for i, v in enumerate(values)
+        ]
+        if "weights" in m:
+            params["weights"] = parse_weight_list(m["weights"], where / "weights", len(values))
+    return Dist(kind, tuple(params.items()), lo, hi, integer_valued)
+
+
+def parse_weight_list(value: Any, where: Where, count: int) -> list[float]:
+    items = sequence(value, where)
+    if len(items) != count:
+        raise where.fail(f"a list of {count} weights (one per item)", value)
+    weights = [number(w, where / i, minimum=0) for i, w in enumerate(items)]
+    if sum(weights) <= 0:
+        raise where.fail("weights with a positive sum", value)
+    return weights
+
+
+def parse_weights(value: Any, where: Where, count: int) -> np.ndarray:
+    """Selection probabilities over ``count`` items: ``uniform``, ``{zipf: s}`` (item i has
+    weight 1/(i+1)**s) or an explicit list."""
+    if value is None or value == "uniform":
+        w = np.ones(count)
+    elif isinstance(value, dict) and set(value) == {"zipf"}:
+        s = number(value["zipf"], where / "zipf", minimum=0)
+        w = 1.0 / np.arange(1, count + 1, dtype=float) ** s
+    elif isinstance(value, list):
+        w = np.asarray(parse_weight_list(value, where, count))
+    else:
+        raise where.fail("uniform, {zipf: EXPONENT} or a list of weights", value)
+    return w / w.sum()

@@ -1,0 +1,153 @@
+"""The outcome of a replay and its canonical report (``report.json``, schema version 1)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import prefixcache
+from prefixcache.replay.accounting import Accountant
+from prefixcache.replay.config import ResolvedConfig
+from prefixcache.replay.models import ModelConfig
+from prefixcache.stats import CacheStats
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class ServingStats:
+    ttft: list[float]  # seconds, per request (nan when never served)
+    ttft_nocache: list[float]
+    preemptions: int
+    steps: int
+    simulated_seconds: float
+    truncated: int = 0  # requests finished early: alone, they outgrew the cache
+
+    def report_dict(self) -> dict[str, Any]:
+        def pct(values: list[float], q: float) -> float:
+            xs = sorted(v for v in values if not math.isnan(v))
+            if not xs:
+                return 0.0
+            return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+        return {
+            "ttft_p50_s": pct(self.ttft, 50),
+            "ttft_p90_s": pct(self.ttft, 90),
+            "ttft_p99_s": pct(self.ttft, 99),
+            "ttft_nocache_p50_s": pct(self.ttft_nocache, 50),
+            "ttft_nocache_p90_s": pct(self.ttft_nocache, 90),
+            "ttft_nocache_p99_s": pct(self.ttft_nocache, 99),
+            "preemptions": self.preemptions,
+            "steps": self.steps,
+            "simulated_seconds": self.simulated_seconds,
+        }
+
+
+@dataclass
+class ReplayResult:
+    source: dict[str, Any]  # path, kind, sha256, name
+    config: ResolvedConfig
+    seed: int | None
+    acc: Accountant
+    stats: CacheStats  # the manager's own counters
+    replay_seconds: float
+    serving: ServingStats | None = None
+    truncated_outputs: int = 0
+    sweep: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return str(self.source.get("name", "run"))
+
+    def config_dict(self) -> dict[str, Any]:
+        return self.config.report_dict(self.seed)
+
+    def summary_row(self) -> dict[str, Any]:
+        """One line of a sweep table."""
+        tot = self.acc.totals
+        return {
+            "capacity_blocks": self.config.capacity_blocks,
+            "block_size": self.config.options.block_size,
+            "policy": self.config.options.policy,
+            "token_hit_rate": _rate(tot.hit_tokens, tot.prompt_tokens),
+            "block_hit_rate": _rate(tot.hit_blocks, tot.prompt_blocks),
+            "upper_bound_token_hit_rate": _rate(tot.ub_tokens, tot.prompt_tokens),
+            "evicted_blocks": self.stats.evicted_blocks,
+        }
+
+    def to_report_dict(self) -> dict[str, Any]:
+        tot, acc = self.acc.totals, self.acc
+        config = self.config_dict()
+        missed = {
+            "cold": tot.cold,
+            "capacity": tot.capacity,
+            "isolation": tot.isolation,
+            "tail": tot.tail,
+            "routing": 0,
+        }
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "library_version": prefixcache.__version__,
+            "source": {k: self.source[k] for k in ("path", "kind", "sha256")},
+            "config": config,
+            "config_sha256": hashlib.sha256(
+                json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+            ).hexdigest(),
+            "namespaces": [ns.label() for ns in acc.namespaces],
+            "replay_seconds": self.replay_seconds,
+            "requests_per_second": tot.requests / self.replay_seconds
+            if self.replay_seconds
+            else 0.0,
+            "requests": tot.requests,
+            "prompt_tokens": tot.prompt_tokens,
+            "hit_tokens": tot.hit_tokens,
+            "token_hit_rate": _rate(tot.hit_tokens, tot.prompt_tokens),
+            "prompt_blocks": tot.prompt_blocks,
+            "hit_blocks": tot.hit_blocks,
+            "block_hit_rate": _rate(tot.hit_blocks, tot.prompt_blocks),
+            "upper_bound_token_hit_rate": _rate(tot.ub_tokens, tot.prompt_tokens),
+            "upper_bound_block_hit_rate": _rate(tot.ub_blocks, tot.prompt_blocks),
+            "zero_hit_requests": tot.zero_hit,
+            "rejected_requests": tot.rejected,
+            "truncated_outputs": self.truncated_outputs,
+            "misses": missed,
+            "evicted_blocks": self.stats.evicted_blocks,
+            "cow_copies": self.stats.cow_copies,
+            "partial_copy_tokens": tot.partial_copy_tokens,
+            "peak_blocks_in_use": acc.physical_peak,
+            "output_tokens": tot.output_tokens,
+            "savings": self._savings(),
+            "serving": self.serving.report_dict() if self.serving else None,
+            "top_prefixes": acc.top_prefixes(),
+            "sweep": self.sweep,
+            **self.extra,
+        }
+
+    def _savings(self) -> dict[str, Any]:
+        tot, acc = self.acc.totals, self.acc
+        model: ModelConfig | None = self.config.model
+        flops = None
+        if model is not None:
+            flops = float(
+                2 * model.flops_params * tot.hit_tokens
+                + model.attention_flops_per_pair * tot.attn_units
+            )
+        bpb = self.config.bytes_per_block
+        shared = max(0, acc.logical_peak - acc.physical_peak)
+        return {
+            "prefill_tokens_saved": tot.hit_tokens,
+            "flops_saved_estimate": flops,
+            "logical_blocks_peak": acc.logical_peak,
+            "physical_blocks_peak": acc.physical_peak,
+            "sharing_factor": acc.logical_peak / acc.physical_peak if acc.physical_peak else 1.0,
+            "kv_bytes_saved_by_sharing": shared * bpb if bpb is not None else None,
+            "internal_fragmentation_slots": acc.fragmentation_at_peak,
+        }
+
+
+def _rate(num: int, den: int) -> float:
+    return num / den if den else 0.0

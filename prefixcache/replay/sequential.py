@@ -1,0 +1,115 @@
+"""Sequential replay: one request at a time, admitted then released (Mooncake paper, Fig. 9).
+
+Requests with several samples fork after admission and each sample writes its output (copy on
+write of the shared last block); a request whose output a later turn reuses writes it too, so
+those blocks are cached as a serving engine would cache them. As in serving, a sample's last
+token is sampled but never written. Everything else is admit, release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
+from prefixcache.manager import CacheManager
+from prefixcache.replay.accounting import Accountant
+from prefixcache.replay.request import Request
+from prefixcache.replay.synth import TokenTape, stream_key
+from prefixcache.stats import BlockCounts
+
+
+def run_sequential(requests: Iterable[Request], mgr: CacheManager, acc: Accountant) -> int:
+    """Replay ``requests``; returns how many sample outputs were cut short for lack of blocks."""
+    p = mgr.block_size
+    admit, release, stats, counts = mgr.admit, mgr.release, mgr.stats, mgr.block_counts
+    record, note_usage, timeline = acc.record, acc.note_usage, acc.timeline
+    samples = TokenTape(stream_key("sequential-samples"))
+    truncated = 0
+    i = -1
+    for i, req in enumerate(requests):
+        tokens = req.tokens
+        buf = tokens.tobytes()
+        cow0, part0 = stats.cow_copies, stats.partial_copy_tokens
+        try:
+            adm = admit(i, tokens, req.namespace)
+        except RequestTooLargeError:
+            record(i, req, buf, 0, False, 0, rejected=True)
+            continue
+        record(
+            i, req, buf, adm.cached_len, stats.cow_copies != cow0, stats.partial_copy_tokens - part0
+        )
+        t = len(tokens)
+        due = timeline is not None and timeline.due(i)
+        if req.n == 1 and req.output_tokens is None:
+            logical = len(adm.block_table)
+            # Alone in the cache, a request holds exactly its table's blocks, plus the source
+            # of a copy (a partial match, or a fully cached prompt's last block).
+            used = counts() if adm.copies or due else None
+            active = used.active if used is not None else logical
+            if active > acc.physical_peak or logical > acc.logical_peak:
+                note_usage(active, logical, logical * p - t)
+            if due:
+                timeline.add(i, _row(i, used, acc, stats.evicted_blocks))
+            release(i)
+            continue
+        ids, logical, frag, cut = _write_outputs(mgr, i, req, buf, acc, samples)
+        truncated += cut
+        used = counts()
+        note_usage(used.active, logical, frag)
+        if due:
+            timeline.add(i, _row(i, used, acc, stats.evicted_blocks))
+        for rid in ids:
+            release(rid)
+    if timeline is not None and i >= 0:
+        timeline.finish(i, _row(i, counts(), acc, stats.evicted_blocks))
+    return truncated
+
+
+def _write_outputs(
+    mgr: CacheManager, i: int, req: Request, buf: bytes, acc: Accountant, samples: TokenTape
+) -> tuple[list[object], int, int, int]:
+    """Fork the samples and append their outputs. Returns (ids, logical blocks, free slots in
+    last blocks, samples cut short)."""
+    p, t = mgr.block_size, len(req.tokens)
+    ids: list[object] = [i] + [(i, j) for j in range(1, req.n)]
+    for rid in ids[1:]:
+        mgr.fork(i, rid)
+    lengths, cut = [], 0
+    for j, rid in enumerate(ids):
+        out = req.output_tokens if j == 0 and req.output_tokens is not None else None
+        if out is None:
+            out = samples.take(req.output_len)
+        out = out[: max(0, req.output_len - 1)]  # the last sampled token's K/V is never written
+        written = 0
+        if len(out):
+            try:
+                mgr.append(rid, out)
+                written = len(out)
+            except OutOfBlocksError:
+                cut += 1
+        lengths.append(t + written)
+        if j == 0 and req.output_tokens is not None and written:
+            acc.note_output(req, buf + out.tobytes())
+    arr = np.asarray(lengths)
+    blocks = -(-arr // p)
+    logical = int(blocks.sum())
+    # samples that wrote nothing still share the prompt's last block: count its free slots once
+    shared = arr == t
+    frag = int((blocks * p - arr)[~shared].sum()) + (int(-(-t // p) * p - t) if shared.any() else 0)
+    return ids, logical, frag, cut
+
+
+def _row(i: int, used: BlockCounts, acc: Accountant, evicted: int) -> tuple:
+    tot = acc.totals
+    return (
+        i,
+        used.active,
+        used.cached,
+        used.free,
+        evicted,
+        tot.prompt_tokens,
+        tot.hit_tokens,
+        acc.rolling_hit_rate(),
+    )

@@ -1,0 +1,376 @@
+"""Serving replay: a continuous-batching simulation over the real cache manager.
+
+Each step has a token budget. Running requests go first, in admission order: a prefilling one
+takes a chunk of its uncached prompt, a decoding sequence one token. Waiting requests are then
+admitted first come, first served while budget and blocks last (admission allocates the whole
+prompt). A step lasts as long as the roofline says. Decode allocates a block when a sequence
+crosses into a new one; when none is left, the latest admitted request is preempted (released,
+requeued at the front and later recomputed, as vLLM does). Finished requests are released.
+
+Decoded tokens reach the manager in runs: only when a token starts or completes a block, or is
+the first write after a fork, so block allocation, commits and copies happen exactly when they
+would with one call per token.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
+from prefixcache.manager import CacheManager
+from prefixcache.replay.accounting import Accountant
+from prefixcache.replay.config import ResolvedConfig
+from prefixcache.replay.models import get_gpu
+from prefixcache.replay.request import Request
+from prefixcache.replay.result import ServingStats
+from prefixcache.replay.roofline import Roofline, prefill_pairs
+from prefixcache.replay.sources import Source
+from prefixcache.replay.synth import TokenTape, stream_key
+
+
+class _Seq:
+    __slots__ = ("flushed", "generated", "kv_len", "must_flush", "out", "rid")
+
+    def __init__(self, rid: object, kv_len: int, generated: int, out: np.ndarray) -> None:
+        self.rid = rid
+        self.kv_len = kv_len  # tokens whose K/V are written (some maybe not yet flushed)
+        self.flushed = kv_len  # tokens the manager holds
+        self.generated = generated  # output tokens sampled so far
+        self.out = out
+        self.must_flush = True  # the first write may copy a block shared with a fork
+
+
+class _Live:
+    __slots__ = (
+        "first_done",
+        "idx",
+        "kv",
+        "out0",
+        "prefill_left",
+        "recorded",
+        "req",
+        "resume",
+        "seqs",
+        "tokens",
+    )
+
+    def __init__(self, idx: int, req: Request) -> None:
+        self.idx, self.req = idx, req
+        self.tokens = req.tokens  # what the next admission prefills
+        self.resume = 0  # output tokens sampled before a preemption
+        self.prefill_left = 0
+        self.kv = 0  # tokens with K/V in place (cached or computed)
+        self.seqs: list[_Seq] = []
+        self.first_done = False
+        self.recorded = False
+        self.out0: np.ndarray | None = None
+
+
+class Simulator:
+    def __init__(self, mgr: CacheManager, cfg: ResolvedConfig, acc: Accountant | None) -> None:
+        o = cfg.options
+        assert cfg.model is not None
+        self.mgr, self.acc, self.p = mgr, acc, o.block_size
+        self.roof = Roofline(cfg.model, get_gpu(o.gpu))
+        self.budget, self.max_seqs = o.token_budget, o.max_seqs
+        self.tape = TokenTape(stream_key("serving-samples"))
+        self.clock = 0.0
+        self.steps = self.preemptions = self.truncated = 0
+        self.ttft: list[float] = []
+        self.running: list[_Live] = []
+        self.waiting: deque[_Live] = deque()
+        self.live_seqs = 0
+
+    # ---- main loop --------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request]) -> None:
+        it: Iterator[Request] = iter(requests)
+        nxt = next(it, None)
+        idx = 0
+        while True:
+            while nxt is not None and nxt.arrival_s <= self.clock:
+                self.waiting.append(_Live(idx, nxt))
+                self.ttft.append(math.nan)
+                idx += 1
+                nxt = next(it, None)
+            if not self.running and not self.waiting:
+                if nxt is None:
+                    break
+                self.clock = nxt.arrival_s
+                continue
+            self._step()
+        self._measure(final=True)
+
+    def _step(self) -> None:
+        budget = self.budget
+        prefills: list[tuple[_Live, int]] = []
+        decodes: list[_Seq] = []
+        work = [0, 0, 0]  # tokens, attention pairs, KV tokens read
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            if r.prefill_left:
+                if budget:
+                    k = min(r.prefill_left, budget)
+                    budget -= k
+                    prefills.append((r, k))
+                    _add(work, k, prefill_pairs(r.kv, k), r.kv + k)
+                i += 1
+                continue
+            mine: list[_Seq] = []
+            gone = False
+            bs = self.p
+            for s in r.seqs:
+                if not budget:
+                    break
+                pos = s.kv_len
+                if s.must_flush or pos % bs == 0 or (pos + 1) % bs == 0:
+                    if not self._make_room(r, s):
+                        gone = True
+                        break
+                else:  # the token lands in a block the sequence already owns
+                    s.kv_len = pos + 1
+                mine.append(s)
+                budget -= 1
+            if gone:
+                continue  # r left self.running; index i now holds the next request
+            decodes.extend(mine)
+            for s in mine:
+                work[0] += 1
+                work[1] += s.kv_len
+                work[2] += s.kv_len
+            i += 1
+        self._admit(budget, prefills, work)
+        if not prefills and not decodes:
+            return  # everything in flight was preempted; admit again next round
+        self.clock += self.roof.step_seconds(*work)
+        self.steps += 1
+        for r, k in prefills:
+            r.prefill_left -= k
+            r.kv += k
+            if not r.prefill_left:
+                self._start_decode(r)
+        for s in decodes:
+            s.generated += 1
+        self._finish_done()
+        self._measure()
+
+    def _admit(self, budget: int, prefills: list[tuple[_Live, int]], work: list[int]) -> None:
+        mgr, acc = self.mgr, self.acc
+        while self.waiting and budget:
+            r = self.waiting[0]
+            if self.live_seqs + r.req.n > self.max_seqs and self.running:
+                break
+            stats = mgr.stats
+            cow0, part0 = stats.cow_copies, stats.partial_copy_tokens
+            try:
+                adm = mgr.admit(r.idx, r.tokens, r.req.namespace)
+            except OutOfBlocksError:
+                break
+            except RequestTooLargeError:
+                self.waiting.popleft()
+                if r.recorded:
+                    self.truncated += 1  # prompt plus recomputed output outgrew the cache
+                else:
+                    r.recorded = True
+                    if acc is not None:
+                        acc.record(r.idx, r.req, r.tokens.tobytes(), 0, False, 0, rejected=True)
+                continue
+            self.waiting.popleft()
+            if not r.recorded:
+                r.recorded = True
+                if acc is not None:
+                    acc.record(
+                        r.idx,
+                        r.req,
+                        r.tokens.tobytes(),
+                        adm.cached_len,
+                        stats.cow_copies != cow0,
+                        stats.partial_copy_tokens - part0,
+                    )
+            r.kv = adm.cached_len
+            r.prefill_left = len(r.tokens) - adm.cached_len
+            self.running.append(r)
+            self.live_seqs += r.req.n
+            k = min(r.prefill_left, budget)
+            budget -= k
+            prefills.append((r, k))
+            _add(work, k, prefill_pairs(r.kv, k), r.kv + k)
+
+    # ---- sequences --------------------------------------------------------------------------
+    def _start_decode(self, r: _Live) -> None:
+        if not r.first_done:
+            r.first_done = True
+            self.ttft[r.idx] = self.clock - r.req.arrival_s
+        req, kv = r.req, len(r.tokens)
+        if r.out0 is None:
+            given = req.output_tokens
+            r.out0 = given if given is not None else self.tape.take(req.output_len)
+        first = _Seq(r.idx, kv, r.resume + 1, r.out0)
+        r.seqs = [first]
+        for j in range(1, req.n):
+            self.mgr.fork(r.idx, (r.idx, j))
+            r.seqs.append(_Seq((r.idx, j), kv, 1, self.tape.take(req.output_len)))
+
+    def _write(self, s: _Seq) -> bool:
+        """Hand the manager the tokens written since the last call, up to the last sampled one
+        (it starts or fills a block, or follows a fork). False when no block is free for it."""
+        pos = s.kv_len
+        base = pos - s.generated + 1  # position of out[0]
+        pending = s.out[s.flushed - base : pos - base + 1]
+        try:
+            self.mgr.append(s.rid, int(pending[0]) if len(pending) == 1 else pending)
+        except OutOfBlocksError:
+            return False
+        s.flushed = s.kv_len = pos + 1
+        s.must_flush = False
+        return True
+
+    def _make_room(self, r: _Live, s: _Seq) -> bool:
+        """Write ``s``'s token, preempting the latest admitted requests while no block is free.
+        False when ``r`` itself had to go."""
+        while not self._write(s):
+            victim = self.running[-1]
+            if victim is r and len(self.running) == 1:
+                self._drop(r)  # alone and still out of blocks: it can never grow in this cache
+                self.truncated += 1
+                return False
+            self._preempt(victim)
+            if victim is r:
+                return False
+        return True
+
+    def _release_all(self, r: _Live) -> None:
+        for s in r.seqs:
+            self.mgr.release(s.rid)
+        if not r.seqs:  # still prefilling
+            self.mgr.release(r.idx)
+        self.live_seqs -= len(r.seqs) or r.req.n
+        self.running.remove(r)
+
+    def _drop(self, r: _Live) -> None:
+        self._release_all(r)
+        r.seqs = []
+
+    def _preempt(self, r: _Live) -> None:
+        """Release ``r`` and queue it first, to be recomputed (by preemption, as in vLLM)."""
+        self.preemptions += 1
+        self._release_all(r)
+        if r.seqs and r.req.n == 1:  # recompute the prompt and the output so far, then go on
+            assert r.out0 is not None
+            r.resume = r.seqs[0].generated
+            r.tokens = np.concatenate([r.req.tokens, r.out0[: r.resume]])
+        elif r.seqs:  # parallel samples restart from the prompt
+            r.resume = 0
+            r.tokens = r.req.tokens
+        r.seqs = []
+        r.prefill_left = 0
+        self.waiting.appendleft(r)
+
+    def _finish_done(self) -> None:
+        keep: list[_Live] = []
+        for r in self.running:
+            if r.prefill_left or not r.seqs:
+                keep.append(r)
+                continue
+            live = []
+            for s in r.seqs:
+                if s.generated >= r.req.output_len:
+                    if s is r.seqs[0] and r.req.output_tokens is not None and self.acc:
+                        written = (
+                            r.req.tokens.tobytes() + s.out[: s.kv_len - len(r.req.tokens)].tobytes()
+                        )
+                        self.acc.note_output(r.req, written)
+                    self.mgr.release(s.rid)
+                    self.live_seqs -= 1
+                else:
+                    live.append(s)
+            r.seqs = live
+            if live:
+                keep.append(r)
+        self.running = keep
+
+    # ---- measurements -----------------------------------------------------------------------
+    def _measure(self, final: bool = False) -> None:
+        """Peak usage every step; a timeline row when due."""
+        acc = self.acc
+        if acc is None:
+            return
+        p = self.p
+        logical = frag = 0
+        for r in self.running:
+            if not r.seqs:  # prefilling: the whole prompt is allocated
+                blocks = -(-len(r.tokens) // p)
+                logical += blocks
+                frag += blocks * p - len(r.tokens)
+                continue
+            shared_tail = False
+            for s in r.seqs:
+                blocks = -(-s.flushed // p)
+                logical += blocks
+                if s.must_flush:  # still shares the prompt's last block
+                    shared_tail = True
+                else:
+                    frag += blocks * p - s.kv_len
+            if shared_tail:
+                frag += -(-len(r.tokens) // p) * p - len(r.tokens)
+        used = self.mgr.block_counts()
+        acc.note_usage(used.active, logical, frag)
+        timeline = acc.timeline
+        if timeline is None or not (final or timeline.due(self.steps)):
+            return
+        tot = acc.totals
+        row = (
+            round(self.clock, 9),
+            used.active,
+            used.cached,
+            used.free,
+            self.mgr.stats.evicted_blocks,
+            tot.prompt_tokens,
+            tot.hit_tokens,
+            acc.rolling_hit_rate(),
+        )
+        if final:
+            timeline.finish(self.steps, row)
+        else:
+            timeline.add(self.steps, row)
+
+
+def _add(work: list[int], tokens: int, pairs: int, kv: int) -> None:
+    work[0] += tokens
+    work[1] += pairs
+    work[2] += kv
+
+
+def run_serving(
+    requests: Iterable[Request],
+    source: Source,
+    mgr: CacheManager,
+    acc: Accountant,
+    cfg: ResolvedConfig,
+) -> ServingStats:
+    """Simulate with the cache, then without it (same capacity) for the no-cache TTFTs."""
+    sim = Simulator(mgr, cfg, acc)
+    sim.run(requests)
+    o = cfg.options
+    plain = CacheManager(
+        cfg.capacity_blocks,
+        o.block_size,
+        hash_algo=o.hash_algo,
+        policy=o.policy,
+        enable_caching=False,
+    )
+    base = Simulator(plain, cfg, None)
+    base.run(source)
+    if acc.log is not None:
+        # rows are in admission order; request_id maps them back to arrival order
+        ids = acc.log.request_id
+        acc.log.ttft_s = array("d", (sim.ttft[i] for i in ids))
+        acc.log.ttft_nocache_s = array(
+            "d", (base.ttft[i] if i < len(base.ttft) else math.nan for i in ids)
+        )
+    return ServingStats(sim.ttft, base.ttft, sim.preemptions, sim.steps, sim.clock, sim.truncated)

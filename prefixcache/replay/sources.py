@@ -1,0 +1,101 @@
+"""Open a scenario file or a trace as a stream of requests that can be iterated again."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from prefixcache.errors import ConfigError
+from prefixcache.replay.config import ReplayConfig
+from prefixcache.replay.request import Request
+from prefixcache.replay.scenario import is_scenario_path, load_scenario
+from prefixcache.replay.traces import TraceOptions, detect_format, read_trace, trace_namespaces
+from prefixcache.replay.workload import Workload
+
+
+@dataclass
+class Source:
+    path: str
+    kind: str  # scenario | mooncake | tokens | prompts | text | memory
+    name: str
+    seed: int | None  # the seed the requests were generated or synthesized with
+    multi_namespace: bool  # several namespaces may occur (isolation misses possible)
+    total: int | None  # request count when known up front
+    _factory: Callable[[], Iterator[Request]]
+
+    def __iter__(self) -> Iterator[Request]:
+        return self._factory()
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        if self.kind == "memory":
+            for req in self:
+                h.update(req.tokens.tobytes())
+            return h.hexdigest()
+        with open(self.path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def head(self, n: int) -> Source:
+        """The same source cut to its first ``n`` requests."""
+        make = self._factory
+        total = n if self.total is None else min(self.total, n)
+        return replace(self, total=total, _factory=lambda: itertools.islice(make(), n))
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request], name: str = "requests") -> Source:
+        """Requests built in Python (tests, notebooks); identified by their tokens' hash."""
+        items = list(requests)
+        many = len({r.namespace for r in items}) > 1
+        return cls("<memory>", "memory", name, None, many, len(items), lambda: iter(items))
+
+
+def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
+    config = config or ReplayConfig()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such scenario or trace file")
+    if is_scenario_path(p):
+        scenario = load_scenario(p)
+        workload = Workload(scenario, config.seed)
+        total = scenario.requests if scenario.duration_s is None else None
+        if scenario.arrivals.process == "timestamps" and scenario.session is None:
+            total = min(
+                total or len(scenario.arrivals.timestamps), len(scenario.arrivals.timestamps)
+            )
+        return Source(
+            str(p),
+            "scenario",
+            scenario.name,
+            workload.seed,
+            scenario.namespace.count > 1,
+            total,
+            workload.__iter__,
+        )
+    fmt = config.trace_format or detect_format(p)
+    if fmt == "mooncake" and config.trace_block_size % config.block_size:
+        raise ConfigError(
+            f"block size {config.block_size} does not divide the trace's {config.trace_block_size}"
+            "-token blocks; use a divisor (e.g. 16, 64, 512) or set --trace-block-size"
+        )
+    seed = config.seed if config.seed is not None else 0
+    options = TraceOptions(
+        format=fmt,
+        trace_block_size=config.trace_block_size,
+        seed=seed,
+        tokenizer=config.tokenizer,
+        output_len=config.output_len,
+    )
+    return Source(
+        str(p),
+        fmt,
+        p.stem,
+        seed if fmt == "mooncake" else None,
+        trace_namespaces(p, options),
+        None,
+        lambda: read_trace(p, options),
+    )

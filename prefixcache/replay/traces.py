@@ -1,0 +1,251 @@
+"""Trace readers: one JSON object (or text prompt) per line, streamed, never loaded whole.
+
+- Mooncake: ``{timestamp (ms), input_length, output_length, hash_ids}``, one hash id per trace
+  block (512 tokens by default). Tokens are synthesized per hash id, so equal ids give equal
+  blocks; a partial last block is the head of its id's block.
+- tokens: ``{token_ids | input_ids | tokens: [...]}``.
+- prompts: ``{prompt | text: "..."}`` or ``{messages: [{role, content}, ...]}`` through a
+  tokenizer; ``.txt`` files hold one prompt per line.
+
+Optional on the token and prompt formats: ``arrival_s`` (or ``timestamp`` in seconds),
+``output_length``, ``n``, and namespace fields ``model``, ``adapter``, ``adapter_version``,
+``salt``. A bad line raises TraceFormatError with its line number.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixcache.errors import ConfigError
+from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
+from prefixcache.replay.errors import TraceFormatError
+from prefixcache.replay.mooncake import MooncakeTokens
+from prefixcache.replay.request import Request
+from prefixcache.replay.tokenizer import Tokenizer, load_tokenizer, render_chat
+from prefixcache.tokens import MAX_TOKEN_ID
+
+FORMATS = ("mooncake", "tokens", "prompts", "text")
+TOKEN_KEYS = ("token_ids", "input_ids", "tokens")
+PROMPT_KEYS = ("prompt", "text", "messages")
+NAMESPACE_KEYS = ("model", "adapter", "adapter_version", "salt")
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    format: str | None = None  # None: detect from the first line
+    trace_block_size: int = 512  # Mooncake: tokens per hash id
+    seed: int = 0  # Mooncake: token synthesis
+    vocab_size: int | None = None  # Mooncake: None = the whole int31 range
+    tokenizer: str | None = None  # prompts/text: tokenizer.json path, None = bytes
+    output_len: int = 128  # when a line gives none
+    namespace: Namespace = DEFAULT_NAMESPACE
+
+
+def detect_format(path: str | Path) -> str:
+    """The format of a trace from its first non-empty line (and ``.txt`` for text)."""
+    p = Path(path)
+    if p.suffix.lower() == ".txt":
+        return "text"
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                obj = _parse(line, str(p), lineno)
+                if "hash_ids" in obj:
+                    return "mooncake"
+                if any(k in obj for k in TOKEN_KEYS):
+                    return "tokens"
+                if any(k in obj for k in PROMPT_KEYS):
+                    return "prompts"
+                raise TraceFormatError(
+                    str(p),
+                    lineno,
+                    "unrecognized record: expected hash_ids (Mooncake), one of "
+                    f"{', '.join(TOKEN_KEYS)} (token ids) or {', '.join(PROMPT_KEYS)} (text)",
+                )
+    raise TraceFormatError(str(p), 0, "the trace is empty")
+
+
+def read_trace(path: str | Path, options: TraceOptions | None = None) -> Iterator[Request]:
+    options = options or TraceOptions()
+    fmt = options.format or detect_format(path)
+    if fmt == "mooncake":
+        return _mooncake(str(path), options)
+    if fmt == "tokens":
+        return _tokens(str(path), options)
+    if fmt in ("prompts", "text"):
+        return _prompts(str(path), options, load_tokenizer(options.tokenizer), text=fmt == "text")
+    raise ConfigError(f"unknown trace format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def trace_namespaces(path: str | Path, options: TraceOptions) -> bool:
+    """Whether the trace may hold several namespaces (its first record names one)."""
+    fmt = options.format or detect_format(path)
+    if fmt in ("mooncake", "text"):
+        return False
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                return any(k in _parse(line, str(path), lineno) for k in NAMESPACE_KEYS)
+    return False
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def _parse(line: str, path: str, lineno: int) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(path, lineno, f"not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(path, lineno, "expected a JSON object")
+    return obj
+
+
+def _int(
+    obj: dict[str, Any], key: str, path: str, lineno: int, minimum: int, default: int | None = None
+) -> int:
+    value = obj.get(key, default)
+    if value is None:
+        raise TraceFormatError(path, lineno, f"missing field '{key}'")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceFormatError(
+            path, lineno, f"'{key}' must be an integer >= {minimum}, got {value!r}"
+        )
+    return value
+
+
+def _time(
+    obj: dict[str, Any], keys: tuple[str, ...], scale: float, path: str, lineno: int, default: float
+) -> float:
+    for key in keys:
+        if key in obj:
+            value = obj[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise TraceFormatError(
+                    path, lineno, f"'{key}' must be a number >= 0, got {value!r}"
+                )
+            return float(value) * scale
+    return default
+
+
+def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
+    block = opt.trace_block_size
+    synth = MooncakeTokens(block, opt.seed, opt.vocab_size)
+    ns = opt.namespace
+    for lineno, line in _lines(path):
+        obj = _parse(line, path, lineno)
+        length = _int(obj, "input_length", path, lineno, 1)
+        output = _int(obj, "output_length", path, lineno, 0, default=0)
+        ids = obj.get("hash_ids")
+        if not isinstance(ids, list):
+            raise TraceFormatError(path, lineno, "'hash_ids' must be a list of integers")
+        if len(ids) != -(-length // block):
+            raise TraceFormatError(
+                path,
+                lineno,
+                f"{len(ids)} hash_ids for input_length {length}: expected "
+                f"ceil({length} / {block}) = {-(-length // block)} (one per {block}-token block)",
+            )
+        try:
+            tokens = synth.tokens(ids, length)
+        except (TypeError, ValueError, OverflowError):
+            raise TraceFormatError(path, lineno, "'hash_ids' must be integers >= 0") from None
+        arrival = _time(obj, ("timestamp",), 1e-3, path, lineno, 0.0)
+        yield Request(arrival, tokens, output, ns)
+
+
+def _namespace(obj: dict[str, Any], base: Namespace, path: str, lineno: int) -> Namespace:
+    if not any(k in obj for k in NAMESPACE_KEYS):
+        return base
+    fields = {}
+    for key in NAMESPACE_KEYS:
+        value = obj.get(key, getattr(base, key))
+        if value is not None and not isinstance(value, str):
+            raise TraceFormatError(path, lineno, f"'{key}' must be a string, got {value!r}")
+        fields[key] = value
+    return Namespace(
+        model=fields["model"] or "",
+        adapter=fields["adapter"],
+        adapter_version=fields["adapter_version"],
+        salt=fields["salt"],
+    )
+
+
+def _tokens(path: str, opt: TraceOptions) -> Iterator[Request]:
+    cache: dict[tuple, Namespace] = {}
+    for lineno, line in _lines(path):
+        obj = _parse(line, path, lineno)
+        ids = next((obj[k] for k in TOKEN_KEYS if k in obj), None)
+        if not isinstance(ids, list) or not ids:
+            raise TraceFormatError(
+                path, lineno, f"expected a non-empty list in one of {', '.join(TOKEN_KEYS)}"
+            )
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            arr = None
+        if arr is None or arr.ndim != 1 or arr.min() < 0 or arr.max() > MAX_TOKEN_ID:
+            raise TraceFormatError(path, lineno, "token ids must be integers in [0, 2**31)")
+        yield _request(obj, arr.astype("<i4"), opt, path, lineno, cache)
+
+
+def _prompts(path: str, opt: TraceOptions, tok: Tokenizer, *, text: bool) -> Iterator[Request]:
+    cache: dict[tuple, Namespace] = {}
+    if text:
+        for lineno, line in _lines(path):
+            tokens = tok.encode(line.rstrip("\r\n"))
+            if len(tokens) == 0:
+                raise TraceFormatError(path, lineno, "the prompt encodes to no tokens")
+            yield Request(0.0, tokens, opt.output_len, opt.namespace)
+        return
+    for lineno, line in _lines(path):
+        obj = _parse(line, path, lineno)
+        if "messages" in obj:
+            msgs = obj["messages"]
+            if not isinstance(msgs, list) or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in msgs
+            ):
+                raise TraceFormatError(
+                    path, lineno, "'messages' must be a list of {role: str, content: str}"
+                )
+            prompt = render_chat(msgs)
+        else:
+            prompt = obj.get("prompt", obj.get("text"))
+            if not isinstance(prompt, str):
+                raise TraceFormatError(
+                    path, lineno, "expected a string in 'prompt' or 'text', or 'messages'"
+                )
+        tokens = tok.encode(prompt)
+        if len(tokens) == 0:
+            raise TraceFormatError(path, lineno, "the prompt encodes to no tokens")
+        yield _request(obj, tokens, opt, path, lineno, cache)
+
+
+def _request(
+    obj: dict[str, Any],
+    tokens: np.ndarray,
+    opt: TraceOptions,
+    path: str,
+    lineno: int,
+    cache: dict[tuple, Namespace],
+) -> Request:
+    arrival = _time(obj, ("arrival_s", "timestamp"), 1.0, path, lineno, 0.0)
+    output = _int(obj, "output_length", path, lineno, 0, default=opt.output_len)
+    n = _int(obj, "n", path, lineno, 1, default=1)
+    ns = _namespace(obj, opt.namespace, path, lineno)
+    ns = cache.setdefault((ns.model, ns.adapter, ns.adapter_version, ns.salt), ns)
+    return Request(arrival, tokens, output, ns, n)

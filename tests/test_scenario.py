@@ -1,0 +1,214 @@
+"""Scenario files: validation with precise errors, deterministic generation, workload structure."""
+
+from __future__ import annotations
+
+import itertools
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixcache.replay import ScenarioError, Workload, load_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml")) + sorted((ROOT / "scenarios").glob("*.toml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def take(path: Path, n: int, seed: int | None = None) -> list:
+    return list(itertools.islice(Workload(load_scenario(path), seed), n))
+
+
+BASIC = """\
+    seed: 1
+    requests: 50
+    arrivals: {process: poisson, rate: 10}
+    prompt:
+      - shared: {name: system, length: 40}
+      - unique: {length: {dist: uniform, low: 5, high: 9}}
+    output: 16
+"""
+
+
+def test_shipped_scenarios_cover_the_workload_kinds() -> None:
+    names = {p.stem for p in SHIPPED}
+    for kind in (
+        "shared_system_prompt",
+        "few_shot",
+        "multi_turn_chat",
+        "rag",
+        "agent_loop",
+        "parallel_sampling",
+        "multi_tenant",
+        "lora_adapters",
+    ):
+        assert kind in names
+    for path in SHIPPED:
+        reqs = take(path, 300)
+        assert len(reqs) == 300, path
+        times = [r.arrival_s for r in reqs]
+        assert times == sorted(times), f"{path.name}: arrivals out of order"
+        assert all(len(r.tokens) > 0 and r.tokens.dtype == np.dtype("<i4") for r in reqs)
+
+
+def test_same_seed_same_workload_other_seed_differs(tmp_path: Path) -> None:
+    path = write(tmp_path, BASIC)
+    a, b = take(path, 50), take(path, 50)
+    assert all(
+        x.arrival_s == y.arrival_s
+        and np.array_equal(x.tokens, y.tokens)
+        and x.output_len == y.output_len
+        for x, y in zip(a, b, strict=True)
+    )
+    c = take(path, 50, seed=2)
+    assert not np.array_equal(a[1].tokens, c[1].tokens)
+
+
+def test_shared_segment_is_identical_and_unique_segment_is_fresh(tmp_path: Path) -> None:
+    reqs = take(write(tmp_path, BASIC), 50)
+    heads = {r.tokens[:40].tobytes() for r in reqs}
+    assert len(heads) == 1
+    tails = {r.tokens[40:].tobytes() for r in reqs}
+    assert len(tails) == 50
+    assert {len(r.tokens) - 40 for r in reqs} <= set(range(5, 10))
+    assert len(take(write(tmp_path, BASIC), 100)) == 50  # requests bounds the stream
+
+
+def test_pool_picks_distinct_documents_in_varying_positions(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        seed: 3
+        requests: 200
+        arrivals: {process: constant, rate: 1}
+        prompt:
+          - pool: {name: docs, size: 5, length: 32, pick: 3, popularity: uniform}
+        output: 1
+    """,
+    )
+    reqs = take(path, 200)
+    docs: dict[bytes, set[int]] = {}
+    for r in reqs:
+        assert len(r.tokens) == 96
+        chunks = [r.tokens[i * 32 : (i + 1) * 32].tobytes() for i in range(3)]
+        assert len(set(chunks)) == 3
+        for pos, chunk in enumerate(chunks):
+            docs.setdefault(chunk, set()).add(pos)
+    assert len(docs) == 5
+    assert all(positions == {0, 1, 2} for positions in docs.values())
+    assert [r.arrival_s for r in reqs[:3]] == [0.0, 1.0, 2.0]
+
+
+def test_sessions_resend_history_and_output(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        seed: 4
+        requests: 30
+        arrivals: {process: poisson, rate: 0.001}
+        prompt:
+          - unique: {length: 20}
+        session:
+          turns: 3
+          think_time_s: 1
+          turn:
+            - unique: {name: msg, length: 7}
+        output: 5
+    """,
+    )
+    reqs = take(path, 3)  # sessions arrive rarely: the first three requests are one session
+    assert [len(r.tokens) for r in reqs] == [20, 32, 44]
+    for prev, cur in itertools.pairwise(reqs):
+        assert prev.output_tokens is not None and len(prev.output_tokens) == 5
+        history = np.concatenate([prev.tokens, prev.output_tokens])
+        assert np.array_equal(cur.tokens[: len(history)], history)
+        assert cur.arrival_s == pytest.approx(prev.arrival_s + 1)
+    assert reqs[2].output_tokens is None  # the last turn's output is not reused
+
+
+def test_namespaces_tenants_and_adapters(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        seed: 5
+        requests: 400
+        arrivals: {process: poisson, rate: 5}
+        namespace: {model: m, tenants: 2, adapters: [null, sql], adapter_weights: [1, 3]}
+        prompt: [{shared: {length: 16}}]
+        output: 1
+        n: 3
+    """,
+    )
+    reqs = take(path, 400)
+    spaces = {(r.namespace.salt, r.namespace.adapter) for r in reqs}
+    assert spaces == {(t, a) for t in ("tenant-0", "tenant-1") for a in (None, "sql")}
+    sql = sum(r.namespace.adapter == "sql" for r in reqs) / len(reqs)
+    assert 0.65 < sql < 0.85
+    assert all(r.n == 3 and r.namespace.model == "m" for r in reqs)
+
+
+def test_toml_and_yaml_give_the_same_workload(tmp_path: Path) -> None:
+    yaml_path = write(tmp_path, BASIC)
+    toml_path = write(
+        tmp_path,
+        """\
+        seed = 1
+        requests = 50
+        output = 16
+        arrivals = { process = "poisson", rate = 10 }
+        [[prompt]]
+        shared = { name = "system", length = 40 }
+        [[prompt]]
+        unique = { length = { dist = "uniform", low = 5, high = 9 } }
+    """,
+        "s.toml",
+    )
+    a, b = take(yaml_path, 50), take(toml_path, 50)
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "expected"),
+    [
+        (("seed: 1", "seed: -1"), "seed", "an integer >= 0"),
+        (("requests: 50", "requests: many"), "requests", "an integer >= 1"),
+        (("rate: 10", "rate: 0"), "arrivals.rate", "a number > 0"),
+        (("process: poisson", "process: weibull"), "arrivals.process", "one of poisson"),
+        (
+            ("shared: {name: system, length: 40}", "shared: {name: system, length: 0}"),
+            "prompt[0].shared.length",
+            "a number >= 1",
+        ),
+        (("shared: {name: system", "shard: {name: system"), "prompt[0]", "a segment kind"),
+        (("low: 5, high: 9", "low: 5, high: 2"), "prompt[1].unique.length.high", ">= 5"),
+        (("dist: uniform", "dist: cauchy"), "prompt[1].unique.length.dist", "one of fixed"),
+        (("output: 16", "output: 16\nextra: 1"), "extra", "no such field"),
+        (("output: 16", ""), "output", "the field is required"),
+    ],
+)
+def test_malformed_file_names_file_field_and_expectation(
+    tmp_path: Path, change: tuple[str, str], field: str, expected: str
+) -> None:
+    text = textwrap.dedent(BASIC)
+    assert change[0] in text
+    path = write(tmp_path, text.replace(change[0], change[1]))
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    message = str(info.value)
+    assert message.startswith(str(path)), message
+    assert f"field '{field}'" in message and expected in message, message
+
+
+def test_syntax_errors_name_the_line(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match=r"s\.yaml.*valid YAML.*line 2"):
+        load_scenario(write(tmp_path, "seed: 1\nfoo: bar: baz\n"))
+    with pytest.raises(ScenarioError, match=r"s\.toml.*valid TOML"):
+        load_scenario(write(tmp_path, "seed = = 1\n", "s.toml"))
+    with pytest.raises(ScenarioError, match="a mapping"):
+        load_scenario(write(tmp_path, "- 1\n- 2\n"))
