@@ -183,8 +183,12 @@ def _render_rich_report(run_dir: Path) -> None:
         from prefixcache.report import render_all
 
         render_all(run_dir)
-    except ImportError:
-        return
+    except ImportError as exc:  # report.json and the CSVs are written; say what is missing
+        print(
+            f"note: rich report not written ({exc}); "
+            "install the 'report' extra: pip install 'prefixcache[report]'",
+            file=sys.stderr,
+        )
 
 
 def _analyze(args: argparse.Namespace) -> int:
