@@ -14,9 +14,9 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.errors import ConfigError
 from prefixcache.replay import ReplayConfig, get_model, parse_size, replay_path, write_run
-from prefixcache.replay.accounting import REQUEST_COLUMNS
 from prefixcache.replay.progress import with_progress
-from prefixcache.replay.timeline import TIMELINE_COLUMNS, Timeline
+from prefixcache.replay.timeline import Timeline
+from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "scenarios" / "traces" / "mooncake_sample.jsonl"

@@ -17,8 +17,9 @@ import pytest
 
 from prefixcache.report.checks import consistency_checks
 from prefixcache.report.figures import nearest_rank
-from prefixcache.report.run import REQUEST_COLUMNS, TIMELINE_COLUMNS, load_run
+from prefixcache.report.run import load_run
 from prefixcache.report.schema import schema_problems
+from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS
 
 BLOCK = 16
 CAPACITY = 512

@@ -17,24 +17,6 @@ from prefixcache.replay.timeline import Timeline
 
 TOP_PREFIXES = 10
 
-REQUEST_COLUMNS = (
-    "request_id",
-    "arrival_s",
-    "namespace",
-    "prompt_tokens",
-    "hit_tokens",
-    "prompt_blocks",
-    "hit_blocks",
-    "miss_cold",
-    "miss_capacity",
-    "miss_isolation",
-    "miss_tail",
-    "miss_routing",
-    "output_tokens",
-    "ttft_s",
-    "ttft_nocache_s",
-)
-
 
 class RequestLog:
     """One compact column per field of requests.csv (typed arrays, not Python objects)."""

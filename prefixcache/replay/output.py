@@ -9,9 +9,8 @@ import re
 import time
 from pathlib import Path
 
-from prefixcache.replay.accounting import REQUEST_COLUMNS
 from prefixcache.replay.result import ReplayResult
-from prefixcache.replay.timeline import TIMELINE_COLUMNS
+from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS
 
 
 def default_run_dir(name: str, root: str | Path = "runs") -> Path:

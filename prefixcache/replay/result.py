@@ -12,9 +12,8 @@ import prefixcache
 from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.config import ResolvedConfig
 from prefixcache.replay.models import ModelConfig
+from prefixcache.run_format import SCHEMA_VERSION
 from prefixcache.stats import CacheStats
-
-SCHEMA_VERSION = 1
 
 
 @dataclass

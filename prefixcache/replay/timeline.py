@@ -7,17 +7,6 @@ between ``target`` and ``2 * target`` evenly spaced rows, plus the final state.
 
 from __future__ import annotations
 
-TIMELINE_COLUMNS = (
-    "t",
-    "blocks_active",
-    "blocks_cached",
-    "blocks_free",
-    "evicted_blocks_cum",
-    "prompt_tokens_cum",
-    "hit_tokens_cum",
-    "rolling_token_hit_rate",
-)
-
 
 class Timeline:
     def __init__(self, target: int = 1000) -> None:

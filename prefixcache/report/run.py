@@ -12,34 +12,8 @@ import numpy as np
 
 from prefixcache.errors import PrefixCacheError
 from prefixcache.report.schema import validate_report
+from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS
 
-REQUEST_COLUMNS = (
-    "request_id",
-    "arrival_s",
-    "namespace",
-    "prompt_tokens",
-    "hit_tokens",
-    "prompt_blocks",
-    "hit_blocks",
-    "miss_cold",
-    "miss_capacity",
-    "miss_isolation",
-    "miss_tail",
-    "miss_routing",
-    "output_tokens",
-    "ttft_s",
-    "ttft_nocache_s",
-)
-TIMELINE_COLUMNS = (
-    "t",
-    "blocks_active",
-    "blocks_cached",
-    "blocks_free",
-    "evicted_blocks_cum",
-    "prompt_tokens_cum",
-    "hit_tokens_cum",
-    "rolling_token_hit_rate",
-)
 _TEXT_COLUMNS = frozenset({"request_id", "namespace"})
 
 Columns = dict[str, np.ndarray]

@@ -14,8 +14,7 @@ from importlib import resources
 from typing import Any
 
 from prefixcache.errors import PrefixCacheError
-
-SCHEMA_VERSION = 1
+from prefixcache.run_format import SCHEMA_VERSION
 
 
 class ReportSchemaError(PrefixCacheError, ValueError):
