@@ -188,6 +188,9 @@ class CacheManager:
         node, j, n, digest = self.index.match(root, buf, t // p)
         cow = n > 0 and n * p == t
         shared = n - 1 if cow else n
+        need = num_logical - shared
+        if need <= self._available(n):  # fits even if every matched block were unheld now
+            return need, n, node, j, n, digest, shared, cow
         held_cached = 0
         cur, count = node, j
         while cur.parent is not None:  # matched blocks nobody holds yet: we will hold them
@@ -195,7 +198,7 @@ class CacheManager:
                 held_cached += count
             cur = cur.parent
             count = len(cur.blocks)
-        return num_logical - shared, held_cached, node, j, n, digest, shared, cow
+        return need, held_cached, node, j, n, digest, shared, cow
 
     def _available(self, held_cached: int) -> int:
         cached = self.index.num_blocks - self.index.active_blocks

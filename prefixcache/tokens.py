@@ -10,6 +10,7 @@ import numpy as np
 from prefixcache.errors import InvalidTokensError
 
 MAX_TOKEN_ID = 2**31 - 1
+_INT32 = np.dtype("<i4")
 
 TokenIds = Sequence[int] | np.ndarray | Any  # Any covers torch.Tensor without importing torch
 
@@ -19,6 +20,15 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
 
     Accepts a list/tuple/range of ints, a numpy integer array or a torch integer tensor.
     """
+    if (  # the hot path: what a runtime holds already
+        type(tokens) is np.ndarray
+        and tokens.dtype == _INT32
+        and tokens.ndim == 1
+        and tokens.size
+        and tokens.flags.c_contiguous
+        and np.minimum.reduce(tokens) >= 0
+    ):
+        return tokens
     if type(tokens).__module__.startswith("torch"):
         tokens = _torch_to_numpy(tokens)
     if isinstance(tokens, np.ndarray):
