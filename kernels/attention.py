@@ -122,7 +122,7 @@ def _launch(
         )
         seg_lse = torch.empty(seg_out.shape[:-1], dtype=torch.float32, device=q.device)
     else:
-        seg_out = seg_lse = out  # placeholders; the kernel does not touch them without SPLIT
+        seg_out = seg_lse = out  # unused without SPLIT: the kernel never touches them
     grid = (cfg.num_q_blocks(shapes.total_q, shapes.num_seqs), shapes.num_kv_heads, cfg.num_splits)
     paged_attention_kernel[grid](
         out_ptr=out,
