@@ -172,8 +172,9 @@ class CacheManager:
     def _plan(self, arr: np.ndarray, buf: bytes, namespace: Namespace) -> tuple[Any, ...]:
         """Match and size an admission without changing anything.
 
-        Returns (new blocks needed, matched blocks that are now unreferenced, match node, j, n,
-        digest, blocks shared in the table, whether the last block is copied on write).
+        Returns (new blocks needed, matched blocks that are now unreferenced (or an upper bound
+        on them when capacity is plentiful), match node, j, n, digest, blocks shared in the
+        table, whether the last block is copied on write).
         """
         p, t = self.block_size, len(arr)
         num_logical = -(-t // p)
