@@ -2,8 +2,8 @@ PYTHON ?= python3
 
 .PHONY: install demo replay test lint bench
 
-install:  ## CPU torch from the local wheel cache first, then the package with its test extras
-	$(PYTHON) -m pip install -q "torch==2.13.0" || $(PYTHON) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+install:  ## torch first (pinned: the CPU build here), then the package with its test extras
+	$(PYTHON) -m pip install -q "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
 
 demo:
