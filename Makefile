@@ -2,9 +2,12 @@ PYTHON ?= python3
 
 .PHONY: install demo replay test lint bench
 
-install:  ## torch first (pinned: the CPU build here), then the package with its test extras
+install:  ## torch first (pinned: the CPU build here), the package with its test extras, Chromium
 	$(PYTHON) -m pip install -q "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "note: the HTML report test needs headless Chromium (apt-get install chromium)"
 
 demo:
 	$(PYTHON) -m prefixcache demo
