@@ -212,3 +212,14 @@ def test_syntax_errors_name_the_line(tmp_path: Path) -> None:
         load_scenario(write(tmp_path, "seed = = 1\n", "s.toml"))
     with pytest.raises(ScenarioError, match="a mapping"):
         load_scenario(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_missing_required_field_is_named_without_internals(tmp_path):
+    from prefixcache.replay.errors import ScenarioError
+    from prefixcache.replay.scenario import load_scenario
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("seed: 1\nrequests: 10\nprompt:\n  - unique: {name: q, length: 5}\noutput: 4\n")
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert str(info.value) == f"{path}: field 'arrivals': expected a value (the field is required)"

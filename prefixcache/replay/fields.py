@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from prefixcache.replay.errors import ScenarioError
-
-_UNSET: Any = object()
+from prefixcache.replay.errors import _UNSET, ScenarioError
 
 
 class Where:
