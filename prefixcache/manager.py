@@ -135,14 +135,16 @@ class CacheManager:
             limit = min(p, t - 1 - n * p)
             candidate = self.index.partial_candidate(node, len(node.blocks), buf, n, limit)
         fresh = self._take(need)
-        path = self.index.path_blocks(node) if n else []
-        table = path[:shared] + fresh
+        table = self.index.path_blocks(node) if n else []
+        src = table[-1] if cow else -1
+        del table[shared:]
+        table += fresh
         seq = _Seq(buf, t, table, node)
-        seq.private = list(fresh)
+        seq.private = fresh  # a new list from the pool: the sequence owns it
         copies: list[Copy] = []
         cached_len = shared * p
         if cow:  # every prompt token is cached: recompute only the last one, in a private copy
-            copies.append(Copy(path[-1], fresh[0], p - 1))
+            copies.append(Copy(src, fresh[0], p - 1))
             cached_len = t - 1
             self.stats.cow_copies += 1
         elif candidate is not None:
