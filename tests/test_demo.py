@@ -29,22 +29,17 @@ def test_cli_demo_prints_seed_format(capsys):
         assert line in out
 
 
+def run_example(name: str) -> str:
+    cmd = [sys.executable, str(ROOT / "examples" / name)]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
 def test_example_script_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "paged_attention_reference.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = run_example("paged_attention_reference.py")
     for line in EXPECTED:
         assert line in out
 
 
 def test_embedding_example_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "embedding.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = run_example("embedding.py")
     assert "token_hit_rate=" in out and "active=0" in out
