@@ -133,7 +133,7 @@ class CacheManager:
         candidate = None
         if self.partial_copy and not cow and n * p < t - 1 and self.enable_caching:
             limit = min(p, t - 1 - n * p)
-            candidate = self.index.partial_candidate(node, len(node.blocks), buf, n, limit)
+            candidate = self.index.partial_candidate(node, buf, n, limit)
         fresh = self._take(need)
         table = self.index.path_blocks(node) if n else []
         src = table[-1] if cow else -1
@@ -148,10 +148,11 @@ class CacheManager:
             cached_len = t - 1
             self.stats.cow_copies += 1
         elif candidate is not None:
-            cand, off, m = candidate
-            # our own allocation may have evicted it (eviction trims from the tail)
-            if cand.parent is not None and off < len(cand.blocks):
-                copies.append(Copy(cand.blocks[off], fresh[0], m))
+            cand, m = candidate
+            # our own allocation may have evicted it; eviction trims from the tail, so its first
+            # block is gone only with the whole node, which then has no parent
+            if cand.parent is not None:
+                copies.append(Copy(cand.blocks[0], fresh[0], m))
                 cached_len += m
                 self.index.hold(cand, now)
                 seq.copy_source = cand

@@ -154,26 +154,20 @@ class RadixIndex:
         return out
 
     def partial_candidate(
-        self, node: Node, j: int, buf: bytes, n: int, limit: int
-    ) -> tuple[Node, int, int] | None:
-        """A cached block sharing the first ``m`` tokens (0 < m <= limit) of block ``n``.
-
-        Returns ``(node, offset, m)`` of the block, or None.
-        """
-        p = self.block_size
-        if j < len(node.blocks):
-            cand, off = node, j
-        else:
-            if not node.by_token:
-                return None
-            start = n * 4 * p
-            found = node.by_token.get(int.from_bytes(buf[start : start + 4], "little"))
-            if found is None:
-                return None
-            cand, off = found, 0
-        a = off * 4 * p
-        m = common_tokens(cand.tokens[a : a + 4 * limit], buf[n * 4 * p : n * 4 * p + 4 * limit])
-        return (cand, off, m) if m > 0 else None
+        self, node: Node, buf: bytes, n: int, limit: int
+    ) -> tuple[Node, int] | None:
+        """A child of ``node`` (whose blocks a sequence matched in full, ``n`` blocks in all)
+        whose first block shares the first ``m`` tokens (0 < m <= limit) of the sequence's
+        block ``n``. Returns ``(child, m)`` or None; the most recent child with the same first
+        token is the one tried."""
+        if not node.by_token:
+            return None
+        start = n * self.block_bytes
+        cand = node.by_token.get(int.from_bytes(buf[start : start + 4], "little"))
+        if cand is None:
+            return None
+        m = common_tokens(cand.tokens[: 4 * limit], buf[start : start + 4 * limit])
+        return (cand, m) if m > 0 else None
 
     # ---- structure ------------------------------------------------------------------------
     def split(self, node: Node, j: int) -> Node:
