@@ -59,8 +59,10 @@ def main() -> None:
                 digest(data)
             floor.append(time.perf_counter() - t0)
         rate, floor_rate = (args.tokens / statistics.median(t) / 1e6 for t in (times, floor))
-        print(f"  {algo:9s} {rate:7.1f} M tokens/s   (bare hash calls alone: {floor_rate:.1f}; "
-              f"{rate / floor_rate:.0%} of that)")
+        print(
+            f"  {algo:9s} {rate:7.1f} M tokens/s   (bare hash calls alone: {floor_rate:.1f}; "
+            f"{rate / floor_rate:.0%} of that)"
+        )
     as_list = tokens[: args.tokens // 4].tolist()
     times = []
     for _ in range(3):
