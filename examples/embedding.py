@@ -37,8 +37,9 @@ def main() -> None:
         while waiting and mgr.can_admit(waiting[0][1], ns):
             rid, prompt, max_new = waiting.popleft()
             adm = mgr.admit(rid, prompt, ns)
-            # runtime: kv.apply_copies(adm.copies); prefill prompt[adm.cached_len:] writing K/V
-            # at adm.slot_mapping(), attention through mgr.block_tables([...])
+            # runtime: prefill prompt[adm.cached_len:]; per layer, store its K/V at
+            # adm.slot_mapping(), kv.apply_copies(adm.copies, layer), then attention through
+            # mgr.block_tables([...])
             computed += len(prompt) - adm.cached_len
             prompt_tokens += len(prompt)
             running[rid] = max_new
@@ -51,7 +52,8 @@ def main() -> None:
                 mgr.release(rid)
                 waiting.appendleft((rid, tokens, running.pop(rid)))
                 continue
-            # runtime: kv.apply_copies(res.copies); write the new token's K/V at res.slots
+            # runtime: per layer, store the new token's K/V at res.slots, then
+            # kv.apply_copies(res.copies, layer), then attention
             assert len(res.slots) == 1
             running[rid] -= 1
             if running[rid] == 0:

@@ -54,9 +54,9 @@ def run_demo(device: str = "cpu", seed: int = 53) -> DemoResult:
     tables = []
     for i, tokens in enumerate(prompts):
         adm = mgr.admit(f"seq{i}", tokens, ns)
-        kv.apply_copies(adm.copies)
-        # write only what the cache did not already hold
+        # write only what the cache did not already hold, then run the copies
         kv.write(0, ks[i][adm.cached_len :], vs[i][adm.cached_len :], adm.slot_mapping())
+        kv.apply_copies(adm.copies, 0)
         tables.append(adm.block_table)
 
     q = torch.randn(2, 1, hq, d, device=device, dtype=dtype)

@@ -38,7 +38,7 @@ def slots_of(table: list[int], block_size: int, start: int, end: int) -> np.ndar
 class Admission(NamedTuple):
     cached_len: int  # leading prompt tokens whose K/V are already in place
     block_table: list[int]  # physical block of each logical block of the prompt
-    copies: list[Copy]  # run first (copy-on-write, partially matched block)
+    copies: list[Copy]  # copy-on-write / partially matched block: see Copy for when to run
     num_tokens: int
     block_size: int
 

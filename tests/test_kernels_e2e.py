@@ -47,11 +47,11 @@ class Harness:
         self.gen = torch.Generator().manual_seed(0)
 
     def write(self, rid: str, start: int, slots: np.ndarray, copies: list) -> None:
-        """Run the step's copies, then store K/V of tokens[start:] of ``rid``."""
-        self.kv.apply_copies(copies)
+        """Store K/V of tokens[start:] of ``rid``, then run the step's copies."""
         k, v = prefix_kv(self.tokens[rid])
         slot_t = torch.from_numpy(slots).to(DEVICE)
         store_kv(k[start:], v[start:], self.kv.k[0], self.kv.v[0], slot_t)
+        self.kv.apply_copies(copies)
 
     def attend(self, batch: list[tuple[str, int]]) -> None:
         """Attention for the last q_len tokens of each (request, q_len); checks vs contiguous."""
