@@ -1,13 +1,16 @@
 """Typed errors raised by the kernel wrappers when their inputs are wrong.
 
-Value problems subclass ``ValueError`` and dtype problems ``TypeError``, so callers that only know
-the builtin exceptions still catch them. Every message names the argument and how to fix it.
+All are ``PrefixCacheError``s; value problems are also ``ValueError`` and dtype problems
+``TypeError``, so callers that only know the builtin exceptions still catch them. Every message
+names the argument and how to fix it.
 """
 
 from __future__ import annotations
 
+from prefixcache.errors import PrefixCacheError
 
-class KernelInputError(ValueError):
+
+class KernelInputError(PrefixCacheError, ValueError):
     """Base class for invalid arguments passed to a kernel wrapper."""
 
 
@@ -31,9 +34,9 @@ class BlockTableError(KernelInputError):
     """A block table is too short or holds a physical block id outside the cache."""
 
 
-class KernelDTypeError(TypeError):
+class KernelDTypeError(PrefixCacheError, TypeError):
     """A tensor has a dtype the kernels do not accept (or one that disagrees with the others)."""
 
 
-class TritonUnavailableError(RuntimeError):
+class TritonUnavailableError(PrefixCacheError, RuntimeError):
     """The Triton backend was requested but cannot run here."""

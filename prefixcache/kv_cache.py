@@ -54,7 +54,13 @@ class PagedKVCache:
         v: torch.Tensor,
         slots: Sequence[int] | np.ndarray | torch.Tensor,
     ) -> None:
-        """Store ``k``/``v`` [n, num_kv_heads, head_dim] at ``slots`` [n] (slot -1 = skip)."""
+        """Store ``k``/``v`` [n, num_kv_heads, head_dim] at ``slots`` [n] (slot -1 = skip).
+
+        Any block size and head size; a runtime's hot path calls ``prefixcache.kernels.store_kv``
+        on the same tensors instead (the Triton kernel on CUDA).
+        """
+        from prefixcache.kernels.reference import reference_store_kv
+
         slots_t = torch.as_tensor(slots, dtype=torch.int64, device=k.device)
         if (
             k.shape != v.shape
@@ -66,14 +72,9 @@ class PagedKVCache:
                 f"k/v must be [{slots_t.numel()}, {hkv}, {d}] to match the slots, "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        keep = slots_t >= 0
-        slots_t = slots_t[keep]
         if slots_t.numel() and int(slots_t.max()) >= self.num_blocks * self.block_size:
             raise ValueError(f"slot {int(slots_t.max())} is outside the cache")
-        flat_k = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        flat_v = self.v[layer].view(-1, *self.v[layer].shape[2:])
-        flat_k[slots_t] = k[keep].to(flat_k.dtype)
-        flat_v[slots_t] = v[keep].to(flat_v.dtype)
+        reference_store_kv(k, v, self.k[layer], self.v[layer], slots_t)
 
     def apply_copies(
         self, copies: Iterable[tuple[int, int, int]], layer: int | None = None
@@ -91,10 +92,10 @@ class PagedKVCache:
         self, layer: int, block_table: Sequence[int] | torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V, each [length, num_kv_heads, head_dim], read through its table."""
+        from prefixcache.kernels.reference import gather_kv
+
         table = torch.as_tensor(block_table, dtype=torch.int64, device=self.k[layer].device)
-        pos = torch.arange(length, device=table.device)
-        blocks = table[pos // self.block_size]
-        if length and int(blocks.min()) < 0:
+        used = table[: -(-length // self.block_size)]
+        if used.numel() and int(used.min()) < 0:
             raise ValueError("block table has padding inside the sequence's length")
-        offsets = pos % self.block_size
-        return self.k[layer][blocks, offsets], self.v[layer][blocks, offsets]
+        return gather_kv(self.k[layer], used, length), gather_kv(self.v[layer], used, length)

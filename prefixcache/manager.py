@@ -23,7 +23,7 @@ from prefixcache.errors import (
 )
 from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventListener
 from prefixcache.eviction import Evictor, PolicyKey
-from prefixcache.hashing import BlockHasher
+from prefixcache.hashing import DIGEST_SIZE, BlockHasher
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.pool import BlockPool
 from prefixcache.radix import Node, RadixIndex
@@ -433,7 +433,7 @@ class CacheManager:
             self.stats.evicted_blocks += k
             count -= k
             if self._listeners:
-                hashes = [digests[i : i + 16] for i in range(0, len(digests), 16)]
+                hashes = [digests[i : i + DIGEST_SIZE] for i in range(0, len(digests), DIGEST_SIZE)]
                 self._emit(BlockRemoved(hashes, self.index.namespace_of(parent or node)))
             if node.blocks:
                 self.evictor.push(node, now)

@@ -63,4 +63,7 @@ class BlockPool:
         return list(self._free)
 
     def reset(self) -> None:
-        self.__init__(self.num_blocks)  # type: ignore[misc]
+        """Every block free again."""
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self.refcount = [0] * self.num_blocks
+        self.num_private = 0

@@ -50,15 +50,12 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
         raise InvalidTokensError("token ids are empty; a request needs at least one token")
     if arr.dtype.kind not in "iu":
         raise InvalidTokensError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.int32 and arr.dtype.byteorder in "=<|":
-        if np.minimum.reduce(arr) < 0:  # the ufunc directly: skips ndarray.min's wrapper
-            raise InvalidTokensError(f"token ids must be >= 0, got {int(arr.min())}")
-        return np.ascontiguousarray(arr)
     lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi > MAX_TOKEN_ID:
-        bad = lo if lo < 0 else hi
-        raise InvalidTokensError(f"token ids must be in [0, 2**31), got {bad}")
-    return arr.astype("<i4")
+    if lo < 0:
+        raise InvalidTokensError(f"token ids must be >= 0 (valid: [0, 2**31)), got {lo}")
+    if hi > MAX_TOKEN_ID:
+        raise InvalidTokensError(f"token ids must be < 2**31 (valid: [0, 2**31)), got {hi}")
+    return np.ascontiguousarray(arr, dtype=_INT32)
 
 
 def _torch_to_numpy(tensor: Any) -> np.ndarray:

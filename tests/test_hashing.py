@@ -135,3 +135,15 @@ def test_token_containers_accepted(tokens):
 def test_bad_tokens_rejected(tokens, match):
     with pytest.raises(InvalidTokensError, match=match):
         as_token_array(tokens)
+
+
+def test_long_and_short_runs_hash_alike():
+    # runs of >= 32 blocks take the buffered path, shorter ones the direct one: same digests
+    h = BlockHasher(16)
+    tokens = np.arange(16 * 40, dtype="<i4")
+    long_run = h.hash_blocks(tokens, b"\x07" * 16, 3, 40)
+    prev, one_by_one = b"\x07" * 16, []
+    for i in range(3, 40):
+        prev = h.hash_block(prev, i, tokens[i * 16 : (i + 1) * 16].tobytes())
+        one_by_one.append(prev)
+    assert long_run == one_by_one

@@ -160,3 +160,10 @@ def test_store_rejects(override: dict, error: type, match: str) -> None:
 def test_errors_are_builtin_subclasses() -> None:
     assert issubclass(BlockTableError, ValueError)
     assert issubclass(KernelDTypeError, TypeError)
+
+
+def test_kernel_errors_are_library_errors() -> None:
+    from prefixcache import PrefixCacheError
+
+    for error in (ShapeMismatchError, KernelDTypeError, BlockTableError, UnsupportedConfigError):
+        assert issubclass(error, PrefixCacheError)
