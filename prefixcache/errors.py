@@ -7,6 +7,11 @@ class PrefixCacheError(Exception):
     """Base class of every error the library raises on purpose."""
 
 
+class InvalidArgumentError(PrefixCacheError, TypeError, ValueError):
+    """A call got an argument of the wrong type or out of range (a size, a namespace, a priority,
+    a slot). Also a ``TypeError`` and a ``ValueError``, as the builtin checks would raise."""
+
+
 class ConfigError(PrefixCacheError, ValueError):
     """A constructor or option got a value it cannot work with."""
 

@@ -55,21 +55,19 @@ class Evictor:
         """Remove and return the evictable leaf with the smallest key (None if there is none)."""
         while self._expiring and self._expiring[0][0] <= now:
             _, _, token, node = heapq.heappop(self._expiring)
-            if token == node.heap_token and self._evictable(node):
+            if token == node.heap_token and self.evictable(node):
                 self.push(node, now)
         heap = self._heap
         while heap:
             _, _, token, node = heapq.heappop(heap)
-            if token == node.heap_token and self._evictable(node):
+            if token == node.heap_token and self.evictable(node):
                 return node
         return None
 
     def compact(self, live_nodes: int) -> None:
         """Drop stale entries once they outnumber the live nodes, so the heap stays bounded."""
         if len(self._heap) > 2 * live_nodes + 1024:
-            self._heap = [
-                e for e in self._heap if e[2] == e[3].heap_token and self._evictable(e[3])
-            ]
+            self._heap = [e for e in self._heap if e[2] == e[3].heap_token and self.evictable(e[3])]
             heapq.heapify(self._heap)
             self._expiring = [e for e in self._expiring if e[2] == e[3].heap_token]
             heapq.heapify(self._expiring)
@@ -79,5 +77,7 @@ class Evictor:
         self._expiring.clear()
 
     @staticmethod
-    def _evictable(node: Node) -> bool:
-        return node.ref == 0 and not node.children and node.parent is not None and len(node) > 0
+    def evictable(node: Node) -> bool:
+        return (
+            node.ref == 0 and not node.children and node.parent is not None and len(node.blocks) > 0
+        )

@@ -17,7 +17,8 @@ from prefixcache.namespace import Namespace
 from prefixcache.tokens import TokenIds, as_token_array
 
 DIGEST_SIZE = 16
-_SEED_PREFIX = b"prefixcache/ns/v1\x00"
+_SEED_PREFIX = b"prefixcache/ns/v2\x00"
+_SEED_CACHE = 4096  # namespaces whose seed is kept; older ones are recomputed on demand
 
 
 def _sha256_128(data: bytes) -> bytes:
@@ -50,6 +51,8 @@ class BlockHasher:
         seed = self._seeds.get(namespace)
         if seed is None:
             seed = self.digest(_SEED_PREFIX + namespace.canonical_bytes())
+            if len(self._seeds) >= _SEED_CACHE:  # bounded: one namespace per image must not grow
+                del self._seeds[next(iter(self._seeds))]
             self._seeds[namespace] = seed
         return seed
 

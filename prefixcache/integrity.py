@@ -1,4 +1,4 @@
-"""Full invariant check of a CacheManager (DESIGN.md invariants 1-4 and 6), for tests."""
+"""Full invariant check of a CacheManager (the invariants of docs/architecture.md), for tests."""
 
 from __future__ import annotations
 
@@ -28,16 +28,20 @@ def check_manager(mgr: CacheManager) -> None:
     bb = 4 * p
     tree_blocks: list[int] = []
     expected_ref: Counter[int] = Counter()
-    holders = [s.deepest for s in mgr._seqs.values()] + list(mgr._pins.values())
-    holders += [s.copy_source for s in mgr._seqs.values() if s.copy_source is not None]
+    states, pins = mgr.states, mgr.pins
+    holders = [s.deepest for s in states.values()] + list(pins.values())
+    holders += [s.copy_source for s in states.values()]
+    step_nodes, step_refs = mgr.step_holds
+    holders += step_nodes
     for node in holders:
-        while node.parent is not None:
+        while node is not None and node.parent is not None:
             expected_ref[id(node)] += 1
             node = node.parent
     nodes = active = 0
     for root in index.roots.values():
         _require(root.parent is None and len(root.blocks) == 0, "root holds blocks")
         _require(root.namespace is not None, "root without a namespace")
+        _require(bool(root.children), "a namespace root without children is kept")
         assert root.namespace is not None
         _require(bytes(root.digests) == mgr.hasher.seed(root.namespace), "root seed is wrong")
         stack: list[Node] = [root]
@@ -46,13 +50,15 @@ def check_manager(mgr: CacheManager) -> None:
             for key, child in (node.children or {}).items():
                 _require(child.parent is node, "child's parent link is wrong")
                 _require(bytes(child.digests[:D]) == key, "child keyed by a wrong digest")
-                _require(node.by_token is not None, "children without a token map")
                 stack.append(child)
-            for tok, child in (node.by_token or {}).items():
-                _require(
-                    child.parent is node and int.from_bytes(child.tokens[:4], "little") == tok,
-                    "token map points at a wrong child",
-                )
+            ordered = node.ordered or []
+            _require(
+                {id(c) for c in ordered} == {id(c) for c in (node.children or {}).values()}
+                and len(ordered) == len(node.children or {}),
+                "the ordered children differ from the children",
+            )
+            firsts = [bytes(c.tokens[:bb]) for c in ordered]
+            _require(firsts == sorted(firsts), "children are not in token order")
             if node.parent is None:
                 continue
             n = len(node.blocks)
@@ -88,8 +94,9 @@ def check_manager(mgr: CacheManager) -> None:
     _require(active == index.active_blocks, f"active count {index.active_blocks} != {active}")
 
     private_refs: Counter[int] = Counter()
-    for seq in mgr._seqs.values():
+    for seq in states.values():
         private_refs.update(seq.private)
+    private_refs.update(step_refs)
     free = pool.free_ids()
     private = [b for b in range(pool.num_blocks) if pool.refcount[b] > 0]
     _require(len(set(free)) == len(free), "free list holds a block twice")
@@ -106,7 +113,22 @@ def check_manager(mgr: CacheManager) -> None:
     counts = mgr.block_counts()
     _require(counts.total == pool.num_blocks, "block states do not add up")
 
-    for rid, seq in mgr._seqs.items():
+    tree_set = set(tree_blocks)
+    pending = mgr.pending_blocks
+    _require(pending <= tree_set, "a pending block is not in the index")
+    own: list[int] = []
+    for seq in states.values():
+        own += seq.pending
+        _require(seq.unconfirmed or not seq.pending, "a confirmed request has pending blocks")
+    _require(len(own) == len(set(own)) and set(own) == pending, "pending blocks are misattributed")
+    if not mgr.stepped:
+        _require(not step_nodes and not step_refs, "step holds without steps")
+    for handle, node in pins.items():
+        _require(
+            not pending & set(index.path_blocks(node)), f"pin {handle} covers unwritten blocks"
+        )
+
+    for rid, seq in states.items():
         _require(len(seq.table) == -(-seq.num_tokens // p), f"{rid!r}: table length is wrong")
         _require(set(seq.private) <= set(seq.table), f"{rid!r}: private block not in table")
         _require(len(set(seq.private)) == len(seq.private), f"{rid!r}: private block twice")
@@ -117,7 +139,7 @@ def check_manager(mgr: CacheManager) -> None:
                 _require(b in seq.private, f"{rid!r}: block {i} neither on its path nor private")
         # exactness: the path's stored tokens are the request's tokens (no wrong hit is served)
         node, want = seq.deepest, bytes(seq.tokens)
-        while node.parent is not None:
+        while node is not None and node.parent is not None:
             _require(
                 bytes(node.tokens) == want[node.depth * bb : node.end * bb],
                 f"{rid!r}: holds a cached block whose tokens differ",

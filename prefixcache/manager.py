@@ -2,21 +2,30 @@
 
 Every public call validates its input and checks capacity before touching any state, so a
 rejected call raises a typed error and changes nothing.
+
+The step protocol: a block that ``admit`` or ``append`` enters into the index is *pending* until
+its K/V is known to be written: at ``end_step()`` (after the forward pass) or at the writer's
+``release``. Requests of the same step may share pending blocks. ``abort`` drops a request whose
+K/V was never written: its pending blocks leave the index, and every request that relies on them
+(hits on them, copies from them, forks of it) is dropped with it. With ``stepped=True`` the source
+of every copy handed out in a step stays held until ``end_step()``, so no block freed during the
+step is handed out again while a copy of the step still has to read it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+import math
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from prefixcache.errors import (
     CacheInUseError,
-    ConfigError,
     DuplicateRequestError,
-    InvalidTokensError,
+    InvalidArgumentError,
     OutOfBlocksError,
     RequestTooLargeError,
     UnknownRequestError,
@@ -26,31 +35,72 @@ from prefixcache.eviction import Evictor, PolicyKey
 from prefixcache.hashing import DIGEST_SIZE, BlockHasher
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.pool import BlockPool
-from prefixcache.radix import Node, RadixIndex
+from prefixcache.radix import MatchResult, Node, PartialMatch, RadixIndex
 from prefixcache.results import Admission, AppendResult, Copy, Lookup, slots_of
 from prefixcache.stats import BlockCounts, CacheStats
-from prefixcache.tokens import MAX_TOKEN_ID, TokenIds, as_token_array
+from prefixcache.tokens import TokenIds, as_single_token, as_size, as_token_array
 
 
-class _Seq:
+class RequestState:
     """A request's private state. It holds the index path from the root down to ``deepest``."""
 
-    __slots__ = ("blocked", "copy_source", "deepest", "num_tokens", "private", "table", "tokens")
+    __slots__ = (
+        "blocked",
+        "copy_source",
+        "deepest",
+        "dependents",
+        "namespace",
+        "num_tokens",
+        "pending",
+        "pending_start",
+        "private",
+        "request_id",
+        "table",
+        "tokens",
+        "unconfirmed",
+    )
 
     def __init__(
-        self, tokens: bytes | bytearray, num_tokens: int, table: list[int], deepest: Node
+        self,
+        request_id: Hashable,
+        namespace: Namespace,
+        tokens: bytes | bytearray,
+        num_tokens: int,
+        table: list[int],
+        deepest: Node | None,
     ) -> None:
+        self.request_id = request_id
+        self.namespace = namespace
         self.tokens = tokens  # int32 LE token ids (bytes until the first append)
         self.num_tokens = num_tokens
         self.table = table  # block table
         self.private: list[int] = []  # table blocks that are not on the index path
-        self.deepest = deepest
+        self.deepest = deepest  # None: holds no indexed block
         self.blocked = False  # a digest collision stopped committing this sequence
         self.copy_source: Node | None = None  # held until its partial copy has surely run
+        self.unconfirmed = False  # wrote K/V that no end_step or release has confirmed yet
+        self.pending: list[int] = []  # blocks it entered into the index, not yet confirmed
+        self.pending_start: int | None = None  # block position of the first of them
+        self.dependents: list[RequestState] = []  # forks taken while it was unconfirmed
+
+
+class _Plan(NamedTuple):
+    """An admission sized without changing anything."""
+
+    need: int  # new blocks to take from the pool
+    held_cached: int  # matched blocks nobody holds now (an upper bound when capacity is ample)
+    match: MatchResult | None  # None: nothing cached in the namespace (or caching is off)
+    shared: int  # leading table blocks shared with the index
+    cow: bool  # every prompt block matched: the last one is copied and one token recomputed
+    partial: PartialMatch | None  # a block whose leading tokens can be copied
 
 
 class CacheManager:
-    """Prefix-cached paged block manager for one pool of ``num_blocks`` physical blocks."""
+    """Prefix-cached paged block manager for one pool of ``num_blocks`` physical blocks.
+
+    ``stepped=True``: the runtime calls ``end_step()`` after every forward pass, and blocks freed
+    during a step are reused only after it (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -61,41 +111,52 @@ class CacheManager:
         policy: str | PolicyKey = "lru",
         partial_copy: bool = True,
         enable_caching: bool = True,
+        stepped: bool = False,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.hasher = BlockHasher(block_size, hash_algo)
+        self.num_blocks = as_size(num_blocks, "num_blocks", 1)
+        self.block_size = as_size(block_size, "block_size", 1)
+        self.hasher = BlockHasher(self.block_size, hash_algo)
         self.index = RadixIndex(self.hasher)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(self.num_blocks)
         self.evictor = Evictor(policy)
         self.partial_copy = partial_copy
         self.enable_caching = enable_caching
+        self.stepped = stepped
         self.stats = CacheStats()
         self._clock = clock
         self._tick = 0.0
-        self._seqs: dict[Hashable, _Seq] = {}
+        self._seqs: dict[Hashable, RequestState] = {}
         self._pins: dict[int, Node] = {}
         self._pin_ids = itertools.count(1)
         self._listeners: list[EventListener] = []
+        self._unconfirmed: set[RequestState] = set()  # requests with K/V not yet confirmed
+        self._pending_blocks: set[int] = set()  # indexed blocks whose K/V is not confirmed
+        # stepped: copy sources of the current step that their request let go of before its end
+        self._step_holds: list[tuple[Node, RequestState]] = []  # partial-copy source nodes
+        self._step_refs: list[int] = []  # private blocks a copy-on-write of the step reads
 
     # ---- admission ------------------------------------------------------------------------
     def lookup(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> Lookup:
-        """How much of ``tokens`` is cached, without changing anything (for routing, planning)."""
+        """How much of ``tokens`` an admission would not compute, changing nothing (routing,
+        planning). Counts a partially matching block's copied tokens, as ``admit`` does."""
         arr = as_token_array(tokens)
-        root = self.index.roots.get(namespace)
-        if root is None or not self.enable_caching:
+        _check_namespace(namespace)
+        plan = self._plan(arr, arr.tobytes(), namespace, check_size=False)
+        if plan.match is None:
             return Lookup(0, 0)
-        n = self.index.match(root, arr.tobytes(), len(arr) // self.block_size)[2]
-        return Lookup(min(n * self.block_size, len(arr) - 1), n)
+        cached_len, _ = self._cached_len(plan, len(arr))
+        return Lookup(cached_len, plan.match.n)
 
     def can_admit(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> bool:
-        """Whether ``admit`` would succeed now (free plus evictable blocks suffice)."""
+        """Whether ``admit`` would succeed now (free plus evictable blocks suffice). False too
+        for a prompt that can never fit; ``admit`` says why."""
         arr = as_token_array(tokens)
+        _check_namespace(namespace)
+        if -(-len(arr) // self.block_size) > self.num_blocks:
+            return False
         plan = self._plan(arr, arr.tobytes(), namespace)
-        return plan[0] <= self._available(plan[1])
+        return plan.need <= self._available(plan.held_cached)
 
     def admit(
         self,
@@ -107,59 +168,65 @@ class CacheManager:
         retention: float | None = None,
     ) -> Admission:
         """Admit a prompt: reuse its longest cached prefix, allocate the rest, index its full
-        blocks (so concurrent requests share them at once) and return its block table.
+        blocks (so requests of the same step share them at once) and return its block table.
 
         ``priority`` (with ``retention`` time units, default forever) orders eviction under the
         ``priority`` policy: lower goes first.
         """
+        _check_request_id(request_id)
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request {request_id!r} is already admitted")
         arr = as_token_array(tokens)
+        _check_namespace(namespace)
+        _check_priority(priority, retention)
         buf = arr.tobytes()
-        need, held_cached, node, j, n, digest, shared, cow = self._plan(arr, buf, namespace)
-        if need > self._available(held_cached):
+        plan = self._plan(arr, buf, namespace)
+        if plan.need > self._available(plan.held_cached):
             raise OutOfBlocksError(
-                f"request {request_id!r} needs {need} new blocks but only "
-                f"{self._available(held_cached)} are free or evictable; release requests first"
+                f"request {request_id!r} needs {plan.need} new blocks but only "
+                f"{self._available(plan.held_cached)} are free or evictable; release requests "
+                "first"
             )
         # ---- from here on nothing can fail ----
         p, t = self.block_size, len(arr)
         now = self._now()
-        if n == 0:
-            node = self.index.root(namespace)
-        elif j < len(node.blocks):
-            node = self.index.split(node, j)
-        self.index.hold(node, now, hit=True)
-        candidate = None
-        if self.partial_copy and not cow and n * p < t - 1 and self.enable_caching:
-            limit = min(p, t - 1 - n * p)
-            candidate = self.index.partial_candidate(node, buf, n, limit)
-        fresh = self._take(need)
-        table = self.index.path_blocks(node) if n else []
-        src = table[-1] if cow else -1
-        del table[shared:]
+        match, n = plan.match, 0
+        node: Node | None = None
+        if match is not None and match.n:
+            n, node = match.n, match.node
+            if match.j < len(node.blocks):
+                node = self.index.split(node, match.j)
+            self.index.hold(node, now, hit=True)
+        fresh = self._take(plan.need)
+        table = self.index.path_blocks(node)
+        src = table[-1] if plan.cow else -1
+        del table[plan.shared :]
         table += fresh
-        seq = _Seq(buf, t, table, node)
+        seq = RequestState(request_id, namespace, buf, t, table, node)
         seq.private = fresh  # a new list from the pool: the sequence owns it
         copies: list[Copy] = []
-        cached_len = shared * p
-        if cow:  # every prompt token is cached: recompute only the last one, in a private copy
-            copies.append(Copy(src, fresh[0], p - 1))
-            cached_len = t - 1
+        cached_len, partial_tokens = self._cached_len(plan, t)
+        if plan.cow:  # every prompt token is cached: recompute only the last one, in a copy
+            if p > 1:
+                copies.append(Copy(src, fresh[0], p - 1))
             self.stats.cow_copies += 1
-        elif candidate is not None:
-            cand, m = candidate
+        elif plan.partial is not None:
+            cand = plan.partial.node
             # our own allocation may have evicted it; eviction trims from the tail, so its first
             # block is gone only with the whole node, which then has no parent
             if cand.parent is not None:
-                copies.append(Copy(cand.blocks[0], fresh[0], m))
-                cached_len += m
+                copies.append(Copy(cand.blocks[0], fresh[0], partial_tokens))
                 self.index.hold(cand, now)
                 seq.copy_source = cand
                 self.stats.partial_copies += 1
-                self.stats.partial_copy_tokens += m
+                self.stats.partial_copy_tokens += partial_tokens
+            else:
+                cached_len -= partial_tokens
+                partial_tokens = 0
+        seq.unconfirmed = True
+        self._unconfirmed.add(seq)
         if self.enable_caching:
-            self._commit(seq, arr, buf, t // p, digest if n else None, now)
+            self._commit(seq, arr, buf, t // p, match.digest if n and match else None, now)
         if priority:
             self._set_priority(seq.deepest, priority, retention, now)
         self._seqs[request_id] = seq
@@ -170,39 +237,56 @@ class CacheManager:
         st.lookup_blocks += t // p
         st.hit_blocks += n
         st.zero_hit_requests += cached_len == 0
-        return Admission(cached_len, list(table), copies, t, p)
+        return Admission(cached_len, list(table), copies, t, p, n, partial_tokens, plan.cow)
 
-    def _plan(self, arr: np.ndarray, buf: bytes, namespace: Namespace) -> tuple[Any, ...]:
-        """Match and size an admission without changing anything.
-
-        Returns (new blocks needed, matched blocks that are now unreferenced (or an upper bound
-        on them when capacity is plentiful), match node, j, n, digest, blocks shared in the
-        table, whether the last block is copied on write).
-        """
+    def _plan(
+        self, arr: np.ndarray, buf: bytes, namespace: Namespace, *, check_size: bool = True
+    ) -> _Plan:
+        """Match and size an admission without changing anything."""
         p, t = self.block_size, len(arr)
         num_logical = -(-t // p)
-        if num_logical > self.num_blocks:
+        if check_size and num_logical > self.num_blocks:
             raise RequestTooLargeError(
                 f"{t} tokens need {num_logical} blocks of {p}, more than the pool's "
                 f"{self.num_blocks}; raise num_blocks or split the request"
             )
         root = self.index.roots.get(namespace)
         if root is None or not self.enable_caching:
-            return num_logical, 0, root, 0, 0, b"", 0, False
-        node, j, n, digest = self.index.match(root, buf, t // p)
+            return _Plan(num_logical, 0, None, 0, False, None)
+        match = self.index.match(root, buf, t // p)
+        plan = self._size(match, buf, t)
+        if plan.cow and plan.need > self._available(plan.held_cached):
+            # the copy of the last block needs one block more than the prompt: with the pool
+            # that full, recompute the last block instead
+            plan = self._size(self.index.match(root, buf, match.n - 1), buf, t)
+        return plan
+
+    def _size(self, match: MatchResult, buf: bytes, t: int) -> _Plan:
+        p, n = self.block_size, match.n
         cow = n > 0 and n * p == t
         shared = n - 1 if cow else n
-        need = num_logical - shared
+        need = -(-t // p) - shared
+        partial = None
+        if self.partial_copy and not cow and n * p < t - 1:
+            partial = self.index.partial_match(match, buf, min(p, t - 1 - n * p))
         if need <= self._available(n):  # fits even if every matched block were unheld now
-            return need, n, node, j, n, digest, shared, cow
+            return _Plan(need, n, match, shared, cow, partial)
         held_cached = 0
-        cur, count = node, j
-        while cur.parent is not None:  # matched blocks nobody holds yet: we will hold them
+        cur: Node | None = match.node
+        count = match.j
+        while cur is not None and cur.parent is not None:  # matched blocks nobody holds yet
             if cur.ref == 0:
                 held_cached += count
             cur = cur.parent
             count = len(cur.blocks)
-        return need, held_cached, node, j, n, digest, shared, cow
+        return _Plan(need, held_cached, match, shared, cow, partial)
+
+    def _cached_len(self, plan: _Plan, t: int) -> tuple[int, int]:
+        """(tokens not computed, of which copied from a partially matching block)."""
+        if plan.cow:
+            return t - 1, 0
+        m = plan.partial.m if plan.partial is not None else 0
+        return plan.shared * self.block_size + m, m
 
     def _available(self, held_cached: int) -> int:
         cached = self.index.num_blocks - self.index.active_blocks
@@ -210,18 +294,19 @@ class CacheManager:
 
     # ---- decode ---------------------------------------------------------------------------
     def can_append(self, request_id: Hashable, num_tokens: int = 1) -> bool:
+        """Whether ``append`` of ``num_tokens`` tokens would find the blocks it needs now."""
         seq = self._seq(request_id)
-        return self._append_need(seq, num_tokens) <= self._available(0)
+        k = as_size(num_tokens, "num_tokens")
+        return self._append_need(seq, k) <= self._available(0)
 
     def append(self, request_id: Hashable, tokens: TokenIds | int) -> AppendResult:
-        """Append generated tokens (one int, or any token container); allocates blocks as needed
-        and copies a shared partial last block before writing into it. Newly filled blocks enter
-        the index."""
+        """Append generated tokens (one int, numpy or 0-d tensor scalar, or any token
+        container); allocates blocks as needed and copies a shared partial last block before
+        writing into it. Newly filled blocks enter the index."""
         seq = self._seq(request_id)
-        if type(tokens) is int:  # the decode fast path: no array round trip for one token
-            if not 0 <= tokens <= MAX_TOKEN_ID:
-                raise InvalidTokensError(f"token ids must be in [0, 2**31), got {tokens}")
-            data, k = tokens.to_bytes(4, "little"), 1
+        token = as_single_token(tokens)
+        if token is not None:  # the decode fast path: no array round trip for one token
+            data, k = token.to_bytes(4, "little"), 1
         else:
             data = as_token_array(tokens).tobytes()
             k = len(data) // 4
@@ -233,15 +318,21 @@ class CacheManager:
             )
         p, t0 = self.block_size, seq.num_tokens
         t1 = t0 + k
-        if seq.copy_source is not None:  # the prefill that ran the partial copy is done
-            self._unhold(seq.copy_source)
+        if seq.copy_source is not None:  # the prefill that ran the partial copy is planned
+            if self.stepped:  # ... but it runs only in this step's forward pass
+                self._step_holds.append((seq.copy_source, seq))
+            else:
+                self._unhold(seq.copy_source)
             seq.copy_source = None
         fresh = self._take(need)
         copies: list[Copy] = []
         if t0 % p and self.pool.refcount[seq.table[-1]] > 1:  # shared partial block: copy first
             old, dst = seq.table[-1], fresh.pop(0)
             copies.append(Copy(old, dst, t0 % p))
-            self.pool.drop([old])
+            if self.stepped:  # its other owners may leave in this step: keep it until the end
+                self._step_refs.append(old)
+            else:
+                self.pool.drop([old])
             seq.private[seq.private.index(old)] = dst
             seq.table[-1] = dst
             self.stats.cow_copies += 1
@@ -251,6 +342,9 @@ class CacheManager:
             seq.tokens = bytearray(seq.tokens)
         seq.tokens += data
         seq.num_tokens = t1
+        if not seq.unconfirmed:
+            seq.unconfirmed = True
+            self._unconfirmed.add(seq)
         self.stats.appended_tokens += k
         if self.enable_caching and t1 // p > t0 // p:
             full = np.frombuffer(seq.tokens, dtype="<i4")
@@ -262,10 +356,10 @@ class CacheManager:
             slots = slots_of(seq.table, p, t0, t1)
         return AppendResult(slots, copies)
 
-    def _append_need(self, seq: _Seq, k: int) -> int:
+    def _append_need(self, seq: RequestState, k: int) -> int:
         p, t0 = self.block_size, seq.num_tokens
         need = -(-(t0 + k) // p) - len(seq.table)
-        if t0 % p and self.pool.refcount[seq.table[-1]] > 1:
+        if k and t0 % p and self.pool.refcount[seq.table[-1]] > 1:
             need += 1
         return need
 
@@ -273,32 +367,96 @@ class CacheManager:
         """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks, the partial last
         one too (parallel sampling, beam search). Writes copy on demand."""
         parent = self._seq(parent_id)
+        _check_request_id(child_id)
         if child_id in self._seqs:
             raise DuplicateRequestError(f"request {child_id!r} is already admitted")
-        child = _Seq(
-            bytearray(parent.tokens), parent.num_tokens, list(parent.table), parent.deepest
+        child = RequestState(
+            child_id,
+            parent.namespace,
+            bytearray(parent.tokens),
+            parent.num_tokens,
+            list(parent.table),
+            parent.deepest,
         )
         child.private = list(parent.private)
         child.blocked = parent.blocked
         self.pool.share(child.private)
         self.index.hold(child.deepest, self._now())
+        if parent.unconfirmed:  # it reads what the parent still has to write
+            parent.dependents.append(child)
+            child.unconfirmed = True  # and passes that on to its own forks
+            self._unconfirmed.add(child)
         self._seqs[child_id] = child
         self.stats.forks += 1
 
     def release(self, request_id: Hashable) -> None:
-        """Finish a request. Its indexed blocks stay cached (evictable); private ones are freed."""
+        """Finish a request whose K/V has been written. Its indexed blocks stay cached
+        (evictable); private ones are freed. Use ``abort`` when its K/V was never written."""
         seq = self._seq(request_id)
         del self._seqs[request_id]
-        if seq.copy_source is not None:
-            self._unhold(seq.copy_source)
-        self._unhold(seq.deepest)
-        self.pool.drop(seq.private)
+        self._confirm(seq)
+        self._unconfirmed.discard(seq)
+        self._drop(seq)
+
+    def abort(self, request_id: Hashable) -> list[Hashable]:
+        """Drop a request before the forward pass wrote its K/V (preempted while the step is
+        planned, a client gone before its prefill).
+
+        The blocks it entered into the index since its K/V was last confirmed leave the index,
+        and every live request that relies on them (a hit on them, a partial copy from them, a
+        fork taken before they were written) is dropped too. Returns the ids dropped, this one
+        first; requeue them all.
+        """
+        seq = self._seq(request_id)
+        doomed, tops = self._dependents(seq)
+        now = self._now()
+        if self._step_holds:  # the copies of dropped requests do not run
+            gone = {id(dead) for dead in doomed}
+            keep = []
+            for node, owner in self._step_holds:
+                if id(owner) in gone:
+                    self._unhold(node)
+                else:
+                    keep.append((node, owner))
+            self._step_holds = keep
+        for dead in doomed:
+            del self._seqs[dead.request_id]
+            self._unconfirmed.discard(dead)
+            self._pending_blocks.difference_update(dead.pending)
+            self._drop(dead)
+        for top in sorted(tops, key=lambda node: node.depth):
+            if top.parent is None:  # inside a region removed already
+                continue
+            parent = top.parent
+            namespace = self.index.namespace_of(top)
+            for _, ids, digests in self.index.remove_subtree(top):
+                self.pool.give_back(ids)
+                self.stats.unindexed_blocks += len(ids)
+                if self._listeners:
+                    self._emit(BlockRemoved(_split_digests(digests), namespace))
+            if parent.parent is not None and self.evictor.evictable(parent):
+                self.evictor.push(parent, now)
+        self.stats.aborted_requests += len(doomed)
+        return [dead.request_id for dead in doomed]
+
+    def end_step(self) -> None:
+        """The forward pass of the step has written every K/V it was given: pending blocks
+        become ordinary cached blocks, and blocks freed during the step become reusable."""
+        for seq in self._unconfirmed:
+            self._clear_pending(seq)
+        self._unconfirmed.clear()
+        self._pending_blocks.clear()
+        for node, _ in self._step_holds:
+            self._unhold(node)
+        self._step_holds.clear()
+        self.pool.drop(self._step_refs)
+        self._step_refs.clear()
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` cached blocks now (policy order); returns how many."""
-        if not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        count = min(num_blocks, self.index.num_blocks - self.index.active_blocks)
+        count = min(
+            as_size(num_blocks, "num_blocks"), self.index.num_blocks - self.index.active_blocks
+        )
         if count:
             self._evict(count)
         return count
@@ -307,21 +465,29 @@ class CacheManager:
     def pin(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> tuple[int, int]:
         """Keep the cached prefix of ``tokens`` from eviction (system prompts, attention sinks).
 
-        Returns ``(handle, pinned_tokens)``; only what is cached now is pinned.
+        Returns ``(handle, pinned_tokens)``; only what is cached and written now is pinned.
         """
         arr = as_token_array(tokens)
+        _check_namespace(namespace)
         root = self.index.roots.get(namespace)
         if root is None:
             return 0, 0
-        node, j, n, _ = self.index.match(root, arr.tobytes(), len(arr) // self.block_size)
-        if n == 0:
+        buf = arr.tobytes()
+        match = self.index.match(root, buf, len(arr) // self.block_size)
+        if self._pending_blocks and match.n:
+            blocks = self.index.path_blocks(match.node)[: match.n]
+            written = next((i for i, b in enumerate(blocks) if b in self._pending_blocks), None)
+            if written is not None:
+                match = self.index.match(root, buf, written)
+        if match.n == 0:
             return 0, 0
-        if j < len(node.blocks):
-            node = self.index.split(node, j)
+        node = match.node
+        if match.j < len(node.blocks):
+            node = self.index.split(node, match.j)
         self.index.hold(node, self._now())
         handle = next(self._pin_ids)
         self._pins[handle] = node
-        return handle, n * self.block_size
+        return handle, match.n * self.block_size
 
     def unpin(self, handle: int) -> None:
         if handle == 0:
@@ -359,6 +525,31 @@ class CacheManager:
     def requests(self) -> list[Hashable]:
         return list(self._seqs)
 
+    @property
+    def states(self) -> Mapping[Hashable, RequestState]:
+        """Read-only view of every live request's state (integrity checks, tools)."""
+        return MappingProxyType(self._seqs)
+
+    @property
+    def pins(self) -> Mapping[int, Node]:
+        """Read-only view of the active pins: handle -> the deepest pinned node."""
+        return MappingProxyType(self._pins)
+
+    @property
+    def pending_blocks(self) -> frozenset[int]:
+        """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
+        return frozenset(self._pending_blocks)
+
+    @property
+    def step_holds(self) -> tuple[list[Node], list[int]]:
+        """Copy sources held until ``end_step`` (stepped): index nodes and private blocks."""
+        return [node for node, _ in self._step_holds], list(self._step_refs)
+
+    @property
+    def clock_ticks(self) -> float:
+        """The internal clock used when no ``clock`` was given (advances once per event)."""
+        return self._tick
+
     def block_counts(self) -> BlockCounts:
         active = self.index.active_blocks + self.pool.num_private
         cached = self.index.num_blocks - self.index.active_blocks
@@ -379,6 +570,10 @@ class CacheManager:
             )
         self._seqs.clear()
         self._pins.clear()
+        self._unconfirmed.clear()
+        self._pending_blocks.clear()
+        self._step_holds.clear()
+        self._step_refs.clear()
         self.index = RadixIndex(self.hasher)
         self.pool.reset()
         self.evictor.clear()
@@ -386,7 +581,8 @@ class CacheManager:
             listener(AllBlocksCleared())
 
     # ---- internals ------------------------------------------------------------------------
-    def _seq(self, request_id: Hashable) -> _Seq:
+    def _seq(self, request_id: Hashable) -> RequestState:
+        _check_request_id(request_id)
         seq = self._seqs.get(request_id)
         if seq is None:
             raise UnknownRequestError(f"request {request_id!r} is not admitted (or was released)")
@@ -399,15 +595,90 @@ class CacheManager:
         return self._tick
 
     @staticmethod
-    def _set_priority(node: Node, priority: int, retention: float | None, now: float) -> None:
+    def _set_priority(
+        node: Node | None, priority: int, retention: float | None, now: float
+    ) -> None:
         """Apply a request's retention priority to its path (the higher live priority wins)."""
         until = float("inf") if retention is None else now + retention
-        while node.parent is not None:
+        while node is not None and node.parent is not None:
             if node.retain_until <= now or priority >= node.priority:
                 node.priority, node.retain_until = priority, until
             node = node.parent
 
-    def _unhold(self, node: Node) -> None:
+    def _drop(self, seq: RequestState) -> None:
+        """Give back everything a request holds (it has left ``_seqs`` already)."""
+        if seq.copy_source is not None:
+            self._unhold(seq.copy_source)
+            seq.copy_source = None
+        self._unhold(seq.deepest)
+        self.pool.drop(seq.private)
+
+    def _confirm(self, seq: RequestState) -> None:
+        if seq.unconfirmed:
+            self._pending_blocks.difference_update(seq.pending)
+            self._clear_pending(seq)
+
+    @staticmethod
+    def _clear_pending(seq: RequestState) -> None:
+        seq.unconfirmed = False
+        seq.pending = []
+        seq.pending_start = None
+        seq.dependents = []
+
+    def _dependents(self, seq: RequestState) -> tuple[list[RequestState], list[Node]]:
+        """``seq`` and every live request that relies on K/V it (or they, in turn) has not
+        written yet, plus the top node of each one's unwritten indexed blocks."""
+        doomed, seen, tops = [seq], {id(seq)}, []
+        region: set[int] = set()  # ids of nodes in unwritten regions
+        i = 0
+        while True:
+            while i < len(doomed):
+                cur = doomed[i]
+                i += 1
+                if not cur.unconfirmed:
+                    continue
+                for dep in cur.dependents:
+                    if id(dep) not in seen and self._seqs.get(dep.request_id) is dep:
+                        seen.add(id(dep))
+                        doomed.append(dep)
+                top = self._pending_top(cur)
+                if top is not None:
+                    tops.append(top)
+                    stack = [top]
+                    while stack:
+                        node = stack.pop()
+                        region.add(id(node))
+                        if node.children:
+                            stack.extend(node.children.values())
+            grew = False
+            if region:
+                readers = [(s.deepest, s) for s in self._seqs.values()]
+                readers += [(s.copy_source, s) for s in self._seqs.values()]
+                readers += self._step_holds
+                for node, other in readers:
+                    if id(other) in seen or self._seqs.get(other.request_id) is not other:
+                        continue
+                    if _under(node, region):
+                        seen.add(id(other))
+                        doomed.append(other)
+                        grew = True
+            if not grew:
+                return doomed, tops
+
+    def _pending_top(self, seq: RequestState) -> Node | None:
+        """The node that starts ``seq``'s unconfirmed indexed blocks (split off if needed)."""
+        start = seq.pending_start
+        node = seq.deepest
+        if start is None or node is None:
+            return None
+        while node.parent is not None and node.depth > start:
+            node = node.parent
+        assert node.parent is not None and node.depth <= start < node.end
+        if node.depth < start:
+            self.index.split(node, start - node.depth)  # ``node`` keeps the lower part
+        return node
+
+    def _unhold(self, node: Node | None) -> None:
         now = self._now()
         leaf = self.index.unhold(node, now)
         if leaf is not None:
@@ -428,83 +699,118 @@ class CacheManager:
             assert node is not None, "capacity check admitted more than is evictable"
             k = min(count, len(node.blocks))
             parent = node.parent
+            namespace = self.index.namespace_of(node) if self._listeners else None
             ids, digests = self.index.evict_tail(node, k)
             self.pool.give_back(ids)
             self.stats.evicted_blocks += k
             count -= k
-            if self._listeners:
-                hashes = [digests[i : i + DIGEST_SIZE] for i in range(0, len(digests), DIGEST_SIZE)]
-                self._emit(BlockRemoved(hashes, self.index.namespace_of(parent or node)))
+            if namespace is not None:
+                self._emit(BlockRemoved(_split_digests(digests), namespace))
             if node.blocks:
                 self.evictor.push(node, now)
-            elif (
-                parent is not None and parent.parent is not None and self.evictor._evictable(parent)
-            ):
+            elif parent is not None and self.evictor.evictable(parent):
                 self.evictor.push(parent, now)
 
     def _commit(
         self,
-        seq: _Seq,
+        seq: RequestState,
         tokens: np.ndarray,
         buf: bytes | bytearray,
         upto: int,
         digest: bytes | None,
         now: float,
     ) -> None:
-        """Enter the sequence's full blocks up to ``upto`` into the index, in order.
-
-        A block already cached by another sequence stays private here (a duplicate) and the
-        sequence's path moves onto the cached one; a digest collision stops committing.
-        """
-        parent = seq.deepest
-        start = parent.end if parent.parent is not None else 0
-        if seq.blocked or upto <= start:
+        """Enter the sequence's full blocks up to ``upto`` into the index, in order; they are
+        pending until confirmed. A block already cached by another sequence stays private here
+        (a duplicate) and the path moves onto the cached one; a digest collision stops."""
+        if seq.blocked:
             return
-        index = self.index
+        parent = seq.deepest
+        start = parent.end if parent is not None else 0
+        if upto <= start:
+            return
+        if parent is None:
+            parent = self.index.root(seq.namespace)
         if digest is None:
             digest = parent.last_digest()
         digests = self.hasher.hash_blocks(tokens, digest, start, upto)
+        i = self._follow_cached(seq, parent, digests, buf, start, upto, now)
+        if i < 0:
+            return
+        parent = seq.deepest if seq.deepest is not None else parent
+        if i < upto:
+            self._store(seq, parent, digests, buf, start, i, upto, digest, now)
+
+    def _follow_cached(
+        self,
+        seq: RequestState,
+        parent: Node,
+        digests: list[bytes],
+        buf: bytes | bytearray,
+        start: int,
+        upto: int,
+        now: float,
+    ) -> int:
+        """Move the sequence's path over blocks someone else cached already; returns the first
+        block position left to store (-1: a digest collision stopped the sequence)."""
         i = start
-        while i < upto:
-            child = parent.children.get(digests[i - start]) if parent.children else None
+        while i < upto and parent.children:
+            child = parent.children.get(digests[i - start])
             if child is None:
                 break
             k = min(len(child.blocks), upto - i)
-            m = index._common_blocks(child, 0, buf, i, k)
+            m = self.index.common_blocks(child, buf, i, k)
             if m == 0:
                 seq.blocked = True
-                seq.deepest = parent
-                return
+                return -1
             if m < len(child.blocks):
-                child = index.split(child, m)
-            index.hold_one(child, now)
+                child = self.index.split(child, m)
+            self.index.hold(child, now, upto=parent)
             parent, i = child, i + m
-        if i < upto:
-            bb = index.block_bytes
-            ids = seq.table[i:upto]
-            run = buf[i * bb : upto * bb]
-            node = index.add(parent, digests[i - start :], run, ids, now)
-            self.pool.to_index(ids)
-            private = seq.private
-            if private[: len(ids)] == ids:  # the usual case: the oldest private blocks
-                del private[: len(ids)]
-            else:
-                gone = set(ids)
-                seq.private = [b for b in private if b not in gone]
-            self.stats.stored_blocks += len(ids)
-            if self._listeners:
-                prev = digests[i - start - 1] if i > start else (digest if i > 0 else None)
-                self._emit(
-                    BlockStored(
-                        digests[i - start :],
-                        prev,
-                        np.frombuffer(run, dtype="<i4").tolist(),
-                        self.block_size,
-                        index.namespace_of(node),
-                    )
+            seq.deepest = parent
+        return i
+
+    def _store(
+        self,
+        seq: RequestState,
+        parent: Node,
+        digests: list[bytes],
+        buf: bytes | bytearray,
+        start: int,
+        i: int,
+        upto: int,
+        digest: bytes,
+        now: float,
+    ) -> None:
+        """Index the sequence's own blocks ``i .. upto-1`` after ``parent`` (pending)."""
+        bb = self.index.block_bytes
+        ids = seq.table[i:upto]
+        run = buf[i * bb : upto * bb]
+        node = self.index.add(parent, digests[i - start :], run, ids, now)
+        self.pool.to_index(ids)
+        private = seq.private
+        if private[: len(ids)] == ids:  # the usual case: the oldest private blocks
+            del private[: len(ids)]
+        else:
+            gone = set(ids)
+            seq.private = [b for b in private if b not in gone]
+        if seq.pending_start is None:
+            seq.pending_start = i
+        seq.pending.extend(ids)
+        self._pending_blocks.update(ids)
+        self.stats.stored_blocks += len(ids)
+        if self._listeners:
+            prev = digests[i - start - 1] if i > start else (digest if i > 0 else None)
+            self._emit(
+                BlockStored(
+                    digests[i - start :],
+                    prev,
+                    np.frombuffer(run, dtype="<i4").tolist(),
+                    self.block_size,
+                    self.index.namespace_of(node),
                 )
-            parent = node
-        seq.deepest = parent
+            )
+        seq.deepest = node
 
     def _emit(self, event: Any) -> None:
         for listener in self._listeners:
@@ -512,7 +818,48 @@ class CacheManager:
 
     # ---- verification ---------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Assert every invariant of DESIGN.md that the bookkeeping can see. O(cache size)."""
+        """Assert every invariant the bookkeeping can see (docs/architecture.md). O(cache)."""
         from prefixcache.integrity import check_manager
 
         check_manager(self)
+
+
+def _split_digests(digests: bytes) -> list[bytes]:
+    return [digests[i : i + DIGEST_SIZE] for i in range(0, len(digests), DIGEST_SIZE)]
+
+
+def _under(node: Node | None, region: set[int]) -> bool:
+    while node is not None and node.parent is not None:
+        if id(node) in region:
+            return True
+        node = node.parent
+    return False
+
+
+def _check_request_id(request_id: Any) -> None:
+    try:
+        hash(request_id)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"request ids must be hashable, got {type(request_id).__name__}"
+        ) from None
+
+
+def _check_namespace(namespace: Any) -> None:
+    if not isinstance(namespace, Namespace):
+        raise InvalidArgumentError(
+            f"namespace must be a prefixcache.Namespace, got {type(namespace).__name__}"
+        )
+
+
+def _check_priority(priority: Any, retention: Any) -> None:
+    if type(priority) is not int and not isinstance(priority, np.integer):
+        raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+    if retention is None:
+        return
+    if isinstance(retention, bool) or not isinstance(retention, int | float | np.number):
+        raise InvalidArgumentError(
+            f"retention must be a number of clock units or None, got {retention!r}"
+        )
+    if math.isnan(retention) or retention < 0:
+        raise InvalidArgumentError(f"retention must be >= 0, got {retention!r}")

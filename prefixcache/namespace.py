@@ -3,7 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+
+from prefixcache.errors import InvalidArgumentError
+
+_PLAIN = re.compile(r"[A-Za-z0-9._:/+-]+")  # label values shown without quotes
+
+
+def _encode(value: str | None) -> bytes:
+    """None, or a length-prefixed strict UTF-8 string: no two values encode alike."""
+    if value is None:
+        return b"\x00"
+    data = value.encode("utf-8")  # strict: lone surrogates were rejected on construction
+    return b"\x01" + len(data).to_bytes(4, "little") + data
+
+
+def _shown(value: str) -> str:
+    return value if _PLAIN.fullmatch(value) and value != "default" else json.dumps(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,31 +39,57 @@ class Namespace:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
-            raise TypeError(f"Namespace.model must be a str, got {type(self.model).__name__}")
+            raise InvalidArgumentError(
+                f"Namespace.model must be a str, got {type(self.model).__name__}"
+            )
         for name in ("adapter", "adapter_version", "salt"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                raise TypeError(f"Namespace.{name} must be a str or None, got {value!r}")
+                raise InvalidArgumentError(f"Namespace.{name} must be a str or None, got {value!r}")
         if not isinstance(self.extra, tuple) or not all(isinstance(x, str) for x in self.extra):
-            raise TypeError(f"Namespace.extra must be a tuple of str, got {self.extra!r}")
+            raise InvalidArgumentError(
+                f"Namespace.extra must be a tuple of str, got {self.extra!r}"
+            )
+        for value in (self.model, self.adapter, self.adapter_version, self.salt, *self.extra):
+            if value is not None:
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidArgumentError(
+                        f"Namespace fields must be valid Unicode text, got {value!r} "
+                        "(a lone surrogate)"
+                    ) from None
 
     def canonical_bytes(self) -> bytes:
-        """A stable encoding (same on every process and machine) that seeds the hash chain."""
-        fields = [self.model, self.adapter, self.adapter_version, self.salt, list(self.extra)]
-        return json.dumps(fields, separators=(",", ":"), ensure_ascii=True).encode()
+        """The encoding that seeds the hash chain: the same on every process and machine, and
+        injective (two namespaces that differ in any field never encode alike). Each field is a
+        presence byte then a 4-byte length and its UTF-8 bytes; ``extra`` is prefixed by its
+        count."""
+        parts = [_encode(self.model), _encode(self.adapter), _encode(self.adapter_version)]
+        parts.append(_encode(self.salt))
+        parts.append(len(self.extra).to_bytes(4, "little"))
+        parts.extend(_encode(x) for x in self.extra)
+        return b"".join(parts)
 
     def label(self) -> str:
-        """A short human-readable name for reports."""
-        parts = [self.model or "default"]
-        if self.adapter:
-            parts.append(
-                f"lora={self.adapter}"
-                + (f"@{self.adapter_version}" if self.adapter_version else "")
-            )
-        if self.salt:
-            parts.append(f"salt={self.salt}")
+        """A short human-readable name for reports; distinct namespaces get distinct labels.
+
+        Values outside ``[A-Za-z0-9._:/+-]`` (or empty) are shown JSON-quoted.
+        """
+        parts = [_shown(self.model) if self.model else "default"]
+        version = self.adapter_version
+        if self.adapter is not None:
+            at = "" if version is None else f"@{_shown(version)}"
+            parts.append(f"lora={_shown(self.adapter)}{at}")
+        elif version is not None:
+            parts.append(f"version={_shown(version)}")
+        if self.salt is not None:
+            parts.append(f"salt={_shown(self.salt)}")
         if self.extra:
-            parts.append("extra=" + ",".join(self.extra))
+            if all(_PLAIN.fullmatch(x) for x in self.extra):
+                parts.append("extra=" + ",".join(self.extra))
+            else:
+                parts.append("extra=" + json.dumps(list(self.extra)))
         return " ".join(parts)
 
 

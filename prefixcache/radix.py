@@ -4,13 +4,16 @@ A node holds a run of consecutive full blocks (their digests, token ids and phys
 are keyed by the digest of their first block, so a lookup costs one hash and one dict probe per
 node; a digest match is then confirmed by comparing token ids, so a collision never serves a
 wrong block. A request holds every node from the root down to its deepest one (``ref`` counts the
-holders), which keeps the held set, like the cached set, prefix-closed.
+holders), which keeps the held set, like the cached set, prefix-closed. A namespace's root exists
+only while it has children.
 """
 
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left, insort
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from prefixcache.hashing import DIGEST_SIZE, BlockHasher
 from prefixcache.namespace import Namespace
@@ -28,11 +31,13 @@ def common_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
 
 
 class Node:
-    """A run of full blocks. The root of a namespace has no blocks; its ``digests`` is the seed."""
+    """A run of full blocks. The root of a namespace has no blocks; its ``digests`` is the seed.
+
+    Buffers are bytearrays so that trimming the tail (eviction) costs what it removes.
+    """
 
     __slots__ = (
         "blocks",
-        "by_token",
         "children",
         "depth",
         "digests",
@@ -40,6 +45,7 @@ class Node:
         "hits",
         "last_access",
         "namespace",
+        "ordered",
         "parent",
         "priority",
         "ref",
@@ -50,10 +56,10 @@ class Node:
     def __init__(self, parent: Node | None, depth: int) -> None:
         self.parent = parent
         self.depth = depth  # blocks before this node's first block
-        self.children: dict[bytes, Node] | None = None
-        self.by_token: dict[int, Node] | None = None  # first token id -> a child (partial copies)
-        self.digests = b""  # 16 bytes per block
-        self.tokens = b""  # block_size int32 LE per block
+        self.children: dict[bytes, Node] | None = None  # first block's digest -> child
+        self.ordered: list[Node] | None = None  # the children sorted by first block's tokens
+        self.digests = bytearray()  # 16 bytes per block
+        self.tokens = bytearray()  # block_size int32 LE per block
         self.blocks = array("i")  # physical block ids
         self.ref = 0
         self.last_access = 0.0
@@ -63,9 +69,6 @@ class Node:
         self.heap_token = 0
         self.namespace: Namespace | None = None  # set on roots only
 
-    def __len__(self) -> int:
-        return len(self.blocks)
-
     def __repr__(self) -> str:
         return f"Node(depth={self.depth}, blocks={list(self.blocks)}, ref={self.ref})"
 
@@ -74,8 +77,30 @@ class Node:
         """Index of the block after this node's last one."""
         return self.depth + len(self.blocks)
 
+    def digest(self, i: int) -> bytes:
+        """Digest of the node's ``i``-th block (-1: the last; the seed on a root)."""
+        if i < 0:
+            i += len(self.digests) // D
+        return bytes(self.digests[i * D : (i + 1) * D])
+
     def last_digest(self) -> bytes:
-        return bytes(self.digests[-D:])
+        return self.digest(-1)
+
+
+class MatchResult(NamedTuple):
+    """The longest cached prefix of a sequence's full blocks."""
+
+    node: Node  # where the match ends (the root when nothing matched)
+    j: int  # matched blocks inside ``node`` (``j < len(node.blocks)``: the match stops mid-node)
+    n: int  # matched blocks in all
+    digest: bytes  # h_{n-1}: the digest of the last matched block (the seed when n == 0)
+
+
+class PartialMatch(NamedTuple):
+    """A cached block whose first ``m`` tokens equal the start of a sequence's next block."""
+
+    node: Node  # its first block is the one to copy from
+    m: int
 
 
 class RadixIndex:
@@ -90,22 +115,28 @@ class RadixIndex:
         self.active_blocks = 0  # blocks in trees whose node has ref > 0
         self.num_nodes = 0
 
+    # ---- per-node accessors ---------------------------------------------------------------
+    def block_tokens(self, node: Node, i: int) -> bytes:
+        """The int32 LE token bytes of the node's ``i``-th block."""
+        bb = self.block_bytes
+        return bytes(node.tokens[i * bb : (i + 1) * bb])
+
+    def _first_block(self, node: Node) -> bytearray:
+        return node.tokens[: self.block_bytes]
+
     # ---- lookup ---------------------------------------------------------------------------
     def root(self, namespace: Namespace) -> Node:
+        """The namespace's root, created on demand."""
         node = self.roots.get(namespace)
         if node is None:
             node = Node(None, 0)
-            node.digests = self.hasher.seed(namespace)
+            node.digests = bytearray(self.hasher.seed(namespace))
             node.namespace = namespace
             self.roots[namespace] = node
         return node
 
-    def match(self, root: Node, buf: bytes, num_full: int) -> tuple[Node, int, int, bytes]:
-        """Longest cached prefix of the first ``num_full`` blocks. Read-only.
-
-        Returns ``(node, j, n, digest)``: ``n`` blocks match, the last ``j`` of them inside
-        ``node`` (``j < len(node)`` when the match stops mid-node); ``digest`` is h_{n-1}.
-        """
+    def match(self, root: Node, buf: bytes, num_full: int) -> MatchResult:
+        """Longest cached prefix of the first ``num_full`` blocks of ``buf``. Read-only."""
         bb = self.block_bytes
         hash_block = self.hasher.hash_block
         node, j, n = root, 0, 0
@@ -121,31 +152,25 @@ class RadixIndex:
             if child.tokens[: k * bb] == buf[n * bb : (n + k) * bb]:
                 m = k
             else:
-                m = self._common_blocks(child, 0, buf, n, k)
+                m = self.common_blocks(child, buf, n, k)
             if m == 0:  # digest collision on the first block: not a hit
                 break
             node, j, n = child, m, n + m
-            digest = bytes(child.digests[(m - 1) * D : m * D])
+            digest = child.digest(m - 1)
             if m < len(child.blocks):
                 break
-        return node, j, n, digest
+        return MatchResult(node, j, n, digest)
 
-    def _common_blocks(
-        self, node: Node, off: int, buf: bytes | bytearray, start: int, k: int
-    ) -> int:
-        """How many of ``k`` blocks from ``node[off]`` equal the sequence's from ``start``."""
+    def common_blocks(self, node: Node, buf: bytes | bytearray, start: int, k: int) -> int:
+        """How many of the node's first ``k`` blocks equal the sequence's from block ``start``."""
         bb = self.block_bytes
-        return (
-            common_tokens(
-                node.tokens[off * bb : (off + k) * bb], buf[start * bb : (start + k) * bb]
-            )
-            // self.block_size
-        )
+        same = common_tokens(node.tokens[: k * bb], buf[start * bb : (start + k) * bb])
+        return same // self.block_size
 
-    def path_blocks(self, node: Node) -> list[int]:
+    def path_blocks(self, node: Node | None) -> list[int]:
         """Physical ids of every block from the root down to the end of ``node``."""
         runs = []
-        while node.parent is not None:
+        while node is not None and node.parent is not None:
             runs.append(node.blocks)
             node = node.parent
         out: list[int] = []
@@ -153,46 +178,56 @@ class RadixIndex:
             out.extend(run)
         return out
 
-    def partial_candidate(
-        self, node: Node, buf: bytes, n: int, limit: int
-    ) -> tuple[Node, int] | None:
-        """A child of ``node`` (whose blocks a sequence matched in full, ``n`` blocks in all)
-        whose first block shares the first ``m`` tokens (0 < m <= limit) of the sequence's
-        block ``n``. Returns ``(child, m)`` or None; the most recent child with the same first
-        token is the one tried."""
-        if not node.by_token:
+    def partial_match(self, match: MatchResult, buf: bytes, limit: int) -> PartialMatch | None:
+        """The cached block that shares the most (at most ``limit``, at least 1) leading tokens
+        with the sequence's block ``match.n``, the first one not matched in full.
+
+        Where the match stops inside a node, that node's next block is the only candidate (its
+        siblings' first blocks differ from the matched one); otherwise the children of the
+        matched node are searched in token order, whose two neighbours of the query share the
+        longest prefix with it.
+        """
+        node, j = match.node, match.j
+        start = match.n * self.block_bytes
+        query = buf[start : start + 4 * limit]
+        if j < len(node.blocks):  # the match ended inside the node
+            bb = self.block_bytes
+            m = common_tokens(node.tokens[j * bb : j * bb + 4 * limit], query)
+            return PartialMatch(node, m) if m > 0 else None
+        ordered = node.ordered
+        if not ordered:
             return None
-        start = n * self.block_bytes
-        cand = node.by_token.get(int.from_bytes(buf[start : start + 4], "little"))
-        if cand is None:
-            return None
-        m = common_tokens(cand.tokens[: 4 * limit], buf[start : start + 4 * limit])
-        return (cand, m) if m > 0 else None
+        i = bisect_left(ordered, query, key=self._first_block)
+        best: PartialMatch | None = None
+        for cand in ordered[max(i - 1, 0) : i + 1]:
+            m = common_tokens(cand.tokens[: 4 * limit], query)
+            if m > 0 and (best is None or m > best.m):
+                best = PartialMatch(cand, m)
+        return best
 
     # ---- structure ------------------------------------------------------------------------
     def split(self, node: Node, j: int) -> Node:
         """Split ``node`` after ``j`` blocks; returns the new upper node. ``node`` keeps the rest
         (and its identity, so holders that point at it stay valid)."""
         parent = node.parent
-        assert parent is not None and 0 < j < len(node.blocks)
+        assert parent is not None and parent.children is not None and parent.ordered is not None
+        assert 0 < j < len(node.blocks)
         bb = self.block_bytes
+        i = bisect_left(parent.ordered, self._first_block(node), key=self._first_block)
+        assert parent.ordered[i] is node
         upper = Node(parent, node.depth)
         upper.digests = node.digests[: j * D]
         upper.tokens = node.tokens[: j * bb]
         upper.blocks = node.blocks[:j]
-        node.digests = node.digests[j * D :]
-        node.tokens = node.tokens[j * bb :]
+        del node.digests[: j * D]
+        del node.tokens[: j * bb]
         del node.blocks[:j]
         upper.ref, upper.last_access, upper.hits = node.ref, node.last_access, node.hits
         upper.priority, upper.retain_until = node.priority, node.retain_until
-        first = bytes(upper.digests[:D])
-        assert parent.children is not None
-        parent.children[first] = upper
-        first_tok = int.from_bytes(upper.tokens[:4], "little")
-        if parent.by_token is not None and parent.by_token.get(first_tok) is node:
-            parent.by_token[first_tok] = upper
-        upper.children = {bytes(node.digests[:D]): node}
-        upper.by_token = {int.from_bytes(node.tokens[:4], "little"): node}
+        parent.children[upper.digest(0)] = upper
+        parent.ordered[i] = upper  # same first block, same place in the order
+        upper.children = {node.digest(0): node}
+        upper.ordered = [node]
         node.parent = upper
         node.depth += j
         self.num_nodes += 1
@@ -209,8 +244,7 @@ class RadixIndex:
         """Store a run of blocks after ``parent``, held once by the caller.
 
         Extends ``parent`` in place when the caller is its only holder and it is a leaf, so a
-        growing sequence keeps few nodes; otherwise (or once the run is long, since growing an
-        immutable buffer copies it) adds a child.
+        growing sequence keeps few nodes; otherwise (or once the node is long) adds a child.
         """
         if (
             parent.parent is not None
@@ -219,27 +253,31 @@ class RadixIndex:
             and len(parent.blocks) < MAX_GROW_BLOCKS
         ):
             node = parent
+            node.digests += b"".join(digests)
+            node.tokens += tokens
+            node.blocks.extend(blocks)
         else:
             node = Node(parent, parent.end if parent.parent is not None else 0)
             node.ref = 1
-            if parent.children is None:
-                parent.children, parent.by_token = {}, {}
+            node.digests = bytearray(b"".join(digests))
+            node.tokens = bytearray(tokens)
+            node.blocks.extend(blocks)
+            if parent.children is None or parent.ordered is None:
+                parent.children, parent.ordered = {}, []
             parent.children[digests[0]] = node
-            assert parent.by_token is not None
-            parent.by_token[int.from_bytes(tokens[:4], "little")] = node
+            insort(parent.ordered, node, key=self._first_block)
             self.num_nodes += 1
-        # immutable, exactly sized buffers: growth copies, but nothing is over-allocated
-        node.digests += b"".join(digests)
-        node.tokens += tokens
-        node.blocks.extend(blocks)
         node.last_access = now
         self.num_blocks += len(blocks)
         self.active_blocks += len(blocks)
         return node
 
-    def hold(self, node: Node, now: float, hit: bool = False) -> None:
-        """Take one reference on every node from ``node`` up to the root (``hit``: count a hit)."""
-        while node.parent is not None:
+    def hold(
+        self, node: Node | None, now: float, *, hit: bool = False, upto: Node | None = None
+    ) -> None:
+        """Take one reference on every node from ``node`` up to the root, or up to (not
+        including) ``upto`` when the caller already holds that one. ``hit``: count a hit."""
+        while node is not None and node is not upto and node.parent is not None:
             if node.ref == 0:
                 self.active_blocks += len(node.blocks)
             node.ref += 1
@@ -247,50 +285,71 @@ class RadixIndex:
             node.hits += hit
             node = node.parent
 
-    def hold_one(self, node: Node, now: float) -> None:
-        """Take one reference on ``node`` alone (its parent is already held by the caller)."""
-        if node.ref == 0:
-            self.active_blocks += len(node.blocks)
-        node.ref += 1
-        node.last_access = now
-
-    def unhold(self, node: Node, now: float) -> Node | None:
+    def unhold(self, node: Node | None, now: float) -> Node | None:
         """Drop one reference from ``node`` up to the root. Returns ``node`` if it became an
         evictable leaf (only the deepest node of a path can be a leaf)."""
         deepest = node
-        while node.parent is not None:
+        while node is not None and node.parent is not None:
             node.ref -= 1
             node.last_access = now
             if node.ref == 0:
                 self.active_blocks -= len(node.blocks)
             node = node.parent
-        if deepest.parent is not None and deepest.ref == 0 and not deepest.children:
+        if (
+            deepest is not None
+            and deepest.parent is not None
+            and deepest.ref == 0
+            and not deepest.children
+        ):
             return deepest
         return None
 
     def evict_tail(self, node: Node, k: int) -> tuple[list[int], bytes]:
-        """Remove the last ``k`` blocks of an unreferenced leaf. Returns their ids and their
-        concatenated digests."""
+        """Remove the last ``k`` blocks of an unreferenced leaf, in O(k). Returns their ids and
+        their concatenated digests."""
         assert node.ref == 0 and not node.children and 0 < k <= len(node.blocks)
+        if k == len(node.blocks):
+            self._detach(node)
         ids = node.blocks[-k:].tolist()
         digests = bytes(node.digests[-k * D :])
-        first_token = int.from_bytes(node.tokens[:4], "little")
         del node.blocks[-k:]
-        node.digests = node.digests[: -k * D]
-        node.tokens = node.tokens[: -k * self.block_bytes]
+        del node.digests[-k * D :]
+        del node.tokens[-k * self.block_bytes :]
         self.num_blocks -= k
-        if not node.blocks:
-            self._detach(node, digests[:D], first_token)
         return ids, digests
 
-    def _detach(self, node: Node, first_digest: bytes, first_token: int) -> None:
+    def remove_subtree(self, top: Node) -> list[tuple[Node, list[int], bytes]]:
+        """Take ``top`` and everything below it out of the index (nobody may hold them).
+
+        Returns, per removed node, the node (detached), its block ids and its digests."""
+        self._detach(top)
+        out = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            assert node.ref == 0, "removing a held node"
+            if node.children:
+                stack.extend(node.children.values())
+            if node is not top:
+                self.num_nodes -= 1
+            out.append((node, node.blocks.tolist(), bytes(node.digests)))
+            self.num_blocks -= len(node.blocks)
+            node.parent = None
+        return out
+
+    def _detach(self, node: Node) -> None:
+        """Unlink ``node`` from its parent (a root left without children is dropped)."""
         parent = node.parent
-        assert parent is not None and parent.children is not None and parent.by_token is not None
-        del parent.children[first_digest]
-        if parent.by_token.get(first_token) is node:
-            del parent.by_token[first_token]
+        assert parent is not None and parent.children is not None and parent.ordered is not None
+        del parent.children[node.digest(0)]
+        i = bisect_left(parent.ordered, self._first_block(node), key=self._first_block)
+        assert parent.ordered[i] is node
+        del parent.ordered[i]
         if not parent.children:
-            parent.children = parent.by_token = None
+            parent.children = parent.ordered = None
+            if parent.parent is None:
+                assert parent.namespace is not None
+                del self.roots[parent.namespace]
         node.parent = None
         self.num_nodes -= 1
 

@@ -41,6 +41,9 @@ class Admission(NamedTuple):
     copies: list[Copy]  # copy-on-write / partially matched block: see Copy for when to run
     num_tokens: int
     block_size: int
+    hit_blocks: int = 0  # full blocks matched in the index
+    partial_tokens: int = 0  # tokens of a partially matching block copied instead of computed
+    cow: bool = False  # every prompt block was cached: the last one is copied, one token computed
 
     def slot_mapping(self) -> np.ndarray:
         """int64 slots of the tokens to compute, ``tokens[cached_len:]``."""

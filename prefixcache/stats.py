@@ -20,6 +20,8 @@ class CacheStats:
     stored_blocks: int = 0  # blocks entered into the index
     appended_tokens: int = 0
     forks: int = 0
+    aborted_requests: int = 0  # dropped before their K/V was written (abort, with dependents)
+    unindexed_blocks: int = 0  # blocks taken out of the index because their K/V never came
 
     @property
     def token_hit_rate(self) -> float:
@@ -41,7 +43,7 @@ class BlockCounts:
     """Physical blocks per state; they always add up to ``num_blocks``."""
 
     free: int
-    active: int  # referenced by at least one request or pin
+    active: int  # referenced by at least one request or pin (or a copy of the current step)
     cached: int  # in the index, unreferenced, evictable
 
     @property

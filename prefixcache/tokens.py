@@ -1,13 +1,14 @@
-"""Token-id validation at the edge: everything inside works on little-endian int32 arrays."""
+"""Validation at the edge: token ids become little-endian int32 arrays, sizes become plain ints."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from prefixcache.errors import InvalidTokensError
+from prefixcache.errors import InvalidArgumentError, InvalidTokensError
 
 MAX_TOKEN_ID = 2**31 - 1
 _INT32 = np.dtype("<i4")
@@ -18,10 +19,12 @@ TokenIds = Sequence[int] | np.ndarray | Any  # Any covers torch.Tensor without i
 def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray:
     """Return ``tokens`` as a contiguous 1-D ``<i4`` array, or raise InvalidTokensError.
 
-    Accepts a list/tuple/range of ints, a numpy integer array or a torch integer tensor.
+    Accepts a list/tuple/range of ints, a numpy integer array or a torch integer tensor. Bools,
+    floats, negative ids and ids of 2**31 or more are rejected.
     """
+    cls = type(tokens)
     if (  # the hot path: what a runtime holds already
-        type(tokens) is np.ndarray
+        cls is np.ndarray
         and tokens.dtype == _INT32
         and tokens.ndim == 1
         and tokens.size
@@ -29,12 +32,18 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
         and np.minimum.reduce(tokens) >= 0
     ):
         return tokens
-    if type(tokens).__module__.startswith("torch"):
+    if cls is list and tokens:
+        fast = _list_to_array(tokens)
+        if fast is not None:
+            return fast
+    if cls.__module__.startswith("torch"):
         tokens = _torch_to_numpy(tokens)
+    if isinstance(tokens, np.ma.MaskedArray):
+        raise InvalidTokensError("token ids must not be a masked array; fill or compress it first")
     if isinstance(tokens, np.ndarray):
-        arr = tokens
+        arr = np.asarray(tokens)  # a subclass could override min/max
     else:
-        if isinstance(tokens, (str, bytes)):
+        if isinstance(tokens, (str, bytes, bytearray)):
             raise InvalidTokensError("token ids must be integers, got a string; tokenize first")
         try:
             arr = np.asarray(tokens)
@@ -42,6 +51,10 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
             raise InvalidTokensError(
                 f"token ids must be a flat sequence of integers: {exc}"
             ) from None
+        if arr.dtype == object or (
+            arr.dtype.kind in "iu" and isinstance(tokens, list | tuple) and _has_bool(tokens)
+        ):
+            raise InvalidTokensError("token ids must be integers, got a bool or another object")
     if arr.ndim != 1:
         raise InvalidTokensError(f"token ids must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
@@ -58,6 +71,37 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
     return np.ascontiguousarray(arr, dtype=_INT32)
 
 
+def _list_to_array(tokens: list[Any]) -> np.ndarray | None:
+    """A list of Python ints straight to int32, or None for the general path.
+
+    ``sum`` stays an int only over ints and bools, so floats and numpy scalars leave the fast
+    path; a bool converts to 0 or 1, so only those values need their type looked at.
+    """
+    try:
+        if type(sum(tokens)) is not int:
+            return None
+    except TypeError:  # nested lists, strings, None: the general path says what is wrong
+        return None
+    try:
+        arr = np.fromiter(tokens, dtype=_INT32, count=len(tokens))
+    except OverflowError:
+        hi = max(tokens)
+        raise InvalidTokensError(
+            f"token ids must be < 2**31 (valid: [0, 2**31)), got {hi if hi > 0 else min(tokens)}"
+        ) from None
+    lo = int(np.minimum.reduce(arr))
+    if lo < 0:
+        raise InvalidTokensError(f"token ids must be >= 0 (valid: [0, 2**31)), got {lo}")
+    for i in np.flatnonzero(arr <= 1).tolist():
+        if type(tokens[i]) is not int:
+            raise InvalidTokensError(f"token ids must be integers, got {tokens[i]!r} at {i}")
+    return arr
+
+
+def _has_bool(tokens: list[Any] | tuple[Any, ...]) -> bool:
+    return any(type(t) is bool or type(t) is np.bool_ for t in tokens)
+
+
 def _torch_to_numpy(tensor: Any) -> np.ndarray:
     import torch
 
@@ -66,3 +110,44 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == torch.bool or tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         raise InvalidTokensError(f"token ids must be integers, got dtype {tensor.dtype}")
     return tensor.detach().to("cpu").contiguous().numpy()
+
+
+def as_single_token(value: Any) -> int | None:
+    """``value`` as one token id if it is a scalar integer (int, numpy integer, 0-d array or
+    tensor, as ``argmax`` returns), else None. Raises InvalidTokensError for a scalar out of
+    range or of the wrong type."""
+    cls = type(value)
+    if cls is int:
+        token = value
+    elif cls is bool or cls is np.bool_:
+        raise InvalidTokensError(f"token ids must be integers, got {value!r}")
+    elif isinstance(value, np.integer):
+        token = int(value)
+    elif isinstance(value, float | np.floating):
+        raise InvalidTokensError(f"token ids must be integers, got {value!r}")
+    elif getattr(value, "ndim", None) == 0 or (
+        cls.__module__.startswith("torch") and getattr(value, "dim", lambda: -1)() == 0
+    ):
+        arr = as_token_array(value.reshape(1))
+        return int(arr[0])
+    else:
+        return None
+    if not 0 <= token <= MAX_TOKEN_ID:
+        raise InvalidTokensError(f"token ids must be in [0, 2**31), got {token}")
+    return token
+
+
+def as_size(value: Any, name: str, minimum: int = 0) -> int:
+    """``value`` as a plain int >= ``minimum`` (ints, numpy integers, 0-d integer tensors; not
+    bools), or raise InvalidArgumentError naming the argument."""
+    if isinstance(value, bool | np.bool_):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{name} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
+    if number < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {number}")
+    return number

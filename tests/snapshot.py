@@ -32,10 +32,13 @@ def snapshot(mgr: CacheManager) -> dict[str, Any]:
             list(s.table),
             list(s.private),
             s.blocked,
+            s.unconfirmed,
+            list(s.pending),
+            s.pending_start,
             mgr.index.path_blocks(s.deepest),
             None if s.copy_source is None else mgr.index.path_blocks(s.copy_source),
         )
-        for rid, s in mgr._seqs.items()
+        for rid, s in mgr.states.items()
     }
     return {
         "trees": sorted((repr(ns), _node(root)) for ns, root in mgr.index.roots.items()),
@@ -43,7 +46,12 @@ def snapshot(mgr: CacheManager) -> dict[str, Any]:
         "free": mgr.pool.free_ids(),
         "refcount": list(mgr.pool.refcount),
         "seqs": seqs,
-        "pins": {h: mgr.index.path_blocks(n) for h, n in mgr._pins.items()},
+        "pins": {h: mgr.index.path_blocks(n) for h, n in mgr.pins.items()},
+        "pending": sorted(mgr.pending_blocks),
+        "step_holds": (
+            [mgr.index.path_blocks(n) for n in mgr.step_holds[0]],
+            mgr.step_holds[1],
+        ),
         "stats": mgr.stats.as_dict(),
-        "tick": mgr._tick,
+        "tick": mgr.clock_ticks,
     }

@@ -87,11 +87,15 @@ def test_deterministic_across_processes():
 
 
 def test_wire_format_is_documented_layout():
-    # h_0 = H(seed || int64 LE start position || int32 LE token ids); seed = H(prefix || ns json)
+    # h_0 = H(seed || int64 LE start position || int32 LE token ids);
+    # seed = H(prefix || canonical namespace): per field a presence byte, a u32 LE length and
+    # UTF-8 bytes (absent: one 0 byte); ``extra`` prefixed by its u32 LE count
     import xxhash
 
     ns = Namespace(model="m")
-    seed = xxhash.xxh3_128_digest(b"prefixcache/ns/v1\x00" + b'["m",null,null,null,[]]')
+    canonical = b"\x01\x01\x00\x00\x00m" + b"\x00" * 3 + b"\x00\x00\x00\x00"
+    assert ns.canonical_bytes() == canonical
+    seed = xxhash.xxh3_128_digest(b"prefixcache/ns/v2\x00" + canonical)
     assert BlockHasher(4).seed(ns) == seed
     body = (0).to_bytes(8, "little") + np.arange(4, dtype="<i4").tobytes()
     digest = BlockHasher(4).hash_prompt(np.arange(4, dtype="<i4"), ns)[0]

@@ -308,7 +308,7 @@ def test_subtree_sizes():
     root = m.index.roots[NS]
     assert m.index.subtree_blocks(root) == 5  # one shared block + 2 + 2
     (shared,) = root.children.values()
-    assert len(shared) == 1 and m.index.subtree_blocks(shared) == 5
+    assert len(shared.blocks) == 1 and m.index.subtree_blocks(shared) == 5
 
 
 def test_evict_api():

@@ -1,28 +1,22 @@
-"""Random admit / append / fork / release / evict / pin sequences against every DESIGN.md invariant.
+"""Random steps of admit / append / fork / release / abort / pin / evict against every invariant.
 
-Besides ``check_integrity`` after each step, a fake K/V store follows the manager's instructions
-as a runtime's forward pass does (each token id stands in for its K/V): a step admits one to
-three prompts, then writes every new token at its slot, then runs the step's copies. Reading any
-live request through its block table must give back exactly its tokens: shared blocks are never
-overwritten by a non-owner, no hit is served from a block holding other tokens, and copies may
-read blocks indexed earlier in the same step.
+Each step interleaves those calls in any order, then runs the forward pass through the K/V
+fingerprint runtime (stores, copies, reads) and ends the step. After every call the manager's
+integrity check runs; after every step every live request must read exactly its own K/V, every
+cached block must hold the K/V of the prefix it claims, and the block events must describe the
+index exactly. All three eviction policies, a listener attached, a small stepped pool.
 """
 
 import os
+from typing import ClassVar
 
-import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    consumes,
-    invariant,
-    multiple,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from prefixcache import CacheManager, Namespace, OutOfBlocksError, RequestTooLargeError
+from tests.kv_fingerprint import FingerprintRuntime
 from tests.snapshot import snapshot
 
 P = 4
@@ -41,84 +35,70 @@ prompts = (
     .map(lambda t: BASES[t[0]][: t[1]] + t[2])
     .filter(bool)
 )
-
-
-STEPS = [0]  # invariant checks run, i.e. steps taken (reported by test_enough_steps)
+rids = st.integers(0, 40)
 
 
 class CacheMachine(RuleBasedStateMachine):
-    requests = Bundle("requests")
+    policy = "lru"
+    steps: ClassVar[list[int]] = [0]
 
     def __init__(self):
         super().__init__()
-        self.mgr = CacheManager(NUM_BLOCKS, P, policy="lru")
-        self.store = np.full((NUM_BLOCKS, P), -1, dtype=np.int64)  # token id per slot
-        self.tokens: dict[int, list[int]] = {}
+        self.mgr = CacheManager(NUM_BLOCKS, P, policy=self.policy, stepped=True)
+        self.rt = FingerprintRuntime(self.mgr)
         self.next_id = 0
         self.pins: list[int] = []
 
-    def _copy(self, copies):
-        for src, dst, n in copies:
-            self.store[dst, :n] = self.store[src, :n]
+    def _pick(self, i):
+        ids = sorted(self.rt.live)
+        return ids[i % len(ids)] if ids else None
 
-    def _write(self, slots, values):
-        for s, v in zip(slots.tolist(), values, strict=False):
-            self.store[s // P, s % P] = v
-
-    @rule(
-        target=requests,
-        batch=st.lists(st.tuples(prompts, st.integers(0, 2)), min_size=1, max_size=3),
-    )
-    def admit(self, batch):
-        writes, copies, ids = [], [], []
-        for tokens, ns in batch:
-            rid = self.next_id
-            self.next_id += 1
-            ids.append(rid)
-            before = snapshot(self.mgr)
-            try:
-                adm = self.mgr.admit(rid, tokens, NAMESPACES[ns])
-            except (OutOfBlocksError, RequestTooLargeError):
-                assert snapshot(self.mgr) == before
-                continue  # unknown to the manager: later rules on this id are no-ops
-            assert 0 <= adm.cached_len < len(tokens)
-            writes.append((adm.slot_mapping(), tokens[adm.cached_len :]))
-            copies += adm.copies
-            self.tokens[rid] = list(tokens)
-        for slots, values in writes:  # the step's K/V stores, then its copies
-            self._write(slots, values)
-        self._copy(copies)
-        return multiple(*ids)
-
-    @rule(rid=requests, new=st.lists(st.integers(0, 3), min_size=1, max_size=6))
-    def append(self, rid, new):
-        if rid not in self.tokens:
-            return
+    @rule(tokens=prompts, ns=st.integers(0, 2), priority=st.integers(0, 2))
+    def admit(self, tokens, ns, priority):
+        rid = self.next_id
+        self.next_id += 1
         before = snapshot(self.mgr)
         try:
-            res = self.mgr.append(rid, new)
-        except OutOfBlocksError:
+            cached = self.rt.admit(rid, tokens, NAMESPACES[ns], priority=priority, retention=5.0)
+        except (OutOfBlocksError, RequestTooLargeError):
             assert snapshot(self.mgr) == before
             return
-        self._write(res.slots, new)
-        self._copy(res.copies)
-        self.tokens[rid] += new
+        assert 0 <= cached < len(tokens)
 
-    @rule(target=requests, rid=requests)
-    def fork(self, rid):
-        if rid not in self.tokens:
-            return rid
-        child = self.next_id
+    @rule(i=rids, new=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def append(self, i, new):
+        rid = self._pick(i)
+        if rid is None or rid in self.rt.finished:
+            return
+        before = snapshot(self.mgr)
+        can = self.mgr.can_append(rid, len(new))
+        try:
+            self.rt.append(rid, new)
+        except OutOfBlocksError:
+            assert not can and snapshot(self.mgr) == before
+            return
+        assert can
+
+    @rule(i=rids)
+    def fork(self, i):
+        rid = self._pick(i)
+        if rid is None or rid in self.rt.finished:
+            return
+        self.rt.fork(rid, self.next_id)
         self.next_id += 1
-        self.mgr.fork(rid, child)
-        self.tokens[child] = list(self.tokens[rid])
-        return child
 
-    @rule(rid=consumes(requests))
-    def release(self, rid):
-        if rid in self.tokens:
-            self.mgr.release(rid)
-            del self.tokens[rid]
+    @rule(i=rids)
+    def finish(self, i):
+        rid = self._pick(i)
+        if rid is not None and rid not in self.rt.finished:
+            self.rt.finish(rid)
+
+    @rule(i=rids)
+    def abort(self, i):
+        rid = self._pick(i)
+        if rid is not None and rid not in self.rt.finished:
+            dropped = self.rt.abort(rid)
+            assert dropped[0] == rid and not set(dropped) & set(self.mgr.requests)
 
     @rule(n=st.integers(0, 6))
     def evict(self, n):
@@ -136,40 +116,45 @@ class CacheMachine(RuleBasedStateMachine):
         if self.pins:
             self.mgr.unpin(self.pins.pop(0))
 
+    @rule()
+    def step(self):
+        self.rt.step()
+
     @invariant()
     def consistent(self):
-        STEPS[0] += 1
+        type(self).steps[0] += 1
         self.mgr.check_integrity()
         counts = self.mgr.block_counts()
         assert counts.total == NUM_BLOCKS
-        for rid, tokens in self.tokens.items():
-            table = self.mgr.block_table(rid)
-            got = [int(self.store[table[i // P], i % P]) for i in range(len(tokens))]
-            assert got == tokens, f"request {rid} reads wrong K/V through its table"
-        for node in self.mgr.index.iter_nodes():  # cached content is what the index claims
-            stored = self.store[list(node.blocks)].reshape(-1).tolist()
-            assert stored == np.frombuffer(bytes(node.tokens), dtype="<i4").tolist()
 
     def teardown(self):
-        for rid in list(self.tokens):
-            self.mgr.release(rid)
+        self.rt.step()
+        for rid in list(self.rt.live):
+            self.rt.release(rid)
         for h in self.pins:
             self.mgr.unpin(h)
+        self.mgr.end_step()
         self.mgr.check_integrity()
         counts = self.mgr.block_counts()
         assert counts.active == 0 and counts.free + counts.cached == NUM_BLOCKS
 
 
-# At least 2,000 steps in CI; PREFIXCACHE_STATEFUL_EXAMPLES=N runs more.
-CacheMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXCACHE_STATEFUL_EXAMPLES", "100")),
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-TestCacheMachine = CacheMachine.TestCase
+# At least 3,000 steps per policy in CI; PREFIXCACHE_STATEFUL_EXAMPLES=N runs more.
+EXAMPLES = int(os.environ.get("PREFIXCACHE_STATEFUL_EXAMPLES", "150"))
+MIN_STEPS = 3000
 
 
-def test_enough_steps():
-    """Runs after the machine (file order): the invariants were checked at least 2,000 times."""
-    assert STEPS[0] >= 2000, f"only {STEPS[0]} stateful steps ran"
+@pytest.mark.parametrize("policy", ["lru", "lfu", "priority"])
+def test_cache_machine(policy):
+    machine = type(f"CacheMachine_{policy}", (CacheMachine,), {"policy": policy, "steps": [0]})
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+    print(f"{policy}: {machine.steps[0]} stateful steps")
+    assert machine.steps[0] >= MIN_STEPS, f"only {machine.steps[0]} stateful steps ran"

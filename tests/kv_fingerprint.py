@@ -1,0 +1,179 @@
+"""A fake K/V store that follows a CacheManager exactly as a runtime's forward pass would.
+
+Each slot holds a 64-bit fingerprint of (namespace, every token up to and including its
+position): the value real K/V at that slot depends on. A step is planned through the manager
+(admit / append / fork / release / abort / pin / evict in any order), then ``forward()`` runs it in
+the documented order: every live request's K/V store, then the step's copies in the order they
+were handed out, then attention, which here reads every live request back through its block
+table and demands exactly its fingerprints. ``end_step()`` then tells the manager. A request
+dropped by ``abort`` (with its dependents) takes its stores and copies out of the step, as a
+runtime takes it out of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from prefixcache import CacheManager, Copy, Namespace
+from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+
+UNWRITTEN = np.uint64(0)
+
+
+def prefix_fingerprints(
+    namespace: Namespace, tokens: Sequence[int], start: int = 0, prev: int | None = None
+) -> list[int]:
+    """Fingerprints of positions ``start ..``: fp_i = H(fp_{i-1} || token_i), seeded by the
+    namespace; never 0 (0 marks a slot nobody wrote)."""
+    if prev is None:
+        prev = xxhash.xxh64_intdigest(b"kv-fingerprint\x00" + namespace.canonical_bytes())
+    out = []
+    for tok in tokens[start:]:
+        prev = xxhash.xxh64_intdigest(prev.to_bytes(8, "little") + int(tok).to_bytes(4, "little"))
+        out.append(prev or 1)
+    return out
+
+
+@dataclass
+class _Live:
+    namespace: Namespace
+    tokens: list[int]
+    fps: list[int]
+    writes: list[tuple[np.ndarray, list[int]]] = field(default_factory=list)  # this step
+
+
+class FingerprintRuntime:
+    """Drives a manager and checks every read of K/V against what the tokens demand."""
+
+    def __init__(self, mgr: CacheManager, *, track_events: bool = True) -> None:
+        self.mgr = mgr
+        p = mgr.block_size
+        self.store = np.zeros((mgr.num_blocks, p), dtype=np.uint64)
+        self.live: dict[Hashable, _Live] = {}
+        self.copies: list[tuple[Hashable, Copy]] = []  # this step, in the order handed out
+        self.finished: list[Hashable] = []  # released once the step's forward has run
+        self.mirror: set[tuple[Namespace, bytes]] | None = None
+        self.reads = 0
+        if track_events:
+            self.mirror = set()
+            mgr.add_listener(self._on_event)
+
+    # ---- planning: each call goes to the manager and records the step's work --------------
+    def admit(self, rid: Hashable, tokens: Sequence[int], namespace: Namespace, **kw) -> int:
+        adm = self.mgr.admit(rid, tokens, namespace, **kw)
+        fps = prefix_fingerprints(namespace, tokens)
+        live = _Live(namespace, list(tokens), fps)
+        live.writes.append((adm.slot_mapping(), fps[adm.cached_len :]))
+        self.live[rid] = live
+        self.copies += [(rid, c) for c in adm.copies]
+        return adm.cached_len
+
+    def append(self, rid: Hashable, new: Sequence[int]) -> None:
+        res = self.mgr.append(rid, list(new))
+        live = self.live[rid]
+        n0 = len(live.tokens)
+        live.tokens += list(new)
+        live.fps += prefix_fingerprints(live.namespace, live.tokens, n0, live.fps[-1])
+        live.writes.append((res.slots, live.fps[n0:]))
+        self.copies += [(rid, c) for c in res.copies]
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        self.mgr.fork(parent, child)
+        src = self.live[parent]
+        self.live[child] = _Live(src.namespace, list(src.tokens), list(src.fps))
+
+    def abort(self, rid: Hashable) -> list[Hashable]:
+        dropped = self.mgr.abort(rid)
+        gone = set(dropped)
+        for d in dropped:
+            del self.live[d]
+        self.copies = [(r, c) for r, c in self.copies if r not in gone]
+        return dropped
+
+    def finish(self, rid: Hashable) -> None:
+        """The request is done: released now if it has no work in this step, else after it."""
+        if self.live[rid].writes:
+            self.finished.append(rid)
+        else:
+            self.release(rid)
+
+    def release(self, rid: Hashable) -> None:
+        self.mgr.release(rid)
+        del self.live[rid]
+
+    # ---- the forward pass and the end of the step -----------------------------------------
+    def forward(self) -> None:
+        p = self.mgr.block_size
+        written: dict[int, Hashable] = {}
+        for rid, live in self.live.items():  # 1. every K/V store of the step
+            for slots, values in live.writes:
+                for s, v in zip(slots.tolist(), values, strict=True):
+                    assert written.setdefault(s, rid) == rid, f"slot {s} written twice"
+                    self.store[s // p, s % p] = v
+            live.writes = []
+        for _, (src, dst, n) in self.copies:  # 2. the copies, in order
+            self.store[dst, :n] = self.store[src, :n]
+        self.copies = []
+        for rid, live in self.live.items():  # 3. attention reads every token through the table
+            table = self.mgr.block_table(rid)
+            got = [int(self.store[table[i // p], i % p]) for i in range(len(live.tokens))]
+            assert got == live.fps, f"request {rid!r} reads K/V that was never written for it"
+            self.reads += len(got)
+        for rid in self.finished:
+            if rid in self.live:
+                self.release(rid)
+        self.finished = []
+
+    def end_step(self) -> None:
+        self.mgr.end_step()
+        self.check_cached()
+
+    def step(self) -> None:
+        self.forward()
+        self.end_step()
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check_cached(self) -> None:
+        """Every block in the index holds the K/V of exactly the prefix it claims."""
+        mgr = self.mgr
+        pending = mgr.pending_blocks
+        for root in list(mgr.index.roots.values()):
+            assert root.namespace is not None
+            stack = [(root, [])]
+            while stack:
+                node, prefix = stack.pop()
+                tokens = prefix + np.frombuffer(bytes(node.tokens), dtype="<i4").tolist()
+                if node.parent is not None and node.blocks:
+                    fps = prefix_fingerprints(root.namespace, tokens)
+                    p = mgr.block_size
+                    for k, b in enumerate(node.blocks):
+                        if b in pending:
+                            continue
+                        lo = (node.depth + k) * p
+                        assert self.store[b].tolist() == fps[lo : lo + p], "cached block is wrong"
+                for child in (node.children or {}).values():
+                    stack.append((child, tokens))
+        if self.mirror is not None:
+            indexed = {
+                (mgr.index.namespace_of(n), n.digest(i))
+                for n in mgr.index.iter_nodes()
+                for i in range(len(n.blocks))
+            }
+            assert self.mirror == indexed, "events disagree with the index"
+
+    def _on_event(self, event: CacheEvent) -> None:
+        assert self.mirror is not None
+        if isinstance(event, BlockStored):
+            for h in event.block_hashes:
+                key = (event.namespace, h)
+                assert key not in self.mirror, "block stored twice"
+                self.mirror.add(key)
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                self.mirror.remove((event.namespace, h))
+        elif isinstance(event, AllBlocksCleared):
+            self.mirror.clear()
