@@ -9,7 +9,7 @@ from collections.abc import Sequence
 # Modules that add subcommands: each has ``register(subparsers)`` and sets ``func`` on its parsers.
 COMMAND_MODULES = (
     "prefixcache.demo",
-    "prefixcache.replay.commands",
+    "prefixcache.replay.replay_cli",
     "prefixcache.report.commands",
 )
 

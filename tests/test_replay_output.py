@@ -14,8 +14,8 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.errors import ConfigError
 from prefixcache.replay import ReplayConfig, get_model, parse_size, replay_path, write_run
-from prefixcache.replay.progress import with_progress
-from prefixcache.replay.timeline import Timeline
+from prefixcache.replay.accounting import Timeline
+from prefixcache.replay.runner import with_progress
 from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]

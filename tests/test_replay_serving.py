@@ -13,7 +13,7 @@ import pytest
 from prefixcache import CacheManager, Namespace
 from prefixcache.replay import ReplayConfig, Request, open_source, replay_path
 from prefixcache.replay.accounting import Accountant
-from prefixcache.replay.run import replay_source
+from prefixcache.replay.runner import replay_source
 from prefixcache.replay.sequential import run_sequential
 from prefixcache.replay.serving import Simulator
 from prefixcache.replay.sources import Source

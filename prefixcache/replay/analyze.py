@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.replay.models import ModelConfig
-from prefixcache.replay.shadow import Shadow
+from prefixcache.replay.accounting import Shadow
+from prefixcache.replay.model_specs import ModelConfig
 from prefixcache.replay.sources import Source
 
 

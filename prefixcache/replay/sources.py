@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prefixcache.errors import ConfigError
-from prefixcache.replay.config import ReplayConfig
+from prefixcache.replay.replay_config import ReplayConfig
 from prefixcache.replay.request import Request
 from prefixcache.replay.scenario import is_scenario_path, load_scenario
 from prefixcache.replay.traces import TraceOptions, detect_format, read_trace, trace_namespaces

@@ -8,7 +8,7 @@ from typing import Any
 from prefixcache.errors import ConfigError
 from prefixcache.eviction import POLICIES
 from prefixcache.hashing import HASH_FUNCTIONS
-from prefixcache.replay.models import ModelConfig, get_gpu, get_model
+from prefixcache.replay.model_specs import ModelConfig, get_gpu, get_model
 
 MODES = ("sequential", "serving")
 DEFAULT_SERVING_MODEL = "llama-3.1-8b"

@@ -11,8 +11,8 @@ from typing import Any
 
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.eviction import POLICIES
-from prefixcache.replay.config import MODES, ReplayConfig
-from prefixcache.replay.models import get_model, gpu_names, model_names, parse_size
+from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
+from prefixcache.replay.replay_config import MODES, ReplayConfig
 from prefixcache.replay.traces import FORMATS
 
 
@@ -157,9 +157,9 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from prefixcache.replay.output import default_run_dir, write_run
-    from prefixcache.replay.summary import format_summary
-    from prefixcache.replay.sweep import replay_sweep
+    from prefixcache.replay.replay_result import default_run_dir, write_run
+    from prefixcache.replay.runner import replay_sweep
+    from prefixcache.report.summary import format_summary
 
     try:
         result = replay_sweep(args.source, _configs(args), jobs=args.jobs, progress=args.progress)
