@@ -10,7 +10,7 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "prefixcache.demo",
     "prefixcache.replay.replay_cli",
-    "prefixcache.report.commands",
+    "prefixcache.report.report_cli",
 )
 
 

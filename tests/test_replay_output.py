@@ -88,7 +88,7 @@ def test_run_directory_holds_the_contract(tmp_path: Path, mode: str) -> None:
     assert int(timeline[-1]["evicted_blocks_cum"]) == report["evicted_blocks"]
     assert (report["serving"] is None) == (mode == "sequential")
     checks = pytest.importorskip("prefixcache.report.checks")
-    run_mod = pytest.importorskip("prefixcache.report.run")
+    run_mod = pytest.importorskip("prefixcache.report.run_dir")
     schema = pytest.importorskip("prefixcache.report.schema")
     assert schema.schema_problems(report) == []
     failed = [c for c in checks.consistency_checks(run_mod.load_run(out)) if not c.ok]

@@ -159,7 +159,7 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
 def _replay(args: argparse.Namespace) -> int:
     from prefixcache.replay.replay_result import default_run_dir, write_run
     from prefixcache.replay.runner import replay_sweep
-    from prefixcache.report.summary import format_summary
+    from prefixcache.report.text_formats import format_summary
 
     try:
         result = replay_sweep(args.source, _configs(args), jobs=args.jobs, progress=args.progress)

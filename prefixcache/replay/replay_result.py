@@ -19,7 +19,15 @@ import prefixcache
 from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.model_specs import ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
-from prefixcache.run_format import REQUEST_COLUMNS, SCHEMA_VERSION, TIMELINE_COLUMNS
+from prefixcache.run_format import (
+    MISS_CAUSES,
+    PERCENTILES,
+    REQUEST_COLUMNS,
+    SCHEMA_VERSION,
+    TIMELINE_COLUMNS,
+    nearest_rank,
+    rate,
+)
 from prefixcache.stats import CacheStats
 
 
@@ -33,23 +41,19 @@ class ServingStats:
     truncated: int = 0  # requests finished early: alone, they outgrew the cache
 
     def report_dict(self) -> dict[str, Any]:
-        def pct(values: list[float], q: float) -> float:
-            xs = sorted(v for v in values if not math.isnan(v))
-            if not xs:
-                return 0.0
-            return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
-
+        served = [t for t in self.ttft if not math.isnan(t)]
+        unserved = [t for t in self.ttft_nocache if not math.isnan(t)]
         return {
-            "ttft_p50_s": pct(self.ttft, 50),
-            "ttft_p90_s": pct(self.ttft, 90),
-            "ttft_p99_s": pct(self.ttft, 99),
-            "ttft_nocache_p50_s": pct(self.ttft_nocache, 50),
-            "ttft_nocache_p90_s": pct(self.ttft_nocache, 90),
-            "ttft_nocache_p99_s": pct(self.ttft_nocache, 99),
+            **{f"ttft_p{q}_s": _percentile(served, q) for q in PERCENTILES},
+            **{f"ttft_nocache_p{q}_s": _percentile(unserved, q) for q in PERCENTILES},
             "preemptions": self.preemptions,
             "steps": self.steps,
             "simulated_seconds": self.simulated_seconds,
         }
+
+
+def _percentile(values: list[float], q: int) -> float:
+    return nearest_rank(values, q) if values else 0.0
 
 
 @dataclass
@@ -79,22 +83,22 @@ class ReplayResult:
             "capacity_blocks": self.config.capacity_blocks,
             "block_size": self.config.options.block_size,
             "policy": self.config.options.policy,
-            "token_hit_rate": _rate(tot.hit_tokens, tot.prompt_tokens),
-            "block_hit_rate": _rate(tot.hit_blocks, tot.prompt_blocks),
-            "upper_bound_token_hit_rate": _rate(tot.ub_tokens, tot.prompt_tokens),
+            "token_hit_rate": rate(tot.hit_tokens, tot.prompt_tokens),
+            "block_hit_rate": rate(tot.hit_blocks, tot.prompt_blocks),
+            "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
             "evicted_blocks": self.stats.evicted_blocks,
         }
 
     def to_report_dict(self) -> dict[str, Any]:
         tot, acc = self.acc.totals, self.acc
         config = self.config_dict()
-        missed = {
+        by_cause = {
             "cold": tot.cold,
             "capacity": tot.capacity,
             "isolation": tot.isolation,
             "tail": tot.tail,
-            "routing": 0,
         }
+        missed = {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}  # one cache: no routing
         return {
             "schema_version": SCHEMA_VERSION,
             "library_version": prefixcache.__version__,
@@ -111,12 +115,12 @@ class ReplayResult:
             "requests": tot.requests,
             "prompt_tokens": tot.prompt_tokens,
             "hit_tokens": tot.hit_tokens,
-            "token_hit_rate": _rate(tot.hit_tokens, tot.prompt_tokens),
+            "token_hit_rate": rate(tot.hit_tokens, tot.prompt_tokens),
             "prompt_blocks": tot.prompt_blocks,
             "hit_blocks": tot.hit_blocks,
-            "block_hit_rate": _rate(tot.hit_blocks, tot.prompt_blocks),
-            "upper_bound_token_hit_rate": _rate(tot.ub_tokens, tot.prompt_tokens),
-            "upper_bound_block_hit_rate": _rate(tot.ub_blocks, tot.prompt_blocks),
+            "block_hit_rate": rate(tot.hit_blocks, tot.prompt_blocks),
+            "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
+            "upper_bound_block_hit_rate": rate(tot.ub_blocks, tot.prompt_blocks),
             "zero_hit_requests": tot.zero_hit,
             "rejected_requests": tot.rejected,
             "truncated_outputs": self.truncated_outputs,
@@ -153,10 +157,6 @@ class ReplayResult:
             "kv_bytes_saved_by_sharing": shared * bpb if bpb is not None else None,
             "internal_fragmentation_slots": acc.fragmentation_at_peak,
         }
-
-
-def _rate(num: int, den: int) -> float:
-    return num / den if den else 0.0
 
 
 # ---- the run directory ------------------------------------------------------------------------
