@@ -163,12 +163,12 @@ def _replay(args: argparse.Namespace) -> int:
 
     try:
         result = replay_sweep(args.source, _configs(args), jobs=args.jobs, progress=args.progress)
-        out = write_run(result, args.out or default_run_dir(result.name))
+        report = result.to_report_dict()
+        out = write_run(result, args.out or default_run_dir(result.name), report)
     except PrefixCacheError as exc:
         print(f"prefixcache replay: error: {exc}", file=sys.stderr)
         return 2
     _render_rich_report(out)
-    report = result.to_report_dict()
     if args.format == "json":
         print(json.dumps(report, indent=2))
         print(f"wrote {out}", file=sys.stderr)
@@ -193,7 +193,7 @@ def _render_rich_report(run_dir: Path) -> None:
 
 def _analyze(args: argparse.Namespace) -> int:
     from prefixcache.replay.analyze import analyze_source, format_analysis
-    from prefixcache.replay.sources import open_source
+    from prefixcache.replay.sources import check_block_size, open_source
 
     try:
         config = ReplayConfig(
@@ -211,7 +211,7 @@ def _analyze(args: argparse.Namespace) -> int:
             sizes = sorted({16, args.trace_block_size})
         model = get_model(args.model) if args.model else None
         for p in sizes:
-            open_source(args.source, config.with_(block_size=p))  # checks each block size
+            check_block_size(source.kind, args.trace_block_size, p)
         analysis = analyze_source(source, sizes, model)
     except PrefixCacheError as exc:
         print(f"prefixcache analyze: error: {exc}", file=sys.stderr)

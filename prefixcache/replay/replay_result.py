@@ -173,11 +173,15 @@ def default_run_dir(name: str, root: str | Path = "runs") -> Path:
     return path
 
 
-def write_run(result: ReplayResult, out_dir: str | Path) -> Path:
-    """Write the three files of a run into ``out_dir`` (created if needed); returns it."""
+def write_run(
+    result: ReplayResult, out_dir: str | Path, report: dict[str, Any] | None = None
+) -> Path:
+    """Write the three files of a run into ``out_dir`` (created if needed); returns it.
+    ``report``: the result's report.json, when the caller has it already."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = result.to_report_dict()
+    if report is None:
+        report = result.to_report_dict()
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     _write_requests(result, out / "requests.csv")
     _write_timeline(result, out / "timeline.csv")

@@ -22,9 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prefixcache.manager import CacheManager
 from prefixcache.replay.accounting import Accountant
-from prefixcache.replay.replay_config import ReplayConfig
+from prefixcache.replay.replay_config import ReplayConfig, ResolvedConfig
 from prefixcache.replay.replay_result import ReplayResult
 from prefixcache.replay.request import Request
 from prefixcache.replay.sequential import run_sequential
@@ -39,14 +38,12 @@ def replay_source(
 ) -> ReplayResult:
     """Replay ``source`` through a fresh CacheManager. ``progress``: None shows a bar when
     stderr is a terminal."""
-    resolved = config.resolve()
-    mgr = CacheManager(
-        resolved.capacity_blocks,
-        config.block_size,
-        hash_algo=config.hash_algo,
-        policy=config.policy,
-        partial_copy=config.partial_copy,
-    )
+    return _replay(source, config.resolve(), progress)
+
+
+def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> ReplayResult:
+    config = resolved.options
+    mgr = resolved.cache_manager()
     acc = Accountant(
         config.block_size, mgr.hasher, track_isolation=source.multi_namespace, record=config.record
     )
@@ -95,14 +92,16 @@ def replay_path(
     """Replay a scenario file or trace: ``replay_path("scenarios/rag.yaml",
     ReplayConfig(capacity_blocks=4096)).to_report_dict()``."""
     config = config or ReplayConfig()
-    return replay_source(open_source(path, config), config, progress=progress)
+    resolved = config.resolve()
+    return _replay(open_source(path, config), resolved, progress)
 
 
 # ---- sweeps -----------------------------------------------------------------------------------
 
 
-def _summary(path: str, config: ReplayConfig) -> dict[str, Any]:
-    return replay_path(path, config.with_(record=False)).summary_row()
+def _summary_row(path: str, resolved: ResolvedConfig) -> dict[str, Any]:
+    """A sweep point replayed in a worker process, which opens the source itself."""
+    return _replay(open_source(path, resolved.options), resolved, False).summary_row()
 
 
 def replay_sweep(
@@ -115,22 +114,26 @@ def replay_sweep(
     """Replay ``configs[0]`` in full and every config's summary; ``result.sweep`` lists them."""
     if not configs:
         raise ValueError("replay_sweep needs at least one configuration")
-    for c in configs:  # fail fast, before any process starts
-        c.resolve()
-        open_source(path, c)
-    rest = configs[1:]
+    # resolve and open everything first: a bad configuration fails before any process starts
+    points = [configs[0], *(c.with_(record=False) for c in configs[1:])]
+    resolved = [c.resolve() for c in points]
+    sources = [open_source(path, c) for c in points]
     jobs = max(1, jobs or min(len(configs), os.cpu_count() or 1))
-    if not rest:
-        return replay_path(path, configs[0], progress=progress)
+    if len(points) == 1:
+        return _replay(sources[0], resolved[0], progress)
     if jobs == 1:
-        primary = replay_path(path, configs[0], progress=progress)
-        rows = [_summary(str(path), c) for c in rest]
+        primary = _replay(sources[0], resolved[0], progress)
+        rows = [
+            _replay(s, r, False).summary_row()
+            for s, r in zip(sources[1:], resolved[1:], strict=True)
+        ]
     else:
         methods = mp.get_all_start_methods()
         ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+        rest = resolved[1:]
         with ProcessPoolExecutor(max_workers=min(jobs - 1, len(rest)) or 1, mp_context=ctx) as pool:
-            futures = [pool.submit(_summary, str(path), c) for c in rest]
-            primary = replay_path(path, configs[0], progress=progress)
+            futures = [pool.submit(_summary_row, str(path), r) for r in rest]
+            primary = _replay(sources[0], resolved[0], progress)
             rows = [f.result() for f in futures]
     primary.sweep = [primary.summary_row(), *rows]
     return primary

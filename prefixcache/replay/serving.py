@@ -31,7 +31,7 @@ import numpy as np
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager import CacheManager
 from prefixcache.replay.accounting import Accountant
-from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu
+from prefixcache.replay.model_specs import GpuConfig, ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
@@ -100,6 +100,7 @@ class _Live:
         "kv",
         "out0",
         "prefill_left",
+        "prompt_bytes",
         "recorded",
         "req",
         "resume",
@@ -116,15 +117,16 @@ class _Live:
         self.seqs: list[_DecodingSample] = []
         self.first_done = False
         self.recorded = False
+        self.prompt_bytes = b""  # the prompt's token bytes, once accounted
         self.out0: np.ndarray | None = None
 
 
 class Simulator:
     def __init__(self, mgr: CacheManager, cfg: ResolvedConfig, acc: Accountant | None) -> None:
         o = cfg.options
-        assert cfg.model is not None
+        assert cfg.model is not None and cfg.gpu is not None, "resolve a serving-mode config"
         self.mgr, self.acc, self.p = mgr, acc, o.block_size
-        self.roof = Roofline(cfg.model, get_gpu(o.gpu))
+        self.roof = Roofline(cfg.model, cfg.gpu)
         self.budget, self.max_seqs = o.token_budget, o.max_seqs
         self.tape = TokenTape(stream_key("serving-samples"))
         self.clock = 0.0
@@ -230,10 +232,11 @@ class Simulator:
             if not r.recorded:
                 r.recorded = True
                 if acc is not None:
+                    r.prompt_bytes = r.tokens.tobytes()
                     acc.record(
                         r.idx,
                         r.req,
-                        r.tokens.tobytes(),
+                        r.prompt_bytes,
                         adm.cached_len,
                         stats.cow_copies != cow0,
                         stats.partial_copy_tokens - part0,
@@ -327,9 +330,7 @@ class Simulator:
             for s in r.seqs:
                 if s.generated >= r.req.output_len:
                     if s is r.seqs[0] and r.req.output_tokens is not None and self.acc:
-                        written = (
-                            r.req.tokens.tobytes() + s.out[: s.kv_len - len(r.req.tokens)].tobytes()
-                        )
+                        written = r.prompt_bytes + s.out[: s.kv_len - len(r.req.tokens)].tobytes()
                         self.acc.note_output(r.req, written)
                     self.mgr.release(s.rid)
                     self.live_seqs -= 1
@@ -396,14 +397,7 @@ def run_serving(
     """Simulate with the cache, then without it (same capacity) for the no-cache TTFTs."""
     sim = Simulator(mgr, cfg, acc)
     sim.run(requests)
-    o = cfg.options
-    plain = CacheManager(
-        cfg.capacity_blocks,
-        o.block_size,
-        hash_algo=o.hash_algo,
-        policy=o.policy,
-        enable_caching=False,
-    )
+    plain = cfg.cache_manager(caching=False)
     base = Simulator(plain, cfg, None)
     base.run(source)
     if acc.log is not None:
