@@ -331,6 +331,19 @@ class TopPrefixes:
 # ---- timeline.csv rows ------------------------------------------------------------------------
 
 
+class TimelineRow(NamedTuple):
+    """One row of timeline.csv (``run_format.TIMELINE_COLUMNS``)."""
+
+    t: float  # request index (sequential) or simulated seconds (serving)
+    blocks_active: int
+    blocks_cached: int
+    blocks_free: int
+    evicted_blocks_cum: int
+    prompt_tokens_cum: int
+    hit_tokens_cum: int
+    rolling_token_hit_rate: float
+
+
 class Timeline:
     """Rows sampled evenly without knowing the length of the replay in advance.
 
@@ -342,13 +355,13 @@ class Timeline:
     def __init__(self, target: int = 1000) -> None:
         self.target = target
         self.every = 1
-        self.rows: list[tuple] = []
+        self.rows: list[TimelineRow] = []
         self._last_tick = -1
 
     def due(self, tick: int) -> bool:
         return tick % self.every == 0
 
-    def add(self, tick: int, row: tuple) -> None:
+    def add(self, tick: int, row: TimelineRow) -> None:
         self._last_tick = tick
         self.rows.append(row)
         if len(self.rows) >= 2 * self.target:
@@ -357,7 +370,7 @@ class Timeline:
             if self.rows[-1] is not row:
                 self._last_tick = -1
 
-    def finish(self, tick: int, row: tuple) -> None:
+    def finish(self, tick: int, row: TimelineRow) -> None:
         """The state at the end of the replay, always the last row."""
         if tick == self._last_tick and self.rows:
             self.rows[-1] = row

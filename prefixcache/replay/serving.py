@@ -30,7 +30,7 @@ import numpy as np
 
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager import CacheManager
-from prefixcache.replay.accounting import Accountant
+from prefixcache.replay.accounting import Accountant, TimelineRow
 from prefixcache.replay.model_specs import GpuConfig, ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
@@ -371,7 +371,7 @@ class Simulator:
         if timeline is None or not (final or timeline.due(self.steps)):
             return
         tot = acc.totals
-        row = (
+        row = TimelineRow(
             round(self.clock, 9),
             used.active,
             used.cached,

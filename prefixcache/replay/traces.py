@@ -229,11 +229,12 @@ def _prompts(path: str, opt: TraceOptions, tok: Tokenizer, *, text: bool) -> Ite
                 )
             prompt = render_chat(msgs)
         else:
-            prompt = obj.get("prompt", obj.get("text"))
-            if not isinstance(prompt, str):
+            given = obj.get("prompt", obj.get("text"))
+            if not isinstance(given, str):
                 raise TraceFormatError(
                     path, lineno, "expected a string in 'prompt' or 'text', or 'messages'"
                 )
+            prompt = given
         tokens = tok.encode(prompt)
         if len(tokens) == 0:
             raise TraceFormatError(path, lineno, "the prompt encodes to no tokens")

@@ -13,6 +13,7 @@ from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
+from numpy.typing import ArrayLike
 
 from prefixcache.report.figures import (
     hit_ratio_histogram,
@@ -324,8 +325,8 @@ def policy(run: Run) -> Figure:
     return fig
 
 
-def _complement(y: np.ndarray) -> np.ndarray:
-    return 1 - y
+def _complement(y: ArrayLike) -> np.ndarray:
+    return 1 - np.asarray(y)
 
 
 def _ramp(n: int) -> list[tuple[float, float, float, float]]:

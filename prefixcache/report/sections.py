@@ -170,7 +170,8 @@ def requests(run: Run) -> Section:
 def misses(run: Run) -> Section:
     r = run.report
     total = r["prompt_tokens"] - r["hit_tokens"]
-    rows, keys = [], []
+    rows: list[list[str]] = []
+    keys: list[str | None] = []
     for cause in MISS_CAUSES:
         n = r["misses"][cause]
         rows.append(
