@@ -17,8 +17,7 @@ from prefixcache.replay import ReplayConfig, get_model, parse_size, replay_path,
 from prefixcache.replay.accounting import Timeline
 from prefixcache.replay.runner import with_progress
 from prefixcache.report.checks import consistency_checks
-from prefixcache.report.run_dir import load_run
-from prefixcache.report.schema import schema_problems
+from prefixcache.report.run_dir import load_run, schema_problems
 from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from prefixcache.report.checks import consistency_checks
-from prefixcache.report.run_dir import load_run
-from prefixcache.report.schema import schema_problems
+from prefixcache.report.run_dir import load_run, schema_problems
 from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS, nearest_rank
 
 BLOCK = 16

@@ -9,15 +9,17 @@ from prefixcache.report.checks import Check, consistency_checks
 from prefixcache.report.compare import compare_document
 from prefixcache.report.definitions import DEFINITIONS, Definition
 from prefixcache.report.html import MissingDependencyError, html_report, render_all, render_html
-from prefixcache.report.run_dir import Run, RunDirError, load_run
-from prefixcache.report.schema import (
-    SCHEMA_VERSION,
+from prefixcache.report.run_dir import (
     ReportSchemaError,
+    Run,
+    RunDirError,
+    load_run,
     load_schema,
     validate_report,
 )
 from prefixcache.report.sections import build_document
 from prefixcache.report.text_formats import format_summary, render_markdown, render_terminal
+from prefixcache.run_format import SCHEMA_VERSION
 
 __all__ = [
     "DEFINITIONS",
