@@ -182,6 +182,9 @@ def render_all(run_dir: str | Path, html: bool = True) -> dict[str, Path]:
     return paths
 
 
+# ---- the stylesheet ---------------------------------------------------------------------------
+
+
 CSS = """
 :root { --ink: #1d2430; --muted: #5b6575; --rule: #dfe3ea; --accent: #1f77b4; --bad: #b42318; }
 * { box-sizing: border-box; }
