@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install demo replay test lint bench
+.PHONY: install demo test lint typecheck bench
 
 install:  ## torch first (pinned: the CPU build here), the package with its test extras, Chromium
 	$(PYTHON) -m pip install -q "torch==2.13.0"
@@ -17,6 +17,9 @@ test:
 
 lint:
 	ruff check . && ruff format --check .
+
+typecheck:
+	$(PYTHON) -m mypy prefixcache
 
 bench:
 	$(PYTHON) bench/hash_throughput.py

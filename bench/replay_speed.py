@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prefixcache import CacheManager
 from prefixcache.replay import ReplayConfig, Source, open_source
-from prefixcache.replay.run import replay_source
+from prefixcache.replay.runner import replay_source
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"

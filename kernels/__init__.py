@@ -1,4 +1,6 @@
-"""Attention kernels over paged K/V (installed as ``prefixcache.kernels``).
+"""Attention kernels over paged K/V.
+
+Lives in the top-level ``kernels/`` folder, imported as ``prefixcache.kernels`` (pyproject maps it).
 
 ``paged_attention`` and ``store_kv`` run the Triton kernels on CUDA (or through the Triton
 interpreter when TRITON_INTERPRET=1) and the torch reference otherwise; triton is optional.
@@ -12,13 +14,9 @@ from prefixcache.kernels.backend import (
     triton_available,
 )
 from prefixcache.kernels.config import AttentionConfig, choose_config
-from prefixcache.kernels.errors import (
-    BlockTableError,
-    DeviceMismatchError,
+from prefixcache.kernels.kernel_errors import (
     KernelDTypeError,
     KernelInputError,
-    SequenceLayoutError,
-    ShapeMismatchError,
     TritonUnavailableError,
     UnsupportedConfigError,
 )
@@ -33,12 +31,8 @@ from prefixcache.kernels.store import store_kv
 __all__ = [
     "AttentionConfig",
     "Backend",
-    "BlockTableError",
-    "DeviceMismatchError",
     "KernelDTypeError",
     "KernelInputError",
-    "SequenceLayoutError",
-    "ShapeMismatchError",
     "TritonUnavailableError",
     "UnsupportedConfigError",
     "choose_config",

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from prefixcache.kernels.errors import TritonUnavailableError
+from prefixcache.kernels.kernel_errors import TritonUnavailableError
 
 Backend = Literal["auto", "triton", "torch"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixcache.kernels.errors import UnsupportedConfigError
+from prefixcache.kernels.kernel_errors import UnsupportedConfigError
 
 MAX_SPLITS = 32
 # A split should stream at least this many key tiles, or the merge costs more than it wins.

@@ -10,12 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.kernels.errors import (
-    BlockTableError,
-    DeviceMismatchError,
+from prefixcache.kernels.kernel_errors import (
     KernelDTypeError,
-    SequenceLayoutError,
-    ShapeMismatchError,
+    KernelInputError,
     UnsupportedConfigError,
 )
 
@@ -56,14 +53,14 @@ def _dtype(name: str, x: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None
 
 def _rank(name: str, x: torch.Tensor, rank: int, layout: str) -> None:
     if x.dim() != rank:
-        raise ShapeMismatchError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
+        raise KernelInputError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
 
 
 def _same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise DeviceMismatchError(f"all tensors must be on one device, got {listing}")
+        raise KernelInputError(f"all tensors must be on one device, got {listing}")
 
 
 def _last_dim_contiguous(**tensors: torch.Tensor) -> None:
@@ -80,7 +77,7 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
     _tensors(k_cache=k_cache, v_cache=v_cache)
     _rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
     if v_cache.shape != k_cache.shape:
-        raise ShapeMismatchError(
+        raise KernelInputError(
             f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
         )
     _dtype("k_cache", k_cache, FLOAT_DTYPES)
@@ -125,7 +122,7 @@ def check_attention_args(
     if out is not None:
         _tensors(out=out)
         if out.shape != q.shape or out.dtype != q.dtype:
-            raise ShapeMismatchError(
+            raise KernelInputError(
                 f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, "
                 f"{out.dtype}"
             )
@@ -134,18 +131,18 @@ def check_attention_args(
 
     total_q, num_q_heads, q_dim = q.shape
     if q_dim != head_dim:
-        raise ShapeMismatchError(f"q head_dim {q_dim} differs from the cache head_dim {head_dim}")
+        raise KernelInputError(f"q head_dim {q_dim} differs from the cache head_dim {head_dim}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise UnsupportedConfigError(
             f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}"
         )
     if num_q_heads % num_kv_heads:
-        raise ShapeMismatchError(
+        raise KernelInputError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
-        raise ShapeMismatchError(
+        raise KernelInputError(
             f"batch sizes disagree: seq_lens has {num_seqs}, block_tables "
             f"{block_tables.shape[0]}, query_start_loc {query_start_loc.shape[0]} (needs batch+1)"
         )
@@ -172,7 +169,7 @@ def check_attention_values(
     qsl = query_start_loc.cpu().long()
     lens = seq_lens.cpu().long()
     if qsl[0] != 0 or qsl[-1] != shapes.total_q:
-        raise SequenceLayoutError(
+        raise KernelInputError(
             f"query_start_loc must start at 0 and end at total_q={shapes.total_q}, got "
             f"{qsl[0].item()} .. {qsl[-1].item()}"
         )
@@ -180,14 +177,14 @@ def check_attention_values(
     bad = torch.nonzero((q_lens < 1) | (lens < q_lens))
     if len(bad):
         b = int(bad[0, 0])
-        raise SequenceLayoutError(
+        raise KernelInputError(
             f"sequence {b}: needs 1 <= q_len <= seq_len, got q_len={q_lens[b].item()}, "
             f"seq_len={lens[b].item()} (seq_lens counts cached plus new tokens)"
         )
     used = -(-lens // shapes.block_size)  # [B] blocks each sequence reads
     if len(used) and int(used.max()) > shapes.max_blocks:
         b = int(used.argmax())
-        raise BlockTableError(
+        raise KernelInputError(
             f"sequence {b} has {lens[b].item()} tokens = {used[b].item()} blocks of "
             f"{shapes.block_size}, but block_tables has only {shapes.max_blocks} columns"
         )
@@ -196,7 +193,7 @@ def check_attention_values(
     bad = torch.nonzero(in_use & ((table < 0) | (table >= shapes.num_blocks)))
     if len(bad):
         b, i = int(bad[0, 0]), int(bad[0, 1])
-        raise BlockTableError(
+        raise KernelInputError(
             f"block_tables[{b}, {i}] = {table[b, i].item()} is outside the cache "
             f"[0, {shapes.num_blocks}); sequence {b} uses its first {used[b].item()} entries"
         )
@@ -218,7 +215,7 @@ def check_store_args(
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape) != expected:
-            raise ShapeMismatchError(
+            raise KernelInputError(
                 f"{name} must be [num_tokens, num_kv_heads, head_dim] = {expected} to match "
                 f"slot_mapping and the cache, got {tuple(t.shape)}"
             )
@@ -236,7 +233,7 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
     bad = torch.nonzero((slots < -1) | (slots >= num_slots))
     if len(bad):
         i = int(bad[0, 0])
-        raise BlockTableError(
+        raise KernelInputError(
             f"slot_mapping[{i}] = {slots[i].item()} is outside the cache [0, {num_slots}) "
             "and is not -1 (skip)"
         )

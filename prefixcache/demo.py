@@ -1,4 +1,4 @@
-"""The source document's worked example, run through the library.
+"""A worked example of paged attention, run through the library (docs/architecture.md).
 
 Two sequences of 10 and 7 tokens, block size 4, sharing their first 4 tokens: the manager finds the
 shared block by prefix matching, and attention read through the block tables equals attention over
@@ -17,7 +17,26 @@ from prefixcache.namespace import Namespace
 
 
 @dataclass(frozen=True)
+class DemoSetup:
+    """The example's shapes: sequence lengths, the shared prefix, heads and the block pool."""
+
+    lengths: tuple[int, ...] = (10, 7)
+    shared_tokens: int = 4  # the first tokens of every sequence are the same
+    block_size: int = 4
+    num_blocks: int = 7
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 8
+
+
+SETUP = DemoSetup()
+
+
+@dataclass(frozen=True)
 class DemoResult:
+    setup: DemoSetup
+    physical_cache_shape: tuple[int, ...]  # one layer's K cache: blocks, slots, heads, head dim
+    dtype: str
     block_tables: list[list[int]]
     max_attention_abs_diff: float
     unique_blocks: int
@@ -27,29 +46,32 @@ class DemoResult:
     prefix_sharing_saved_slots: int
 
 
-def run_demo(device: str = "cpu", seed: int = 53) -> DemoResult:
+def run_demo(device: str = "cpu", seed: int = 53, setup: DemoSetup = SETUP) -> DemoResult:
     import torch
 
     from prefixcache.kernels.reference import reference_attention
     from prefixcache.kv_cache import PagedKVCache
 
     torch.manual_seed(seed)
-    hq, hkv, d, p, lengths = 4, 2, 8, 4, (10, 7)
+    lengths, shared = setup.lengths, setup.shared_tokens
+    hq, hkv, d, p = setup.q_heads, setup.kv_heads, setup.head_dim, setup.block_size
     dtype = torch.float32
-    # token ids: the first 4 are shared, the rest differ
+    # token ids: the first ``shared`` are the same in every sequence, the rest differ
     prompts = [list(range(100, 100 + n)) for n in lengths]
-    prompts[1][4:] = [900 + i for i in range(lengths[1] - 4)]
-    prefix = torch.randn(4, hkv, d, device=device, dtype=dtype)
+    for i in range(1, len(prompts)):
+        prompts[i][shared:] = [100 * (10 - i) + k for k in range(lengths[i] - shared)]
+    prefix = torch.randn(shared, hkv, d, device=device, dtype=dtype)
     ks = [
-        torch.cat((prefix, torch.randn(n - 4, hkv, d, device=device, dtype=dtype))) for n in lengths
+        torch.cat((prefix, torch.randn(n - shared, hkv, d, device=device, dtype=dtype)))
+        for n in lengths
     ]
     vs = [
-        torch.cat((prefix * 0.5, torch.randn(n - 4, hkv, d, device=device, dtype=dtype)))
+        torch.cat((prefix * 0.5, torch.randn(n - shared, hkv, d, device=device, dtype=dtype)))
         for n in lengths
     ]
 
-    mgr = CacheManager(num_blocks=7, block_size=p)
-    kv = PagedKVCache(1, 7, p, hkv, d, dtype=dtype, device=device)
+    mgr = CacheManager(num_blocks=setup.num_blocks, block_size=p)
+    kv = PagedKVCache(1, setup.num_blocks, p, hkv, d, dtype=dtype, device=device)
     ns = Namespace(model="seed-example")
     tables = []
     for i, tokens in enumerate(prompts):
@@ -59,7 +81,7 @@ def run_demo(device: str = "cpu", seed: int = 53) -> DemoResult:
         kv.apply_copies(adm.copies, 0)
         tables.append(adm.block_table)
 
-    q = torch.randn(2, 1, hq, d, device=device, dtype=dtype)
+    q = torch.randn(len(lengths), 1, hq, d, device=device, dtype=dtype)
     max_diff = 0.0
     for i, n in enumerate(lengths):
         pk, pv = kv.gather(0, tables[i], n)
@@ -70,7 +92,7 @@ def run_demo(device: str = "cpu", seed: int = 53) -> DemoResult:
         max_diff = max(max_diff, (paged - dense).abs().max().item())
 
     unique = len({b for t in tables for b in t})
-    live = sum(lengths) - 4  # shared tokens count once
+    live = sum(lengths) - shared * (len(lengths) - 1)  # shared tokens count once
     allocated = unique * p
     unshared = sum(-(-n // p) for n in lengths) * p
     mgr.check_integrity()
@@ -78,20 +100,30 @@ def run_demo(device: str = "cpu", seed: int = 53) -> DemoResult:
         mgr.release(f"seq{i}")
     mgr.check_integrity()
     return DemoResult(
-        tables, max_diff, unique, allocated, live, allocated - live, unshared - allocated
+        setup,
+        tuple(kv.k[0].shape),
+        str(dtype),
+        tables,
+        max_diff,
+        unique,
+        allocated,
+        live,
+        allocated - live,
+        unshared - allocated,
     )
 
 
 def format_demo(result: DemoResult, device: str = "cpu") -> str:
     import torch
 
-    r = result
+    r, s = result, result.setup
     return "\n".join(
         [
             f"python={platform.python_version()} torch={torch.__version__}",
-            f"device={device} dtype=torch.float32 Hq=4 Hkv=2 D=8 block_size=4",
-            f"lengths=(10, 7) block_tables={r.block_tables}",
-            f"physical_cache=(7, 4, 2, 8) shared_physical_block={r.block_tables[0][0]}",
+            f"device={device} dtype={r.dtype} Hq={s.q_heads} Hkv={s.kv_heads} D={s.head_dim} "
+            f"block_size={s.block_size}",
+            f"lengths={s.lengths} block_tables={r.block_tables}",
+            f"physical_cache={r.physical_cache_shape} shared_physical_block={r.block_tables[0][0]}",
             f"max_attention_abs_diff={r.max_attention_abs_diff:.3e}",
             f"unique_blocks={r.unique_blocks} allocated_slots={r.allocated_slots} "
             f"unique_live_tokens={r.unique_live_tokens}",
@@ -111,6 +143,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("demo", help="run the paged-attention worked example (10 and 7 tokens)")
+    lengths = " and ".join(map(str, SETUP.lengths))
+    parser = sub.add_parser(
+        "demo", help=f"run the paged-attention worked example ({lengths} tokens)"
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     parser.set_defaults(func=_cmd_demo)

@@ -1,5 +1,27 @@
-"""Test configuration. The Triton interpreter must be enabled before anything imports triton."""
+"""Test configuration. The Triton interpreter must be enabled before anything imports triton.
 
+The kernels live outside the package folder and are importable only from an installed package,
+so a plain checkout stops here with how to install it.
+"""
+
+import importlib.util
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("prefixcache.kernels") is not None
+    except ImportError:
+        return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _installed():
+        pytest.exit(
+            "prefixcache is not installed: run `make install` (pip install -e '.[dev]')",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )

@@ -10,11 +10,9 @@ import torch
 
 from prefixcache.kernels import (
     AttentionConfig,
-    BlockTableError,
-    DeviceMismatchError,
     KernelDTypeError,
-    SequenceLayoutError,
-    ShapeMismatchError,
+    KernelInputError,
+    TritonUnavailableError,
     UnsupportedConfigError,
     paged_attention,
     store_kv,
@@ -58,36 +56,36 @@ ATTENTION_ERRORS: list[tuple[str, Callable[[PagedBatch], dict], type[Exception],
     ("q-int", lambda b: {"q": b.q.long()}, KernelDTypeError, "q has dtype torch.int64"),
     ("q-vs-cache", lambda b: {"q": b.q.half()}, KernelDTypeError, "cast one"),
     ("table-i64", lambda b: {"block_tables": b.block_tables.long()}, KernelDTypeError, "int32"),
-    ("q-rank", lambda b: {"q": b.q[0]}, ShapeMismatchError, r"\[total_q, num_q_heads"),
-    ("v-shape", lambda b: {"v_cache": b.v_cache[:-1]}, ShapeMismatchError, "differs from k_cache"),
-    ("head-dim", lambda b: {"q": b.q[..., :32]}, ShapeMismatchError, "q head_dim 32"),
-    ("heads", lambda b: {"q": b.q[:, :3]}, ShapeMismatchError, "multiple of num_kv_heads"),
-    ("batch", lambda b: {"seq_lens": b.seq_lens[:1]}, ShapeMismatchError, "batch sizes disagree"),
-    ("qsl-start", lambda b: {"query_start_loc": _i32(1, 3, 4)}, SequenceLayoutError, "start at 0"),
-    ("qsl-end", lambda b: {"query_start_loc": _i32(0, 3, 5)}, SequenceLayoutError, "total_q=4"),
-    ("q-len-0", lambda b: {"query_start_loc": _i32(0, 4, 4)}, SequenceLayoutError, "q_len=0"),
-    ("seq<q", lambda b: {"seq_lens": _i32(2, 5)}, SequenceLayoutError, "q_len <= seq_len"),
+    ("q-rank", lambda b: {"q": b.q[0]}, KernelInputError, r"\[total_q, num_q_heads"),
+    ("v-shape", lambda b: {"v_cache": b.v_cache[:-1]}, KernelInputError, "differs from k_cache"),
+    ("head-dim", lambda b: {"q": b.q[..., :32]}, KernelInputError, "q head_dim 32"),
+    ("heads", lambda b: {"q": b.q[:, :3]}, KernelInputError, "multiple of num_kv_heads"),
+    ("batch", lambda b: {"seq_lens": b.seq_lens[:1]}, KernelInputError, "batch sizes disagree"),
+    ("qsl-start", lambda b: {"query_start_loc": _i32(1, 3, 4)}, KernelInputError, "start at 0"),
+    ("qsl-end", lambda b: {"query_start_loc": _i32(0, 3, 5)}, KernelInputError, "total_q=4"),
+    ("q-len-0", lambda b: {"query_start_loc": _i32(0, 4, 4)}, KernelInputError, "q_len=0"),
+    ("seq<q", lambda b: {"seq_lens": _i32(2, 5)}, KernelInputError, "q_len <= seq_len"),
     (
         "narrow-table",
         lambda b: {"block_tables": b.block_tables[:, :1]},
-        BlockTableError,
+        KernelInputError,
         "only 1 columns",
     ),
     (
         "id-too-big",
         lambda b: {"block_tables": _table(b, 0, 1, b.k_cache.shape[0])},
-        BlockTableError,
+        KernelInputError,
         r"block_tables\[0, 1\]",
     ),
-    ("id-negative", lambda b: {"block_tables": _table(b, 1, 0, -1)}, BlockTableError, "outside"),
-    ("on-meta", lambda b: {"seq_lens": b.seq_lens.to("meta")}, DeviceMismatchError, "seq_lens on"),
+    ("id-negative", lambda b: {"block_tables": _table(b, 1, 0, -1)}, KernelInputError, "outside"),
+    ("on-meta", lambda b: {"seq_lens": b.seq_lens.to("meta")}, KernelInputError, "seq_lens on"),
     (
         "strided-q",
         lambda b: {"q": b.q.transpose(1, 2).contiguous().transpose(1, 2)},
         UnsupportedConfigError,
         r"q\.contiguous\(\)",
     ),
-    ("out-dtype", lambda b: {"out": b.q.half()}, ShapeMismatchError, "out must match q"),
+    ("out-dtype", lambda b: {"out": b.q.half()}, KernelInputError, "out must match q"),
     (
         "both",
         lambda b: {"num_splits": 2, "config": AttentionConfig(1, 16, 16)},
@@ -135,12 +133,12 @@ def test_negative_padding_past_the_used_blocks_is_accepted(batch: PagedBatch) ->
 
 
 STORE_ERRORS: list[tuple[str, dict, type[Exception], str]] = [
-    ("slot-range", {"slots": torch.tensor([0, 64])}, BlockTableError, r"slot_mapping\[1\] = 64"),
-    ("slot-neg", {"slots": torch.tensor([-2, 0])}, BlockTableError, "not -1"),
+    ("slot-range", {"slots": torch.tensor([0, 64])}, KernelInputError, r"slot_mapping\[1\] = 64"),
+    ("slot-neg", {"slots": torch.tensor([-2, 0])}, KernelInputError, "not -1"),
     ("slot-float", {"slots": torch.tensor([0.0, 1.0])}, KernelDTypeError, "slot_mapping has"),
-    ("k-shape", {"k": torch.zeros(3, 2, 64)}, ShapeMismatchError, "k must be"),
+    ("k-shape", {"k": torch.zeros(3, 2, 64)}, KernelInputError, "k must be"),
     ("k-dtype", {"k": torch.zeros(2, 2, 64, dtype=torch.float16)}, KernelDTypeError, "cast it"),
-    ("v-2d", {"v": torch.zeros(2, 128)}, ShapeMismatchError, "v must be"),
+    ("v-2d", {"v": torch.zeros(2, 128)}, KernelInputError, "v must be"),
 ]
 
 
@@ -158,12 +156,18 @@ def test_store_rejects(override: dict, error: type, match: str) -> None:
 
 
 def test_errors_are_builtin_subclasses() -> None:
-    assert issubclass(BlockTableError, ValueError)
+    assert issubclass(KernelInputError, ValueError)
     assert issubclass(KernelDTypeError, TypeError)
 
 
 def test_kernel_errors_are_library_errors() -> None:
     from prefixcache import PrefixCacheError
 
-    for error in (ShapeMismatchError, KernelDTypeError, BlockTableError, UnsupportedConfigError):
+    for error in (
+        KernelInputError,
+        KernelDTypeError,
+        UnsupportedConfigError,
+        TritonUnavailableError,
+    ):
         assert issubclass(error, PrefixCacheError)
+    assert issubclass(UnsupportedConfigError, KernelInputError)

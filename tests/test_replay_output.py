@@ -14,8 +14,10 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.errors import ConfigError
 from prefixcache.replay import ReplayConfig, get_model, parse_size, replay_path, write_run
-from prefixcache.replay.progress import with_progress
-from prefixcache.replay.timeline import Timeline
+from prefixcache.replay.accounting import Timeline
+from prefixcache.replay.runner import with_progress
+from prefixcache.report.checks import consistency_checks
+from prefixcache.report.run_dir import load_run, schema_problems
 from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,11 +89,8 @@ def test_run_directory_holds_the_contract(tmp_path: Path, mode: str) -> None:
     assert int(timeline[-1]["prompt_tokens_cum"]) == report["prompt_tokens"]
     assert int(timeline[-1]["evicted_blocks_cum"]) == report["evicted_blocks"]
     assert (report["serving"] is None) == (mode == "sequential")
-    checks = pytest.importorskip("prefixcache.report.checks")
-    run_mod = pytest.importorskip("prefixcache.report.run")
-    schema = pytest.importorskip("prefixcache.report.schema")
-    assert schema.schema_problems(report) == []
-    failed = [c for c in checks.consistency_checks(run_mod.load_run(out)) if not c.ok]
+    assert schema_problems(report) == []
+    failed = [c for c in consistency_checks(load_run(out)) if not c.ok]
     assert failed == []
 
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from prefixcache import CacheManager, Namespace
-from prefixcache.replay import ReplayConfig, Request, open_source, replay_path
+from prefixcache.replay import ReplayConfig, Request, open_source, replay_path, replay_requests
 from prefixcache.replay.accounting import Accountant
-from prefixcache.replay.run import replay_source
+from prefixcache.replay.model_specs import get_gpu
+from prefixcache.replay.runner import replay_source
 from prefixcache.replay.sequential import run_sequential
 from prefixcache.replay.serving import Simulator
 from prefixcache.replay.sources import Source
@@ -145,3 +146,42 @@ def test_shipped_scenarios_replay_in_both_modes(path: Path) -> None:
         assert tot.hit_tokens <= tot.ub_tokens
         assert mgr.block_counts().active == 0
         mgr.check_integrity()
+
+
+@pytest.mark.parametrize("token_budget", [8192, 256])
+def test_ttft_of_a_lone_request_is_the_roofline_prefill_time(
+    tmp_path: Path, token_budget: int
+) -> None:
+    """One 1,000-token request on an empty cache: its TTFT is the prefill time, computed here
+    from the model's and the GPU's numbers (in chunks of the token budget)."""
+    model = tmp_path / "tiny.json"
+    model.write_text(
+        '{"params": 1000000000, "num_layers": 10, "num_attention_heads": 8, '
+        '"num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}'
+    )
+    gpu = get_gpu("h100-sxm")
+    prompt = 1000
+    flops_per_token = 2 * 1_000_000_000  # through the weights
+    flops_per_pair = 4 * 10 * 8 * 64  # QK and AV, every layer and query head
+    weight_bytes = 1_000_000_000 * 2
+    kv_bytes_per_token = 2 * 10 * 2 * 64 * 2  # K and V, every layer and KV head, bf16
+    expected, done = 0.0, 0
+    while done < prompt:
+        chunk = min(token_budget, prompt - done)
+        pairs = chunk * done + chunk * (chunk + 1) // 2  # causal, after ``done`` tokens
+        compute = (flops_per_token * chunk + flops_per_pair * pairs) / (0.5 * gpu.peak_flops)
+        memory = (weight_bytes + kv_bytes_per_token * (done + chunk)) / (0.8 * gpu.hbm_bytes_per_s)
+        expected += max(compute, memory) + 0.002
+        done += chunk
+    tokens = np.arange(prompt, dtype="<i4")
+    config = ReplayConfig(
+        capacity_blocks=200,
+        mode="serving",
+        model=str(model),
+        gpu="h100-sxm",
+        token_budget=token_budget,
+    )
+    serving = replay_requests([Request(0.0, tokens, 4, Namespace())], config).serving
+    assert serving is not None
+    assert serving.ttft == [pytest.approx(expected, rel=1e-12)]
+    assert serving.ttft_nocache == serving.ttft

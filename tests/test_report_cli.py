@@ -109,7 +109,6 @@ def test_html_without_matplotlib_fails_clearly(
     run = write_run(tmp_path / "run", n=30, sweep="none")
     for name in [m for m in sys.modules if m.startswith("matplotlib")] + [
         "prefixcache.report.plots",
-        "prefixcache.report.plots_sweep",
     ]:
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, "matplotlib", None)

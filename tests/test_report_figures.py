@@ -21,8 +21,7 @@ from test_report_runs import write_run
 
 from prefixcache.report import DEFINITIONS, build_document, load_run
 from prefixcache.report.html import render_html
-from prefixcache.report.markdown import render_markdown
-from prefixcache.report.terminal import render_terminal
+from prefixcache.report.text_formats import render_markdown, render_terminal
 
 Rows = dict[str, list[list[str]]]
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")

@@ -80,7 +80,6 @@ def test_sweep_rows_match_the_replay(sweep_run: Path) -> None:
 
 
 def test_serving_replay_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("prefixcache.replay.serving", reason="serving replay not present")
     run_dir = replay(tmp_path, "--blocks", "48", "--mode", "serving")
     run = load_run(run_dir)
     assert run.report["serving"] is not None

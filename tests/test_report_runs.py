@@ -16,10 +16,8 @@ import numpy as np
 import pytest
 
 from prefixcache.report.checks import consistency_checks
-from prefixcache.report.figures import nearest_rank
-from prefixcache.report.run import load_run
-from prefixcache.report.schema import schema_problems
-from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS
+from prefixcache.report.run_dir import load_run, schema_problems
+from prefixcache.run_format import REQUEST_COLUMNS, TIMELINE_COLUMNS, nearest_rank
 
 BLOCK = 16
 CAPACITY = 512

@@ -11,7 +11,7 @@ import pytest
 from test_report_runs import write_run
 
 from prefixcache.report import ReportSchemaError, RunDirError, load_run, load_schema
-from prefixcache.report.schema import schema_problems, validate_report
+from prefixcache.report.run_dir import schema_problems, validate_report
 
 
 @pytest.fixture(scope="module")

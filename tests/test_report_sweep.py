@@ -9,7 +9,13 @@ from test_report_figures import markdown_rows, shown
 from test_report_runs import write_run
 
 from prefixcache.report import build_document, load_run, render_markdown
-from prefixcache.report.sweep import capacity_knees, extra_keys, knee_index, series, use_log_x
+from prefixcache.report.sweep_curves import (
+    capacity_knees,
+    extra_keys,
+    knee_index,
+    series,
+    use_log_x,
+)
 
 
 def test_knee_of_a_saturating_curve() -> None:

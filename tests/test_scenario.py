@@ -215,8 +215,8 @@ def test_syntax_errors_name_the_line(tmp_path: Path) -> None:
 
 
 def test_missing_required_field_is_named_without_internals(tmp_path):
-    from prefixcache.replay.errors import ScenarioError
     from prefixcache.replay.scenario import load_scenario
+    from prefixcache.replay.workload_errors import ScenarioError
 
     path = tmp_path / "bad.yaml"
     path.write_text("seed: 1\nrequests: 10\nprompt:\n  - unique: {name: q, length: 5}\noutput: 4\n")

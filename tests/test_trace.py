@@ -11,9 +11,13 @@ import pytest
 
 from prefixcache.errors import ConfigError
 from prefixcache.replay import ReplayConfig, TraceFormatError, TraceOptions, open_source
-from prefixcache.replay.mooncake import MooncakeTokens
-from prefixcache.replay.tokenizer import ByteTokenizer, load_tokenizer
-from prefixcache.replay.traces import detect_format, read_trace
+from prefixcache.replay.traces import (
+    ByteTokenizer,
+    MooncakeTokens,
+    detect_format,
+    load_tokenizer,
+    read_trace,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "scenarios" / "traces" / "mooncake_sample.jsonl"

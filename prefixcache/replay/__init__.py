@@ -7,18 +7,16 @@ print(result.to_report_dict()["token_hit_rate"])
 write_run(result, "runs/rag")
 """
 
-from prefixcache.replay.config import ReplayConfig
-from prefixcache.replay.errors import ScenarioError, TraceFormatError
-from prefixcache.replay.models import ModelConfig, get_model, parse_size
-from prefixcache.replay.output import write_run
+from prefixcache.replay.model_specs import ModelConfig, get_model, parse_size
+from prefixcache.replay.replay_config import ReplayConfig
+from prefixcache.replay.replay_result import ReplayResult, write_run
 from prefixcache.replay.request import Request
-from prefixcache.replay.result import ReplayResult
-from prefixcache.replay.run import replay_path, replay_requests, replay_source
+from prefixcache.replay.runner import replay_path, replay_requests, replay_source, replay_sweep
 from prefixcache.replay.scenario import Scenario, load_scenario
 from prefixcache.replay.sources import Source, open_source
-from prefixcache.replay.sweep import replay_sweep
 from prefixcache.replay.traces import TraceOptions, read_trace
 from prefixcache.replay.workload import Workload
+from prefixcache.replay.workload_errors import ScenarioError, TraceFormatError
 
 __all__ = [
     "ModelConfig",

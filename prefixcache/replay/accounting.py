@@ -1,21 +1,42 @@
 """Hit accounting of a replay: per-request rows, totals, miss causes, upper bound, top prefixes.
 
-Definitions follow DESIGN.md: hit tokens are the manager's ``Admission.cached_len``; the misses of
-a request (cold, capacity, isolation, tail, routing) add up to its prompt minus hit tokens.
+Hit tokens are the manager's ``Admission.cached_len``; the misses of a request (cold, capacity,
+isolation, tail, routing) add up to its prompt minus hit tokens (docs/architecture.md).
+
+Next to the real cache runs a shadow: an infinite cache with the same block size, which would hit
+every full block whose prefix it has seen in the same namespace. Keeping the set of prefix keys
+per namespace (and, when several namespaces occur, a namespace-free set) answers that in
+O(blocks) per request, and tells apart blocks the real cache lost to eviction (seen here) from
+blocks it could never have had (cold) and blocks cached only under another namespace
+(isolation).
+
+The shadow's keys are 64-bit fingerprints of every full-block prefix: ``key_k = xxh3_64(tokens
+of blocks 0..k, seed)`` with the seed from the namespace, or a fixed neutral seed for the
+namespace-free keys. A streaming hash state yields the keys block after block, and starting it at
+block ``k`` costs one bulk update, so a prefix the cache already matched is never hashed block by
+block. A 64-bit collision (about 2**-64 per pair) could only shift the upper bound or a miss
+cause by one block; the cache itself never sees these keys.
 """
 
 from __future__ import annotations
 
+import heapq
 from array import array
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import xxhash
+from xxhash import xxh3_64
 
 from prefixcache.hashing import BlockHasher
 from prefixcache.namespace import Namespace
-from prefixcache.replay.prefixes import TopPrefixes
 from prefixcache.replay.request import Request
-from prefixcache.replay.shadow import Shadow
-from prefixcache.replay.timeline import Timeline
 
 TOP_PREFIXES = 10
+NEUTRAL_SEED = 0x5EED
+_h64 = xxhash.xxh3_64_intdigest
+_TABLE_LIMIT = 100_000  # distinct prefixes kept; beyond it the half that saved least is dropped
 
 
 class RequestLog:
@@ -40,29 +61,26 @@ class RequestLog:
         return len(self.request_id)
 
 
+@dataclass(slots=True)
 class Totals:
-    __slots__ = (
-        "attn_units",
-        "capacity",
-        "cold",
-        "hit_blocks",
-        "hit_tokens",
-        "isolation",
-        "output_tokens",
-        "partial_copy_tokens",
-        "prompt_blocks",
-        "prompt_tokens",
-        "rejected",
-        "requests",
-        "tail",
-        "ub_blocks",
-        "ub_tokens",
-        "zero_hit",
-    )
+    """Sums over every request of a replay (``ub_*``: the infinite cache's hits)."""
 
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
+    attn_units: int = 0
+    capacity: int = 0
+    cold: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    isolation: int = 0
+    output_tokens: int = 0
+    partial_copy_tokens: int = 0
+    prompt_blocks: int = 0
+    prompt_tokens: int = 0
+    rejected: int = 0
+    requests: int = 0
+    tail: int = 0
+    ub_blocks: int = 0
+    ub_tokens: int = 0
+    zero_hit: int = 0
 
 
 class Accountant:
@@ -180,3 +198,182 @@ class Accountant:
             return 0.0
         prompt = sum(log.prompt_tokens[-window:])
         return sum(log.hit_tokens[-window:]) / prompt if prompt else 0.0
+
+
+# ---- the infinite cache next to the real one --------------------------------------------------
+
+
+class NamespaceSeeds:
+    """The key seed of each namespace, cached."""
+
+    def __init__(self) -> None:
+        self._seeds: dict[Namespace, int] = {}
+
+    def __call__(self, namespace: Namespace) -> int:
+        seed = self._seeds.get(namespace)
+        if seed is None:
+            seed = _h64(b"prefixcache/replay/ns\x00" + namespace.canonical_bytes())
+            self._seeds[namespace] = seed
+        return seed
+
+
+class ShadowMatch(NamedTuple):
+    """What the infinite cache knew of a sequence's full-block prefixes before it was observed."""
+
+    anchor: int | None  # the key of the last block the real cache matched; None when none
+    seen: int  # leading blocks seen before in this namespace
+    seen_any: int  # leading blocks seen before in any namespace (>= seen; == seen untracked)
+
+
+class Shadow:
+    """The full-block prefixes a replay has seen so far, per namespace and namespace-free."""
+
+    def __init__(self, block_size: int, track_isolation: bool) -> None:
+        self.block_bytes = 4 * block_size
+        self.track_isolation = track_isolation
+        self.seen: set[int] = set()  # prefix keys seen, namespace in the key
+        self.seen_neutral: set[int] = set()  # the same prefixes without the namespace
+        self.seed = NamespaceSeeds()
+
+    @property
+    def unique_blocks(self) -> int:
+        """Blocks an infinite cache would hold now."""
+        return len(self.seen)
+
+    def observe(
+        self, buf: bytes, num_blocks: int, namespace: Namespace, known: int = 0
+    ) -> ShadowMatch:
+        """Look up, then remember, the full-block prefixes of a sequence whose first ``known``
+        blocks are known to be seen (the cache just matched them)."""
+        bb = self.block_bytes
+        state = xxh3_64(buf[: known * bb], self.seed(namespace))
+        anchor = state.intdigest() if known else None
+        u = _extend(state, buf, bb, known, num_blocks, self.seen)
+        v = u
+        if self.track_isolation and u < num_blocks:
+            neutral = xxh3_64(buf[: u * bb], NEUTRAL_SEED)
+            v = _extend(neutral, buf, bb, u, num_blocks, self.seen_neutral)
+        return ShadowMatch(anchor, u, v)
+
+
+def _extend(state: xxh3_64, buf: bytes, bb: int, start: int, end: int, seen: set[int]) -> int:
+    """Walk blocks ``start .. end-1`` with a hash state holding the blocks before ``start``:
+    count the leading keys in ``seen``, add the others (a chain past an unseen block is unseen)."""
+    update, digest = state.update, state.intdigest
+    k = start
+    offset = start * bb
+    while k < end:
+        update(buf[offset : offset + bb])
+        offset += bb
+        key = digest()
+        if key not in seen:
+            seen.add(key)
+            add = seen.add
+            for o in range(offset, end * bb, bb):
+                update(buf[o : o + bb])
+                add(digest())
+            return k
+        k += 1
+    return end
+
+
+# ---- the prefixes that saved the most tokens --------------------------------------------------
+#
+# Every request with a hit counts toward the prefix it matched down to. Only the current leaders
+# are named by the cache's own digest (of the prefix's last block), computed when a prefix joins
+# them, so naming costs nothing for the long tail of prefixes seen once.
+
+
+class TopPrefixes:
+    """Tokens saved per deepest matched prefix; the ``k`` leaders named by their digest."""
+
+    def __init__(self, hasher: BlockHasher, k: int = 10) -> None:
+        self.hasher, self.k = hasher, k
+        self._table: dict[int, list[Any]] = {}  # key -> [name, depth, requests, tokens saved]
+        self._top: dict[int, int] = {}  # the k largest savings, always current
+        self._floor = 0  # the smallest of them once there are k
+
+    def add(self, key: int, tokens: np.ndarray, ns: Namespace, depth: int, saved: int) -> None:
+        entry = self._table.get(key)
+        if entry is None:
+            entry = self._table[key] = [None, depth, 0, 0]
+            if len(self._table) > _TABLE_LIMIT:
+                self._prune()
+        entry[2] += 1
+        total = entry[3] = entry[3] + saved
+        top = self._top
+        if key in top or len(top) < self.k:
+            top[key] = total
+        elif total > self._floor:
+            del top[min(top, key=top.__getitem__)]
+            top[key] = total
+        else:
+            return
+        if entry[0] is None:
+            digests = self.hasher.hash_blocks(tokens, self.hasher.seed(ns), 0, depth)
+            entry[0] = digests[-1][:8].hex()
+        if len(top) == self.k:
+            self._floor = min(top.values())
+
+    def _prune(self) -> None:
+        keep = dict(heapq.nlargest(_TABLE_LIMIT // 2, self._table.items(), key=lambda kv: kv[1][3]))
+        keep.update((k, self._table[k]) for k in self._top)
+        self._table = keep
+
+    def top(self) -> list[dict[str, Any]]:
+        entries = sorted((self._table[k] for k in self._top), key=lambda e: (-e[3], -e[2]))
+        return [
+            {"prefix_id": e[0], "depth_blocks": e[1], "requests": e[2], "tokens_saved": e[3]}
+            for e in entries
+        ]
+
+
+# ---- timeline.csv rows ------------------------------------------------------------------------
+
+
+class TimelineRow(NamedTuple):
+    """One row of timeline.csv (``run_format.TIMELINE_COLUMNS``)."""
+
+    t: float  # request index (sequential) or simulated seconds (serving)
+    blocks_active: int
+    blocks_cached: int
+    blocks_free: int
+    evicted_blocks_cum: int
+    prompt_tokens_cum: int
+    hit_tokens_cum: int
+    rolling_token_hit_rate: float
+
+
+class Timeline:
+    """Rows sampled evenly without knowing the length of the replay in advance.
+
+    Rows are taken every ``every`` ticks (requests or steps); whenever twice the target count is
+    reached, every other row is dropped and the interval doubles, so a replay of any length ends
+    with between ``target`` and ``2 * target`` evenly spaced rows, plus the final state.
+    """
+
+    def __init__(self, target: int = 1000) -> None:
+        self.target = target
+        self.every = 1
+        self.rows: list[TimelineRow] = []
+        self._last_tick = -1
+
+    def due(self, tick: int) -> bool:
+        return tick % self.every == 0
+
+    def add(self, tick: int, row: TimelineRow) -> None:
+        self._last_tick = tick
+        self.rows.append(row)
+        if len(self.rows) >= 2 * self.target:
+            self.rows = self.rows[::2]
+            self.every *= 2
+            if self.rows[-1] is not row:
+                self._last_tick = -1
+
+    def finish(self, tick: int, row: TimelineRow) -> None:
+        """The state at the end of the replay, always the last row."""
+        if tick == self._last_tick and self.rows:
+            self.rows[-1] = row
+        else:
+            self.rows.append(row)
+        self._last_tick = tick

@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.replay.models import ModelConfig
-from prefixcache.replay.shadow import Shadow
+from prefixcache.replay.accounting import Shadow
+from prefixcache.replay.model_specs import ModelConfig
 from prefixcache.replay.sources import Source
+from prefixcache.report.formatting import pct
 
 
 def _dist(values: array) -> dict[str, float]:
@@ -103,8 +104,8 @@ def format_analysis(a: dict[str, Any]) -> str:
     ]
     for row in a["infinite_cache"]:
         line = (
-            f"    {row['block_size']:>5}  {100 * row['upper_bound_token_hit_rate']:>8.2f}%  "
-            f"{100 * row['upper_bound_block_hit_rate']:>8.2f}%  {row['prompt_blocks']:>13,}  "
+            f"    {row['block_size']:>5}  {pct(row['upper_bound_token_hit_rate']):>9}  "
+            f"{pct(row['upper_bound_block_hit_rate']):>9}  {row['prompt_blocks']:>13,}  "
             f"{row['unique_blocks']:>13,}"
         )
         if "working_set_bytes" in row:

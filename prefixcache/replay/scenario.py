@@ -22,19 +22,21 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.replay.distributions import Dist, parse_dist, parse_weights
-from prefixcache.replay.errors import ScenarioError
-from prefixcache.replay.fields import (
+from prefixcache.replay.scenario_values import (
+    Dist,
     Where,
     boolean,
     get,
     integer,
     mapping,
     number,
+    parse_dist,
+    parse_weights,
     sequence,
     string,
 )
 from prefixcache.replay.synth import FULL_VOCAB
+from prefixcache.replay.workload_errors import ScenarioError
 
 SCENARIO_SUFFIXES = (".yaml", ".yml", ".toml")
 _TOP = (

@@ -9,12 +9,13 @@ token is sampled but never written. Everything else is admit, release.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager import CacheManager
-from prefixcache.replay.accounting import Accountant
+from prefixcache.replay.accounting import Accountant, TimelineRow
 from prefixcache.replay.request import Request
 from prefixcache.replay.synth import TokenTape, stream_key
 from prefixcache.stats import BlockCounts
@@ -50,28 +51,34 @@ def run_sequential(requests: Iterable[Request], mgr: CacheManager, acc: Accounta
             active = used.active if used is not None else logical
             if active > acc.physical_peak or logical > acc.logical_peak:
                 note_usage(active, logical, logical * p - t)
-            if due:
+            if due and timeline is not None and used is not None:
                 timeline.add(i, _row(i, used, acc, stats.evicted_blocks))
             release(i)
             continue
-        ids, logical, frag, cut = _write_outputs(mgr, i, req, buf, acc, samples)
-        truncated += cut
+        written = _write_outputs(mgr, i, req, buf, acc, samples)
+        truncated += written.truncated
         used = counts()
-        note_usage(used.active, logical, frag)
-        if due:
+        note_usage(used.active, written.logical_blocks, written.free_slots)
+        if due and timeline is not None:
             timeline.add(i, _row(i, used, acc, stats.evicted_blocks))
-        for rid in ids:
+        for rid in written.ids:
             release(rid)
     if timeline is not None and i >= 0:
         timeline.finish(i, _row(i, counts(), acc, stats.evicted_blocks))
     return truncated
 
 
+class _WrittenOutputs(NamedTuple):
+    ids: list[object]  # the request's sequence ids, one per sample
+    logical_blocks: int  # blocks of all samples' tables, shared ones counted per sample
+    free_slots: int  # unused slots in the samples' last blocks
+    truncated: int  # samples cut short for lack of blocks
+
+
 def _write_outputs(
     mgr: CacheManager, i: int, req: Request, buf: bytes, acc: Accountant, samples: TokenTape
-) -> tuple[list[object], int, int, int]:
-    """Fork the samples and append their outputs. Returns (ids, logical blocks, free slots in
-    last blocks, samples cut short)."""
+) -> _WrittenOutputs:
+    """Fork the samples and append their outputs."""
     p, t = mgr.block_size, len(req.tokens)
     ids: list[object] = [i] + [(i, j) for j in range(1, req.n)]
     for rid in ids[1:]:
@@ -98,12 +105,12 @@ def _write_outputs(
     # samples that wrote nothing still share the prompt's last block: count its free slots once
     shared = arr == t
     frag = int((blocks * p - arr)[~shared].sum()) + (int(-(-t // p) * p - t) if shared.any() else 0)
-    return ids, logical, frag, cut
+    return _WrittenOutputs(ids, logical, frag, cut)
 
 
-def _row(i: int, used: BlockCounts, acc: Accountant, evicted: int) -> tuple:
+def _row(i: int, used: BlockCounts, acc: Accountant, evicted: int) -> TimelineRow:
     tot = acc.totals
-    return (
+    return TimelineRow(
         i,
         used.active,
         used.cached,

@@ -10,6 +10,12 @@ requeued at the front and later recomputed, as vLLM does). Finished requests are
 Decoded tokens reach the manager in runs: only when a token starts or completes a block, or is
 the first write after a fork, so block allocation, commits and copies happen exactly when they
 would with one call per token.
+
+A step lasts as long as a roofline says: the slower of compute and memory traffic, plus a fixed
+overhead. Compute: 2 x (active) params per token through the weights, plus attention (4 x layers x
+heads x head_dim per query-key pair). Memory: the weights once per step, plus the K/V each token
+attends. Deliberately simple: enough to turn saved prefill tokens into time-to-first-token
+estimates.
 """
 
 from __future__ import annotations
@@ -18,22 +24,62 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager import CacheManager
-from prefixcache.replay.accounting import Accountant
-from prefixcache.replay.config import ResolvedConfig
-from prefixcache.replay.models import get_gpu
+from prefixcache.replay.accounting import Accountant, TimelineRow
+from prefixcache.replay.model_specs import GpuConfig, ModelConfig
+from prefixcache.replay.replay_config import ResolvedConfig
+from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
-from prefixcache.replay.result import ServingStats
-from prefixcache.replay.roofline import Roofline, prefill_pairs
 from prefixcache.replay.sources import Source
 from prefixcache.replay.synth import TokenTape, stream_key
 
 
-class _Seq:
+@dataclass(frozen=True)
+class Roofline:
+    model: ModelConfig
+    gpu: GpuConfig
+    compute_efficiency: float = 0.5  # achieved fraction of peak FLOPs
+    memory_efficiency: float = 0.8  # achieved fraction of HBM bandwidth
+    step_overhead_s: float = 2e-3  # scheduling, sampling, launch
+
+    def step_seconds(self, tokens: int, attention_pairs: int, kv_tokens_read: int) -> float:
+        """``tokens`` computed this step, ``attention_pairs`` query-key pairs over all of them,
+        ``kv_tokens_read`` context tokens whose K/V the step reads."""
+        m = self.model
+        flops = 2.0 * m.flops_params * tokens + m.attention_flops_per_pair * attention_pairs
+        traffic = m.weight_bytes + m.kv_bytes_per_token * kv_tokens_read
+        compute = flops / (self.gpu.peak_flops * self.compute_efficiency)
+        memory = traffic / (self.gpu.hbm_bytes_per_s * self.memory_efficiency)
+        return max(compute, memory) + self.step_overhead_s
+
+
+def prefill_pairs(context: int, new: int) -> int:
+    """Query-key pairs of ``new`` tokens after ``context`` cached ones (causal)."""
+    return new * context + new * (new + 1) // 2
+
+
+@dataclass(slots=True)
+class StepWork:
+    """What one step computes and reads, for the roofline."""
+
+    tokens: int = 0
+    attention_pairs: int = 0
+    kv_tokens_read: int = 0
+
+    def add(self, tokens: int, attention_pairs: int, kv_tokens_read: int) -> None:
+        self.tokens += tokens
+        self.attention_pairs += attention_pairs
+        self.kv_tokens_read += kv_tokens_read
+
+
+class _DecodingSample:
+    """One sample of a request after its prefill: its K/V length and sampled output."""
+
     __slots__ = ("flushed", "generated", "kv_len", "must_flush", "out", "rid")
 
     def __init__(self, rid: object, kv_len: int, generated: int, out: np.ndarray) -> None:
@@ -46,12 +92,15 @@ class _Seq:
 
 
 class _Live:
+    """A request between arrival and finish: waiting, prefilling or decoding its samples."""
+
     __slots__ = (
         "first_done",
         "idx",
         "kv",
         "out0",
         "prefill_left",
+        "prompt_bytes",
         "recorded",
         "req",
         "resume",
@@ -65,18 +114,19 @@ class _Live:
         self.resume = 0  # output tokens sampled before a preemption
         self.prefill_left = 0
         self.kv = 0  # tokens with K/V in place (cached or computed)
-        self.seqs: list[_Seq] = []
+        self.seqs: list[_DecodingSample] = []
         self.first_done = False
         self.recorded = False
+        self.prompt_bytes = b""  # the prompt's token bytes, once accounted
         self.out0: np.ndarray | None = None
 
 
 class Simulator:
     def __init__(self, mgr: CacheManager, cfg: ResolvedConfig, acc: Accountant | None) -> None:
         o = cfg.options
-        assert cfg.model is not None
+        assert cfg.model is not None and cfg.gpu is not None, "resolve a serving-mode config"
         self.mgr, self.acc, self.p = mgr, acc, o.block_size
-        self.roof = Roofline(cfg.model, get_gpu(o.gpu))
+        self.roof = Roofline(cfg.model, cfg.gpu)
         self.budget, self.max_seqs = o.token_budget, o.max_seqs
         self.tape = TokenTape(stream_key("serving-samples"))
         self.clock = 0.0
@@ -108,8 +158,8 @@ class Simulator:
     def _step(self) -> None:
         budget = self.budget
         prefills: list[tuple[_Live, int]] = []
-        decodes: list[_Seq] = []
-        work = [0, 0, 0]  # tokens, attention pairs, KV tokens read
+        decodes: list[_DecodingSample] = []
+        work = StepWork()
         i = 0
         while i < len(self.running):
             r = self.running[i]
@@ -118,10 +168,10 @@ class Simulator:
                     k = min(r.prefill_left, budget)
                     budget -= k
                     prefills.append((r, k))
-                    _add(work, k, prefill_pairs(r.kv, k), r.kv + k)
+                    work.add(k, prefill_pairs(r.kv, k), r.kv + k)
                 i += 1
                 continue
-            mine: list[_Seq] = []
+            mine: list[_DecodingSample] = []
             gone = False
             bs = self.p
             for s in r.seqs:
@@ -140,14 +190,12 @@ class Simulator:
                 continue  # r left self.running; index i now holds the next request
             decodes.extend(mine)
             for s in mine:
-                work[0] += 1
-                work[1] += s.kv_len
-                work[2] += s.kv_len
+                work.add(1, s.kv_len, s.kv_len)
             i += 1
         self._admit(budget, prefills, work)
         if not prefills and not decodes:
             return  # everything in flight was preempted; admit again next round
-        self.clock += self.roof.step_seconds(*work)
+        self.clock += self.roof.step_seconds(work.tokens, work.attention_pairs, work.kv_tokens_read)
         self.steps += 1
         for r, k in prefills:
             r.prefill_left -= k
@@ -159,7 +207,7 @@ class Simulator:
         self._finish_done()
         self._measure()
 
-    def _admit(self, budget: int, prefills: list[tuple[_Live, int]], work: list[int]) -> None:
+    def _admit(self, budget: int, prefills: list[tuple[_Live, int]], work: StepWork) -> None:
         mgr, acc = self.mgr, self.acc
         while self.waiting and budget:
             r = self.waiting[0]
@@ -184,10 +232,11 @@ class Simulator:
             if not r.recorded:
                 r.recorded = True
                 if acc is not None:
+                    r.prompt_bytes = r.tokens.tobytes()
                     acc.record(
                         r.idx,
                         r.req,
-                        r.tokens.tobytes(),
+                        r.prompt_bytes,
                         adm.cached_len,
                         stats.cow_copies != cow0,
                         stats.partial_copy_tokens - part0,
@@ -199,7 +248,7 @@ class Simulator:
             k = min(r.prefill_left, budget)
             budget -= k
             prefills.append((r, k))
-            _add(work, k, prefill_pairs(r.kv, k), r.kv + k)
+            work.add(k, prefill_pairs(r.kv, k), r.kv + k)
 
     # ---- sequences --------------------------------------------------------------------------
     def _start_decode(self, r: _Live) -> None:
@@ -210,13 +259,13 @@ class Simulator:
         if r.out0 is None:
             given = req.output_tokens
             r.out0 = given if given is not None else self.tape.take(req.output_len)
-        first = _Seq(r.idx, kv, r.resume + 1, r.out0)
+        first = _DecodingSample(r.idx, kv, r.resume + 1, r.out0)
         r.seqs = [first]
         for j in range(1, req.n):
             self.mgr.fork(r.idx, (r.idx, j))
-            r.seqs.append(_Seq((r.idx, j), kv, 1, self.tape.take(req.output_len)))
+            r.seqs.append(_DecodingSample((r.idx, j), kv, 1, self.tape.take(req.output_len)))
 
-    def _write(self, s: _Seq) -> bool:
+    def _write(self, s: _DecodingSample) -> bool:
         """Hand the manager the tokens written since the last call, up to the last sampled one
         (it starts or fills a block, or follows a fork). False when no block is free for it."""
         pos = s.kv_len
@@ -230,7 +279,7 @@ class Simulator:
         s.must_flush = False
         return True
 
-    def _make_room(self, r: _Live, s: _Seq) -> bool:
+    def _make_room(self, r: _Live, s: _DecodingSample) -> bool:
         """Write ``s``'s token, preempting the latest admitted requests while no block is free.
         False when ``r`` itself had to go."""
         while not self._write(s):
@@ -281,9 +330,7 @@ class Simulator:
             for s in r.seqs:
                 if s.generated >= r.req.output_len:
                     if s is r.seqs[0] and r.req.output_tokens is not None and self.acc:
-                        written = (
-                            r.req.tokens.tobytes() + s.out[: s.kv_len - len(r.req.tokens)].tobytes()
-                        )
+                        written = r.prompt_bytes + s.out[: s.kv_len - len(r.req.tokens)].tobytes()
                         self.acc.note_output(r.req, written)
                     self.mgr.release(s.rid)
                     self.live_seqs -= 1
@@ -324,7 +371,7 @@ class Simulator:
         if timeline is None or not (final or timeline.due(self.steps)):
             return
         tot = acc.totals
-        row = (
+        row = TimelineRow(
             round(self.clock, 9),
             used.active,
             used.cached,
@@ -340,12 +387,6 @@ class Simulator:
             timeline.add(self.steps, row)
 
 
-def _add(work: list[int], tokens: int, pairs: int, kv: int) -> None:
-    work[0] += tokens
-    work[1] += pairs
-    work[2] += kv
-
-
 def run_serving(
     requests: Iterable[Request],
     source: Source,
@@ -356,14 +397,7 @@ def run_serving(
     """Simulate with the cache, then without it (same capacity) for the no-cache TTFTs."""
     sim = Simulator(mgr, cfg, acc)
     sim.run(requests)
-    o = cfg.options
-    plain = CacheManager(
-        cfg.capacity_blocks,
-        o.block_size,
-        hash_algo=o.hash_algo,
-        policy=o.policy,
-        enable_caching=False,
-    )
+    plain = cfg.cache_manager(caching=False)
     base = Simulator(plain, cfg, None)
     base.run(source)
     if acc.log is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prefixcache.errors import ConfigError
-from prefixcache.replay.config import ReplayConfig
+from prefixcache.replay.replay_config import ReplayConfig
 from prefixcache.replay.request import Request
 from prefixcache.replay.scenario import is_scenario_path, load_scenario
 from prefixcache.replay.traces import TraceOptions, detect_format, read_trace, trace_namespaces
@@ -77,11 +77,7 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
             workload.__iter__,
         )
     fmt = config.trace_format or detect_format(p)
-    if fmt == "mooncake" and config.trace_block_size % config.block_size:
-        raise ConfigError(
-            f"block size {config.block_size} does not divide the trace's {config.trace_block_size}"
-            "-token blocks; use a divisor (e.g. 16, 64, 512) or set --trace-block-size"
-        )
+    check_block_size(fmt, config.trace_block_size, config.block_size)
     seed = config.seed if config.seed is not None else 0
     options = TraceOptions(
         format=fmt,
@@ -99,3 +95,12 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
         None,
         lambda: read_trace(p, options),
     )
+
+
+def check_block_size(kind: str, trace_block_size: int, block_size: int) -> None:
+    """A Mooncake trace's blocks must split into whole cache blocks."""
+    if kind == "mooncake" and trace_block_size % block_size:
+        raise ConfigError(
+            f"block size {block_size} does not divide the trace's {trace_block_size}"
+            "-token blocks; use a divisor (e.g. 16, 64, 512) or set --trace-block-size"
+        )

@@ -10,6 +10,12 @@
 Optional on the token and prompt formats: ``arrival_s`` (or ``timestamp`` in seconds),
 ``output_length``, ``n``, and namespace fields ``model``, ``adapter``, ``adapter_version``,
 ``salt``. A bad line raises TraceFormatError with its line number.
+
+Mooncake traces give only a hash id per trace block: each id's block is synthesized once
+(counter-based, so it depends only on the id and the seed) and kept in a bounded cache; a request's
+tokens are the concatenation of its blocks, the last one cut to the input length. Text prompts go
+through a dependency-free byte-level tokenizer, or a Hugging Face ``tokenizers`` JSON file (needs
+the ``tokenizers`` package, imported only then).
 """
 
 from __future__ import annotations
@@ -18,16 +24,15 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from prefixcache.errors import ConfigError
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
-from prefixcache.replay.errors import TraceFormatError
-from prefixcache.replay.mooncake import MooncakeTokens
 from prefixcache.replay.request import Request
-from prefixcache.replay.tokenizer import Tokenizer, load_tokenizer, render_chat
+from prefixcache.replay.synth import FULL_VOCAB, blocks_tokens, mix64, stream_key
+from prefixcache.replay.workload_errors import TraceFormatError
 from prefixcache.tokens import MAX_TOKEN_ID
 
 FORMATS = ("mooncake", "tokens", "prompts", "text")
@@ -224,11 +229,12 @@ def _prompts(path: str, opt: TraceOptions, tok: Tokenizer, *, text: bool) -> Ite
                 )
             prompt = render_chat(msgs)
         else:
-            prompt = obj.get("prompt", obj.get("text"))
-            if not isinstance(prompt, str):
+            given = obj.get("prompt", obj.get("text"))
+            if not isinstance(given, str):
                 raise TraceFormatError(
                     path, lineno, "expected a string in 'prompt' or 'text', or 'messages'"
                 )
+            prompt = given
         tokens = tok.encode(prompt)
         if len(tokens) == 0:
             raise TraceFormatError(path, lineno, "the prompt encodes to no tokens")
@@ -249,3 +255,93 @@ def _request(
     ns = _namespace(obj, opt.namespace, path, lineno)
     ns = cache.setdefault((ns.model, ns.adapter, ns.adapter_version, ns.salt), ns)
     return Request(arrival, tokens, output, ns, n)
+
+
+# ---- Mooncake token synthesis -----------------------------------------------------------------
+
+
+class MooncakeTokens:
+    """Token ids of Mooncake requests, from one synthesized block per hash id."""
+
+    def __init__(
+        self,
+        block_size: int = 512,
+        seed: int = 0,
+        vocab_size: int | None = None,
+        max_cached_blocks: int = 1 << 16,
+    ) -> None:
+        self.block_size = block_size
+        self.vocab = vocab_size or FULL_VOCAB
+        self._salt = np.uint64(stream_key("mooncake", seed))
+        self._cache: dict[int, np.ndarray] = {}
+        self._limit = max_cached_blocks
+
+    def tokens(self, hash_ids: list[int], length: int) -> np.ndarray:
+        """int32 tokens of a request with these hash ids and ``length`` input tokens."""
+        cache = self._cache
+        missing = [h for h in hash_ids if h not in cache]
+        if missing:
+            if not all(type(h) is int and h >= 0 for h in missing):
+                raise ValueError("hash ids must be integers >= 0")
+            if len(cache) + len(missing) > self._limit:
+                cache.clear()  # a crude bound: blocks are regenerated identically when needed
+                missing = list(dict.fromkeys(hash_ids))
+            ids = np.asarray(missing, dtype=np.uint64)
+            rows = blocks_tokens(mix64(ids ^ self._salt), self.block_size, self.vocab)
+            for h, row in zip(missing, rows, strict=True):
+                cache[h] = row
+        if len(hash_ids) == 1:
+            return cache[hash_ids[0]][:length]
+        return np.concatenate([cache[h] for h in hash_ids])[:length]
+
+
+# ---- tokenizers for text prompts --------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    name: str
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255: deterministic, no vocabulary file, one token per byte."""
+
+    name = "bytes"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype("<i4")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` as written by Hugging Face ``tokenizers`` / ``transformers``."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError:
+            raise ConfigError(
+                f"reading {path} needs the 'tokenizers' package (pip install tokenizers); "
+                "without it, omit --tokenizer to use the byte-level tokenizer"
+            ) from None
+        try:
+            self._tok = _HF.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise ConfigError(f"{path}: not a tokenizers JSON file ({exc})") from None
+        self.name = Path(path).name
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype="<i4")
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    if path is None or str(path) in ("", "bytes"):
+        return ByteTokenizer()
+    if not Path(path).is_file():
+        raise ConfigError(f"tokenizer file {path} does not exist")
+    return HFTokenizer(path)
+
+
+def render_chat(messages: list[dict[str, str]]) -> str:
+    """A neutral chat rendering (role tag, content) so equal conversations give equal tokens."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)

@@ -6,8 +6,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from prefixcache.report.figures import MISS_CAUSES
-from prefixcache.report.run import Run
+from prefixcache.report.run_dir import Run
+from prefixcache.run_format import MISS_CAUSES, rate
 
 RATE_TOLERANCE = 1e-9
 
@@ -24,10 +24,6 @@ def _equal(name: str, reported: Any, recomputed: Any) -> Check:
     else:
         ok = int(reported) == int(recomputed)
     return Check(name, ok, f"report.json {reported}, recomputed {recomputed}")
-
-
-def _rate(num: int, den: int) -> float:
-    return num / den if den else 0.0
 
 
 def consistency_checks(run: Run) -> list[Check]:
@@ -59,12 +55,12 @@ def consistency_checks(run: Run) -> list[Check]:
         _equal(
             "token_hit_rate = hit / prompt tokens",
             r["token_hit_rate"],
-            _rate(r["hit_tokens"], r["prompt_tokens"]),
+            rate(r["hit_tokens"], r["prompt_tokens"]),
         ),
         _equal(
             "block_hit_rate = hit / prompt blocks",
             r["block_hit_rate"],
-            _rate(r["hit_blocks"], r["prompt_blocks"]),
+            rate(r["hit_blocks"], r["prompt_blocks"]),
         ),
         Check(
             "hit rates within their upper bounds",

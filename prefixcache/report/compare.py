@@ -5,15 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from prefixcache.report import fmt
-from prefixcache.report.figures import (
-    MISS_CAUSES,
-    PERCENTILES,
-    ratio_percentiles,
-    request_hit_ratios,
-)
-from prefixcache.report.model import Document, Section, Table
-from prefixcache.report.run import Run
+from prefixcache.report import formatting as fmt
+from prefixcache.report.document import Document, Section, Table
+from prefixcache.report.figures import ratio_percentiles, request_hit_ratios
+from prefixcache.report.run_dir import Run
+from prefixcache.run_format import MISS_CAUSES, PERCENTILES
 
 Value = float | int | None
 

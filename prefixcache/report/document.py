@@ -1,34 +1,64 @@
-"""The full report of one run, as a format-neutral document."""
+"""A format-neutral report: sections of labelled figures, tables, text charts and plot slots.
+
+The terminal, Markdown and HTML renderers all print the same document, so a figure has one value
+and one definition whatever the format.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from prefixcache.report import sections, sections_sweep, sections_time
-from prefixcache.report.model import Document
-from prefixcache.report.run import Run
+from prefixcache.report.definitions import DEFINITIONS, Definition
 
 
-def build_document(run: Run) -> Document:
-    r = run.report
-    subtitle = (
-        f"{Path(r['source']['path']).name}: {r['requests']:,} requests, block size "
-        f"{r['config']['block_size']}, {r['config']['capacity_blocks']:,} blocks, "
-        f"{r['config']['policy']}, {r['config']['mode']}"
-    )
-    return Document(
-        title="prefixcache report",
-        subtitle=subtitle,
-        sections=[
-            sections.header(run),
-            sections.headline(run),
-            sections.requests(run),
-            sections.misses(run),
-            sections.savings(run),
-            sections_time.over_time(run),
-            sections_time.serving(run),
-            sections.top_prefixes(run),
-            sections_sweep.sweep(run),
-            sections_sweep.consistency(run),
-        ],
-    )
+@dataclass(frozen=True)
+class Field:
+    label: str
+    value: str
+    key: str | None = None  # definition key
+    note: str = ""  # short qualifier printed after the value, e.g. "estimate"
+
+
+@dataclass(frozen=True)
+class Table:
+    columns: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+    key: str | None = None  # definition of the whole table
+    row_keys: list[str | None] = field(default_factory=list)  # definition of each row
+
+
+@dataclass(frozen=True)
+class TextChart:
+    """Lines of a chart for plain-text formats; HTML shows the matching plot instead."""
+
+    title: str
+    lines: list[str]
+
+
+@dataclass
+class Section:
+    id: str
+    title: str
+    fields: list[Field] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    charts: list[TextChart] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)  # plot names, drawn by the HTML renderer
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Document:
+    title: str
+    subtitle: str
+    sections: list[Section]
+
+    def definitions(self) -> list[Definition]:
+        """Definitions of the figures the document shows, in order of first use."""
+        keys: dict[str, None] = {}
+        for s in self.sections:
+            table_keys = [k for t in s.tables for k in (t.key, *t.row_keys)]
+            for k in [*(f.key for f in s.fields), *table_keys]:
+                if k is not None:
+                    keys.setdefault(k)
+        return [DEFINITIONS[k] for k in keys]

@@ -6,18 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefixcache.report.run import Run
+from prefixcache.report.run_dir import Run
+from prefixcache.run_format import PERCENTILES, nearest_rank
 
-PERCENTILES = (50, 90, 99)
 HISTOGRAM_BINS = 10
-MISS_CAUSES = ("cold", "capacity", "isolation", "tail", "routing")
-
-
-def nearest_rank(values: np.ndarray, q: float) -> float:
-    """The smallest value with at least ``q`` percent of ``values`` at or below it."""
-    if len(values) == 0:
-        return float("nan")
-    return float(np.percentile(values, q, method="inverted_cdf"))
 
 
 def request_hit_ratios(run: Run) -> np.ndarray:

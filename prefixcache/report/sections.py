@@ -1,25 +1,71 @@
-"""Report sections about the run as a whole: header, headline, requests, misses, savings."""
+"""The report of one run as a format-neutral document: every section, built from the run.
+
+The sections about the run as a whole (header, headline, requests, misses, savings, prefixes),
+over time (block states, evictions, rolling hit rate, serving latency), and for sweeps (capacity,
+block size, policy) with the consistency checks.
+"""
 
 from __future__ import annotations
 
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
-from prefixcache.report import fmt
+import numpy as np
+
+from prefixcache.report import formatting as fmt
+from prefixcache.report.checks import consistency_checks
+from prefixcache.report.document import Document, Field, Section, Table, TextChart
 from prefixcache.report.figures import (
-    MISS_CAUSES,
-    PERCENTILES,
     achieved,
     hit_ratio_histogram,
     ratio_percentiles,
     request_hit_ratios,
+    timeline_in_seconds,
+    timeline_summary,
 )
-from prefixcache.report.model import Field, Section, Table, TextChart
-from prefixcache.report.run import Run
-from prefixcache.report.textcharts import bars
+from prefixcache.report.formatting import bars, sparkline
+from prefixcache.report.run_dir import Run
+from prefixcache.report.sweep_curves import (
+    VARIANT_KEYS,
+    capacity_knees,
+    extra_keys,
+    sort_key,
+    varying,
+)
+from prefixcache.run_format import MISS_CAUSES, PERCENTILES
 
 MAX_NAMESPACES_SHOWN = 8
 TOP_PREFIXES_SHOWN = 10
+KNEE_MARK = "◀ knee"
+
+
+def build_document(run: Run) -> Document:
+    r = run.report
+    subtitle = (
+        f"{Path(r['source']['path']).name}: {r['requests']:,} requests, block size "
+        f"{r['config']['block_size']}, {r['config']['capacity_blocks']:,} blocks, "
+        f"{r['config']['policy']}, {r['config']['mode']}"
+    )
+    return Document(
+        title="prefixcache report",
+        subtitle=subtitle,
+        sections=[
+            header(run),
+            headline(run),
+            requests(run),
+            misses(run),
+            savings(run),
+            over_time(run),
+            serving(run),
+            top_prefixes(run),
+            sweep(run),
+            consistency(run),
+        ],
+    )
+
+
+# ---- the run as a whole -----------------------------------------------------------------------
 
 
 def _model_name(model: Any) -> str:
@@ -124,7 +170,8 @@ def requests(run: Run) -> Section:
 def misses(run: Run) -> Section:
     r = run.report
     total = r["prompt_tokens"] - r["hit_tokens"]
-    rows, keys = [], []
+    rows: list[list[str]] = []
+    keys: list[str | None] = []
     for cause in MISS_CAUSES:
         n = r["misses"][cause]
         rows.append(
@@ -214,4 +261,185 @@ def top_prefixes(run: Run) -> Section:
         )
     else:
         section.notes.append("No prefix was shared.")
+    return section
+
+
+# ---- over time ---------------------------------------------------------------------------------
+
+
+def over_time(run: Run) -> Section:
+    section = Section("time", "Over time")
+    summary = timeline_summary(run)
+    if summary is None:
+        section.notes.append("The timeline is empty.")
+        return section
+    s = summary
+    seconds = timeline_in_seconds(run)
+
+    def at(t: float) -> str:
+        return fmt.seconds(t) if seconds else f"request {fmt.count(t)}"
+
+    def length(t: float | None) -> str:
+        return fmt.seconds(t) if seconds or t is None else f"{fmt.count(t)} requests"
+
+    section.fields += [
+        Field("Timeline", f"{at(s.start)} to {at(s.end)}"),
+        Field(
+            "Active blocks (peak / end)",
+            f"{fmt.count(s.peak_active)} / {fmt.count(s.final_active)}",
+            "block_states",
+        ),
+        Field(
+            "Cached blocks (peak / end)",
+            f"{fmt.count(s.peak_cached)} / {fmt.count(s.final_cached)}",
+            "block_states",
+        ),
+        Field(
+            "Free blocks (lowest / end)",
+            f"{fmt.count(s.min_free)} / {fmt.count(s.final_free)}",
+            "block_states",
+        ),
+        Field("Evicted blocks", fmt.count(s.evicted), "evicted_blocks"),
+        Field(
+            "Rolling hit rate (start → end)",
+            f"{fmt.pct(s.rolling_first)} → {fmt.pct(s.rolling_final)}",
+            "rolling_hit_rate",
+        ),
+        Field("Warm-up", length(s.warm_up), "warm_up"),
+    ]
+    tl = run.timeline
+    capacity = run.report["config"]["capacity_blocks"]
+    section.charts.append(
+        TextChart(
+            "Over time (left to right)",
+            [
+                f"rolling hit rate │{sparkline(tl['rolling_token_hit_rate'])}│ 0–100%",
+                f"cached blocks    │{sparkline(tl['blocks_cached'], hi=capacity)}│ 0–{capacity}",
+                f"active blocks    │{sparkline(tl['blocks_active'], hi=capacity)}│ 0–{capacity}",
+            ],
+        )
+    )
+    section.plots.append("timeline")
+    return section
+
+
+def serving(run: Run) -> Section:
+    section = Section("serving", "Serving: time to first token (estimate)")
+    sv = run.report["serving"]
+    if sv is None:
+        section.notes.append(
+            f"Mode '{run.report['config']['mode']}' simulates no serving "
+            "timing; time to first token is estimated in serving mode only."
+        )
+        return section
+    rows = []
+    for q in PERCENTILES:
+        cached, nocache = sv[f"ttft_p{q}_s"], sv[f"ttft_nocache_p{q}_s"]
+        speedup = nocache / cached if cached > 0 else None
+        rows.append([f"p{q}", fmt.seconds(cached), fmt.seconds(nocache), fmt.ratio(speedup)])
+    section.tables.append(
+        Table(
+            ["TTFT", "With cache", "No cache", "Speed-up"],
+            rows,
+            key="ttft",
+            caption="Estimated by the replay's cost model",
+        )
+    )
+    section.fields += [
+        Field("Preemptions", fmt.count(sv["preemptions"]), "preemptions"),
+        Field("Scheduler steps", fmt.count(sv["steps"])),
+        Field("Simulated time", fmt.seconds(sv["simulated_seconds"])),
+    ]
+    if np.isfinite(run.requests["ttft_s"].astype(np.float64)).any():
+        section.plots.append("ttft")
+    return section
+
+
+# ---- sweeps and consistency --------------------------------------------------------------------
+
+
+def _cell(key: str, value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return fmt.NA if value is None else str(value)
+    if isinstance(value, (int, float)) and ("rate" in key or "ratio" in key):
+        return fmt.pct(value)
+    if isinstance(value, int):
+        return fmt.count(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def sweep(run: Run) -> Section:
+    section = Section("sweep", "Sweeps: hit rate against capacity, block size and policy")
+    points = run.report["sweep"]
+    if not points:
+        section.notes.append("This run has no sweep.")
+        return section
+    variants = [k for k in VARIANT_KEYS if any(k in p for p in points)]
+    extras = extra_keys(points)
+    bytes_per_block = run.report["config"]["bytes_per_block"]
+    with_bytes = bytes_per_block is not None and not varying(points, "block_size")
+    knees = capacity_knees(points)
+    knee_ids = {id(p) for p in knees.values()}
+    columns = [
+        "Capacity (blocks)",
+        *(["Capacity"] if with_bytes else []),
+        *(k.replace("_", " ").capitalize() for k in variants),
+        "Token hit rate",
+        "Block hit rate",
+        "Evicted blocks",
+        *(k.replace("_", " ").capitalize() for k in extras),
+        "Knee",
+    ]
+    ordered = sorted(
+        points, key=lambda p: ([sort_key(p.get(k)) for k in variants], p["capacity_blocks"])
+    )
+    rows = [
+        [
+            fmt.count(p["capacity_blocks"]),
+            *([fmt.nbytes(p["capacity_blocks"] * bytes_per_block)] if with_bytes else []),
+            *(_cell(k, p.get(k)) for k in variants),
+            fmt.pct(p["token_hit_rate"]),
+            fmt.pct(p["block_hit_rate"]),
+            fmt.count(p["evicted_blocks"]),
+            *(_cell(k, p.get(k)) for k in extras),
+            KNEE_MARK if id(p) in knee_ids else "",
+        ]
+        for p in ordered
+    ]
+    section.tables.append(Table(columns, rows, key="miss_ratio_curve"))
+    for label, p in knees.items():
+        where = f" ({label})" if label else ""
+        section.fields.append(
+            Field(
+                f"Knee{where}",
+                f"{fmt.count(p['capacity_blocks'])} blocks, "
+                f"token hit rate {fmt.pct(p['token_hit_rate'])}",
+                "knee",
+            )
+        )
+    section.plots.append("sweep_capacity")
+    section.plots += [f"sweep_{k}" for k in VARIANT_KEYS if varying(points, k)]
+    return section
+
+
+def consistency(run: Run) -> Section:
+    checks = consistency_checks(run)
+    failed = [c for c in checks if not c.ok]
+    section = Section(
+        "consistency",
+        "Consistency",
+        fields=[
+            Field(
+                "Consistency checks",
+                f"{len(checks) - len(failed)} of {len(checks)} pass",
+                "consistency",
+            )
+        ],
+    )
+    if failed:
+        section.tables.append(
+            Table(["Failed check", "Detail"], [[c.name, c.detail] for c in failed])
+        )
     return section

@@ -10,11 +10,10 @@ from typing import Any
 
 from prefixcache.errors import PrefixCacheError
 from prefixcache.report.compare import compare_document
-from prefixcache.report.document import build_document
 from prefixcache.report.html import render_html
-from prefixcache.report.markdown import render_markdown
-from prefixcache.report.run import load_run
-from prefixcache.report.terminal import render_terminal
+from prefixcache.report.run_dir import load_run
+from prefixcache.report.sections import build_document
+from prefixcache.report.text_formats import render_markdown, render_terminal
 
 
 def _write(path: Path, text: str) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.eviction import POLICIES
-from prefixcache.replay.config import MODES, ReplayConfig
-from prefixcache.replay.models import get_model, gpu_names, model_names, parse_size
+from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
+from prefixcache.replay.replay_config import MODES, ReplayConfig
 from prefixcache.replay.traces import FORMATS
 
 
@@ -157,18 +157,18 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from prefixcache.replay.output import default_run_dir, write_run
-    from prefixcache.replay.summary import format_summary
-    from prefixcache.replay.sweep import replay_sweep
+    from prefixcache.replay.replay_result import default_run_dir, write_run
+    from prefixcache.replay.runner import replay_sweep
+    from prefixcache.report.text_formats import format_summary
 
     try:
         result = replay_sweep(args.source, _configs(args), jobs=args.jobs, progress=args.progress)
-        out = write_run(result, args.out or default_run_dir(result.name))
+        report = result.to_report_dict()
+        out = write_run(result, args.out or default_run_dir(result.name), report)
     except PrefixCacheError as exc:
         print(f"prefixcache replay: error: {exc}", file=sys.stderr)
         return 2
     _render_rich_report(out)
-    report = result.to_report_dict()
     if args.format == "json":
         print(json.dumps(report, indent=2))
         print(f"wrote {out}", file=sys.stderr)
@@ -193,7 +193,7 @@ def _render_rich_report(run_dir: Path) -> None:
 
 def _analyze(args: argparse.Namespace) -> int:
     from prefixcache.replay.analyze import analyze_source, format_analysis
-    from prefixcache.replay.sources import open_source
+    from prefixcache.replay.sources import check_block_size, open_source
 
     try:
         config = ReplayConfig(
@@ -211,7 +211,7 @@ def _analyze(args: argparse.Namespace) -> int:
             sizes = sorted({16, args.trace_block_size})
         model = get_model(args.model) if args.model else None
         for p in sizes:
-            open_source(args.source, config.with_(block_size=p))  # checks each block size
+            check_block_size(source.kind, args.trace_block_size, p)
         analysis = analyze_source(source, sizes, model)
     except PrefixCacheError as exc:
         print(f"prefixcache analyze: error: {exc}", file=sys.stderr)

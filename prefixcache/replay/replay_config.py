@@ -8,7 +8,8 @@ from typing import Any
 from prefixcache.errors import ConfigError
 from prefixcache.eviction import POLICIES
 from prefixcache.hashing import HASH_FUNCTIONS
-from prefixcache.replay.models import ModelConfig, get_gpu, get_model
+from prefixcache.manager import CacheManager
+from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu, get_model
 
 MODES = ("sequential", "serving")
 DEFAULT_SERVING_MODEL = "llama-3.1-8b"
@@ -58,8 +59,7 @@ class ReplayConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         model_name = self.model or (DEFAULT_SERVING_MODEL if self.mode == "serving" else None)
         model = get_model(model_name) if model_name else None
-        if self.mode == "serving":
-            get_gpu(self.gpu)
+        gpu = get_gpu(self.gpu) if self.mode == "serving" else None
         bytes_per_block = model.bytes_per_block(self.block_size) if model else None
         if self.capacity_blocks is not None:
             if self.kv_memory is not None:
@@ -83,7 +83,7 @@ class ReplayConfig:
             capacity_bytes = self.kv_memory
         else:
             raise ConfigError("give the cache size: --blocks N, or --kv-memory SIZE with --model")
-        return ResolvedConfig(self, model, blocks, capacity_bytes, bytes_per_block)
+        return ResolvedConfig(self, model, blocks, capacity_bytes, bytes_per_block, gpu)
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,20 @@ class ResolvedConfig:
     capacity_blocks: int
     capacity_bytes: int | None
     bytes_per_block: int | None
+    gpu: GpuConfig | None = None  # serving mode only
+
+    def cache_manager(self, *, caching: bool = True) -> CacheManager:
+        """A fresh, empty cache of this size and policy (``caching=False``: the no-cache
+        baseline, which never reuses a block)."""
+        o = self.options
+        return CacheManager(
+            self.capacity_blocks,
+            o.block_size,
+            hash_algo=o.hash_algo,
+            policy=o.policy,
+            partial_copy=o.partial_copy,
+            enable_caching=caching,
+        )
 
     def report_dict(self, seed: int | None) -> dict[str, Any]:
         o = self.options

@@ -6,17 +6,17 @@ from typing import Any
 
 from prefixcache.errors import ConfigError, PrefixCacheError
 
-_UNSET: Any = object()
+UNSET: Any = object()  # an argument not given (None is a value)
 
 
 class ScenarioError(ConfigError):
     """A scenario file is malformed: names the file, the field and what was expected."""
 
-    def __init__(self, path: str, field: str, expected: str, got: Any = _UNSET) -> None:
+    def __init__(self, path: str, field: str, expected: str, got: Any = UNSET) -> None:
         self.path, self.field, self.expected = path, field, expected
         where = f"field '{field}': " if field else ""
         message = f"{path}: {where}expected {expected}"
-        if got is not _UNSET:
+        if got is not UNSET:
             message += f", got {_show(got)}"
         super().__init__(message)
 

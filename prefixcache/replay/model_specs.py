@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -67,9 +67,6 @@ class ModelConfig:
     def attention_flops_per_pair(self) -> int:
         """FLOPs of one query token attending one key (QK and AV, every layer and head)."""
         return 4 * self.num_layers * self.num_attention_heads * self.head_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)

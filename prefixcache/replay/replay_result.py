@@ -1,0 +1,240 @@
+"""The outcome of a replay, its canonical report (``report.json``) and the run directory.
+
+A run directory holds report.json (canonical), requests.csv (a row per request) and timeline.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import prefixcache
+from prefixcache.replay.accounting import Accountant
+from prefixcache.replay.model_specs import ModelConfig
+from prefixcache.replay.replay_config import ResolvedConfig
+from prefixcache.run_format import (
+    MISS_CAUSES,
+    PERCENTILES,
+    REQUEST_COLUMNS,
+    SCHEMA_VERSION,
+    TIMELINE_COLUMNS,
+    nearest_rank,
+    rate,
+)
+from prefixcache.stats import CacheStats
+
+
+@dataclass
+class ServingStats:
+    ttft: list[float]  # seconds, per request (nan when never served)
+    ttft_nocache: list[float]
+    preemptions: int
+    steps: int
+    simulated_seconds: float
+    truncated: int = 0  # requests finished early: alone, they outgrew the cache
+
+    def report_dict(self) -> dict[str, Any]:
+        served = [t for t in self.ttft if not math.isnan(t)]
+        unserved = [t for t in self.ttft_nocache if not math.isnan(t)]
+        return {
+            **{f"ttft_p{q}_s": _percentile(served, q) for q in PERCENTILES},
+            **{f"ttft_nocache_p{q}_s": _percentile(unserved, q) for q in PERCENTILES},
+            "preemptions": self.preemptions,
+            "steps": self.steps,
+            "simulated_seconds": self.simulated_seconds,
+        }
+
+
+def _percentile(values: list[float], q: int) -> float:
+    return nearest_rank(values, q) if values else 0.0
+
+
+@dataclass
+class ReplayResult:
+    source: dict[str, Any]  # path, kind, sha256, name
+    config: ResolvedConfig
+    seed: int | None
+    acc: Accountant
+    stats: CacheStats  # the manager's own counters
+    replay_seconds: float
+    serving: ServingStats | None = None
+    truncated_outputs: int = 0
+    sweep: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return str(self.source.get("name", "run"))
+
+    def config_dict(self) -> dict[str, Any]:
+        return self.config.report_dict(self.seed)
+
+    def summary_row(self) -> dict[str, Any]:
+        """One line of a sweep table."""
+        tot = self.acc.totals
+        return {
+            "capacity_blocks": self.config.capacity_blocks,
+            "block_size": self.config.options.block_size,
+            "policy": self.config.options.policy,
+            "token_hit_rate": rate(tot.hit_tokens, tot.prompt_tokens),
+            "block_hit_rate": rate(tot.hit_blocks, tot.prompt_blocks),
+            "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
+            "evicted_blocks": self.stats.evicted_blocks,
+        }
+
+    def to_report_dict(self) -> dict[str, Any]:
+        tot, acc = self.acc.totals, self.acc
+        config = self.config_dict()
+        by_cause = {
+            "cold": tot.cold,
+            "capacity": tot.capacity,
+            "isolation": tot.isolation,
+            "tail": tot.tail,
+        }
+        missed = {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}  # one cache: no routing
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "library_version": prefixcache.__version__,
+            "source": {k: self.source[k] for k in ("path", "kind", "sha256")},
+            "config": config,
+            "config_sha256": hashlib.sha256(
+                json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+            ).hexdigest(),
+            "namespaces": [ns.label() for ns in acc.namespaces],
+            "replay_seconds": self.replay_seconds,
+            "requests_per_second": tot.requests / self.replay_seconds
+            if self.replay_seconds
+            else 0.0,
+            "requests": tot.requests,
+            "prompt_tokens": tot.prompt_tokens,
+            "hit_tokens": tot.hit_tokens,
+            "token_hit_rate": rate(tot.hit_tokens, tot.prompt_tokens),
+            "prompt_blocks": tot.prompt_blocks,
+            "hit_blocks": tot.hit_blocks,
+            "block_hit_rate": rate(tot.hit_blocks, tot.prompt_blocks),
+            "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
+            "upper_bound_block_hit_rate": rate(tot.ub_blocks, tot.prompt_blocks),
+            "zero_hit_requests": tot.zero_hit,
+            "rejected_requests": tot.rejected,
+            "truncated_outputs": self.truncated_outputs,
+            "misses": missed,
+            "evicted_blocks": self.stats.evicted_blocks,
+            "cow_copies": self.stats.cow_copies,
+            "partial_copy_tokens": tot.partial_copy_tokens,
+            "peak_blocks_in_use": acc.physical_peak,
+            "output_tokens": tot.output_tokens,
+            "savings": self._savings(),
+            "serving": self.serving.report_dict() if self.serving else None,
+            "top_prefixes": acc.top_prefixes(),
+            "sweep": self.sweep,
+            **self.extra,
+        }
+
+    def _savings(self) -> dict[str, Any]:
+        tot, acc = self.acc.totals, self.acc
+        model: ModelConfig | None = self.config.model
+        flops = None
+        if model is not None:
+            flops = float(
+                2 * model.flops_params * tot.hit_tokens
+                + model.attention_flops_per_pair * tot.attn_units
+            )
+        bpb = self.config.bytes_per_block
+        shared = max(0, acc.logical_peak - acc.physical_peak)
+        return {
+            "prefill_tokens_saved": tot.hit_tokens,
+            "flops_saved_estimate": flops,
+            "logical_blocks_peak": acc.logical_peak,
+            "physical_blocks_peak": acc.physical_peak,
+            "sharing_factor": acc.logical_peak / acc.physical_peak if acc.physical_peak else 1.0,
+            "kv_bytes_saved_by_sharing": shared * bpb if bpb is not None else None,
+            "internal_fragmentation_slots": acc.fragmentation_at_peak,
+        }
+
+
+# ---- the run directory ------------------------------------------------------------------------
+
+
+def default_run_dir(name: str, root: str | Path = "runs") -> Path:
+    """``runs/<name>-<YYYYmmdd-HHMMSS>`` (with a counter if that exists already)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "run"
+    base = Path(root) / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+    return path
+
+
+def write_run(
+    result: ReplayResult, out_dir: str | Path, report: dict[str, Any] | None = None
+) -> Path:
+    """Write the three files of a run into ``out_dir`` (created if needed); returns it.
+    ``report``: the result's report.json, when the caller has it already."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if report is None:
+        report = result.to_report_dict()
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    _write_requests(result, out / "requests.csv")
+    _write_timeline(result, out / "timeline.csv")
+    return out
+
+
+def _num(x: float) -> str:
+    return "" if math.isnan(x) else repr(round(x, 9))
+
+
+def _write_requests(result: ReplayResult, path: Path) -> None:
+    log = result.acc.log
+    labels = [ns.label() for ns in result.acc.namespaces]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(REQUEST_COLUMNS)
+        if log is None:
+            return
+        n = len(log)
+        zero = [0] * n
+        blocks = [t // result.config.options.block_size for t in log.prompt_tokens]
+        nan = [math.nan] * n
+        w.writerows(
+            zip(  # noqa: B905 - equal-length columns
+                log.request_id,
+                map(_num, log.arrival_s),
+                (labels[i] for i in log.namespace),
+                log.prompt_tokens,
+                log.hit_tokens,
+                blocks,
+                log.hit_blocks,
+                log.miss_cold,
+                log.miss_capacity,
+                log.miss_isolation,
+                log.miss_tail,
+                zero,
+                log.output_tokens,
+                map(_num, log.ttft_s or nan),
+                map(_num, log.ttft_nocache_s or nan),
+            )
+        )
+
+
+def _write_timeline(result: ReplayResult, path: Path) -> None:
+    rows = result.acc.timeline.rows if result.acc.timeline is not None else []
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(TIMELINE_COLUMNS)
+        for row in rows:
+            w.writerow(
+                (
+                    _num(float(row[0])) if isinstance(row[0], float) else row[0],
+                    *row[1:7],
+                    _num(row[7]),
+                )
+            )

@@ -1,0 +1,180 @@
+"""Plain-text renderings: the terminal report and Markdown of a document, and the short summary
+of a report.json that ``prefixcache replay`` prints."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from prefixcache.report import formatting as fmt
+from prefixcache.report.document import Document, Field, Section, Table
+
+WIDTH = 88
+
+
+# ---- terminal ---------------------------------------------------------------------------------
+
+
+def _rule(title: str, char: str = "─") -> str:
+    head = f"{char * 2} {title} "
+    return head + char * max(0, WIDTH - len(head))
+
+
+def _field(f: Field, pad: int) -> str:
+    note = f"  ({f.note})" if f.note else ""
+    return f"  {f.label:<{pad}}  {f.value}{note}"
+
+
+def table_lines(table: Table, indent: str = "  ") -> list[str]:
+    """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
+    cells = [table.columns, *table.rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(table.columns))]
+
+    def line(row: list[str]) -> str:
+        parts = [
+            c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(row, widths, strict=True)
+        ]
+        return (indent + "  ".join(parts)).rstrip()
+
+    lines = [line(table.columns), indent + "  ".join("─" * w for w in widths)]
+    lines += [line(r) for r in table.rows]
+    if table.caption:
+        lines.append(f"{indent}{table.caption}")
+    return lines
+
+
+def _numeric(cell: str) -> bool:
+    return bool(cell) and (cell[0].isdigit() or cell[0] in "+-") and cell[-1] not in ")"
+
+
+def section_lines(section: Section) -> list[str]:
+    lines = [_rule(section.title)]
+    pad = max((len(f.label) for f in section.fields), default=0)
+    lines += [_field(f, pad) for f in section.fields]
+    for table in section.tables:
+        lines += ["", *table_lines(table)] if section.fields else table_lines(table)
+    for chart in section.charts:
+        lines += ["", f"  {chart.title}", *(f"  {line}" for line in chart.lines)]
+    for note in section.notes:
+        lines += textwrap.wrap(note, WIDTH, initial_indent="  ", subsequent_indent="  ")
+    return lines
+
+
+def render_terminal(doc: Document, definitions: bool = True) -> str:
+    lines = [_rule(doc.title, "═"), f"  {doc.subtitle}", ""]
+    for section in doc.sections:
+        lines += [*section_lines(section), ""]
+    if definitions:
+        lines.append(_rule("Definitions"))
+        for d in doc.definitions():
+            lines += textwrap.wrap(
+                f"{d.term}: {d.text}", WIDTH, initial_indent="  ", subsequent_indent="    "
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---- Markdown ---------------------------------------------------------------------------------
+
+
+def _escape(cell: str) -> str:
+    return cell.replace("|", "\\|").replace("\n", " ")
+
+
+def table_markdown(table: Table) -> list[str]:
+    lines = [
+        "| " + " | ".join(_escape(c) for c in table.columns) + " |",
+        "|" + "|".join("---" if i == 0 else "--:" for i in range(len(table.columns))) + "|",
+    ]
+    lines += ["| " + " | ".join(_escape(c) for c in row) + " |" for row in table.rows]
+    if table.caption:
+        lines += ["", f"*{table.caption}*"]
+    return lines
+
+
+def section_markdown(section: Section) -> list[str]:
+    lines = [f"## {section.title}", ""]
+    if section.fields:
+        lines += ["| Figure | Value |", "|---|--:|"]
+        for f in section.fields:
+            note = f" *({f.note})*" if f.note else ""
+            lines.append(f"| {_escape(f.label)} | {_escape(f.value)}{note} |")
+        lines.append("")
+    for table in section.tables:
+        lines += [*table_markdown(table), ""]
+    for chart in section.charts:
+        lines += [f"**{chart.title}**", "", "```text", *chart.lines, "```", ""]
+    lines += [*(f"{note}\n" for note in section.notes)]
+    return lines
+
+
+def render_markdown(doc: Document) -> str:
+    lines = [f"# {doc.title}", "", doc.subtitle, ""]
+    for section in doc.sections:
+        lines += section_markdown(section)
+    lines += ["## Definitions", ""]
+    lines += [f"- **{d.term}**: {d.text}" for d in doc.definitions()]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the summary of a replay ------------------------------------------------------------------
+
+
+def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
+    """A report.json in a dozen lines: setup, hit rates, misses, savings, latency, sweep."""
+    c, m, s = r["config"], r["misses"], r["savings"]
+    size = f"{c['capacity_blocks']:,} blocks"
+    if c["capacity_bytes"] is not None:
+        size += f" ({fmt.nbytes(c['capacity_bytes'], digits=1)} of {c['model']} KV)"
+    prompt = r["prompt_tokens"] or 1
+    lines = [
+        f"replay {r['source']['path']} ({r['source']['kind']})",
+        f"  {c['mode']}, block {c['block_size']} tokens, cache {size}, policy {c['policy']}",
+        f"  requests        {r['requests']:,} in {r['replay_seconds']:.2f} s "
+        f"({r['requests_per_second']:,.0f} req/s)",
+        f"  token hit rate  {fmt.pct(r['token_hit_rate'])}   (infinite cache: "
+        f"{fmt.pct(r['upper_bound_token_hit_rate'])})",
+        f"  block hit rate  {fmt.pct(r['block_hit_rate'])}   (infinite cache: "
+        f"{fmt.pct(r['upper_bound_block_hit_rate'])})",
+        "  missed tokens   " + "  ".join(f"{k} {fmt.pct(v / prompt)}" for k, v in m.items()),
+        f"  evicted blocks  {r['evicted_blocks']:,}   CoW copies {r['cow_copies']:,}   "
+        f"partial-copy tokens {r['partial_copy_tokens']:,}",
+        f"  peak blocks     {r['peak_blocks_in_use']:,} in use, sharing x{s['sharing_factor']:.2f}",
+    ]
+    saved = f"  prefill saved   {s['prefill_tokens_saved']:,} tokens"
+    if s["flops_saved_estimate"] is not None:
+        saved += f", {s['flops_saved_estimate']:.3g} FLOPs"
+    lines.append(saved)
+    if r.get("rejected_requests"):
+        lines.append(f"  rejected        {r['rejected_requests']:,} requests larger than the cache")
+    sv = r.get("serving")
+    if sv:
+        lines.append(
+            f"  TTFT            p50 {sv['ttft_p50_s']:.3f} s  p90 {sv['ttft_p90_s']:.3f} s  "
+            f"p99 {sv['ttft_p99_s']:.3f} s"
+        )
+        lines.append(
+            f"  TTFT no cache   p50 {sv['ttft_nocache_p50_s']:.3f} s  p90 "
+            f"{sv['ttft_nocache_p90_s']:.3f} s  p99 {sv['ttft_nocache_p99_s']:.3f} s"
+        )
+        lines.append(
+            f"  simulated       {sv['simulated_seconds']:.1f} s in {sv['steps']:,} steps, "
+            f"{sv['preemptions']:,} preemptions"
+        )
+    if r.get("sweep"):
+        lines.append("  sweep           capacity  block  policy  token hit  block hit  evicted")
+        for row in r["sweep"]:
+            lines.append(
+                f"                  {row['capacity_blocks']:>8,}  {row['block_size']:>5}  "
+                f"{row['policy']:>6}  {fmt.pct(row['token_hit_rate']):>9}  "
+                f"{fmt.pct(row['block_hit_rate']):>9}  {row['evicted_blocks']:>7,}"
+            )
+    if r["top_prefixes"]:
+        top = r["top_prefixes"][0]
+        lines.append(
+            f"  top prefix      {top['prefix_id']} ({top['depth_blocks']} blocks) saved "
+            f"{top['tokens_saved']:,} tokens over {top['requests']:,} requests"
+        )
+    if run_dir:
+        lines.append(f"  wrote           {run_dir}")
+    return "\n".join(lines)
