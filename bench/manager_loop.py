@@ -2,9 +2,11 @@
 
     python bench/manager_loop.py [--requests 2000] [--blocks 20000] [--repeats 5]
 
-Prints requests/s (median of repeats, each on a fresh manager) next to a conventional per-block
-baseline run interleaved in the same process, the token hit rate next to the infinite-cache
-bound, and memory per cached block (RSS delta and tracemalloc).
+Prints requests/s (median of repeats, each on a fresh manager) for int32 arrays and for Python
+lists (what most schedulers hold) next to a conventional per-block baseline run interleaved in
+the same process, the cost of turning a list into token ids next to the plain numpy conversion,
+the token hit rate next to the infinite-cache bound, and memory per cached block (RSS delta and
+tracemalloc).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from baseline_block_manager import BaselineBlockManager
 from workload import infinite_cache_hit_rate, shared_prompt_workload
 
 from prefixcache import CacheManager, Namespace
+from prefixcache.tokens import as_token_array
 
 
 def rss_bytes() -> int:
@@ -37,7 +40,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def run(prompts: list[np.ndarray], blocks: int, block_size: int) -> tuple[float, CacheManager]:
+def run(prompts: list, blocks: int, block_size: int) -> tuple[float, CacheManager]:
     mgr = CacheManager(blocks, block_size)
     ns = Namespace(model="bench")
     admit, release = mgr.admit, mgr.release
@@ -93,21 +96,30 @@ def main() -> None:
     )
     measure_memory(prompts, args.blocks, args.block_size)  # first, while the process is fresh
 
-    times, base_times = [], []
-    for _ in range(args.repeats):  # interleaved, so both see the same machine noise
+    lists = [p.tolist() for p in prompts]
+    times, list_times, base_times = [], [], []
+    for _ in range(args.repeats):  # interleaved, so all see the same machine noise
         gc.collect()
         dt, mgr = run(prompts, args.blocks, args.block_size)
         times.append(dt)
         gc.collect()
+        list_times.append(run(lists, args.blocks, args.block_size)[0])
+        gc.collect()
         dt, base = run_baseline(prompts, args.blocks, args.block_size)
         base_times.append(dt)
     med, base_med = statistics.median(times), statistics.median(base_times)
+    list_med = statistics.median(list_times)
     st = mgr.stats
     print(
         f"  requests/s        {len(prompts) / med:10,.0f}  (median of {args.repeats}; "
         f"min {len(prompts) / max(times):,.0f}, max {len(prompts) / min(times):,.0f})"
     )
     print(f"  us/request        {med / len(prompts) * 1e6:10.1f}")
+    print(
+        f"  requests/s, lists {len(prompts) / list_med:10,.0f}  (Python list input; "
+        f"{base_med / list_med:.1f}x the baseline)"
+    )
+    convert_rows(lists)
     print(
         f"  baseline req/s    {len(prompts) / base_med:10,.0f}  (per-block dict, sha256 of "
         f"pickled tokens; speedup {base_med / med:.1f}x)"
@@ -118,6 +130,32 @@ def main() -> None:
         f"{infinite_cache_hit_rate(prompts, args.block_size):.4f})"
     )
     print(f"  evicted blocks    {st.evicted_blocks:10,}")
+
+
+def plain_numpy_conversion(tokens: list[int]) -> np.ndarray:
+    """The general path: infer the dtype, check the range, cast to int32."""
+    arr = np.asarray(tokens)
+    if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > 2**31 - 1:
+        raise ValueError("bad token ids")
+    return np.ascontiguousarray(arr, dtype="<i4")
+
+
+def convert_rows(lists: list[list[int]]) -> None:
+    longest = max(lists, key=len)
+    timings = {}
+    for name, fn in (("validated", as_token_array), ("plain numpy", plain_numpy_conversion)):
+        reps = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn(longest)
+            reps.append((time.perf_counter() - t0) / 200)
+        timings[name] = statistics.median(reps)
+    print(
+        f"  list -> tokens    {timings['validated'] * 1e6:10.1f}  us for {len(longest):,} tokens "
+        f"(np.asarray + checks + cast: {timings['plain numpy'] * 1e6:.1f} us, "
+        f"{timings['plain numpy'] / timings['validated']:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from prefixcache.errors import ConfigError
+from prefixcache.errors import ConfigError, InvalidArgumentError
 
 
 class PagedKVCache:
@@ -61,19 +61,26 @@ class PagedKVCache:
         """
         from prefixcache.kernels.reference import reference_store_kv
 
-        slots_t = torch.as_tensor(slots, dtype=torch.int64, device=k.device)
+        slots_t = torch.as_tensor(slots, device=k.device)
+        if slots_t.dtype.is_floating_point or slots_t.dtype in (torch.bool, torch.complex64):
+            raise InvalidArgumentError(f"slots must be integer ids, got dtype {slots_t.dtype}")
+        slots_t = slots_t.to(torch.int64).reshape(-1)
         if (
             k.shape != v.shape
             or k.shape[0] != slots_t.numel()
             or k.shape[1:] != self.k[layer].shape[2:]
         ):
             _, _, hkv, d = self.k[layer].shape
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"k/v must be [{slots_t.numel()}, {hkv}, {d}] to match the slots, "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        if slots_t.numel() and int(slots_t.max()) >= self.num_blocks * self.block_size:
-            raise ValueError(f"slot {int(slots_t.max())} is outside the cache")
+        if slots_t.numel():
+            lo, hi = int(slots_t.min()), int(slots_t.max())
+            if lo < -1:
+                raise InvalidArgumentError(f"slot {lo} is invalid: slots are >= 0, or -1 to skip")
+            if hi >= self.num_blocks * self.block_size:
+                raise InvalidArgumentError(f"slot {hi} is outside the cache")
         reference_store_kv(k, v, self.k[layer], self.v[layer], slots_t)
 
     def apply_copies(
@@ -95,7 +102,12 @@ class PagedKVCache:
         from prefixcache.kernels.reference import gather_kv
 
         table = torch.as_tensor(block_table, dtype=torch.int64, device=self.k[layer].device)
-        used = table[: -(-length // self.block_size)]
-        if used.numel() and int(used.min()) < 0:
-            raise ValueError("block table has padding inside the sequence's length")
+        need = -(-length // self.block_size)
+        used = table[:need]
+        if length < 0 or used.numel() < need:
+            raise InvalidArgumentError(
+                f"{length} tokens need {need} blocks but the table has {used.numel()}"
+            )
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= self.num_blocks):
+            raise InvalidArgumentError("block table has padding or a bad id inside the length")
         return gather_kv(self.k[layer], used, length), gather_kv(self.v[layer], used, length)

@@ -652,13 +652,14 @@ class CacheManager:
                             stack.extend(node.children.values())
             grew = False
             if region:
+                readers: list[tuple[Node | None, RequestState]]
                 readers = [(s.deepest, s) for s in self._seqs.values()]
                 readers += [(s.copy_source, s) for s in self._seqs.values()]
-                readers += self._step_holds
-                for node, other in readers:
+                readers += [(node, s) for node, s in self._step_holds]
+                for held, other in readers:
                     if id(other) in seen or self._seqs.get(other.request_id) is not other:
                         continue
-                    if _under(node, region):
+                    if _under(held, region):
                         seen.add(id(other))
                         doomed.append(other)
                         grew = True

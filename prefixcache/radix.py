@@ -121,8 +121,8 @@ class RadixIndex:
         bb = self.block_bytes
         return bytes(node.tokens[i * bb : (i + 1) * bb])
 
-    def _first_block(self, node: Node) -> bytearray:
-        return node.tokens[: self.block_bytes]
+    def _first_block(self, node: Node) -> bytes:
+        return bytes(node.tokens[: self.block_bytes])
 
     # ---- lookup ---------------------------------------------------------------------------
     def root(self, namespace: Namespace) -> Node:
@@ -201,7 +201,11 @@ class RadixIndex:
         best: PartialMatch | None = None
         for cand in ordered[max(i - 1, 0) : i + 1]:
             m = common_tokens(cand.tokens[: 4 * limit], query)
-            if m > 0 and (best is None or m > best.m):
+            if m > 0 and (
+                best is None
+                or m > best.m
+                or (m == best.m and cand.last_access > best.node.last_access)
+            ):  # the longer match; on a tie the more recently used block
                 best = PartialMatch(cand, m)
         return best
 

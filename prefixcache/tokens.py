@@ -24,7 +24,8 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
     """
     cls = type(tokens)
     if (  # the hot path: what a runtime holds already
-        cls is np.ndarray
+        isinstance(tokens, np.ndarray)
+        and cls is np.ndarray
         and tokens.dtype == _INT32
         and tokens.ndim == 1
         and tokens.size
@@ -32,7 +33,7 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
         and np.minimum.reduce(tokens) >= 0
     ):
         return tokens
-    if cls is list and tokens:
+    if isinstance(tokens, list) and cls is list and tokens:
         fast = _list_to_array(tokens)
         if fast is not None:
             return fast

@@ -42,4 +42,4 @@ def test_example_script_runs():
 
 def test_embedding_example_runs():
     out = run_example("embedding.py")
-    assert "token_hit_rate=" in out and "active=0" in out
+    assert "computed_prefill_tokens=" in out and "active=0" in out
