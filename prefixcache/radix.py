@@ -122,7 +122,7 @@ class RadixIndex:
         return bytes(node.tokens[i * bb : (i + 1) * bb])
 
     def _first_block(self, node: Node) -> bytes:
-        return bytes(node.tokens[: self.block_bytes])
+        return node.tokens[: self.block_bytes]  # type: ignore[return-value]  # compares as bytes
 
     # ---- lookup ---------------------------------------------------------------------------
     def root(self, namespace: Namespace) -> Node:
