@@ -51,14 +51,25 @@ def check_manager(mgr: CacheManager) -> None:
                 _require(child.parent is node, "child's parent link is wrong")
                 _require(bytes(child.digests[:D]) == key, "child keyed by a wrong digest")
                 stack.append(child)
-            ordered = node.ordered or []
+            filed: list[Node] = []
+            for tok, group in (node.by_token or {}).items():
+                members = group if isinstance(group, list) else [group]
+                _require(
+                    len(members) > 0 and not (isinstance(group, list) and len(group) < 2),
+                    "a token group of fewer than two is kept as a list",
+                )
+                firsts = [bytes(c.tokens[:bb]) for c in members]
+                _require(firsts == sorted(firsts), "a token group is not in token order")
+                _require(
+                    all(int.from_bytes(f[:4], "little") == tok for f in firsts),
+                    "a child is filed under another token",
+                )
+                filed += members
             _require(
-                {id(c) for c in ordered} == {id(c) for c in (node.children or {}).values()}
-                and len(ordered) == len(node.children or {}),
-                "the ordered children differ from the children",
+                sorted(map(id, filed)) == sorted(id(c) for c in (node.children or {}).values()),
+                "the token map differs from the children",
             )
-            firsts = [bytes(c.tokens[:bb]) for c in ordered]
-            _require(firsts == sorted(firsts), "children are not in token order")
+            _require((node.children is None) == (node.by_token is None), "empty maps are kept")
             if node.parent is None:
                 continue
             n = len(node.blocks)
@@ -117,10 +128,16 @@ def check_manager(mgr: CacheManager) -> None:
     pending = mgr.pending_blocks
     _require(pending <= tree_set, "a pending block is not in the index")
     own: list[int] = []
-    for seq in states.values():
+    for rid, seq in states.items():
         own += seq.pending
-        _require(seq.unconfirmed or not seq.pending, "a confirmed request has pending blocks")
-    _require(len(own) == len(set(own)) and set(own) == pending, "pending blocks are misattributed")
+        _require(seq.unconfirmed or not seq.pending, f"{rid!r}: confirmed but has pending blocks")
+        _require(
+            (seq.pending_start is None) == (not seq.pending), f"{rid!r}: pending start is wrong"
+        )
+        if seq.pending_start is not None:
+            tail = set(index.path_blocks(seq.deepest)[seq.pending_start :])
+            _require(set(seq.pending) <= tail, f"{rid!r}: a pending block is not on its path")
+    _require(len(own) == len(set(own)), "a block is pending for two requests")
     if not mgr.stepped:
         _require(not step_nodes and not step_refs, "step holds without steps")
     for handle, node in pins.items():

@@ -93,13 +93,14 @@ class _Plan(NamedTuple):
     shared: int  # leading table blocks shared with the index
     cow: bool  # every prompt block matched: the last one is copied and one token recomputed
     partial: PartialMatch | None  # a block whose leading tokens can be copied
+    cached_len: int  # prompt tokens not computed (the copied ones included)
 
 
 class CacheManager:
     """Prefix-cached paged block manager for one pool of ``num_blocks`` physical blocks.
 
-    ``stepped=True``: the runtime calls ``end_step()`` after every forward pass, and blocks freed
-    during a step are reused only after it (see the module docstring).
+    ``stepped=True``: the runtime calls ``end_step()`` after every forward pass, and the source of
+    every copy handed out in a step stays held until then (see the module docstring).
     """
 
     def __init__(
@@ -130,8 +131,6 @@ class CacheManager:
         self._pins: dict[int, Node] = {}
         self._pin_ids = itertools.count(1)
         self._listeners: list[EventListener] = []
-        self._unconfirmed: set[RequestState] = set()  # requests with K/V not yet confirmed
-        self._pending_blocks: set[int] = set()  # indexed blocks whose K/V is not confirmed
         # stepped: copy sources of the current step that their request let go of before its end
         self._step_holds: list[tuple[Node, RequestState]] = []  # partial-copy source nodes
         self._step_refs: list[int] = []  # private blocks a copy-on-write of the step reads
@@ -143,10 +142,7 @@ class CacheManager:
         arr = as_token_array(tokens)
         _check_namespace(namespace)
         plan = self._plan(arr, arr.tobytes(), namespace, check_size=False)
-        if plan.match is None:
-            return Lookup(0, 0)
-        cached_len, _ = self._cached_len(plan, len(arr))
-        return Lookup(cached_len, plan.match.n)
+        return Lookup(plan.cached_len, plan.match.n if plan.match is not None else 0)
 
     def can_admit(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> bool:
         """Whether ``admit`` would succeed now (free plus evictable blocks suffice). False too
@@ -173,12 +169,13 @@ class CacheManager:
         ``priority`` (with ``retention`` time units, default forever) orders eviction under the
         ``priority`` policy: lower goes first.
         """
-        _check_request_id(request_id)
-        if request_id in self._seqs:
+        if self._is_live(request_id):
             raise DuplicateRequestError(f"request {request_id!r} is already admitted")
         arr = as_token_array(tokens)
-        _check_namespace(namespace)
-        _check_priority(priority, retention)
+        if type(namespace) is not Namespace:
+            _check_namespace(namespace)
+        if type(priority) is not int or retention is not None:
+            _check_priority(priority, retention)
         buf = arr.tobytes()
         plan = self._plan(arr, buf, namespace)
         if plan.need > self._available(plan.held_cached):
@@ -205,7 +202,8 @@ class CacheManager:
         seq = RequestState(request_id, namespace, buf, t, table, node)
         seq.private = fresh  # a new list from the pool: the sequence owns it
         copies: list[Copy] = []
-        cached_len, partial_tokens = self._cached_len(plan, t)
+        cached_len = plan.cached_len
+        partial_tokens = plan.partial.m if plan.partial is not None else 0
         if plan.cow:  # every prompt token is cached: recompute only the last one, in a copy
             if p > 1:
                 copies.append(Copy(src, fresh[0], p - 1))
@@ -224,7 +222,6 @@ class CacheManager:
                 cached_len -= partial_tokens
                 partial_tokens = 0
         seq.unconfirmed = True
-        self._unconfirmed.add(seq)
         if self.enable_caching:
             self._commit(seq, arr, buf, t // p, match.digest if n and match else None, now)
         if priority:
@@ -252,7 +249,7 @@ class CacheManager:
             )
         root = self.index.roots.get(namespace)
         if root is None or not self.enable_caching:
-            return _Plan(num_logical, 0, None, 0, False, None)
+            return _Plan(num_logical, 0, None, 0, False, None, 0)
         match = self.index.match(root, buf, t // p)
         plan = self._size(match, buf, t)
         if plan.cow and plan.need > self._available(plan.held_cached):
@@ -267,10 +264,16 @@ class CacheManager:
         shared = n - 1 if cow else n
         need = -(-t // p) - shared
         partial = None
-        if self.partial_copy and not cow and n * p < t - 1:
-            partial = self.index.partial_match(match, buf, min(p, t - 1 - n * p))
+        if cow:
+            cached_len = t - 1
+        else:
+            cached_len = n * p
+            if self.partial_copy and cached_len < t - 1:
+                partial = self.index.partial_match(match, buf, min(p, t - 1 - cached_len))
+                if partial is not None:
+                    cached_len += partial.m
         if need <= self._available(n):  # fits even if every matched block were unheld now
-            return _Plan(need, n, match, shared, cow, partial)
+            return _Plan(need, n, match, shared, cow, partial, cached_len)
         held_cached = 0
         cur: Node | None = match.node
         count = match.j
@@ -279,14 +282,7 @@ class CacheManager:
                 held_cached += count
             cur = cur.parent
             count = len(cur.blocks)
-        return _Plan(need, held_cached, match, shared, cow, partial)
-
-    def _cached_len(self, plan: _Plan, t: int) -> tuple[int, int]:
-        """(tokens not computed, of which copied from a partially matching block)."""
-        if plan.cow:
-            return t - 1, 0
-        m = plan.partial.m if plan.partial is not None else 0
-        return plan.shared * self.block_size + m, m
+        return _Plan(need, held_cached, match, shared, cow, partial, cached_len)
 
     def _available(self, held_cached: int) -> int:
         cached = self.index.num_blocks - self.index.active_blocks
@@ -342,9 +338,7 @@ class CacheManager:
             seq.tokens = bytearray(seq.tokens)
         seq.tokens += data
         seq.num_tokens = t1
-        if not seq.unconfirmed:
-            seq.unconfirmed = True
-            self._unconfirmed.add(seq)
+        seq.unconfirmed = True
         self.stats.appended_tokens += k
         if self.enable_caching and t1 // p > t0 // p:
             full = np.frombuffer(seq.tokens, dtype="<i4")
@@ -367,8 +361,7 @@ class CacheManager:
         """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks, the partial last
         one too (parallel sampling, beam search). Writes copy on demand."""
         parent = self._seq(parent_id)
-        _check_request_id(child_id)
-        if child_id in self._seqs:
+        if self._is_live(child_id):
             raise DuplicateRequestError(f"request {child_id!r} is already admitted")
         child = RequestState(
             child_id,
@@ -385,7 +378,6 @@ class CacheManager:
         if parent.unconfirmed:  # it reads what the parent still has to write
             parent.dependents.append(child)
             child.unconfirmed = True  # and passes that on to its own forks
-            self._unconfirmed.add(child)
         self._seqs[child_id] = child
         self.stats.forks += 1
 
@@ -394,9 +386,7 @@ class CacheManager:
         (evictable); private ones are freed. Use ``abort`` when its K/V was never written."""
         seq = self._seq(request_id)
         del self._seqs[request_id]
-        self._confirm(seq)
-        self._unconfirmed.discard(seq)
-        self._drop(seq)
+        self._drop(seq)  # what it wrote is confirmed: nothing of it stays pending
 
     def abort(self, request_id: Hashable) -> list[Hashable]:
         """Drop a request before the forward pass wrote its K/V (preempted while the step is
@@ -421,8 +411,6 @@ class CacheManager:
             self._step_holds = keep
         for dead in doomed:
             del self._seqs[dead.request_id]
-            self._unconfirmed.discard(dead)
-            self._pending_blocks.difference_update(dead.pending)
             self._drop(dead)
         for top in sorted(tops, key=lambda node: node.depth):
             if top.parent is None:  # inside a region removed already
@@ -441,11 +429,10 @@ class CacheManager:
 
     def end_step(self) -> None:
         """The forward pass of the step has written every K/V it was given: pending blocks
-        become ordinary cached blocks, and blocks freed during the step become reusable."""
-        for seq in self._unconfirmed:
-            self._clear_pending(seq)
-        self._unconfirmed.clear()
-        self._pending_blocks.clear()
+        become ordinary cached blocks, and the copy sources held for the step are let go."""
+        for seq in self._seqs.values():
+            if seq.unconfirmed:
+                _confirm(seq)
         for node, _ in self._step_holds:
             self._unhold(node)
         self._step_holds.clear()
@@ -474,9 +461,10 @@ class CacheManager:
             return 0, 0
         buf = arr.tobytes()
         match = self.index.match(root, buf, len(arr) // self.block_size)
-        if self._pending_blocks and match.n:
+        pending = self.pending_blocks
+        if pending and match.n:
             blocks = self.index.path_blocks(match.node)[: match.n]
-            written = next((i for i, b in enumerate(blocks) if b in self._pending_blocks), None)
+            written = next((i for i, b in enumerate(blocks) if b in pending), None)
             if written is not None:
                 match = self.index.match(root, buf, written)
         if match.n == 0:
@@ -538,7 +526,7 @@ class CacheManager:
     @property
     def pending_blocks(self) -> frozenset[int]:
         """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
-        return frozenset(self._pending_blocks)
+        return frozenset(b for seq in self._seqs.values() for b in seq.pending)
 
     @property
     def step_holds(self) -> tuple[list[Node], list[int]]:
@@ -570,8 +558,6 @@ class CacheManager:
             )
         self._seqs.clear()
         self._pins.clear()
-        self._unconfirmed.clear()
-        self._pending_blocks.clear()
         self._step_holds.clear()
         self._step_refs.clear()
         self.index = RadixIndex(self.hasher)
@@ -582,8 +568,10 @@ class CacheManager:
 
     # ---- internals ------------------------------------------------------------------------
     def _seq(self, request_id: Hashable) -> RequestState:
-        _check_request_id(request_id)
-        seq = self._seqs.get(request_id)
+        try:
+            seq = self._seqs.get(request_id)
+        except TypeError:
+            raise InvalidArgumentError(_UNHASHABLE.format(type(request_id).__name__)) from None
         if seq is None:
             raise UnknownRequestError(f"request {request_id!r} is not admitted (or was released)")
         return seq
@@ -613,17 +601,11 @@ class CacheManager:
         self._unhold(seq.deepest)
         self.pool.drop(seq.private)
 
-    def _confirm(self, seq: RequestState) -> None:
-        if seq.unconfirmed:
-            self._pending_blocks.difference_update(seq.pending)
-            self._clear_pending(seq)
-
-    @staticmethod
-    def _clear_pending(seq: RequestState) -> None:
-        seq.unconfirmed = False
-        seq.pending = []
-        seq.pending_start = None
-        seq.dependents = []
+    def _is_live(self, request_id: Hashable) -> bool:
+        try:
+            return request_id in self._seqs
+        except TypeError:
+            raise InvalidArgumentError(_UNHASHABLE.format(type(request_id).__name__)) from None
 
     def _dependents(self, seq: RequestState) -> tuple[list[RequestState], list[Node]]:
         """``seq`` and every live request that relies on K/V it (or they, in turn) has not
@@ -709,7 +691,9 @@ class CacheManager:
                 self._emit(BlockRemoved(_split_digests(digests), namespace))
             if node.blocks:
                 self.evictor.push(node, now)
-            elif parent is not None and self.evictor.evictable(parent):
+            elif (
+                parent is not None and parent.parent is not None and self.evictor.evictable(parent)
+            ):
                 self.evictor.push(parent, now)
 
     def _commit(
@@ -735,12 +719,15 @@ class CacheManager:
         if digest is None:
             digest = parent.last_digest()
         digests = self.hasher.hash_blocks(tokens, digest, start, upto)
-        i = self._follow_cached(seq, parent, digests, buf, start, upto, now)
-        if i < 0:
-            return
-        parent = seq.deepest if seq.deepest is not None else parent
+        if parent.children and digests[0] in parent.children:  # blocks someone cached already
+            followed = self._follow_cached(seq, parent, digests, buf, now)
+            if followed is None:
+                return
+            parent = followed
+        i = parent.end if parent.parent is not None else 0
         if i < upto:
-            self._store(seq, parent, digests, buf, start, i, upto, digest, now)
+            prev = digests[i - start - 1] if i > start else (digest if i > 0 else None)
+            self._store(seq, parent, digests[i - start :], buf, i, upto, prev, now)
 
     def _follow_cached(
         self,
@@ -748,13 +735,13 @@ class CacheManager:
         parent: Node,
         digests: list[bytes],
         buf: bytes | bytearray,
-        start: int,
-        upto: int,
         now: float,
-    ) -> int:
-        """Move the sequence's path over blocks someone else cached already; returns the first
-        block position left to store (-1: a digest collision stopped the sequence)."""
-        i = start
+    ) -> Node | None:
+        """Move the sequence's path over blocks someone else cached already (its own stay
+        private duplicates). Returns the last node followed; None when a digest collision
+        stopped the sequence."""
+        start = i = parent.end if parent.parent is not None else 0
+        upto = start + len(digests)
         while i < upto and parent.children:
             child = parent.children.get(digests[i - start])
             if child is None:
@@ -763,13 +750,13 @@ class CacheManager:
             m = self.index.common_blocks(child, buf, i, k)
             if m == 0:
                 seq.blocked = True
-                return -1
+                return None
             if m < len(child.blocks):
                 child = self.index.split(child, m)
             self.index.hold(child, now, upto=parent)
             parent, i = child, i + m
             seq.deepest = parent
-        return i
+        return parent
 
     def _store(
         self,
@@ -777,17 +764,17 @@ class CacheManager:
         parent: Node,
         digests: list[bytes],
         buf: bytes | bytearray,
-        start: int,
         i: int,
         upto: int,
-        digest: bytes,
+        prev: bytes | None,
         now: float,
     ) -> None:
-        """Index the sequence's own blocks ``i .. upto-1`` after ``parent`` (pending)."""
+        """Index the sequence's own blocks ``i .. upto-1`` (``digests``) after ``parent``; they
+        are pending. ``prev`` is the digest before them, for the event."""
         bb = self.index.block_bytes
         ids = seq.table[i:upto]
         run = buf[i * bb : upto * bb]
-        node = self.index.add(parent, digests[i - start :], run, ids, now)
+        node = self.index.add(parent, digests, run, ids, now)
         self.pool.to_index(ids)
         private = seq.private
         if private[: len(ids)] == ids:  # the usual case: the oldest private blocks
@@ -798,19 +785,11 @@ class CacheManager:
         if seq.pending_start is None:
             seq.pending_start = i
         seq.pending.extend(ids)
-        self._pending_blocks.update(ids)
         self.stats.stored_blocks += len(ids)
         if self._listeners:
-            prev = digests[i - start - 1] if i > start else (digest if i > 0 else None)
-            self._emit(
-                BlockStored(
-                    digests[i - start :],
-                    prev,
-                    np.frombuffer(run, dtype="<i4").tolist(),
-                    self.block_size,
-                    self.index.namespace_of(node),
-                )
-            )
+            tokens = np.frombuffer(run, dtype="<i4").tolist()
+            namespace = self.index.namespace_of(node)
+            self._emit(BlockStored(digests, prev, tokens, self.block_size, namespace))
         seq.deepest = node
 
     def _emit(self, event: Any) -> None:
@@ -837,13 +816,15 @@ def _under(node: Node | None, region: set[int]) -> bool:
     return False
 
 
-def _check_request_id(request_id: Any) -> None:
-    try:
-        hash(request_id)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"request ids must be hashable, got {type(request_id).__name__}"
-        ) from None
+_UNHASHABLE = "request ids must be hashable (a str, an int, a tuple of them), got {}"
+
+
+def _confirm(seq: RequestState) -> None:
+    """Its K/V is written: nothing of it is pending and nothing depends on its writes."""
+    seq.unconfirmed = False
+    seq.pending = []
+    seq.pending_start = None
+    seq.dependents = []
 
 
 def _check_namespace(namespace: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left, insort
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import NamedTuple
 
 from prefixcache.hashing import DIGEST_SIZE, BlockHasher
@@ -20,6 +21,15 @@ from prefixcache.namespace import Namespace
 
 D = DIGEST_SIZE
 MAX_GROW_BLOCKS = 256  # a node grows in place up to this many blocks, then a child takes over
+
+
+# Siblings differ within their first block, so ordering them by all their tokens orders them by
+# their first block, and growing or trimming a node's tail never moves it.
+_TOKENS = attrgetter("tokens")
+
+
+def _first_token(node: Node) -> int:
+    return int.from_bytes(node.tokens[:4], "little")
 
 
 def common_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
@@ -38,6 +48,7 @@ class Node:
 
     __slots__ = (
         "blocks",
+        "by_token",
         "children",
         "depth",
         "digests",
@@ -45,7 +56,6 @@ class Node:
         "hits",
         "last_access",
         "namespace",
-        "ordered",
         "parent",
         "priority",
         "ref",
@@ -57,7 +67,8 @@ class Node:
         self.parent = parent
         self.depth = depth  # blocks before this node's first block
         self.children: dict[bytes, Node] | None = None  # first block's digest -> child
-        self.ordered: list[Node] | None = None  # the children sorted by first block's tokens
+        # first token -> the child, or the children that start with it in token order
+        self.by_token: dict[int, Node | list[Node]] | None = None
         self.digests = bytearray()  # 16 bytes per block
         self.tokens = bytearray()  # block_size int32 LE per block
         self.blocks = array("i")  # physical block ids
@@ -121,8 +132,21 @@ class RadixIndex:
         bb = self.block_bytes
         return bytes(node.tokens[i * bb : (i + 1) * bb])
 
-    def _first_block(self, node: Node) -> bytes:
-        return node.tokens[: self.block_bytes]  # type: ignore[return-value]  # compares as bytes
+    @staticmethod
+    def _group_add(parent: Node, node: Node, token: int) -> None:
+        """File ``node`` under its first token next to siblings that start with it too."""
+        assert parent.by_token is not None
+        group = parent.by_token[token]
+        if isinstance(group, list):
+            insort(group, node, key=_TOKENS)
+        else:
+            parent.by_token[token] = sorted([group, node], key=_TOKENS)
+
+    @staticmethod
+    def _group_index(group: list[Node], node: Node) -> int:
+        i = bisect_left(group, node.tokens, key=_TOKENS)
+        assert group[i] is node
+        return i
 
     # ---- lookup ---------------------------------------------------------------------------
     def root(self, namespace: Namespace) -> Node:
@@ -149,14 +173,14 @@ class RadixIndex:
             if child is None:
                 break
             k = min(len(child.blocks), num_full - n)
-            if child.tokens[: k * bb] == buf[n * bb : (n + k) * bb]:
+            if child.tokens.startswith(buf[n * bb : (n + k) * bb]):  # no copy of the node
                 m = k
             else:
                 m = self.common_blocks(child, buf, n, k)
             if m == 0:  # digest collision on the first block: not a hit
                 break
             node, j, n = child, m, n + m
-            digest = child.digest(m - 1)
+            digest = bytes(child.digests[(m - 1) * D : m * D])
             if m < len(child.blocks):
                 break
         return MatchResult(node, j, n, digest)
@@ -194,12 +218,16 @@ class RadixIndex:
             bb = self.block_bytes
             m = common_tokens(node.tokens[j * bb : j * bb + 4 * limit], query)
             return PartialMatch(node, m) if m > 0 else None
-        ordered = node.ordered
-        if not ordered:
+        group = node.by_token.get(int.from_bytes(query[:4], "little")) if node.by_token else None
+        if group is None:  # no child starts with the same token
             return None
-        i = bisect_left(ordered, query, key=self._first_block)
+        if isinstance(group, list):  # the two neighbours of the query share the most with it
+            i = bisect_left(group, query, key=_TOKENS)
+            cands = group[max(i - 1, 0) : i + 1]
+        else:
+            cands = [group]
         best: PartialMatch | None = None
-        for cand in ordered[max(i - 1, 0) : i + 1]:
+        for cand in cands:
             m = common_tokens(cand.tokens[: 4 * limit], query)
             if m > 0 and (
                 best is None
@@ -214,11 +242,12 @@ class RadixIndex:
         """Split ``node`` after ``j`` blocks; returns the new upper node. ``node`` keeps the rest
         (and its identity, so holders that point at it stay valid)."""
         parent = node.parent
-        assert parent is not None and parent.children is not None and parent.ordered is not None
+        assert parent is not None and parent.children is not None and parent.by_token is not None
         assert 0 < j < len(node.blocks)
         bb = self.block_bytes
-        i = bisect_left(parent.ordered, self._first_block(node), key=self._first_block)
-        assert parent.ordered[i] is node
+        token = _first_token(node)
+        group = parent.by_token[token]
+        i = self._group_index(group, node) if isinstance(group, list) else -1
         upper = Node(parent, node.depth)
         upper.digests = node.digests[: j * D]
         upper.tokens = node.tokens[: j * bb]
@@ -229,9 +258,12 @@ class RadixIndex:
         upper.ref, upper.last_access, upper.hits = node.ref, node.last_access, node.hits
         upper.priority, upper.retain_until = node.priority, node.retain_until
         parent.children[upper.digest(0)] = upper
-        parent.ordered[i] = upper  # same first block, same place in the order
+        if isinstance(group, list):  # same first block, same place in the order
+            group[i] = upper
+        else:
+            parent.by_token[token] = upper
         upper.children = {node.digest(0): node}
-        upper.ordered = [node]
+        upper.by_token = {_first_token(node): node}
         node.parent = upper
         node.depth += j
         self.num_nodes += 1
@@ -266,10 +298,14 @@ class RadixIndex:
             node.digests = bytearray(b"".join(digests))
             node.tokens = bytearray(tokens)
             node.blocks.extend(blocks)
-            if parent.children is None or parent.ordered is None:
-                parent.children, parent.ordered = {}, []
+            if parent.children is None or parent.by_token is None:
+                parent.children, parent.by_token = {}, {}
             parent.children[digests[0]] = node
-            insort(parent.ordered, node, key=self._first_block)
+            token = int.from_bytes(tokens[:4], "little")
+            if token in parent.by_token:
+                self._group_add(parent, node, token)
+            else:  # the usual case: the first child with this first token
+                parent.by_token[token] = node
             self.num_nodes += 1
         node.last_access = now
         self.num_blocks += len(blocks)
@@ -344,13 +380,19 @@ class RadixIndex:
     def _detach(self, node: Node) -> None:
         """Unlink ``node`` from its parent (a root left without children is dropped)."""
         parent = node.parent
-        assert parent is not None and parent.children is not None and parent.ordered is not None
-        del parent.children[node.digest(0)]
-        i = bisect_left(parent.ordered, self._first_block(node), key=self._first_block)
-        assert parent.ordered[i] is node
-        del parent.ordered[i]
+        assert parent is not None and parent.children is not None and parent.by_token is not None
+        del parent.children[bytes(node.digests[:D])]
+        token = int.from_bytes(node.tokens[:4], "little")
+        group = parent.by_token[token]
+        if group is node:
+            del parent.by_token[token]
+        else:
+            assert isinstance(group, list)
+            del group[self._group_index(group, node)]
+            if len(group) == 1:
+                parent.by_token[token] = group[0]
         if not parent.children:
-            parent.children = parent.ordered = None
+            parent.children = parent.by_token = None
             if parent.parent is None:
                 assert parent.namespace is not None
                 del self.roots[parent.namespace]
