@@ -4,7 +4,9 @@ Each step interleaves those calls in any order, then runs the forward pass throu
 fingerprint runtime (stores, copies, reads) and ends the step. After every call the manager's
 integrity check runs; after every step every live request must read exactly its own K/V, every
 cached block must hold the K/V of the prefix it claims, and the block events must describe the
-index exactly. All three eviction policies, a listener attached, a small stepped pool.
+index exactly. All three eviction policies, a listener attached, a small stepped pool; a pool
+of five blocks (a fully cached prompt fills it); and a manager without steps, where each call is
+its own step as a simple user's would be (every call's K/V is written before the next).
 """
 
 import os
@@ -40,11 +42,13 @@ rids = st.integers(0, 40)
 
 class CacheMachine(RuleBasedStateMachine):
     policy = "lru"
+    num_blocks = NUM_BLOCKS
+    stepped = True
     steps: ClassVar[list[int]] = [0]
 
     def __init__(self):
         super().__init__()
-        self.mgr = CacheManager(NUM_BLOCKS, P, policy=self.policy, stepped=True)
+        self.mgr = CacheManager(self.num_blocks, P, policy=self.policy, stepped=self.stepped)
         self.rt = FingerprintRuntime(self.mgr)
         self.next_id = 0
         self.pins: list[int] = []
@@ -123,9 +127,11 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         type(self).steps[0] += 1
+        if not self.stepped:  # without steps, K/V is written before the next call
+            self.rt.step()
         self.mgr.check_integrity()
         counts = self.mgr.block_counts()
-        assert counts.total == NUM_BLOCKS
+        assert counts.total == self.num_blocks
 
     def teardown(self):
         self.rt.step()
@@ -136,7 +142,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.mgr.end_step()
         self.mgr.check_integrity()
         counts = self.mgr.block_counts()
-        assert counts.active == 0 and counts.free + counts.cached == NUM_BLOCKS
+        assert counts.active == 0 and counts.free + counts.cached == self.num_blocks
 
 
 # At least 3,000 steps per policy in CI; PREFIXCACHE_STATEFUL_EXAMPLES=N runs more.
@@ -144,9 +150,19 @@ EXAMPLES = int(os.environ.get("PREFIXCACHE_STATEFUL_EXAMPLES", "150"))
 MIN_STEPS = 3000
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "priority"])
-def test_cache_machine(policy):
-    machine = type(f"CacheMachine_{policy}", (CacheMachine,), {"policy": policy, "steps": [0]})
+@pytest.mark.parametrize(
+    "policy, num_blocks, stepped",
+    [
+        ("lru", NUM_BLOCKS, True),
+        ("lfu", NUM_BLOCKS, True),
+        ("priority", NUM_BLOCKS, True),
+        ("lru", 5, True),
+        ("lru", NUM_BLOCKS, False),
+    ],
+)
+def test_cache_machine(policy, num_blocks, stepped):
+    attrs = {"policy": policy, "num_blocks": num_blocks, "stepped": stepped, "steps": [0]}
+    machine = type(f"CacheMachine_{policy}_{num_blocks}_{stepped}", (CacheMachine,), attrs)
     run_state_machine_as_test(
         machine,
         settings=settings(
@@ -156,5 +172,5 @@ def test_cache_machine(policy):
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
-    print(f"{policy}: {machine.steps[0]} stateful steps")
+    print(f"{machine.__name__}: {machine.steps[0]} stateful steps")
     assert machine.steps[0] >= MIN_STEPS, f"only {machine.steps[0]} stateful steps ran"

@@ -166,13 +166,17 @@ def test_namespaces_are_forgotten_once_empty(caching):
 
 
 # ---- 7. a fully cached prompt that fills the pool exactly -------------------------------------
-def test_fully_cached_prompt_that_fills_the_pool():
-    m = CacheManager(4, 4)
-    m.admit("a", toks(0, 16))
-    m.release("a")
-    assert m.can_admit(toks(0, 16))
-    adm = m.admit("b", toks(0, 16))
-    assert adm.cached_len == 12 and not adm.cow
+@pytest.mark.parametrize("stepped", [True, False])
+def test_fully_cached_prompt_that_fills_the_pool(stepped):
+    m = CacheManager(4, 4, stepped=stepped)
+    rt = FingerprintRuntime(m)
+    rt.admit("a", toks(0, 16), NS)
+    rt.step()
+    rt.release("a")
+    assert m.can_admit(toks(0, 16), NS)
+    assert rt.admit("b", toks(0, 16), NS) == 12  # the last block is recomputed, not copied
+    assert m.stats.cow_copies == 0
+    rt.step()  # b reads back exactly its K/V
     m.check_integrity()
 
 
