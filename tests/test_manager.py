@@ -375,3 +375,20 @@ def test_caching_off_computes_everything():
     assert m.admit("b", toks(0, 12), NS).cached_len == 0
     assert m.block_counts().cached == 0
     m.check_integrity()
+
+
+def test_evictor_heap_stays_bounded_and_keeps_its_order():
+    # the same cached leaves are re-pushed on every release: stale entries must be dropped
+    m = mgr_(num_blocks=64, policy="lru")
+    for i in range(8):
+        m.admit(("warm", i), toks(100 * i, 8), NS)
+        m.release(("warm", i))
+    for round_ in range(3000):  # past the heap's slack of 1,024 stale entries
+        i = round_ % 8
+        m.admit(("hit", round_), toks(100 * i, 8), NS)
+        m.release(("hit", round_))
+    assert len(m.evictor._heap) <= 2 * m.index.num_nodes + 1024
+    assert m.evict(2) == 2  # least recently used first: prompt (3000 - 8) % 8 = 0, both blocks
+    assert m.lookup(toks(0, 8), NS).cached_blocks == 0
+    assert all(m.lookup(toks(100 * i, 8), NS).cached_blocks == 2 for i in range(1, 8))
+    m.check_integrity()

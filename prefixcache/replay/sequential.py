@@ -32,15 +32,12 @@ def run_sequential(requests: Iterable[Request], mgr: CacheManager, acc: Accounta
     for i, req in enumerate(requests):
         tokens = req.tokens
         buf = tokens.tobytes()
-        cow0, part0 = stats.cow_copies, stats.partial_copy_tokens
         try:
             adm = admit(i, tokens, req.namespace)
         except RequestTooLargeError:
             record(i, req, buf, 0, False, 0, rejected=True)
             continue
-        record(
-            i, req, buf, adm.cached_len, stats.cow_copies != cow0, stats.partial_copy_tokens - part0
-        )
+        record(i, req, buf, adm.cached_len, adm.cow, adm.partial_tokens)
         t = len(tokens)
         due = timeline is not None and timeline.due(i)
         if req.n == 1 and req.output_tokens is None:

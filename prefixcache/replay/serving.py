@@ -213,8 +213,6 @@ class Simulator:
             r = self.waiting[0]
             if self.live_seqs + r.req.n > self.max_seqs and self.running:
                 break
-            stats = mgr.stats
-            cow0, part0 = stats.cow_copies, stats.partial_copy_tokens
             try:
                 adm = mgr.admit(r.idx, r.tokens, r.req.namespace)
             except OutOfBlocksError:
@@ -238,8 +236,8 @@ class Simulator:
                         r.req,
                         r.prompt_bytes,
                         adm.cached_len,
-                        stats.cow_copies != cow0,
-                        stats.partial_copy_tokens - part0,
+                        adm.cow,
+                        adm.partial_tokens,
                     )
             r.kv = adm.cached_len
             r.prefill_left = len(r.tokens) - adm.cached_len
