@@ -49,7 +49,7 @@ def check_manager(mgr: CacheManager) -> None:
             node = stack.pop()
             for key, child in (node.children or {}).items():
                 _require(child.parent is node, "child's parent link is wrong")
-                _require(bytes(child.digests[:D]) == key, "child keyed by a wrong digest")
+                _require(child.digest(0) == key, "child keyed by a wrong digest")
                 stack.append(child)
             filed: list[Node] = []
             for tok, group in (node.by_token or {}).items():
@@ -58,7 +58,7 @@ def check_manager(mgr: CacheManager) -> None:
                     len(members) > 0 and not (isinstance(group, list) and len(group) < 2),
                     "a token group of fewer than two is kept as a list",
                 )
-                firsts = [bytes(c.tokens[:bb]) for c in members]
+                firsts = [index.block_tokens(c, 0) for c in members]
                 _require(firsts == sorted(firsts), "a token group is not in token order")
                 _require(
                     all(int.from_bytes(f[:4], "little") == tok for f in firsts),
@@ -88,7 +88,7 @@ def check_manager(mgr: CacheManager) -> None:
                 sum(c.ref for c in (node.children or {}).values()) <= node.ref,
                 "children hold more than their parent",
             )
-            prev = bytes(parent.digests[-D:])
+            prev = parent.last_digest()
             tokens = np.frombuffer(bytes(node.tokens), dtype="<i4")
             digests = mgr.hasher.hash_blocks(
                 np.concatenate([np.zeros(node.depth * p, dtype="<i4"), tokens]),

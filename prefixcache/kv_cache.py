@@ -62,7 +62,11 @@ class PagedKVCache:
         from prefixcache.kernels.reference import reference_store_kv
 
         slots_t = torch.as_tensor(slots, device=k.device)
-        if slots_t.dtype.is_floating_point or slots_t.dtype in (torch.bool, torch.complex64):
+        if (
+            slots_t.dtype.is_floating_point
+            or slots_t.dtype.is_complex
+            or slots_t.dtype == torch.bool
+        ):
             raise InvalidArgumentError(f"slots must be integer ids, got dtype {slots_t.dtype}")
         slots_t = slots_t.to(torch.int64).reshape(-1)
         if (

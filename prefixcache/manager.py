@@ -830,7 +830,8 @@ def _confirm(seq: RequestState) -> None:
 def _check_namespace(namespace: Any) -> None:
     if not isinstance(namespace, Namespace):
         raise InvalidArgumentError(
-            f"namespace must be a prefixcache.Namespace, got {type(namespace).__name__}"
+            f"namespace must be a prefixcache.Namespace, got {type(namespace).__name__}; "
+            "build one with Namespace(model=..., adapter=..., salt=...)"
         )
 
 

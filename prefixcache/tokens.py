@@ -126,9 +126,7 @@ def as_single_token(value: Any) -> int | None:
         token = int(value)
     elif isinstance(value, float | np.floating):
         raise InvalidTokensError(f"token ids must be integers, got {value!r}")
-    elif getattr(value, "ndim", None) == 0 or (
-        cls.__module__.startswith("torch") and getattr(value, "dim", lambda: -1)() == 0
-    ):
+    elif getattr(value, "ndim", None) == 0:  # a 0-d numpy array or torch tensor
         arr = as_token_array(value.reshape(1))
         return int(arr[0])
     else:
