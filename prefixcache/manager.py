@@ -385,8 +385,11 @@ class CacheManager:
         """Finish a request whose K/V has been written. Its indexed blocks stay cached
         (evictable); private ones are freed. Use ``abort`` when its K/V was never written."""
         seq = self._seq(request_id)
-        del self._seqs[request_id]
-        self._drop(seq)  # what it wrote is confirmed: nothing of it stays pending
+        del self._seqs[request_id]  # what it wrote is confirmed: nothing of it stays pending
+        if seq.copy_source is not None:
+            self._unhold(seq.copy_source)
+        self._unhold(seq.deepest)
+        self.pool.drop(seq.private)
 
     def abort(self, request_id: Hashable) -> list[Hashable]:
         """Drop a request before the forward pass wrote its K/V (preempted while the step is
