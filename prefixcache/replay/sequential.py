@@ -25,18 +25,19 @@ def run_sequential(requests: Iterable[Request], mgr: CacheManager, acc: Accounta
     """Replay ``requests``; returns how many sample outputs were cut short for lack of blocks."""
     p = mgr.block_size
     admit, release, stats, counts = mgr.admit, mgr.release, mgr.stats, mgr.block_counts
+    states = mgr.states
     record, note_usage, timeline = acc.record, acc.note_usage, acc.timeline
     samples = TokenTape(stream_key("sequential-samples"))
     truncated = 0
     i = -1
     for i, req in enumerate(requests):
         tokens = req.tokens
-        buf = tokens.tobytes()
         try:
             adm = admit(i, tokens, req.namespace)
         except RequestTooLargeError:
-            record(i, req, buf, 0, False, 0, rejected=True)
+            record(i, req, tokens.tobytes(), 0, False, 0, rejected=True)
             continue
+        buf = bytes(states[i].tokens)  # the manager's copy of the token bytes, not a second one
         record(i, req, buf, adm.cached_len, adm.cow, adm.partial_tokens)
         t = len(tokens)
         due = timeline is not None and timeline.due(i)

@@ -230,7 +230,7 @@ class Simulator:
             if not r.recorded:
                 r.recorded = True
                 if acc is not None:
-                    r.prompt_bytes = r.tokens.tobytes()
+                    r.prompt_bytes = bytes(mgr.states[r.idx].tokens)  # no second copy
                     acc.record(
                         r.idx,
                         r.req,
