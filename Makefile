@@ -2,12 +2,15 @@ PYTHON ?= python3
 
 .PHONY: install demo test lint typecheck bench
 
-install:  ## torch first (pinned: the CPU build here), the package with its test extras, Chromium
+install:  ## torch first (pinned: the CPU build here), the package with its test extras, Chromium, Redis
 	$(PYTHON) -m pip install -q "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "note: the HTML report test needs headless Chromium (apt-get install chromium)"
+	@command -v redis-server >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } \
+		|| echo "note: the Redis index tests need redis-server (apt-get install redis-server)"
 
 demo:
 	$(PYTHON) -m prefixcache demo
