@@ -19,6 +19,7 @@ from prefixcache.tokens import TokenIds, as_token_array
 DIGEST_SIZE = 16
 _SEED_PREFIX = b"prefixcache/ns/v2\x00"
 _SEED_CACHE = 4096  # namespaces whose seed is kept; older ones are recomputed on demand
+_STARTS_CACHED = 1 << 16  # block positions whose 8-byte encoding is kept (512 KiB at most)
 
 
 def _sha256_128(data: bytes) -> bytes:
@@ -45,6 +46,7 @@ class BlockHasher:
         self.algo = algo
         self.digest: Callable[[bytes], bytes] = HASH_FUNCTIONS[algo]
         self._seeds: dict[Namespace, bytes] = {}
+        self._starts: list[bytes] = []  # start position of block i as 8 LE bytes, grown on demand
 
     def seed(self, namespace: Namespace) -> bytes:
         """h_{-1}: the digest every chain in ``namespace`` starts from."""
@@ -80,18 +82,25 @@ class BlockHasher:
         if n < 32:  # few blocks: building the record buffer would cost more than it saves
             width = 4 * p
             body = tokens[first_block * p : end_block * p].tobytes()
-            start = first_block * p
-            for offset in range(0, n * width, width):
-                prev = digest(prev + start.to_bytes(8, "little") + body[offset : offset + width])
+            starts = self._starts
+            if len(starts) < end_block <= _STARTS_CACHED:
+                starts.extend((i * p).to_bytes(8, "little") for i in range(len(starts), end_block))
+            if end_block <= len(starts):
+                positions = starts[first_block:end_block]
+            else:
+                positions = [(i * p).to_bytes(8, "little") for i in range(first_block, end_block)]
+            offset = 0
+            for start in positions:
+                prev = digest(prev + start + body[offset : offset + width])
                 append(prev)
-                start += p
+                offset += width
             return out
         # One record per block, [start position as int64 | token ids], in one buffer: the loop
         # then does a single concatenation and a single hash call per block.
         records = np.empty((n, p + 2), dtype="<i4")
         records[:, 2:] = tokens[first_block * p : end_block * p].reshape(n, p)
-        starts = np.arange(first_block, end_block, dtype="<i8") * p
-        records[:, :2] = starts.view("<i4").reshape(n, 2)
+        start_ids = np.arange(first_block, end_block, dtype="<i8") * p
+        records[:, :2] = start_ids.view("<i4").reshape(n, 2)
         buf = records.tobytes()
         width = (p + 2) * 4
         for offset in range(0, n * width, width):

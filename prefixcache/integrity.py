@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prefixcache.hashing import DIGEST_SIZE as D
+from prefixcache.radix import TokenGroup
 
 if TYPE_CHECKING:
     from prefixcache.manager import CacheManager
@@ -53,13 +54,15 @@ def check_manager(mgr: CacheManager) -> None:
                 stack.append(child)
             filed: list[Node] = []
             for tok, group in (node.by_token or {}).items():
-                members = group if isinstance(group, list) else [group]
+                members = group.nodes if isinstance(group, TokenGroup) else [group]
                 _require(
-                    len(members) > 0 and not (isinstance(group, list) and len(group) < 2),
-                    "a token group of fewer than two is kept as a list",
+                    len(members) > 0 and not (isinstance(group, TokenGroup) and len(members) < 2),
+                    "a token group of fewer than two is kept as a group",
                 )
                 firsts = [index.block_tokens(c, 0) for c in members]
                 _require(firsts == sorted(firsts), "a token group is not in token order")
+                if isinstance(group, TokenGroup):
+                    _require(group.keys == firsts, "a token group's keys differ from its blocks")
                 _require(
                     all(int.from_bytes(f[:4], "little") == tok for f in firsts),
                     "a child is filed under another token",

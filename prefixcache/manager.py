@@ -79,9 +79,11 @@ class RequestState:
         self.blocked = False  # a digest collision stopped committing this sequence
         self.copy_source: Node | None = None  # held until its partial copy has surely run
         self.unconfirmed = False  # wrote K/V that no end_step or release has confirmed yet
-        self.pending: list[int] = []  # blocks it entered into the index, not yet confirmed
+        # blocks it entered into the index, not yet confirmed (a list once there are any)
+        self.pending: list[int] | tuple[()] = ()
         self.pending_start: int | None = None  # block position of the first of them
-        self.dependents: list[RequestState] = []  # forks taken while it was unconfirmed
+        # forks taken while it was unconfirmed (a list once there are any)
+        self.dependents: list[RequestState] | tuple[()] = ()
 
 
 class _Plan(NamedTuple):
@@ -169,7 +171,11 @@ class CacheManager:
         ``priority`` (with ``retention`` time units, default forever) orders eviction under the
         ``priority`` policy: lower goes first.
         """
-        if self._is_live(request_id):
+        try:
+            live = request_id in self._seqs
+        except TypeError:
+            raise InvalidArgumentError(_UNHASHABLE.format(type(request_id).__name__)) from None
+        if live:
             raise DuplicateRequestError(f"request {request_id!r} is already admitted")
         arr = as_token_array(tokens)
         if type(namespace) is not Namespace:
@@ -177,39 +183,42 @@ class CacheManager:
         if type(priority) is not int or retention is not None:
             _check_priority(priority, retention)
         buf = arr.tobytes()
-        plan = self._plan(arr, buf, namespace)
-        if plan.need > self._available(plan.held_cached):
+        need, held_cached, match, shared, cow, partial, cached_len = self._plan(arr, buf, namespace)
+        if need > self._available(held_cached):
             raise OutOfBlocksError(
-                f"request {request_id!r} needs {plan.need} new blocks but only "
-                f"{self._available(plan.held_cached)} are free or evictable; release requests "
+                f"request {request_id!r} needs {need} new blocks but only "
+                f"{self._available(held_cached)} are free or evictable; release requests "
                 "first"
             )
         # ---- from here on nothing can fail ----
         p, t = self.block_size, len(arr)
         now = self._now()
-        match, n = plan.match, 0
+        n = 0
         node: Node | None = None
-        if match is not None and match.n:
-            n, node = match.n, match.node
-            if match.j < len(node.blocks):
-                node = self.index.split(node, match.j)
-            self.index.hold(node, now, hit=True)
-        fresh = self._take(plan.need)
+        digest = None
+        if match is not None:
+            node, j, n, digest = match
+            if n:
+                if j < len(node.blocks):
+                    node = self.index.split(node, j)
+                self.index.hold(node, now, hit=True)
+            else:
+                node = digest = None
+        fresh = self._take(need)
         table = self.index.path_blocks(node)
-        src = table[-1] if plan.cow else -1
-        del table[plan.shared :]
+        src = table[-1] if cow else -1
+        del table[shared:]
         table += fresh
         seq = RequestState(request_id, namespace, buf, t, table, node)
         seq.private = fresh  # a new list from the pool: the sequence owns it
         copies: list[Copy] = []
-        cached_len = plan.cached_len
-        partial_tokens = plan.partial.m if plan.partial is not None else 0
-        if plan.cow:  # every prompt token is cached: recompute only the last one, in a copy
+        partial_tokens = 0
+        if cow:  # every prompt token is cached: recompute only the last one, in a copy
             if p > 1:
                 copies.append(Copy(src, fresh[0], p - 1))
             self.stats.cow_copies += 1
-        elif plan.partial is not None:
-            cand = plan.partial.node
+        elif partial is not None:
+            cand, partial_tokens = partial
             # our own allocation may have evicted it; eviction trims from the tail, so its first
             # block is gone only with the whole node, which then has no parent
             if cand.parent is not None:
@@ -223,7 +232,7 @@ class CacheManager:
                 partial_tokens = 0
         seq.unconfirmed = True
         if self.enable_caching:
-            self._commit(seq, arr, buf, t // p, match.digest if n and match else None, now)
+            self._commit(seq, arr, buf, t // p, digest, now)
         if priority:
             self._set_priority(seq.deepest, priority, retention, now)
         self._seqs[request_id] = seq
@@ -234,7 +243,7 @@ class CacheManager:
         st.lookup_blocks += t // p
         st.hit_blocks += n
         st.zero_hit_requests += cached_len == 0
-        return Admission(cached_len, list(table), copies, t, p, n, partial_tokens, plan.cow)
+        return Admission(cached_len, list(table), copies, t, p, n, partial_tokens, cow)
 
     def _plan(
         self, arr: np.ndarray, buf: bytes, namespace: Namespace, *, check_size: bool = True
@@ -251,38 +260,37 @@ class CacheManager:
         if root is None or not self.enable_caching:
             return _Plan(num_logical, 0, None, 0, False, None, 0)
         match = self.index.match(root, buf, t // p)
-        plan = self._size(match, buf, t)
-        if plan.cow and plan.need > self._available(plan.held_cached):
+        while True:
+            node, j, n, _ = match
+            cow = n > 0 and n * p == t
+            shared = n - 1 if cow else n
+            need = num_logical - shared
+            partial = None
+            if cow:
+                cached_len = t - 1
+            else:
+                cached_len = n * p
+                if self.partial_copy and cached_len < t - 1:
+                    partial = self.index.partial_match(match, buf, min(p, t - 1 - cached_len))
+                    if partial is not None:
+                        cached_len += partial[1]
+            cached = self.index.num_blocks - self.index.active_blocks
+            free = self.pool.num_free + cached
+            if need <= free - n:  # fits even if every matched block were unheld now
+                return _Plan(need, n, match, shared, cow, partial, cached_len)
+            held_cached = 0
+            cur: Node | None = node
+            count = j
+            while cur is not None and cur.parent is not None:  # matched blocks nobody holds yet
+                if cur.ref == 0:
+                    held_cached += count
+                cur = cur.parent
+                count = len(cur.blocks)
+            if not cow or need <= free - held_cached:
+                return _Plan(need, held_cached, match, shared, cow, partial, cached_len)
             # the copy of the last block needs one block more than the prompt: with the pool
             # that full, recompute the last block instead
-            plan = self._size(self.index.match(root, buf, match.n - 1), buf, t)
-        return plan
-
-    def _size(self, match: MatchResult, buf: bytes, t: int) -> _Plan:
-        p, n = self.block_size, match.n
-        cow = n > 0 and n * p == t
-        shared = n - 1 if cow else n
-        need = -(-t // p) - shared
-        partial = None
-        if cow:
-            cached_len = t - 1
-        else:
-            cached_len = n * p
-            if self.partial_copy and cached_len < t - 1:
-                partial = self.index.partial_match(match, buf, min(p, t - 1 - cached_len))
-                if partial is not None:
-                    cached_len += partial.m
-        if need <= self._available(n):  # fits even if every matched block were unheld now
-            return _Plan(need, n, match, shared, cow, partial, cached_len)
-        held_cached = 0
-        cur: Node | None = match.node
-        count = match.j
-        while cur is not None and cur.parent is not None:  # matched blocks nobody holds yet
-            if cur.ref == 0:
-                held_cached += count
-            cur = cur.parent
-            count = len(cur.blocks)
-        return _Plan(need, held_cached, match, shared, cow, partial, cached_len)
+            match = self.index.match(root, buf, n - 1)
 
     def _available(self, held_cached: int) -> int:
         cached = self.index.num_blocks - self.index.active_blocks
@@ -376,7 +384,10 @@ class CacheManager:
         self.pool.share(child.private)
         self.index.hold(child.deepest, self._now())
         if parent.unconfirmed:  # it reads what the parent still has to write
-            parent.dependents.append(child)
+            if parent.dependents:
+                parent.dependents.append(child)
+            else:
+                parent.dependents = [child]
             child.unconfirmed = True  # and passes that on to its own forks
         self._seqs[child_id] = child
         self.stats.forks += 1
@@ -787,7 +798,9 @@ class CacheManager:
             seq.private = [b for b in private if b not in gone]
         if seq.pending_start is None:
             seq.pending_start = i
-        seq.pending.extend(ids)
+            seq.pending = ids[:]
+        else:  # a list by now
+            seq.pending.extend(ids)  # type: ignore[union-attr]
         self.stats.stored_blocks += len(ids)
         if self._listeners:
             tokens = np.frombuffer(run, dtype="<i4").tolist()
@@ -825,9 +838,9 @@ _UNHASHABLE = "request ids must be hashable (a str, an int, a tuple of them), go
 def _confirm(seq: RequestState) -> None:
     """Its K/V is written: nothing of it is pending and nothing depends on its writes."""
     seq.unconfirmed = False
-    seq.pending = []
+    seq.pending = ()
     seq.pending_start = None
-    seq.dependents = []
+    seq.dependents = ()
 
 
 def _check_namespace(namespace: Any) -> None:

@@ -11,9 +11,8 @@ only while it has children.
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Iterator
-from operator import attrgetter
 from typing import NamedTuple
 
 from prefixcache.hashing import DIGEST_SIZE, BlockHasher
@@ -23,13 +22,31 @@ D = DIGEST_SIZE
 MAX_GROW_BLOCKS = 256  # a node grows in place up to this many blocks, then a child takes over
 
 
-# Siblings differ within their first block, so ordering them by all their tokens orders them by
-# their first block, and growing or trimming a node's tail never moves it.
-_TOKENS = attrgetter("tokens")
-
-
 def _first_token(node: Node) -> int:
     return int.from_bytes(node.tokens[:4], "little")
+
+
+class TokenGroup:
+    """Siblings whose first blocks start with the same token, in the order of their first
+    block's token bytes (``keys``, kept beside ``nodes``). Siblings differ within their first
+    block, and a node keeps its first block until it leaves the tree, so the order never
+    changes; the two neighbours of a query in it share the longest prefix with the query."""
+
+    __slots__ = ("keys", "nodes")
+
+    def __init__(self, keys: list[bytes], nodes: list[Node]) -> None:
+        self.keys = keys
+        self.nodes = nodes
+
+    def add(self, key: bytes, node: Node) -> None:
+        i = bisect_left(self.keys, key)
+        self.keys.insert(i, key)
+        self.nodes.insert(i, node)
+
+    def position(self, node: Node, key: bytes) -> int:
+        i = bisect_left(self.keys, key)
+        assert self.nodes[i] is node
+        return i
 
 
 def common_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
@@ -63,15 +80,22 @@ class Node:
         "tokens",
     )
 
-    def __init__(self, parent: Node | None, depth: int) -> None:
+    def __init__(
+        self,
+        parent: Node | None,
+        depth: int,
+        digests: bytearray | None = None,
+        tokens: bytearray | None = None,
+        blocks: array[int] | None = None,
+    ) -> None:
         self.parent = parent
         self.depth = depth  # blocks before this node's first block
         self.children: dict[bytes, Node] | None = None  # first block's digest -> child
         # first token -> the child, or the children that start with it in token order
-        self.by_token: dict[int, Node | list[Node]] | None = None
-        self.digests = bytearray()  # 16 bytes per block
-        self.tokens = bytearray()  # block_size int32 LE per block
-        self.blocks = array("i")  # physical block ids
+        self.by_token: dict[int, Node | TokenGroup] | None = None
+        self.digests = bytearray() if digests is None else digests  # 16 bytes per block
+        self.tokens = bytearray() if tokens is None else tokens  # block_size int32 LE per block
+        self.blocks = array("i") if blocks is None else blocks  # physical block ids
         self.ref = 0
         self.last_access = 0.0
         self.hits = 0
@@ -132,21 +156,17 @@ class RadixIndex:
         bb = self.block_bytes
         return bytes(node.tokens[i * bb : (i + 1) * bb])
 
-    @staticmethod
-    def _group_add(parent: Node, node: Node, token: int) -> None:
+    def _group_add(self, parent: Node, node: Node, token: int) -> None:
         """File ``node`` under its first token next to siblings that start with it too."""
         assert parent.by_token is not None
         group = parent.by_token[token]
-        if isinstance(group, list):
-            insort(group, node, key=_TOKENS)
+        key = bytes(node.tokens[: self.block_bytes])
+        if isinstance(group, TokenGroup):
+            group.add(key, node)
         else:
-            parent.by_token[token] = sorted([group, node], key=_TOKENS)
-
-    @staticmethod
-    def _group_index(group: list[Node], node: Node) -> int:
-        i = bisect_left(group, node.tokens, key=_TOKENS)
-        assert group[i] is node
-        return i
+            other = bytes(group.tokens[: self.block_bytes])
+            pair = [(other, group), (key, node)] if other < key else [(key, node), (other, group)]
+            parent.by_token[token] = TokenGroup([k for k, _ in pair], [n for _, n in pair])
 
     # ---- lookup ---------------------------------------------------------------------------
     def root(self, namespace: Namespace) -> Node:
@@ -211,8 +231,8 @@ class RadixIndex:
         matched node are searched in token order, whose two neighbours of the query share the
         longest prefix with it.
         """
-        node, j = match.node, match.j
-        start = match.n * self.block_bytes
+        node, j, n, _ = match
+        start = n * self.block_bytes
         query = buf[start : start + 4 * limit]
         if j < len(node.blocks):  # the match ended inside the node
             bb = self.block_bytes
@@ -221,21 +241,20 @@ class RadixIndex:
         group = node.by_token.get(int.from_bytes(query[:4], "little")) if node.by_token else None
         if group is None:  # no child starts with the same token
             return None
-        if isinstance(group, list):  # the two neighbours of the query share the most with it
-            i = bisect_left(group, query, key=_TOKENS)
-            cands = group[max(i - 1, 0) : i + 1]
-        else:
-            cands = [group]
-        best: PartialMatch | None = None
-        for cand in cands:
-            m = common_tokens(cand.tokens[: 4 * limit], query)
-            if m > 0 and (
-                best is None
-                or m > best.m
-                or (m == best.m and cand.last_access > best.node.last_access)
-            ):  # the longer match; on a tie the more recently used block
-                best = PartialMatch(cand, m)
-        return best
+        width = len(query)
+        if not isinstance(group, TokenGroup):
+            m = common_tokens(group.tokens[:width], query)
+            return PartialMatch(group, m) if m > 0 else None
+        # the two neighbours of the query in token order share the most with it
+        keys, nodes = group.keys, group.nodes
+        i = bisect_left(keys, query)
+        lo = i - 1 if i else 0
+        best, best_m = nodes[lo], common_tokens(keys[lo][:width], query)
+        if lo + 1 < len(keys) and lo < i:
+            m = common_tokens(keys[i][:width], query)
+            if m > best_m or (m == best_m and nodes[i].last_access > best.last_access):
+                best, best_m = nodes[i], m  # the longer match; on a tie the more recent block
+        return PartialMatch(best, best_m) if best_m > 0 else None
 
     # ---- structure ------------------------------------------------------------------------
     def split(self, node: Node, j: int) -> Node:
@@ -247,19 +266,19 @@ class RadixIndex:
         bb = self.block_bytes
         token = _first_token(node)
         group = parent.by_token[token]
-        i = self._group_index(group, node) if isinstance(group, list) else -1
-        upper = Node(parent, node.depth)
-        upper.digests = node.digests[: j * D]
-        upper.tokens = node.tokens[: j * bb]
-        upper.blocks = node.blocks[:j]
+        if isinstance(group, TokenGroup):
+            i = group.position(node, bytes(node.tokens[:bb]))
+        upper = Node(
+            parent, node.depth, node.digests[: j * D], node.tokens[: j * bb], node.blocks[:j]
+        )
         del node.digests[: j * D]
         del node.tokens[: j * bb]
         del node.blocks[:j]
         upper.ref, upper.last_access, upper.hits = node.ref, node.last_access, node.hits
         upper.priority, upper.retain_until = node.priority, node.retain_until
         parent.children[upper.digest(0)] = upper
-        if isinstance(group, list):  # same first block, same place in the order
-            group[i] = upper
+        if isinstance(group, TokenGroup):  # same first block, same place in the order
+            group.nodes[i] = upper
         else:
             parent.by_token[token] = upper
         upper.children = {node.digest(0): node}
@@ -293,11 +312,14 @@ class RadixIndex:
             node.tokens += tokens
             node.blocks.extend(blocks)
         else:
-            node = Node(parent, parent.end if parent.parent is not None else 0)
+            node = Node(
+                parent,
+                parent.end if parent.parent is not None else 0,
+                bytearray(b"".join(digests)),
+                bytearray(tokens),
+                array("i", blocks),
+            )
             node.ref = 1
-            node.digests = bytearray(b"".join(digests))
-            node.tokens = bytearray(tokens)
-            node.blocks.extend(blocks)
             if parent.children is None or parent.by_token is None:
                 parent.children, parent.by_token = {}, {}
             parent.children[digests[0]] = node
@@ -387,10 +409,11 @@ class RadixIndex:
         if group is node:
             del parent.by_token[token]
         else:
-            assert isinstance(group, list)
-            del group[self._group_index(group, node)]
-            if len(group) == 1:
-                parent.by_token[token] = group[0]
+            assert isinstance(group, TokenGroup)
+            i = group.position(node, bytes(node.tokens[: self.block_bytes]))
+            del group.keys[i], group.nodes[i]
+            if len(group.nodes) == 1:
+                parent.by_token[token] = group.nodes[0]
         if not parent.children:
             parent.children = parent.by_token = None
             if parent.parent is None:

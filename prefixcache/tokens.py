@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,28 +74,30 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
 
 
 def _list_to_array(tokens: list[Any]) -> np.ndarray | None:
-    """A list of Python ints straight to int32, or None for the general path.
+    """A list of integers straight to int32, or None for the general path (which says what is
+    wrong with anything else).
 
-    ``sum`` stays an int only over ints and bools, so floats and numpy scalars leave the fast
-    path; a bool converts to 0 or 1, so only those values need their type looked at.
+    ``struct`` packs only integers (not floats, strings or numpy bools) within int32's range;
+    a bool packs as 0 or 1, so only those values need their type looked at.
     """
     try:
-        if type(sum(tokens)) is not int:
-            return None
-    except TypeError:  # nested lists, strings, None: the general path says what is wrong
+        packed = struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error:
+        if all(type(t) is int for t in tokens):  # plain ints, one of them out of range
+            hi, lo = max(tokens), min(tokens)
+            bad = hi if hi > MAX_TOKEN_ID else lo
+            raise InvalidTokensError(
+                f"token ids must be < 2**31 (valid: [0, 2**31)), got {bad}"
+                if bad > 0
+                else f"token ids must be >= 0 (valid: [0, 2**31)), got {bad}"
+            ) from None
         return None
-    try:
-        arr = np.fromiter(tokens, dtype=_INT32, count=len(tokens))
-    except OverflowError:
-        hi = max(tokens)
-        raise InvalidTokensError(
-            f"token ids must be < 2**31 (valid: [0, 2**31)), got {hi if hi > 0 else min(tokens)}"
-        ) from None
+    arr = np.frombuffer(bytearray(packed), dtype=_INT32)
     lo = int(np.minimum.reduce(arr))
     if lo < 0:
         raise InvalidTokensError(f"token ids must be >= 0 (valid: [0, 2**31)), got {lo}")
     for i in np.flatnonzero(arr <= 1).tolist():
-        if type(tokens[i]) is not int:
+        if type(tokens[i]) is bool:
             raise InvalidTokensError(f"token ids must be integers, got {tokens[i]!r} at {i}")
     return arr
 
