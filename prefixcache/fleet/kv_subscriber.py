@@ -17,8 +17,8 @@ Sequence rules, per replica:
 - a jump forward (a gap, or a first batch after 0): the gap is counted, the missing batches are
   fetched from the replay endpoint and applied first; if there is no replay endpoint, or it no
   longer has them all, the replica is cleared (its entries may be stale) before applying;
-- a number at or below the last one: the publisher restarted; the replica is cleared, counted
-  as a reset, and the batch applied;
+- a number at or below the last one: the publisher restarted; the replica is cleared and
+  counted as a reset, then the new stream's batches before this one count as a gap (above);
 - ``AllBlocksCleared`` clears the replica.
 
 A message that does not decode, or an event that does not fit (wrong block size, token count,
@@ -203,7 +203,8 @@ class KVEventSubscriber:
             rep.counts.resets += 1
             log.info("replica %s: sequence went back to %d; clearing", rep.ep.name, seq)
             self._clear(rep)
-        elif seq > rep.last_seq + 1:
+            rep.last_seq = -1  # batches 0 .. seq-1 of the new stream are a gap
+        if seq > rep.last_seq + 1:
             rep.counts.gaps += 1
             missed = self._replay(rep, rep.last_seq + 1, seq)
             if missed is None:
