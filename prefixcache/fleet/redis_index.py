@@ -196,8 +196,7 @@ class RedisFleetIndex:
         """``replica`` now holds the blocks ``digests`` (16-byte digests) on ``medium``."""
         with self._lock:
             self.local.store(replica, digests, medium)  # validates; may raise the replica cap
-            if digests:
-                self._enqueue(self._store_script, self._store_args(replica, medium, digests))
+            self._enqueue(self._store_script, self._store_args(replica, medium, digests))
 
     def remove(self, replica: str, digests: Sequence[bytes], medium: str | None = None) -> None:
         """``replica`` dropped ``digests`` from ``medium`` (from every medium when None)."""
