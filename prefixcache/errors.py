@@ -41,3 +41,11 @@ class RequestTooLargeError(PrefixCacheError, ValueError):
 
 class CacheInUseError(PrefixCacheError, RuntimeError):
     """The operation needs an idle cache, but blocks are still referenced."""
+
+
+class WireFormatError(PrefixCacheError, ValueError):
+    """Bytes that are not a KV event message (a payload in no known layout, a bad frame)."""
+
+
+class FleetCapacityError(PrefixCacheError, RuntimeError):
+    """A fleet index or subscriber is at a configured limit (replicas, blocks of one event)."""

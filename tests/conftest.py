@@ -25,3 +25,11 @@ def pytest_configure(config: pytest.Config) -> None:
             "prefixcache is not installed: run `make install` (pip install -e '.[dev]')",
             returncode=pytest.ExitCode.USAGE_ERROR,
         )
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A redis-server on a free port for the module (skipped when redis-server is absent)."""
+    from fleet_support import redis_server_fixture
+
+    yield from redis_server_fixture(tmp_path_factory)

@@ -1,0 +1,124 @@
+"""Fleet index figures: ingest blocks/s (memory, Redis pipelined), bytes per (block, replica) for
+the memory index, match latency for a 512-block prompt over 16 replicas. Medians of repeats.
+
+    python bench/fleet_ingest.py [--blocks 200000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+import tracemalloc
+
+from prefixcache.fleet.memory_index import MemoryFleetIndex
+from prefixcache.fleet.redis_index import RedisFleetIndex
+
+RUN = 64  # blocks per stored run, as one KV event carries them
+
+
+def ingest_rate(index, digests) -> float:
+    t = time.perf_counter()
+    for i in range(0, len(digests), RUN):
+        index.store("pod-0", digests[i : i + RUN])
+    if hasattr(index, "flush"):
+        index.flush()
+    return len(digests) / (time.perf_counter() - t)
+
+
+def bytes_per_block(n: int, replicas: int) -> tuple[float, float]:
+    """(index structures only, including the digest objects) per (block, replica); each block
+    held by ``replicas`` replicas."""
+    digests = [os.urandom(16) for _ in range(n)]
+    index = MemoryFleetIndex()
+    tracemalloc.start()
+    for r in range(replicas):
+        for i in range(0, n, RUN):
+            index.store(f"pod-{r}", digests[i : i + RUN])
+    structures, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    keys = n * (len(digests[0]) + 33)  # a 16-byte bytes object
+    pairs = n * replicas
+    return structures / pairs, (structures + keys) / pairs
+
+
+def match_latency(index, repeats: int) -> tuple[float, float]:
+    prompt = [os.urandom(16) for _ in range(512)]
+    for r in range(16):
+        index.store(f"r{r}", prompt[: 32 * (r + 1)])
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        index.match(prompt)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], str] | None:
+    if shutil.which("redis-server") is None:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+        cwd=tempfile.mkdtemp(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            RedisFleetIndex.from_url(url).client.ping()
+            return proc, url
+        except Exception:
+            time.sleep(0.05)
+    proc.kill()
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--blocks", type=int, default=200_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    n = args.blocks
+    rates = []
+    for _ in range(args.repeats):
+        rates.append(ingest_rate(MemoryFleetIndex(), [os.urandom(16) for _ in range(n)]))
+    print(f"memory ingest: {statistics.median(rates):,.0f} blocks/s")
+    for replicas in (1, 4):
+        only, total = bytes_per_block(n, replicas)
+        print(
+            f"memory bytes per (block, replica), {replicas} replica(s) per block: "
+            f"{only:.1f} (structures), {total:.1f} (with the digest objects)"
+        )
+    p50, p99 = match_latency(MemoryFleetIndex(), 1000)
+    print(f"memory match, 512 blocks x 16 replicas: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    server = start_redis()
+    if server is None:
+        print("redis: skipped (redis-server not found)")
+        return
+    proc, url = server
+    try:
+        rates = []
+        for k in range(args.repeats):
+            index = RedisFleetIndex.from_url(url, prefix=f"bench{k}")
+            rates.append(ingest_rate(index, [os.urandom(16) for _ in range(n)]))
+        print(f"redis ingest (pipelined): {statistics.median(rates):,.0f} blocks/s")
+        p50, p99 = match_latency(RedisFleetIndex.from_url(url, prefix="match"), 300)
+        print(f"redis match, 512 blocks x 16 replicas: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    main()

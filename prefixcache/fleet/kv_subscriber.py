@@ -1,0 +1,452 @@
+"""Ingest KV event streams from many replicas into a fleet index.
+
+One ``ReplicaEndpoint`` per replica (an engine's data-parallel rank): its event endpoint, its
+optional replay endpoint, the namespace its blocks live in, its block size. Events carry token
+ids, so blocks are keyed by prefixcache's own chained digests, recomputed from the tokens and the
+parent's digest: an engine's own hashes (vLLM's, SGLang's) only serve to find a block's parent
+and to map removals, through a per-replica map engine hash -> (digest, position, media).
+
+The namespace of a chain's first block is the endpoint's namespace with ``adapter`` set from
+``lora_name`` (when given) and the first block's ``extra_keys``: prefixcache's publisher sends
+``(name, value)`` pairs (``adapter_version``, ``salt``, ``extra``); any other keys become
+``Namespace.extra`` entries, each the JSON text of one key.
+
+Sequence rules, per replica:
+
+- the next number: the batch is applied;
+- a jump forward (a gap, or a first batch after 0): the gap is counted, the missing batches are
+  fetched from the replay endpoint and applied first; if there is no replay endpoint, or it no
+  longer has them all, the replica is cleared (its entries may be stale) before applying;
+- a number at or below the last one: the publisher restarted; the replica is cleared and
+  counted as a reset, then the new stream's batches before this one count as a gap (above);
+- ``AllBlocksCleared`` clears the replica.
+
+A message that does not decode, or an event that does not fit (wrong block size, token count,
+unknown parent, too many tokens), is counted and logged; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+import zmq
+
+from prefixcache.errors import (
+    ConfigError,
+    FleetCapacityError,
+    InvalidArgumentError,
+    WireFormatError,
+)
+from prefixcache.fleet.fleet_index import CPU, GPU, FleetIndex
+from prefixcache.fleet.kv_wire import (
+    END_SEQ,
+    BatchDecoder,
+    BlockHash,
+    RemovedBlocks,
+    StoredBlocks,
+    decode_seq,
+    encode_seq,
+)
+from prefixcache.hashing import BlockHasher
+from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
+
+log = logging.getLogger(__name__)
+
+_MEDIA = {None: GPU, "GPU": GPU, "CPU": CPU}
+_BIT = {GPU: 1, CPU: 2}
+_OWN_KEYS = ("adapter_version", "salt", "extra")
+_MAX_TOKEN = 2**31
+
+
+@dataclass(frozen=True)
+class ReplicaEndpoint:
+    """Where one replica publishes, and how to read its blocks."""
+
+    name: str
+    endpoint: str | None = None  # PUB endpoint to connect to; None: fed through ingest() only
+    replay_endpoint: str | None = None  # ROUTER endpoint for missed batches
+    namespace: Namespace = DEFAULT_NAMESPACE  # model (and salt) of its blocks
+    block_size: int = 16
+    topic: str = ""
+    hash_algo: str = "xxh3_128"
+
+
+class ReplicaCounters(NamedTuple):
+    """What one replica's stream has brought."""
+
+    batches: int  # batches applied (replayed ones included)
+    events: int  # events applied
+    blocks_stored: int
+    blocks_removed: int
+    gaps: int  # jumps forward in the sequence
+    replays: int  # replay requests that filled a gap
+    malformed: int  # messages or events that did not fit
+    resets: int  # sequence numbers that went back (publisher restarts)
+    cleared: int  # times the replica was cleared (AllBlocksCleared, reset, unfilled gap)
+    overflow: int  # blocks not tracked because the replica was at max_blocks_per_replica
+    last_seq: int  # -1 before the first batch
+
+
+@dataclass
+class _Counts:
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    gaps: int = 0
+    replays: int = 0
+    malformed: int = 0
+    resets: int = 0
+    cleared: int = 0
+    overflow: int = 0
+
+
+@dataclass
+class _Replica:
+    ep: ReplicaEndpoint
+    hasher: BlockHasher
+    blocks: dict[BlockHash, list[Any]] = field(default_factory=dict)  # [digest, pos, media]
+    last_seq: int = -1
+    counts: _Counts = field(default_factory=_Counts)
+
+
+class KVEventSubscriber:
+    """Feeds ``index`` from the replicas' event streams (``start()`` runs a poller thread) or
+    from bytes handed to ``ingest()``."""
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        endpoints: Iterable[ReplicaEndpoint] = (),
+        *,
+        max_replicas: int = 1024,
+        max_blocks_per_replica: int = 4_000_000,
+        max_tokens_per_event: int = 1 << 20,
+        replay_timeout: float = 2.0,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.index = index
+        self.max_replicas = max_replicas
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self.max_tokens_per_event = max_tokens_per_event
+        self.replay_timeout = replay_timeout
+        self._ctx = context or zmq.Context.instance()
+        self._decoder = BatchDecoder()
+        self._lock = threading.RLock()
+        self._replicas: dict[str, _Replica] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for ep in endpoints:
+            self.add_replica(ep)
+
+    # ---- replicas -------------------------------------------------------------------------
+    def add_replica(self, ep: ReplicaEndpoint) -> None:
+        """Follow one more replica (picked up by a running poller within its next poll)."""
+        if not isinstance(ep, ReplicaEndpoint):
+            raise InvalidArgumentError(f"expected a ReplicaEndpoint, got {type(ep).__name__}")
+        if not isinstance(ep.name, str) or not ep.name or len(ep.name) > 256:
+            raise InvalidArgumentError(
+                f"replica name must be a non-empty str of at most 256 characters: {ep.name!r}"
+            )
+        hasher = BlockHasher(ep.block_size, ep.hash_algo)  # validates both
+        with self._lock:
+            if ep.name in self._replicas:
+                raise InvalidArgumentError(f"replica {ep.name!r} is already followed")
+            if len(self._replicas) >= self.max_replicas:
+                raise FleetCapacityError(
+                    f"already following {self.max_replicas} replicas (max_replicas)"
+                )
+            self._replicas[ep.name] = _Replica(ep, hasher)
+
+    def remove_replica(self, name: str) -> None:
+        """Stop following ``name`` and drop it from the index."""
+        with self._lock:
+            if self._replicas.pop(name, None) is None:
+                raise InvalidArgumentError(f"replica {name!r} is not followed")
+            self.index.drop_replica(name)
+
+    def counters(self) -> dict[str, ReplicaCounters]:
+        """Per-replica counters, a snapshot."""
+        with self._lock:
+            return {
+                name: ReplicaCounters(**vars(rep.counts), last_seq=rep.last_seq)
+                for name, rep in sorted(self._replicas.items())
+            }
+
+    # ---- ingestion ------------------------------------------------------------------------
+    def ingest(self, replica: str, seq: int, payload: bytes) -> int:
+        """Apply one message of ``replica`` (sequence ``seq``); the batches applied (replayed
+        ones included; 0 when the message was malformed, which is counted)."""
+        with self._lock:
+            rep = self._replicas.get(replica)
+            if rep is None:
+                raise InvalidArgumentError(f"replica {replica!r} is not followed")
+            if isinstance(seq, bool) or not isinstance(seq, int):
+                raise InvalidArgumentError(f"seq must be an int, got {seq!r}")
+            return self._ingest(rep, seq, payload)
+
+    def _ingest(self, rep: _Replica, seq: int, payload: bytes) -> int:
+        try:
+            batch = self._decoder.decode(payload)
+        except WireFormatError as exc:
+            rep.counts.malformed += 1
+            log.warning("replica %s: malformed batch %d: %s", rep.ep.name, seq, exc)
+            return 0
+        applied = 0
+        if seq <= rep.last_seq:
+            rep.counts.resets += 1
+            log.info("replica %s: sequence went back to %d; clearing", rep.ep.name, seq)
+            self._clear(rep)
+            rep.last_seq = -1  # batches 0 .. seq-1 of the new stream are a gap
+        if seq > rep.last_seq + 1:
+            rep.counts.gaps += 1
+            missed = self._replay(rep, rep.last_seq + 1, seq)
+            if missed is None:
+                log.warning(
+                    "replica %s: batches %d..%d lost; clearing", rep.ep.name, rep.last_seq + 1, seq
+                )
+                self._clear(rep)
+            else:
+                rep.counts.replays += 1
+                for s, p in missed:
+                    try:
+                        self._apply(rep, self._decoder.decode(p).events)
+                    except WireFormatError as exc:
+                        rep.counts.malformed += 1
+                        log.warning(
+                            "replica %s: malformed replayed batch %d: %s", rep.ep.name, s, exc
+                        )
+                    applied += 1
+        self._apply(rep, batch.events)
+        rep.last_seq = seq
+        return applied + 1
+
+    def _apply(self, rep: _Replica, events: Sequence[Any]) -> None:
+        rep.counts.batches += 1
+        for event in events:
+            if isinstance(event, StoredBlocks):
+                self._stored(rep, event)
+            elif isinstance(event, RemovedBlocks):
+                self._removed(rep, event)
+            else:
+                self._clear(rep)
+            rep.counts.events += 1
+
+    def _stored(self, rep: _Replica, ev: StoredBlocks) -> None:
+        name = rep.ep.name
+        n = len(ev.block_hashes)
+        p = rep.ep.block_size
+        medium = _MEDIA.get(ev.medium)
+        problem = None
+        if ev.group_idx not in (None, 0):
+            problem = f"group {ev.group_idx} (only the main attention group is indexed)"
+        elif medium is None:
+            problem = f"medium {ev.medium!r}"
+        elif ev.block_size != p:
+            problem = f"block_size {ev.block_size}, expected {p}"
+        elif len(ev.token_ids) > self.max_tokens_per_event:
+            problem = f"{len(ev.token_ids)} tokens (max_tokens_per_event)"
+        elif len(ev.token_ids) != n * p:
+            problem = f"{len(ev.token_ids)} tokens for {n} blocks of {p}"
+        if problem is None:
+            tokens = np.asarray(ev.token_ids, dtype=np.int64)
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= _MAX_TOKEN):
+                problem = "token ids out of [0, 2**31)"
+        if problem is None and ev.parent_block_hash is None:
+            prev, pos = rep.hasher.seed(self._namespace(rep, ev)), 0
+        elif problem is None:
+            parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
+            if parent is None:
+                problem = "unknown parent block"
+            else:
+                prev, pos = parent[0], parent[1] + 1
+        if problem is not None:
+            rep.counts.malformed += 1
+            log.warning("replica %s: stored event skipped: %s", name, problem)
+            return
+        assert medium is not None
+        body = tokens.astype("<i4").tobytes()
+        width = 4 * p
+        bit = _BIT[medium]
+        blocks = rep.blocks
+        digests = []
+        hash_block = rep.hasher.hash_block
+        for k, h in enumerate(ev.block_hashes):
+            prev = hash_block(prev, pos + k, body[k * width : (k + 1) * width])
+            entry = blocks.get(h)
+            if entry is None:
+                if len(blocks) >= self.max_blocks_per_replica:
+                    rep.counts.overflow += n - k
+                    break
+                blocks[h] = [prev, pos + k, bit]
+            else:
+                entry[0], entry[1], entry[2] = prev, pos + k, entry[2] | bit
+            digests.append(prev)
+        self.index.store(name, digests, medium)
+        rep.counts.blocks_stored += len(digests)
+
+    def _removed(self, rep: _Replica, ev: RemovedBlocks) -> None:
+        medium = None if ev.medium is None else _MEDIA.get(ev.medium)
+        if ev.medium is not None and medium is None:
+            rep.counts.malformed += 1
+            log.warning("replica %s: removed event skipped: medium %r", rep.ep.name, ev.medium)
+            return
+        bits = 3 if medium is None else _BIT[medium]
+        blocks = rep.blocks
+        digests = []
+        for h in ev.block_hashes:
+            entry = blocks.get(h)
+            if entry is None or not entry[2] & bits:
+                continue
+            entry[2] &= ~bits
+            if not entry[2]:
+                del blocks[h]
+            digests.append(entry[0])
+        self.index.remove(rep.ep.name, digests, medium)
+        rep.counts.blocks_removed += len(digests)
+
+    def _clear(self, rep: _Replica) -> None:
+        rep.blocks.clear()
+        self.index.clear(rep.ep.name)
+        rep.counts.cleared += 1
+
+    def _namespace(self, rep: _Replica, ev: StoredBlocks) -> Namespace:
+        ns = rep.ep.namespace
+        adapter = ev.lora_name if ev.lora_name is not None else ns.adapter
+        keys = ev.extra_keys[0] if ev.extra_keys else None
+        if not keys:
+            if adapter == ns.adapter:
+                return ns
+            return Namespace(ns.model, adapter, ns.adapter_version, ns.salt, ns.extra)
+        fields: dict[str, Any] = {"adapter_version": ns.adapter_version, "salt": ns.salt}
+        extra: list[str] = list(ns.extra)
+        own = all(
+            isinstance(k, (list, tuple))
+            and len(k) == 2
+            and k[0] in _OWN_KEYS
+            and isinstance(k[1], str)
+            for k in keys
+        )
+        for k in keys:
+            if not own:
+                extra.append(msgspec.json.encode(k).decode())
+            elif k[0] == "extra":
+                extra.append(k[1])
+            else:
+                fields[k[0]] = k[1]
+        return Namespace(ns.model, adapter, fields["adapter_version"], fields["salt"], tuple(extra))
+
+    def _replay(self, rep: _Replica, start: int, end: int) -> list[tuple[int, bytes]] | None:
+        """Batches ``start .. end-1`` from the replica's replay endpoint, or None when it has
+        no replay endpoint or cannot provide them all."""
+        if rep.ep.replay_endpoint is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: dict[int, bytes] = {}
+        try:
+            sock.connect(rep.ep.replay_endpoint)
+            sock.send_multipart((b"", encode_seq(start)))
+            while True:
+                if not sock.poll(int(self.replay_timeout * 1000)):
+                    log.warning("replica %s: replay timed out", rep.ep.name)
+                    return None
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    return None
+                if frames[1] == END_SEQ:
+                    break
+                s = decode_seq(frames[1])
+                if start <= s < end:
+                    got[s] = frames[2]
+        except (zmq.ZMQError, WireFormatError) as exc:
+            log.warning("replica %s: replay failed: %s", rep.ep.name, exc)
+            return None
+        finally:
+            sock.close(linger=0)
+        if len(got) != end - start:
+            return None
+        return sorted(got.items())
+
+    # ---- the poller thread ----------------------------------------------------------------
+    def start(self) -> None:
+        """Start the poller thread (subscribes to every replica with an endpoint)."""
+        if self._thread is not None:
+            raise ConfigError("the subscriber is already running")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the poller thread and close its sockets."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> KVEventSubscriber:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        sockets: dict[str, zmq.Socket[Any]] = {}
+        names: dict[Any, str] = {}
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    wanted = {n: r.ep for n, r in self._replicas.items() if r.ep.endpoint}
+                for n in [n for n in sockets if n not in wanted]:
+                    sock = sockets.pop(n)
+                    poller.unregister(sock)
+                    del names[sock]
+                    sock.close(linger=0)
+                for n, ep in wanted.items():
+                    if n not in sockets:
+                        sock = self._ctx.socket(zmq.SUB)
+                        sock.setsockopt(zmq.LINGER, 0)
+                        sock.setsockopt(zmq.SUBSCRIBE, ep.topic.encode("utf-8"))
+                        assert ep.endpoint is not None
+                        sock.connect(ep.endpoint)
+                        sockets[n] = sock
+                        names[sock] = n
+                        poller.register(sock, zmq.POLLIN)
+                for sock, _ in poller.poll(50):
+                    name = names[sock]
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_message(name, frames)
+        finally:
+            for sock in sockets.values():
+                sock.close(linger=0)
+
+    def _on_message(self, name: str, frames: list[bytes]) -> None:
+        with self._lock:
+            rep = self._replicas.get(name)
+            if rep is None:
+                return
+            try:
+                if len(frames) != 3:
+                    raise WireFormatError(f"expected 3 frames, got {len(frames)}")
+                seq = decode_seq(frames[1])
+            except WireFormatError as exc:
+                rep.counts.malformed += 1
+                log.warning("replica %s: malformed message: %s", name, exc)
+                return
+            try:
+                self._ingest(rep, seq, frames[2])
+            except Exception:  # an index failure must not stop the poller
+                rep.counts.malformed += 1
+                log.exception("replica %s: batch %d not applied", name, seq)

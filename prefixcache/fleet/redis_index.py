@@ -1,0 +1,386 @@
+"""The fleet index in Redis, shared by any number of router instances.
+
+Key schema (``P`` is the key prefix, ``prefixcache:fleet`` by default; digests are the raw 16
+bytes, replica names their UTF-8 text):
+
+- ``P:replicas``   HASH   replica name -> slot number ``r`` (a small int, reused after a drop)
+- ``P:slots``      STRING bitmap of slots in use (bit ``r`` set while a replica owns slot ``r``)
+- ``P:b:<digest>`` STRING bitmap per block: bit ``2r`` set while replica ``r`` holds the block on
+  GPU, bit ``2r + 1`` on CPU (Redis bit offsets: offset 0 is the high bit of the first byte);
+  the key is deleted when no bit is left
+- ``P:r:<name>``   SET    the digests replica ``name`` holds on any medium (its block count is
+  the set's size; ``clear`` walks it)
+
+Writes run as Lua scripts (one call per stored or removed run of blocks, the whole run as
+arguments), queued and sent in pipelines of ``pipeline_size`` calls; ``flush()`` sends what is
+queued, and every read flushes first. ``match`` is one round trip: ``MGET`` of the prompt's block
+keys plus ``HGETALL`` of the replica table.
+
+Failures: every write is also applied to a local ``MemoryFleetIndex`` (this instance's view).
+When Redis fails (connection refused, reset, timeout), the error is counted, reads are answered
+from the local view, and the index is marked out of sync; the next call after
+``retry_interval`` seconds reconnects and resynchronises: each replica of the local view is
+cleared in Redis and written back whole. An instance that only reads has an empty local view
+and answers no holdings while Redis is away.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from prefixcache.errors import ConfigError
+from prefixcache.fleet.fleet_index import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.memory_index import (
+    DEFAULT_MAX_BLOCKS_PER_REPLICA,
+    DEFAULT_MAX_REPLICAS,
+    MemoryFleetIndex,
+    check_digests,
+    check_replica,
+    match_masks,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "prefixcache:fleet"
+_REVERSE_BITS = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
+_CAP_ERROR = "prefixcache: max_replicas"
+
+# ARGV: prefix, replica, medium offset (0 GPU, 1 CPU), per-replica cap, max replicas, digests...
+# Returns the number of blocks refused at the cap.
+_STORE = (
+    """
+local p, name = ARGV[1], ARGV[2]
+local off, cap, maxr = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local id = redis.call('HGET', p .. ':replicas', name)
+if not id then
+  if redis.call('HLEN', p .. ':replicas') >= maxr then
+    return redis.error_reply('"""
+    + _CAP_ERROR
+    + """')
+  end
+  id = redis.call('BITPOS', p .. ':slots', 0)
+  redis.call('SETBIT', p .. ':slots', id, 1)
+  redis.call('HSET', p .. ':replicas', name, id)
+end
+id = tonumber(id)
+local bit, other = 2 * id + off, 2 * id + 1 - off
+local set = p .. ':r:' .. name
+local n = redis.call('SCARD', set)
+for i = 6, #ARGV do
+  local k = p .. ':b:' .. ARGV[i]
+  if redis.call('GETBIT', k, bit) == 0 then
+    if redis.call('GETBIT', k, other) == 0 then
+      if n >= cap then return #ARGV - i + 1 end
+      n = n + 1
+      redis.call('SADD', set, ARGV[i])
+    end
+    redis.call('SETBIT', k, bit, 1)
+  end
+end
+return 0
+"""
+)
+
+# ARGV: prefix, replica, mode (0 GPU, 1 CPU, 2 both), digests...
+_REMOVE = """
+local p, name, mode = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local id = redis.call('HGET', p .. ':replicas', name)
+if not id then return 0 end
+id = tonumber(id)
+local set = p .. ':r:' .. name
+for i = 4, #ARGV do
+  local k = p .. ':b:' .. ARGV[i]
+  if mode ~= 1 then redis.call('SETBIT', k, 2 * id, 0) end
+  if mode ~= 0 then redis.call('SETBIT', k, 2 * id + 1, 0) end
+  if redis.call('GETBIT', k, 2 * id) == 0 and redis.call('GETBIT', k, 2 * id + 1) == 0 then
+    redis.call('SREM', set, ARGV[i])
+  end
+  if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
+end
+return 0
+"""
+
+# ARGV: prefix, replica, drop (1: forget the replica too)
+_CLEAR = """
+local p, name, drop = ARGV[1], ARGV[2], ARGV[3]
+local id = redis.call('HGET', p .. ':replicas', name)
+if not id then return 0 end
+id = tonumber(id)
+local set = p .. ':r:' .. name
+for _, d in ipairs(redis.call('SMEMBERS', set)) do
+  local k = p .. ':b:' .. d
+  redis.call('SETBIT', k, 2 * id, 0)
+  redis.call('SETBIT', k, 2 * id + 1, 0)
+  if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
+end
+redis.call('DEL', set)
+if drop == '1' then
+  redis.call('HDEL', p .. ':replicas', name)
+  redis.call('SETBIT', p .. ':slots', id, 0)
+end
+return 0
+"""
+
+
+class RedisIndexStats(NamedTuple):
+    """What the Redis index has been through."""
+
+    errors: int  # Redis calls that failed
+    resyncs: int  # times the local view was written back after a failure
+    in_sync: bool  # False while Redis has missed writes
+    overflow: int  # blocks refused at the per-replica cap (as Redis counted them)
+
+
+class RedisFleetIndex:
+    """``FleetIndex`` in Redis (see the module docstring for the key schema)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        pipeline_size: int = 256,
+        retry_interval: float = 1.0,
+        max_replicas: int = DEFAULT_MAX_REPLICAS,
+        max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
+    ) -> None:
+        if not isinstance(prefix, str) or not prefix:
+            raise ConfigError(f"prefix must be a non-empty str, got {prefix!r}")
+        if not isinstance(pipeline_size, int) or pipeline_size < 1:
+            raise ConfigError(f"pipeline_size must be a positive int, got {pipeline_size!r}")
+        if not isinstance(retry_interval, (int, float)) or retry_interval < 0:
+            raise ConfigError(f"retry_interval must be >= 0, got {retry_interval!r}")
+        self.client = client
+        self.prefix = prefix
+        self.pipeline_size = pipeline_size
+        self.retry_interval = float(retry_interval)
+        self.local = MemoryFleetIndex(
+            max_replicas=max_replicas, max_blocks_per_replica=max_blocks_per_replica
+        )
+        self._store_script = client.register_script(_STORE)
+        self._remove_script = client.register_script(_REMOVE)
+        self._clear_script = client.register_script(_CLEAR)
+        self._queue: list[tuple[Any, list[Any]]] = []
+        self._lock = threading.RLock()
+        self._in_sync = True
+        self._last_try = 0.0
+        self._errors = 0
+        self._resyncs = 0
+        self._overflow = 0
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisFleetIndex:
+        """An index on the Redis at ``url`` (``redis://host:port/db``); short timeouts and no
+        client-side retries, so a dead server is noticed at once and answered locally."""
+        try:
+            client = redis.Redis.from_url(
+                url,
+                socket_timeout=2.0,
+                socket_connect_timeout=1.0,
+                retry=Retry(NoBackoff(), 0),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"not a Redis URL: {url!r} ({exc})") from None
+        return cls(client, **options)
+
+    # ---- FleetIndex -----------------------------------------------------------------------
+    def store(self, replica: str, digests: Sequence[bytes], medium: str = GPU) -> None:
+        """``replica`` now holds the blocks ``digests`` (16-byte digests) on ``medium``."""
+        with self._lock:
+            self.local.store(replica, digests, medium)  # validates; may raise the replica cap
+            self._enqueue(self._store_script, self._store_args(replica, medium, digests))
+
+    def remove(self, replica: str, digests: Sequence[bytes], medium: str | None = None) -> None:
+        """``replica`` dropped ``digests`` from ``medium`` (from every medium when None)."""
+        with self._lock:
+            self.local.remove(replica, digests, medium)
+            if digests:
+                mode = 2 if medium is None else int(medium == CPU)
+                self._enqueue(self._remove_script, [self.prefix, replica, mode, *digests])
+
+    def clear(self, replica: str) -> None:
+        """``replica`` holds nothing any more (restart, ``AllBlocksCleared``); it stays known."""
+        with self._lock:
+            self.local.clear(replica)
+            self._enqueue(self._clear_script, [self.prefix, replica, 0])
+
+    def drop_replica(self, replica: str) -> None:
+        """Forget ``replica`` entirely (removed from the fleet)."""
+        with self._lock:
+            self.local.drop_replica(replica)
+            self._enqueue(self._clear_script, [self.prefix, replica, 1])
+
+    def match(self, digests: Sequence[bytes]) -> list[ReplicaMatch]:
+        """Leading blocks of ``digests`` each known replica holds, one entry per replica
+        (from the local view while Redis is unreachable)."""
+        check_digests(digests)
+        with self._lock:
+            if self.flush():
+                try:
+                    pipe = self.client.pipeline(transaction=False)
+                    pipe.hgetall(self.prefix + ":replicas")
+                    if digests:
+                        pipe.mget([self.prefix.encode() + b":b:" + d for d in digests])
+                    replies = pipe.execute()
+                except redis.RedisError as exc:
+                    self._failed(exc)
+                else:
+                    slots = {k.decode(): int(v) for k, v in replies[0].items()}
+                    values = replies[1] if digests else []
+                    masks = (
+                        int.from_bytes(v.translate(_REVERSE_BITS), "little") if v else 0
+                        for v in values
+                    )
+                    return match_masks(masks, len(digests), slots)
+            return self.local.match(digests)
+
+    def replicas(self) -> list[str]:
+        """Every replica the index knows, sorted."""
+        with self._lock:
+            if self.flush():
+                try:
+                    names = self.client.hkeys(self.prefix + ":replicas")
+                except redis.RedisError as exc:
+                    self._failed(exc)
+                else:
+                    return sorted(_text(n) for n in names)
+            return self.local.replicas()
+
+    def num_blocks(self, replica: str) -> int:
+        """Blocks (on any medium) the index holds for ``replica``."""
+        check_replica(replica)
+        with self._lock:
+            if self.flush():
+                try:
+                    return int(self.client.scard(f"{self.prefix}:r:{replica}"))
+                except redis.RedisError as exc:
+                    self._failed(exc)
+            return self.local.num_blocks(replica)
+
+    # ---- beyond the contract --------------------------------------------------------------
+    def flush(self) -> bool:
+        """Send the queued writes (resynchronising first if Redis missed some); True when Redis
+        is in sync afterwards."""
+        with self._lock:
+            if not self._in_sync:
+                return self._try_resync()
+            if not self._queue:
+                return True
+            queue, self._queue = self._queue, []
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for script, args in queue:
+                    script(args=args, client=pipe)
+                results = pipe.execute(raise_on_error=False)
+            except redis.RedisError as exc:
+                self._failed(exc)
+                return False
+            for result in results:
+                if isinstance(result, Exception):
+                    if _CAP_ERROR in str(result):  # another instance filled the replica table
+                        self._overflow += 1
+                        continue
+                    self._failed(result)
+                    return False
+                self._overflow += int(result or 0)
+            return True
+
+    def stats(self) -> RedisIndexStats:
+        """Errors, resyncs, whether Redis is in sync, blocks refused at the cap."""
+        return RedisIndexStats(self._errors, self._resyncs, self._in_sync, self._overflow)
+
+    def holdings(self, replica: str) -> dict[bytes, frozenset[str]]:
+        """Every digest ``replica`` holds in Redis and on which media (O(its blocks))."""
+        check_replica(replica)
+        with self._lock:
+            self.flush()
+            members = sorted(_raw(m) for m in self.client.smembers(f"{self.prefix}:r:{replica}"))
+            slot = self.client.hget(self.prefix + ":replicas", replica)
+            if slot is None:
+                return {}
+            r = int(slot)
+            pipe = self.client.pipeline(transaction=False)
+            for d in members:
+                key = self.prefix.encode() + b":b:" + d
+                pipe.getbit(key, 2 * r)
+                pipe.getbit(key, 2 * r + 1)
+            bits = pipe.execute()
+            return {
+                d: frozenset(m for m, b in ((GPU, bits[2 * k]), (CPU, bits[2 * k + 1])) if b)
+                for k, d in enumerate(members)
+            }
+
+    def close(self) -> None:
+        """Send what is queued (if Redis is there) and close the connections."""
+        with self._lock:
+            self.flush()
+            self.client.close()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _store_args(self, replica: str, medium: str, digests: Sequence[bytes]) -> list[Any]:
+        cap, maxr = self.local.max_blocks_per_replica, self.local.max_replicas
+        return [self.prefix, replica, int(medium == CPU), cap, maxr, *digests]
+
+    def _enqueue(self, script: Any, args: list[Any]) -> None:
+        if not self._in_sync:
+            return  # the resync writes the local view back whole
+        self._queue.append((script, args))
+        if len(self._queue) >= self.pipeline_size:
+            self.flush()
+
+    def _failed(self, exc: BaseException) -> None:
+        self._errors += 1
+        if self._in_sync:
+            log.warning("Redis fleet index unreachable (%s); answering from the local view", exc)
+        self._in_sync = False
+        self._queue.clear()
+        self._last_try = time.monotonic()
+
+    def _try_resync(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_try < self.retry_interval:
+            return False
+        self._last_try = now
+        try:
+            self.client.ping()
+            pipe = self.client.pipeline(transaction=False)
+            for replica in self.local.replicas():
+                self._clear_script(args=[self.prefix, replica, 0], client=pipe)
+                by_medium: dict[str, list[bytes]] = {GPU: [], CPU: []}
+                for d, media in self.local.holdings(replica).items():
+                    for m in media:
+                        by_medium[m].append(d)
+                for medium, digests in by_medium.items():
+                    for i in range(0, len(digests), 1024):
+                        chunk = digests[i : i + 1024]
+                        self._store_script(
+                            args=self._store_args(replica, medium, chunk), client=pipe
+                        )
+            pipe.execute()
+        except redis.RedisError as exc:
+            self._errors += 1
+            log.debug("Redis fleet index still unreachable: %s", exc)
+            return False
+        self._in_sync = True
+        self._resyncs += 1
+        log.warning(
+            "Redis fleet index back; wrote the local view of %d replicas back",
+            len(self.local.replicas()),
+        )
+        return True
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _raw(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()

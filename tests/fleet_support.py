@@ -1,0 +1,93 @@
+"""Helpers for the fleet tests: a redis-server per test module, free ports, truth from managers."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from prefixcache import CacheManager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+class RedisServer:
+    """A throwaway redis-server (no persistence) that can be killed and restarted."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--bind",
+                "127.0.0.1",
+            ],
+            cwd=self.workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+def redis_server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def manager_digests(mgr: CacheManager) -> set[bytes]:
+    """Every block digest the manager's index holds."""
+    return {n.digest(i) for n in mgr.index.iter_nodes() for i in range(len(n.blocks))}

@@ -1,0 +1,154 @@
+"""Fleet indexes: the in-memory index against a dict-of-sets model, Redis against memory, and
+Redis killed and restarted mid-stream."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.errors import ConfigError, FleetCapacityError, InvalidArgumentError
+from prefixcache.fleet.fleet_index import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.memory_index import MemoryFleetIndex
+from prefixcache.fleet.open_index import open_index
+from prefixcache.fleet.redis_index import RedisFleetIndex
+
+CHAIN = [bytes([k]) * 16 for k in range(12)]
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "remove", "clear", "drop"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.integers(0, 11),
+        st.integers(1, 12),
+        st.sampled_from([GPU, CPU, None]),
+    ),
+    max_size=40,
+)
+
+
+def _apply(index, model, op) -> None:
+    kind, rep, lo, hi, medium = op
+    digests = CHAIN[lo:hi]
+    if kind == "store":
+        medium = medium or GPU
+        index.store(rep, digests, medium)
+        model.setdefault(rep, set()).update((d, medium) for d in digests)
+    elif kind == "remove":
+        index.remove(rep, digests, medium)
+        if rep in model:
+            model[rep] -= {(d, m) for d in digests for m in (GPU, CPU) if medium in (None, m)}
+    elif kind == "clear":
+        index.clear(rep)
+        if rep in model:
+            model[rep] = set()
+    else:
+        index.drop_replica(rep)
+        model.pop(rep, None)
+
+
+def _expected(model, digests):
+    out = []
+    for rep in sorted(model):
+        held = model[rep]
+        n = next(
+            (i for i, d in enumerate(digests) if not {(d, GPU), (d, CPU)} & held), len(digests)
+        )
+        g = next((i for i, d in enumerate(digests) if (d, GPU) not in held), len(digests))
+        out.append(ReplicaMatch(rep, n, g))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS, st.integers(0, 11))
+def test_memory_index_equals_a_dict_of_sets(ops, start):
+    index, model = MemoryFleetIndex(), {}
+    for op in ops:
+        _apply(index, model, op)
+    for digests in (CHAIN, CHAIN[start:], []):
+        assert index.match(digests) == _expected(model, digests)
+    assert index.replicas() == sorted(model)
+    for rep in model:
+        assert index.num_blocks(rep) == len({d for d, _ in model[rep]})
+
+
+@pytest.fixture
+def redis_index(redis_server):
+    index = RedisFleetIndex.from_url(redis_server.url, prefix=f"t{os.urandom(4).hex()}")
+    yield index
+    index.client.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(OPS)
+def test_redis_and_memory_give_the_same_matches(redis_server, ops):
+    redis_index = RedisFleetIndex.from_url(redis_server.url, prefix=f"h{os.urandom(4).hex()}")
+    memory = MemoryFleetIndex()
+    for op in ops:
+        _apply(redis_index, {}, op)
+        _apply(memory, {}, op)
+    assert redis_index.match(CHAIN) == memory.match(CHAIN)
+    assert redis_index.replicas() == memory.replicas()
+    for rep in memory.replicas():
+        assert redis_index.num_blocks(rep) == memory.num_blocks(rep)
+    redis_index.client.close()
+
+
+def test_two_router_instances_share_one_index(redis_server, redis_index):
+    other = RedisFleetIndex.from_url(redis_server.url, prefix=redis_index.prefix)
+    redis_index.store("pod", CHAIN[:5])
+    assert redis_index.flush()  # writes are queued until a flush or a read
+    assert other.match(CHAIN) == [ReplicaMatch("pod", 5, 5)]
+    other.client.close()
+
+
+def test_redis_killed_and_restarted_mid_stream_resyncs(redis_server):
+    index = RedisFleetIndex.from_url(redis_server.url, retry_interval=0.0, pipeline_size=4)
+    truth = MemoryFleetIndex()
+    prompt = [os.urandom(16) for _ in range(64)]
+    for k in range(8):
+        for x in (index, truth):
+            x.store(f"pod-{k}", prompt[: 8 * (k + 1)])
+    assert index.flush()
+    redis_server.kill()
+    for k in range(8):  # writes while Redis is away: answered from the local view
+        for x in (index, truth):
+            x.remove(f"pod-{k}", prompt[4 * k :], GPU)
+            x.store(f"pod-{k}", prompt[:2], CPU)
+    assert index.match(prompt) == truth.match(prompt)
+    stats = index.stats()
+    assert stats.errors >= 1 and not stats.in_sync
+    redis_server.start()  # empty: no persistence
+    assert index.flush() and index.stats().resyncs == 1
+    fresh = RedisFleetIndex.from_url(redis_server.url)  # another router: sees Redis only
+    assert fresh.match(prompt) == truth.match(prompt)
+    for k in range(8):
+        assert fresh.holdings(f"pod-{k}") == truth.holdings(f"pod-{k}")
+    fresh.client.close()
+    index.client.close()
+
+
+def test_limits_and_bad_input():
+    index = MemoryFleetIndex(max_replicas=2, max_blocks_per_replica=3)
+    index.store("a", CHAIN[:5])
+    assert index.num_blocks("a") == 3 and index.overflow("a") == 2
+    assert index.match(CHAIN) == [ReplicaMatch("a", 3, 3)]
+    index.store("b", CHAIN[:1])
+    with pytest.raises(FleetCapacityError):
+        index.store("c", CHAIN[:1])
+    index.drop_replica("b")
+    index.store("c", CHAIN[:1])  # the slot is reused
+    assert index.match(CHAIN[:2]) == [ReplicaMatch("a", 2, 2), ReplicaMatch("c", 1, 1)]
+    for bad in (
+        lambda: index.store("a", [b"short"]),
+        lambda: index.store("", CHAIN),
+        lambda: index.store("a", CHAIN, "SSD"),
+        lambda: index.match(b"x" * 16),
+    ):
+        with pytest.raises(InvalidArgumentError):
+            bad()
+    assert index.num_blocks("a") == 3
+    with pytest.raises(ConfigError):
+        open_index("postgres://x")
+    assert isinstance(open_index("memory"), MemoryFleetIndex)

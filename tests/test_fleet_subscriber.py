@@ -1,0 +1,242 @@
+"""The subscriber against real publishers and managers: after every fault the index equals what
+each replica's manager really holds."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+from fleet_support import manager_digests, wait_until
+
+from prefixcache import CacheManager, Namespace
+from prefixcache.errors import ConfigError, FleetCapacityError, InvalidArgumentError
+from prefixcache.fleet import kv_wire
+from prefixcache.fleet.kv_publisher import KVEventPublisher
+from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
+from prefixcache.fleet.memory_index import MemoryFleetIndex
+
+NS = Namespace("llama", salt="t1")
+P = 4
+
+
+def _held(index: MemoryFleetIndex, name: str) -> set[bytes]:
+    return set(index.holdings(name))
+
+
+def _workload(mgr: CacheManager, rng: random.Random, steps: int, tag: str) -> None:
+    """Admit, release and evict; a few shared prefixes so eviction happens."""
+    for k in range(steps):
+        rid = f"{tag}{k}"
+        prefix = [rng.randrange(3)] * 8
+        ns = NS if k % 3 else Namespace("llama", adapter="sql")
+        try:
+            mgr.admit(rid, prefix + [rng.randrange(1000) for _ in range(rng.randrange(1, 12))], ns)
+        except Exception:
+            mgr.evict(mgr.block_counts().cached)
+            continue
+        mgr.end_step()
+        mgr.release(rid)
+
+
+class Replica:
+    def __init__(self, name: str, seed: int, replay: bool = True) -> None:
+        self.name = name
+        self.mgr = CacheManager(24, P)
+        self.rng = random.Random(seed)
+        self.pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*" if replay else None)
+        self.pub.attach(self.mgr)
+
+    def endpoint(self) -> ReplicaEndpoint:
+        return ReplicaEndpoint(
+            self.name, self.pub.endpoint, self.pub.replay_endpoint, Namespace("llama"), P
+        )
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            _workload(self.mgr, self.rng, 1, f"{self.name}-{self.rng.random()}-")
+            self.pub.flush()
+
+
+def _in_sync(index, sub, replicas) -> bool:
+    counters = sub.counters()
+    return all(
+        counters[r.name].last_seq == r.pub.next_seq - 1
+        and _held(index, r.name) == manager_digests(r.mgr)
+        for r in replicas
+    )
+
+
+def _connect(index, sub, replicas) -> None:
+    """Publish AllBlocksCleared probes until every SUB socket is connected."""
+    for r in replicas:
+        wait_until(
+            lambda r=r: (
+                r.mgr.reset(force=True),
+                r.pub.flush(),
+                sub.counters()[r.name].batches > 0,
+            )[2],
+            what=f"{r.name} connected",
+        )
+
+
+@pytest.fixture
+def fleet():
+    index = MemoryFleetIndex()
+    replicas = [Replica(f"pod-{k}", k) for k in range(3)]
+    sub = KVEventSubscriber(index, [r.endpoint() for r in replicas], replay_timeout=2.0)
+    sub.start()
+    _connect(index, sub, replicas)
+    yield index, sub, replicas
+    sub.stop()
+    for r in replicas:
+        r.pub.close()
+
+
+def test_streams_from_many_replicas_match_their_managers(fleet):
+    index, sub, replicas = fleet
+    for _ in range(10):
+        for r in replicas:
+            r.step()
+    wait_until(lambda: _in_sync(index, sub, replicas), what="index in sync")
+    # a prompt the router would send: digests by prefixcache's own hasher
+    r0 = replicas[0]
+    mgr = r0.mgr
+    mgr.admit("probe", [7] * 8 + [1, 2, 3, 4], NS)
+    mgr.end_step()
+    r0.pub.flush()
+    wait_until(lambda: _in_sync(index, sub, replicas), what="probe indexed")
+    digests = mgr.hasher.hash_prompt([7] * 8 + [1, 2, 3, 4], NS)
+    assert {m.replica: m.blocks for m in index.match(digests)}["pod-0"] == 3
+    assert sub.counters()["pod-0"].malformed == 0
+
+
+def test_dropped_messages_are_replayed(fleet):
+    index, sub, replicas = fleet
+    r = replicas[1]
+    real_send = r.pub._pub.send_multipart
+    r.pub._pub.send_multipart = lambda frames: None  # the network drops them
+    r.step(4)
+    r.pub._pub.send_multipart = real_send
+    r.step()
+    wait_until(lambda: _in_sync(index, sub, replicas), what="gap filled")
+    c = sub.counters()["pod-1"]
+    assert c.gaps == 1 and c.replays == 1 and c.resets == 0
+
+
+def test_gap_without_replay_clears_the_replica():
+    index = MemoryFleetIndex()
+    r = Replica("solo", 5, replay=False)
+    sub = KVEventSubscriber(index, [ReplicaEndpoint("solo", None, None, Namespace("llama"), P)])
+    payloads = []
+    r.pub.publish_payload = lambda payload: payloads.append(payload) or len(payloads) - 1
+    r.step(3)
+    for seq in (0, 2):  # 1 is lost
+        sub.ingest("solo", seq, payloads[seq])
+    c = sub.counters()["solo"]
+    assert c.gaps == 1 and c.replays == 0 and c.cleared >= 1
+    # what is indexed is a subset of the truth (stale entries were dropped, not kept)
+    assert _held(index, "solo") <= manager_digests(r.mgr)
+    r.pub.close()
+
+
+def _rebind(endpoint: str, replay: str | None) -> KVEventPublisher:
+    """Bind the old addresses again (the old sockets release them asynchronously)."""
+    out: list[KVEventPublisher] = []
+
+    def bound() -> bool:
+        try:
+            out.append(KVEventPublisher(endpoint, replay))
+        except ConfigError:
+            return False
+        return True
+
+    wait_until(bound, what="old address free")
+    return out[0]
+
+
+def test_publisher_restart_resets_that_replica_only(fleet):
+    index, sub, replicas = fleet
+    for r in replicas:
+        r.step(3)
+    wait_until(lambda: _in_sync(index, sub, replicas), what="in sync")
+    old = replicas[2]
+    other_before = _held(index, "pod-0")
+    endpoint, replay = old.pub.endpoint, old.pub.replay_endpoint
+    old_last = sub.counters()["pod-2"].last_seq
+    assert old_last >= 3
+    old.pub.close()
+    # the engine restarts on the same address, with an empty cache and sequence 0
+    new = Replica.__new__(Replica)
+    new.name, new.rng, new.mgr = old.name, random.Random(9), CacheManager(24, P)
+    new.pub = _rebind(endpoint, replay)
+    new.pub.attach(new.mgr)
+    replicas[2] = new
+    # The SUB socket reconnects on its own; each batch waits until the subscriber saw it or a
+    # short deadline passed, so the new stream is seen before it passes the old sequence.
+    for _ in range(old_last):
+        new.step()
+        try:
+            wait_until(lambda: sub.counters()["pod-2"].resets >= 1, timeout=0.3)
+            break
+        except AssertionError:
+            continue
+    assert sub.counters()["pod-2"].resets == 1
+    wait_until(lambda: _in_sync(index, sub, replicas), what="in sync after restart")
+    assert _held(index, "pod-0") == other_before
+    new.pub.close()
+
+
+def test_malformed_payloads_are_counted_not_fatal(fleet):
+    index, sub, replicas = fleet
+    r = replicas[0]
+    seq = r.pub.publish_payload(b"\x93garbage")
+    r.pub.publish_payload(msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]]))
+    bad_size = kv_wire.KVEventBatch(
+        1.0, [kv_wire.BlockStored([1], None, [1, 2, 3], 3, None, "GPU", None)]
+    )
+    r.pub.publish_payload(kv_wire.encode_batch(bad_size))
+    r.pub._pub.send_multipart((b"", b"\x00"))  # two frames
+    r.step(2)
+    wait_until(lambda: _in_sync(index, sub, replicas), what="in sync after junk")
+    assert sub.counters()["pod-0"].malformed >= 4
+    assert seq >= 0
+
+
+def test_removed_replica_leaves_the_index(fleet):
+    index, sub, replicas = fleet
+    for r in replicas:
+        r.step(2)
+    wait_until(lambda: _in_sync(index, sub, replicas), what="in sync")
+    sub.remove_replica("pod-1")
+    assert "pod-1" not in index.replicas() and "pod-1" not in sub.counters()
+    with pytest.raises(InvalidArgumentError):
+        sub.remove_replica("pod-1")
+    with pytest.raises(InvalidArgumentError):
+        sub.ingest("pod-1", 0, b"")
+
+
+def test_abuse_is_bounded_with_clear_errors():
+    index = MemoryFleetIndex(max_replicas=50)
+    sub = KVEventSubscriber(index, max_replicas=10_000, max_tokens_per_event=4096)
+    for k in range(10_000):
+        sub.add_replica(ReplicaEndpoint(f"r{k}", block_size=P))
+    with pytest.raises(FleetCapacityError):
+        sub.add_replica(ReplicaEndpoint("one-too-many", block_size=P))
+    with pytest.raises(InvalidArgumentError):
+        sub.add_replica(ReplicaEndpoint("r1", block_size=P))
+    with pytest.raises(InvalidArgumentError):
+        sub.add_replica(ReplicaEndpoint("x" * 1000, block_size=P))
+    huge = kv_wire.KVEventBatch(
+        1.0, [kv_wire.BlockStored(list(range(2048)), None, [1] * 8192, P, None, "GPU", None)]
+    )
+    assert sub.ingest("r0", 0, kv_wire.encode_batch(huge)) == 1
+    assert sub.counters()["r0"].malformed == 1 and index.replicas() == []
+    one = kv_wire.KVEventBatch(1.0, [kv_wire.BlockStored([1], None, [1] * P, P, None, "GPU", None)])
+    for k in range(50):
+        sub.ingest(f"r{k}", 0, kv_wire.encode_batch(one))
+    assert len(index.replicas()) == 50
+    # the 51st replica does not fit the index: counted, the subscriber goes on
+    with pytest.raises(FleetCapacityError):
+        sub.ingest("r50", 0, kv_wire.encode_batch(one))
+    assert index.num_blocks("r0") == 1
