@@ -41,3 +41,18 @@ class RequestTooLargeError(PrefixCacheError, ValueError):
 
 class CacheInUseError(PrefixCacheError, RuntimeError):
     """The operation needs an idle cache, but blocks are still referenced."""
+
+
+class UnknownNamespaceError(PrefixCacheError, LookupError):
+    """No replica of the fleet serves the request's model, adapter or namespace."""
+
+
+class UnknownReplicaError(PrefixCacheError, KeyError):
+    """The replica name is not part of the fleet."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown replica"
+
+
+class PayloadTooLargeError(PrefixCacheError, ValueError):
+    """A request body or prompt is larger than the service's configured limit."""
