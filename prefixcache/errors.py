@@ -56,3 +56,7 @@ class UnknownReplicaError(PrefixCacheError, KeyError):
 
 class PayloadTooLargeError(PrefixCacheError, ValueError):
     """A request body or prompt is larger than the service's configured limit."""
+
+
+class InvalidRequestBodyError(InvalidArgumentError):
+    """A service request body is not JSON, or not the JSON its endpoint takes."""
