@@ -11,6 +11,7 @@ COMMAND_MODULES = (
     "prefixcache.demo",
     "prefixcache.replay.replay_cli",
     "prefixcache.report.report_cli",
+    "prefixcache.fleet.serve_cli",
 )
 
 
@@ -18,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefixcache",
         description="Prefix cache for LLM inference: demo, replay workloads, analyze traces, "
-        "and read hit-rate reports.",
+        "read hit-rate reports, and serve fleet routing.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:

@@ -49,3 +49,21 @@ class WireFormatError(PrefixCacheError, ValueError):
 
 class FleetCapacityError(PrefixCacheError, RuntimeError):
     """A fleet index or subscriber is at a configured limit (replicas, blocks of one event)."""
+
+class UnknownNamespaceError(PrefixCacheError, LookupError):
+    """No replica of the fleet serves the request's model, adapter or namespace."""
+
+
+class UnknownReplicaError(PrefixCacheError, KeyError):
+    """The replica name is not part of the fleet."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown replica"
+
+
+class PayloadTooLargeError(PrefixCacheError, ValueError):
+    """A request body or prompt is larger than the service's configured limit."""
+
+
+class InvalidRequestBodyError(InvalidArgumentError):
+    """A service request body is not JSON, or not the JSON its endpoint takes."""

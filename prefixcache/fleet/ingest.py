@@ -1,0 +1,68 @@
+"""The seam between the service and whatever feeds its index (e.g. a KV-event subscriber).
+
+An ``IngestSource`` is started when the service starts and stopped when it stops (the app's
+lifespan). ``start`` must return promptly, running its work on its own threads or tasks, and
+``stop`` must return once that work has ended. A source that also counts what it ingests
+implements ``IngestStats``; the service exports those counters on ``/metrics`` at every scrape,
+so the source only keeps plain running totals.
+
+Plain functions fit too: ``CallableIngest(start=..., stop=..., counts=...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple, Protocol, runtime_checkable
+
+
+class IngestCounts(NamedTuple):
+    """Running totals of one replica's ingestion since the source started."""
+
+    events: int = 0  # event batches or messages received
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    sequence_gaps: int = 0  # missed sequence numbers (messages lost before a replay)
+    errors: int = 0  # failed index writes (e.g. Redis errors) and undecodable messages
+
+
+@runtime_checkable
+class IngestSource(Protocol):
+    """Feeds the index for the service's lifetime."""
+
+    def start(self) -> None:
+        """Begin ingesting; return promptly."""
+
+    def stop(self) -> None:
+        """Stop ingesting; return when stopped."""
+
+
+@runtime_checkable
+class IngestStats(Protocol):
+    """A source of per-replica ingest counters."""
+
+    def ingest_counts(self) -> Mapping[str, IngestCounts]:
+        """Replica name -> its running totals (a snapshot; called at each metrics scrape)."""
+
+
+class CallableIngest:
+    """An ``IngestSource`` (and ``IngestStats``) made of plain callables."""
+
+    def __init__(
+        self,
+        start: Callable[[], None],
+        stop: Callable[[], None],
+        counts: Callable[[], Mapping[str, IngestCounts]] | None = None,
+    ) -> None:
+        self._start, self._stop, self._counts = start, stop, counts
+
+    def start(self) -> None:
+        """Call the start callable."""
+        self._start()
+
+    def stop(self) -> None:
+        """Call the stop callable."""
+        self._stop()
+
+    def ingest_counts(self) -> Mapping[str, IngestCounts]:
+        """The counts callable's answer, or nothing when there is none."""
+        return self._counts() if self._counts is not None else {}

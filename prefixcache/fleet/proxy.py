@@ -1,0 +1,183 @@
+"""Proxy mode: OpenAI-compatible requests forwarded to the replica the router chooses.
+
+``POST /v1/completions`` routes on the prompt (token ids when given, else the text through the
+service's tokenizer; with several prompts, the first); ``POST /v1/chat/completions`` routes on
+the messages rendered as ``<|role|>\\ncontent\\n`` and tokenized. Chat templates are engine side,
+so chat routing sees the conversation's shared prefix, not the engine's exact tokens: send
+``/v1/completions`` with token ids to route on exactly what the engine caches.
+
+The body is forwarded unchanged and the answer streamed back as it arrives (server-sent events
+included). The request counts as load on its replica from the route until the answer ends, the
+client goes away, or the replica fails; a replica that cannot be reached gives a 502 JSON error.
+The model name selects the namespace: a replica serves ``model`` when its namespace has that
+model and no adapter, or that adapter (how vLLM names LoRA modules); vLLM's ``cache_salt``
+selects the salt.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from prefixcache.errors import InvalidArgumentError, InvalidRequestBodyError, UnknownNamespaceError
+from prefixcache.namespace import Namespace
+from prefixcache.replay.traces import render_chat
+from prefixcache.tokens import TokenIds
+
+if TYPE_CHECKING:
+    from prefixcache.fleet.server import FleetService
+
+_DROPPED_HEADERS = frozenset(
+    ("content-length", "transfer-encoding", "connection", "keep-alive", "host")
+)
+_FORWARDED_REQUEST_HEADERS = ("content-type", "authorization", "accept", "x-request-id")
+
+
+class _UpstreamStream(StreamingResponse):
+    """The replica's answer, relayed chunk by chunk; ``on_close`` runs however it ends."""
+
+    def __init__(
+        self, upstream: httpx.Response, extra_headers: dict[str, str], on_close: Callable[[], None]
+    ) -> None:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        headers.update(extra_headers)
+        super().__init__(_relay(upstream), status_code=upstream.status_code, headers=headers)
+        self._upstream = upstream
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._upstream.aclose()
+            finally:
+                self._on_close()
+
+
+async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError:  # the replica broke off mid-answer: end the relayed answer there
+        return
+
+
+def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
+    """The served namespace an OpenAI ``model`` (and ``cache_salt``) names."""
+    if not isinstance(model, str) or not model:
+        raise InvalidArgumentError("'model' must be a non-empty string")
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidArgumentError("'cache_salt' must be a string")
+    served = service.router.namespaces()
+    for ns in served:
+        by_name = (ns.model == model and ns.adapter is None) or ns.adapter == model
+        if by_name and ns.salt == salt and not ns.extra:
+            return ns
+    raise UnknownNamespaceError(
+        f"no replica serves model {model!r}"
+        + ("" if salt is None else f" with cache_salt {salt!r}")
+        + f"; served: {', '.join(dict.fromkeys(ns.label() for ns in served)) or 'none'}"
+    )
+
+
+def _completion_tokens(service: FleetService, payload: dict[str, Any]) -> TokenIds:
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # several prompts: route on the first
+    if isinstance(prompt, str):
+        return service.tokens_of(None, prompt)
+    if isinstance(prompt, list):
+        return service.tokens_of(prompt, None)
+    raise InvalidArgumentError("'prompt' must be a string, a list of token ids, or a list of those")
+
+
+def _chat_tokens(service: FleetService, payload: dict[str, Any]) -> TokenIds:
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgumentError("'messages' must be a non-empty list")
+    flat = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidArgumentError(f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: the text parts count
+            content = "".join(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+        elif content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise InvalidArgumentError(f"messages[{i}].content must be a string or a list of parts")
+        flat.append({"role": message["role"], "content": content})
+    return service.tokens_of(None, render_chat(flat))
+
+
+async def _forward(
+    service: FleetService,
+    request: Request,
+    path: str,
+    tokens_of: Callable[[FleetService, dict[str, Any]], TokenIds],
+) -> Response:
+    from prefixcache.fleet.server import error_response
+
+    raw = await service.read_body(request)
+    try:
+        payload = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestBodyError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise InvalidRequestBodyError("invalid request body: expected a JSON object")
+    namespace = namespace_for(service, payload.get("model"), payload.get("cache_salt"))
+    tokens = tokens_of(service, payload)
+    request_id = uuid.uuid4().hex
+    decision = service.route(namespace, tokens, request_id)
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            service.release_quietly(request_id)
+
+    url = f"{service.urls[decision.replica]}{path}"
+    headers = {k: v for k in _FORWARDED_REQUEST_HEADERS if (v := request.headers.get(k))}
+    try:
+        upstream = await service.http_client.send(
+            service.http_client.build_request("POST", url, content=raw, headers=headers),
+            stream=True,
+        )
+    except httpx.HTTPError as exc:
+        release()
+        service.metrics.errors.labels(path, "502").inc()
+        return error_response(
+            502,
+            "UpstreamError",
+            f"replica {decision.replica} at {url} failed: {type(exc).__name__}: {exc}",
+        )
+    except BaseException:
+        release()
+        raise
+    extra = {"x-prefixcache-replica": decision.replica, "x-prefixcache-request-id": request_id}
+    return _UpstreamStream(upstream, extra, release)
+
+
+def add_proxy_routes(app: FastAPI, service: FleetService) -> None:
+    """Add the OpenAI-compatible forwarding endpoints to ``app``."""
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """Forward a completion request to the chosen replica."""
+        return await _forward(service, request, "/v1/completions", _completion_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """Forward a chat completion request to the chosen replica."""
+        return await _forward(service, request, "/v1/chat/completions", _chat_tokens)

@@ -1,0 +1,336 @@
+"""The fleet router: prompt -> digest chain -> index match -> per-replica scores -> a policy.
+
+``Router`` has no HTTP in it: the service calls it from request handlers, a fleet replay calls it
+in process. It is thread-safe: hashing and the index lookup run outside its lock (the index is
+written concurrently by the event ingestion and answers on its own), the choice and the load
+bookkeeping run under it, so two concurrent routes always see each other's load.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from prefixcache.errors import (
+    DuplicateRequestError,
+    InvalidArgumentError,
+    PayloadTooLargeError,
+    UnknownNamespaceError,
+    UnknownReplicaError,
+    UnknownRequestError,
+)
+from prefixcache.fleet.fleet_index import FleetIndex, ReplicaMatch
+from prefixcache.fleet.routing import (
+    Policy,
+    ReplicaScore,
+    RouteContext,
+    RoutingParams,
+    check_params,
+    get_policy,
+)
+from prefixcache.hashing import BlockHasher
+from prefixcache.namespace import Namespace
+from prefixcache.tokens import TokenIds, as_size, as_token_array
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+class ReplicaSpec(NamedTuple):
+    """One replica as the router sees it: what it serves and how big its cache is."""
+
+    name: str
+    namespace: Namespace  # the namespace its KV events are hashed under
+    block_size: int = 16
+    capacity_blocks: int = 0  # 0: unknown (then free capacity never decides a route)
+
+
+class Lookup(NamedTuple):
+    """Per-replica scores of a prompt, without routing it."""
+
+    namespace: Namespace
+    prompt_tokens: int
+    scores: tuple[ReplicaScore, ...]  # eligible replicas, in configured order
+
+
+class RouteDecision(NamedTuple):
+    """Where a prompt goes, and why."""
+
+    replica: str
+    policy: str
+    rule: str  # the rule of the policy that decided (see routing.Choice)
+    request_id: str | None  # None: the route was not recorded as load
+    prompt_tokens: int
+    cached_tokens: int  # on the chosen replica
+    gpu_cached_tokens: int
+    scores: tuple[ReplicaScore, ...]
+
+
+class ReplicaLoad(NamedTuple):
+    """In-flight requests and their prompt tokens on one replica."""
+
+    name: str
+    in_flight: int
+    in_flight_tokens: int
+
+
+class Released(NamedTuple):
+    """The in-flight request that ``release`` ended."""
+
+    request_id: str
+    replica: str
+    prompt_tokens: int
+
+
+class _InFlight(NamedTuple):
+    replica: str
+    tokens: int
+    generation: int  # of the replica when routed: a removed and re-added replica starts afresh
+
+
+class Router:
+    """Scores prompts against a ``FleetIndex`` and routes them with a policy from
+    ``routing.POLICIES``, keeping the in-flight load of every replica."""
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        replicas: Iterable[ReplicaSpec],
+        policy: str = "prefix_balanced",
+        params: RoutingParams | None = None,
+        *,
+        hash_algo: str = "xxh3_128",
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        self._index = index
+        self._policy_name = policy
+        self._policy: Policy = get_policy(policy)
+        self._params = check_params(params if params is not None else RoutingParams())
+        self._hash_algo = hash_algo
+        BlockHasher(1, hash_algo)  # checks the algorithm name now
+        self._max_tokens = (
+            None
+            if max_prompt_tokens is None
+            else as_size(max_prompt_tokens, "max_prompt_tokens", 1)
+        )
+        self._lock = threading.Lock()
+        self._specs: dict[str, ReplicaSpec] = {}
+        self._load: dict[str, list[int]] = {}  # name -> [in_flight, in_flight_tokens]
+        self._generation: dict[str, int] = {}
+        self._next_generation = 0
+        self._in_flight: dict[str, _InFlight] = {}
+        self._turns: dict[Namespace, int] = {}
+        self._hashers: dict[int, BlockHasher] = {}
+        for spec in replicas:
+            self.add_replica(spec)
+
+    # ---- configuration ------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> str:
+        """Name of the routing policy."""
+        return self._policy_name
+
+    @property
+    def params(self) -> RoutingParams:
+        """Thresholds of the policy."""
+        return self._params
+
+    @property
+    def index(self) -> FleetIndex:
+        """The index the router reads."""
+        return self._index
+
+    def add_replica(self, spec: ReplicaSpec) -> None:
+        """Add a replica to the fleet; InvalidArgumentError if the name is taken or a field is
+        out of range."""
+        if not isinstance(spec, ReplicaSpec):
+            raise InvalidArgumentError(f"expected a ReplicaSpec, got {type(spec).__name__}")
+        if not isinstance(spec.name, str) or not spec.name:
+            raise InvalidArgumentError(f"replica name must be a non-empty str, got {spec.name!r}")
+        if not isinstance(spec.namespace, Namespace):
+            raise InvalidArgumentError(f"replica {spec.name!r}: namespace must be a Namespace")
+        block_size = as_size(spec.block_size, "block_size", 1)
+        capacity = as_size(spec.capacity_blocks, "capacity_blocks", 0)
+        with self._lock:
+            if spec.name in self._specs:
+                raise InvalidArgumentError(f"replica {spec.name!r} is already in the fleet")
+            if block_size not in self._hashers:
+                self._hashers[block_size] = BlockHasher(block_size, self._hash_algo)
+            self._specs[spec.name] = spec._replace(block_size=block_size, capacity_blocks=capacity)
+            self._load[spec.name] = [0, 0]
+            self._generation[spec.name] = self._next_generation
+            self._next_generation += 1
+
+    def remove_replica(self, name: str) -> ReplicaSpec:
+        """Take a replica out of the fleet and out of the index; its in-flight requests can
+        still be released. UnknownReplicaError if it is not in the fleet."""
+        with self._lock:
+            spec = self._specs.pop(name, None) if isinstance(name, str) else None
+            if spec is None:
+                raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
+            del self._load[name]
+            del self._generation[name]
+        self._index.drop_replica(name)
+        return spec
+
+    def replicas(self) -> list[ReplicaSpec]:
+        """Every replica of the fleet, in the order they were added."""
+        with self._lock:
+            return list(self._specs.values())
+
+    def namespaces(self) -> list[Namespace]:
+        """The namespaces the fleet serves, each once, in order of first appearance."""
+        with self._lock:
+            return list(dict.fromkeys(s.namespace for s in self._specs.values()))
+
+    def loads(self) -> list[ReplicaLoad]:
+        """In-flight requests and tokens per replica, in fleet order."""
+        with self._lock:
+            return [ReplicaLoad(name, *self._load[name]) for name in self._specs]
+
+    def in_flight(self) -> int:
+        """Requests routed with an id and not yet released (also those of removed replicas)."""
+        with self._lock:
+            return len(self._in_flight)
+
+    # ---- lookups and routes -------------------------------------------------------------------
+
+    def _eligible(self, namespace: Namespace) -> list[ReplicaSpec]:
+        """The replicas serving ``namespace``; UnknownNamespaceError when there is none."""
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgumentError(
+                f"namespace must be a Namespace, got {type(namespace).__name__}"
+            )
+        with self._lock:
+            eligible = [s for s in self._specs.values() if s.namespace == namespace]
+            served = [] if eligible else [s.namespace.label() for s in self._specs.values()]
+        if not eligible:
+            listing = ", ".join(dict.fromkeys(served)) or "none"
+            raise UnknownNamespaceError(
+                f"no replica serves namespace {namespace.label()}; served: {listing}"
+            )
+        return eligible
+
+    def _matches(
+        self, namespace: Namespace, tokens: TokenIds
+    ) -> tuple[int, list[ReplicaSpec], dict[str, ReplicaMatch]]:
+        arr = as_token_array(tokens)
+        n = len(arr)
+        if self._max_tokens is not None and n > self._max_tokens:
+            raise PayloadTooLargeError(
+                f"prompt has {n} tokens; this service accepts at most {self._max_tokens}"
+            )
+        eligible = self._eligible(namespace)
+        by_size: dict[int, list[ReplicaSpec]] = {}
+        for spec in eligible:
+            by_size.setdefault(spec.block_size, []).append(spec)
+        found: dict[str, ReplicaMatch] = {}
+        for block_size, specs in by_size.items():
+            hasher = self._hashers[block_size]
+            digests = hasher.hash_blocks(arr, hasher.seed(namespace), 0, n // block_size)
+            if not digests:
+                continue
+            wanted = {s.name for s in specs}
+            for match in self._index.match(digests):
+                if match.replica in wanted:
+                    found[match.replica] = match
+        return n, eligible, found
+
+    def _scores(
+        self, eligible: Sequence[ReplicaSpec], found: dict[str, ReplicaMatch]
+    ) -> tuple[ReplicaScore, ...]:
+        """Scores of the eligible replicas still in the fleet; call with the lock held."""
+        out = []
+        for spec in eligible:
+            load = self._load.get(spec.name)
+            if load is None:  # removed since the lookup began
+                continue
+            match = found.get(spec.name)
+            blocks, gpu = (match.blocks, match.gpu_blocks) if match is not None else (0, 0)
+            held = self._index.num_blocks(spec.name) if spec.capacity_blocks else 0
+            out.append(
+                ReplicaScore(
+                    spec.name,
+                    blocks * spec.block_size,
+                    gpu * spec.block_size,
+                    load[0],
+                    load[1],
+                    spec.capacity_blocks,
+                    held,
+                )
+            )
+        return tuple(out)
+
+    def lookup(self, namespace: Namespace, tokens: TokenIds) -> Lookup:
+        """Cached prompt tokens on every replica serving ``namespace``; changes nothing.
+
+        Raises InvalidTokensError, PayloadTooLargeError or UnknownNamespaceError.
+        """
+        n, eligible, found = self._matches(namespace, tokens)
+        with self._lock:
+            scores = self._scores(eligible, found)
+        if not scores:
+            raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
+        return Lookup(namespace, n, scores)
+
+    def route(
+        self, namespace: Namespace, tokens: TokenIds, request_id: str | None = None
+    ) -> RouteDecision:
+        """Choose the replica for a prompt with the router's policy.
+
+        With a ``request_id`` the route counts as load on the chosen replica until
+        ``release(request_id)``; without one it is a pure decision. Raises InvalidTokensError,
+        PayloadTooLargeError, UnknownNamespaceError, InvalidArgumentError (a bad id) or
+        DuplicateRequestError, each before anything changes.
+        """
+        if request_id is not None and (
+            not isinstance(request_id, str)
+            or not request_id
+            or len(request_id) > MAX_REQUEST_ID_CHARS
+        ):
+            raise InvalidArgumentError(
+                f"request_id must be a non-empty str of at most {MAX_REQUEST_ID_CHARS} "
+                f"characters, got {request_id!r}"
+            )
+        n, eligible, found = self._matches(namespace, tokens)
+        with self._lock:
+            if request_id is not None and request_id in self._in_flight:
+                raise DuplicateRequestError(f"request {request_id!r} is already in flight")
+            scores = self._scores(eligible, found)
+            if not scores:
+                raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
+            turn = self._turns.get(namespace, 0)
+            choice = self._policy(scores, RouteContext(n, turn, self._params))
+            self._turns[namespace] = turn + 1
+            if request_id is not None:
+                load = self._load[choice.replica]
+                load[0] += 1
+                load[1] += n
+                self._in_flight[request_id] = _InFlight(
+                    choice.replica, n, self._generation[choice.replica]
+                )
+        chosen = next(s for s in scores if s.name == choice.replica)
+        return RouteDecision(
+            choice.replica,
+            self._policy_name,
+            choice.rule,
+            request_id,
+            n,
+            chosen.cached_tokens,
+            chosen.gpu_cached_tokens,
+            scores,
+        )
+
+    def release(self, request_id: str) -> Released:
+        """End an in-flight request: its replica's load drops. UnknownRequestError if the id is
+        not in flight (never routed with an id, or released already)."""
+        with self._lock:
+            entry = self._in_flight.pop(request_id, None) if isinstance(request_id, str) else None
+            if entry is None:
+                raise UnknownRequestError(f"request {request_id!r} is not in flight")
+            if self._generation.get(entry.replica) == entry.generation:
+                load = self._load[entry.replica]
+                load[0] -= 1
+                load[1] -= entry.tokens
+        return Released(request_id, entry.replica, entry.tokens)

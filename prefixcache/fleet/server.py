@@ -1,0 +1,303 @@
+"""The HTTP service: a FastAPI app over a ``Router`` (``create_app``), run by ``prefixcache serve``.
+
+Endpoints: ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``, ``GET /v1/replicas``,
+``GET /healthz``, ``GET /metrics``; with proxying on, also ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (see ``proxy.py``). Bad input gets a 4xx answer
+``{"error": {"type": ..., "message": ...}}`` and changes nothing: bodies are read within the size
+limit and decoded strictly before the router is called, and the router validates before it
+records anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from prefixcache.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvalidRequestBodyError,
+    PayloadTooLargeError,
+    PrefixCacheError,
+    UnknownNamespaceError,
+    UnknownReplicaError,
+    UnknownRequestError,
+)
+from prefixcache.fleet.ingest import IngestSource, IngestStats
+from prefixcache.fleet.router import RouteDecision, Router
+from prefixcache.fleet.routing import ReplicaScore
+from prefixcache.fleet.service_bodies import (
+    PromptBody,
+    ReleaseBody,
+    RouteBody,
+    decode_body,
+)
+from prefixcache.fleet.service_config import ServiceConfig
+from prefixcache.fleet.service_metrics import CONTENT_TYPE, ServiceMetrics
+from prefixcache.namespace import Namespace
+from prefixcache.replay.traces import Tokenizer, load_tokenizer
+from prefixcache.tokens import TokenIds
+
+_STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
+    (PayloadTooLargeError, 413),
+    (UnknownNamespaceError, 404),
+    (UnknownRequestError, 404),
+    (UnknownReplicaError, 404),
+    (DuplicateRequestError, 409),
+    (ConfigError, 500),
+)
+
+
+def error_response(status: int, kind: str, message: str) -> Response:
+    """The JSON error answer every endpoint gives."""
+    body = {"error": {"type": kind, "message": message, "status": status}}
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def status_of(exc: PrefixCacheError) -> int:
+    """HTTP status for a typed error: 413, 404, 409, 400 for malformed JSON, else 422."""
+    for kind, status in _STATUS:
+        if isinstance(exc, kind):
+            return status
+    if isinstance(exc, InvalidRequestBodyError) and "not valid JSON" in str(exc):
+        return 400
+    return 422
+
+
+def _json(data: Any) -> Response:
+    return Response(msgspec.json.encode(data), media_type="application/json")
+
+
+def _score(score: ReplicaScore) -> dict[str, Any]:
+    return score._asdict()
+
+
+class FleetService:
+    """What the handlers share: router, config, tokenizer, metrics and the optional ingest."""
+
+    def __init__(
+        self,
+        router: Router,
+        config: ServiceConfig,
+        tokenizer: Tokenizer,
+        metrics: ServiceMetrics,
+    ) -> None:
+        self.router = router
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.urls = {r.name: r.url for r in config.replicas}
+        self.http_client: Any = None  # httpx.AsyncClient while proxying
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, or PayloadTooLargeError past ``limits.max_body_bytes``."""
+        limit = self.config.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise InvalidArgumentError(f"bad Content-Length header {declared!r}")
+            if int(declared) > limit:
+                raise PayloadTooLargeError(
+                    f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes"
+                )
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def tokens_of(self, tokens: Sequence[int] | None, text: str | None) -> TokenIds:
+        """The prompt's token ids: given ones, else ``text`` through the tokenizer. Checks the
+        prompt-token limit."""
+        if (tokens is None) == (text is None):
+            raise InvalidArgumentError("give exactly one of 'tokens' (token ids) or 'text'")
+        ids: TokenIds = tokens if tokens is not None else self.tokenizer.encode(text or "")
+        limit = self.config.limits.max_prompt_tokens
+        if len(ids) > limit:
+            raise PayloadTooLargeError(
+                f"prompt has {len(ids)} tokens; this service accepts at most {limit}"
+            )
+        return ids
+
+    def prompt(self, body: PromptBody) -> tuple[Namespace, TokenIds]:
+        """Namespace and token ids of a lookup or route body."""
+        return body.namespace(), self.tokens_of(body.tokens, body.text)
+
+    def route(
+        self, namespace: Namespace, tokens: TokenIds, request_id: str | None
+    ) -> RouteDecision:
+        """Route with the router and count the decision."""
+        start = time.perf_counter()
+        decision = self.router.route(namespace, tokens, request_id)
+        self.metrics.observe_route(decision, time.perf_counter() - start)
+        return decision
+
+    def release_quietly(self, request_id: str) -> None:
+        """Release a request the service routed itself; a second release is not an error."""
+        with suppress(UnknownRequestError):
+            self.router.release(request_id)
+
+
+def create_app(
+    router: Router,
+    config: ServiceConfig,
+    *,
+    tokenizer: Tokenizer | None = None,
+    ingest: IngestSource | None = None,
+    ingest_stats: IngestStats | None = None,
+    proxy: bool | None = None,
+) -> FastAPI:
+    """The service app over ``router``.
+
+    ``tokenizer`` encodes text prompts (default: ``config.tokenizer``, else UTF-8 bytes).
+    ``ingest`` is started when the app starts and stopped when it stops; its counters are
+    exported when it (or ``ingest_stats``) implements ``IngestStats``. ``proxy`` overrides
+    ``config.proxy.enabled``. Raises ConfigError for an unusable combination.
+    """
+    if ingest_stats is None and isinstance(ingest, IngestStats):
+        ingest_stats = ingest
+    proxying = config.proxy.enabled if proxy is None else proxy
+    if proxying:
+        missing = [r.name for r in config.replicas if r.url is None]
+        if missing:
+            raise ConfigError(f"proxy mode needs a url for every replica; missing: {missing}")
+    service = FleetService(
+        router,
+        config,
+        tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer),
+        ServiceMetrics(router, ingest_stats),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if proxying:
+            import httpx
+
+            timeout = httpx.Timeout(
+                config.proxy.timeout_s, connect=min(10.0, config.proxy.timeout_s)
+            )
+            service.http_client = httpx.AsyncClient(timeout=timeout)
+        if ingest is not None:
+            await run_in_threadpool(ingest.start)
+        try:
+            yield
+        finally:
+            if ingest is not None:
+                await run_in_threadpool(ingest.stop)
+            if service.http_client is not None:
+                await service.http_client.aclose()
+
+    app = FastAPI(title="prefixcache fleet service", lifespan=lifespan, openapi_url=None)
+    app.state.service = service
+
+    @app.exception_handler(PrefixCacheError)
+    async def _typed_error(request: Request, exc: PrefixCacheError) -> Response:
+        status = status_of(exc)
+        service.metrics.errors.labels(request.url.path, str(status)).inc()
+        return error_response(status, type(exc).__name__, str(exc))
+
+    @app.post("/v1/lookup")
+    async def lookup(request: Request) -> Response:
+        """Cached prompt tokens per replica serving the prompt's namespace."""
+        body = decode_body(await service.read_body(request), PromptBody)
+        namespace, tokens = service.prompt(body)
+        result = router.lookup(namespace, tokens)
+        return _json(
+            {
+                "namespace": namespace.label(),
+                "prompt_tokens": result.prompt_tokens,
+                "replicas": [_score(s) for s in result.scores],
+            }
+        )
+
+    @app.post("/v1/route")
+    async def route(request: Request) -> Response:
+        """Choose a replica for the prompt; with a request_id, count it as load."""
+        body = decode_body(await service.read_body(request), RouteBody)
+        namespace, tokens = service.prompt(body)
+        decision = service.route(namespace, tokens, body.request_id)
+        return _json(
+            {
+                "replica": decision.replica,
+                "url": service.urls.get(decision.replica),
+                "policy": decision.policy,
+                "rule": decision.rule,
+                "request_id": decision.request_id,
+                "prompt_tokens": decision.prompt_tokens,
+                "cached_tokens": decision.cached_tokens,
+                "gpu_cached_tokens": decision.gpu_cached_tokens,
+                "scores": [_score(s) for s in decision.scores],
+            }
+        )
+
+    @app.post("/v1/release")
+    async def release(request: Request) -> Response:
+        """End a routed request's load."""
+        body = decode_body(await service.read_body(request), ReleaseBody)
+        released = router.release(body.request_id)
+        return _json(released._asdict())
+
+    @app.get("/v1/replicas")
+    async def replicas() -> Response:
+        """Every replica: config, load and the blocks the index holds for it."""
+        loads = {load.name: load for load in router.loads()}
+        out = []
+        for spec in router.replicas():
+            rc = config.replica(spec.name)
+            load = loads.get(spec.name)
+            ns = spec.namespace
+            out.append(
+                {
+                    "name": spec.name,
+                    "url": rc.url if rc else None,
+                    "events": rc.events if rc else None,
+                    "replay": rc.replay if rc else None,
+                    "model": ns.model,
+                    "adapter": ns.adapter,
+                    "adapter_version": ns.adapter_version,
+                    "salt": ns.salt,
+                    "extra": list(ns.extra),
+                    "namespace": ns.label(),
+                    "block_size": spec.block_size,
+                    "capacity_blocks": spec.capacity_blocks,
+                    "in_flight": load.in_flight if load else 0,
+                    "in_flight_tokens": load.in_flight_tokens if load else 0,
+                    "index_blocks": router.index.num_blocks(spec.name),
+                }
+            )
+        return _json({"policy": router.policy, "replicas": out})
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        """Liveness: the service answers and knows its replicas."""
+        return _json(
+            {
+                "status": "ok",
+                "replicas": len(router.replicas()),
+                "policy": router.policy,
+                "proxy": proxying,
+                "ingest": ingest is not None,
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus exposition of the service's own registry."""
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    if proxying:
+        from prefixcache.fleet.proxy import add_proxy_routes
+
+        add_proxy_routes(app, service)
+    return app

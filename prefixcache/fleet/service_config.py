@@ -1,0 +1,311 @@
+"""The service's YAML file: replicas, routing policy, tokenizer, index and limits, validated once.
+
+Every mistake raises ConfigError naming the file, the place (``replicas[2].block_size``) and what
+is expected; unknown keys are mistakes too, so a misspelt option never passes silently. See
+``examples/fleet/fleet.yaml`` for a complete file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.fleet.router import ReplicaSpec
+from prefixcache.fleet.routing import POLICIES, RoutingParams, check_params
+from prefixcache.hashing import HASH_FUNCTIONS
+from prefixcache.namespace import Namespace
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_ENDPOINT = re.compile(r"(tcp://[^\s:/]+:\d{1,5}|ipc://\S+|inproc://\S+)")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One engine replica: where to reach it and what its cache holds."""
+
+    name: str
+    url: str | None  # OpenAI-compatible base URL, for proxy mode
+    events: str | None  # ZMQ endpoint of its KV events (e.g. vLLM's --kv-events-config)
+    replay: str | None  # ZMQ endpoint that replays missed events, if the engine has one
+    namespace: Namespace  # model, adapter, salt and extra keys its blocks are hashed under
+    block_size: int
+    capacity_blocks: int  # 0: unknown
+
+    def spec(self) -> ReplicaSpec:
+        """The router's view of this replica."""
+        return ReplicaSpec(self.name, self.namespace, self.block_size, self.capacity_blocks)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Policy name and thresholds (see ``prefixcache.fleet.routing``)."""
+
+    policy: str = "prefix_balanced"
+    params: RoutingParams = field(default_factory=RoutingParams)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one request and the fleet may be."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_prompt_tokens: int = 262_144
+    max_replicas: int = 256
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Forwarding of OpenAI-compatible requests to the chosen replica."""
+
+    enabled: bool = False
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """A validated service configuration."""
+
+    replicas: tuple[ReplicaConfig, ...]
+    routing: RoutingConfig = RoutingConfig()
+    limits: Limits = Limits()
+    proxy: ProxyConfig = ProxyConfig()
+    tokenizer: str | None = None  # Hugging Face tokenizer.json; None: UTF-8 bytes
+    index: str = "memory"  # "memory" or "redis://host:port/db"
+    hash_algo: str = "xxh3_128"
+    source: str = "<config>"
+
+    def replica(self, name: str) -> ReplicaConfig | None:
+        """The replica called ``name``, or None."""
+        return next((r for r in self.replicas if r.name == name), None)
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+
+_TOP = ("replicas", "routing", "limits", "proxy", "tokenizer", "index", "hash_algo")
+_REPLICA = (
+    "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
+    "block_size", "capacity_blocks",
+)  # fmt: skip
+_ROUTING = ("policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold")
+_LIMITS = ("max_body_bytes", "max_prompt_tokens", "max_replicas")
+_PROXY = ("enabled", "timeout_s")
+
+
+class _Reader:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, message: str) -> ConfigError:
+        return ConfigError(
+            f"{self.source}: {where}: {message}" if where else f"{self.source}: {message}"
+        )
+
+    def mapping(self, value: Any, where: str, known: tuple[str, ...]) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(where, f"expected a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in known:
+                raise self.fail(where, f"unknown key {key!r}; known keys: {', '.join(known)}")
+        return value
+
+    def string(self, value: Any, where: str, *, optional: bool = True) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not value:
+            raise self.fail(where, f"expected a non-empty string, got {value!r}")
+        return value
+
+    def integer(self, value: Any, where: str, minimum: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(where, f"expected an integer >= {minimum}, got {value!r}")
+        return value
+
+    def number(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise self.fail(where, f"expected a positive number, got {value!r}")
+        return float(value)
+
+    def url(self, value: Any, where: str) -> str | None:
+        text = self.string(value, where)
+        if text is None:
+            return None
+        parts = urlsplit(text)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise self.fail(where, f"expected an http(s)://host:port URL, got {text!r}")
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise self.fail(where, f"bad port in {text!r}") from None
+        return text.rstrip("/")
+
+    def endpoint(self, value: Any, where: str) -> str | None:
+        text = self.string(value, where)
+        if text is not None and not _ENDPOINT.fullmatch(text):
+            raise self.fail(
+                where, f"expected a ZMQ endpoint tcp://host:port or ipc://path, got {text!r}"
+            )
+        return text
+
+
+def check_index_url(url: Any, where: str = "index") -> str:
+    """``url`` if it names an index backend ("memory" or "redis://host[:port][/db]")."""
+    if url == "memory":
+        return url
+    parts = urlsplit(url) if isinstance(url, str) else None
+    ok = parts is not None and parts.scheme in ("redis", "rediss") and bool(parts.hostname)
+    if ok and parts is not None:
+        try:
+            parts.port  # noqa: B018
+        except ValueError:
+            ok = False
+        db = parts.path.strip("/")
+        ok = ok and (db == "" or db.isdigit())
+    if not ok:
+        raise ConfigError(f"{where}: expected 'memory' or 'redis://host:port/db', got {url!r}")
+    return str(url)
+
+
+def _replica(r: _Reader, raw: Any, where: str) -> ReplicaConfig:
+    m = r.mapping(raw, where, _REPLICA)
+    name = r.string(m.get("name"), f"{where}.name", optional=False)
+    assert name is not None
+    if not _NAME.fullmatch(name):
+        raise r.fail(
+            f"{where}.name",
+            f"{name!r} is not a valid name (letters, digits, '.', '_', ':', '-'; 128 at most)",
+        )
+    model = r.string(m.get("model"), f"{where}.model", optional=False)
+    extra = m.get("extra") or []
+    if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
+        raise r.fail(f"{where}.extra", f"expected a list of strings, got {extra!r}")
+    try:
+        namespace = Namespace(
+            model=model or "",
+            adapter=r.string(m.get("adapter"), f"{where}.adapter"),
+            adapter_version=r.string(m.get("adapter_version"), f"{where}.adapter_version"),
+            salt=r.string(m.get("salt"), f"{where}.salt"),
+            extra=tuple(extra),
+        )
+    except PrefixCacheError as exc:
+        raise r.fail(where, str(exc)) from None
+    return ReplicaConfig(
+        name=name,
+        url=r.url(m.get("url"), f"{where}.url"),
+        events=r.endpoint(m.get("events"), f"{where}.events"),
+        replay=r.endpoint(m.get("replay"), f"{where}.replay"),
+        namespace=namespace,
+        block_size=r.integer(m.get("block_size", 16), f"{where}.block_size", 1),
+        capacity_blocks=r.integer(m.get("capacity_blocks", 0), f"{where}.capacity_blocks", 0),
+    )
+
+
+def parse_config(
+    data: Any, source: str = "<config>", base_dir: Path | None = None
+) -> ServiceConfig:
+    """A ServiceConfig from parsed YAML; relative tokenizer paths are taken from ``base_dir``."""
+    r = _Reader(source)
+    top = r.mapping(data, "", _TOP)
+    if data is None:
+        raise r.fail("", "the file is empty; it needs at least a 'replicas' list")
+
+    lim = r.mapping(top.get("limits"), "limits", _LIMITS)
+    defaults = Limits()
+    limits = Limits(
+        r.integer(
+            lim.get("max_body_bytes", defaults.max_body_bytes), "limits.max_body_bytes", 1024
+        ),
+        r.integer(
+            lim.get("max_prompt_tokens", defaults.max_prompt_tokens), "limits.max_prompt_tokens", 1
+        ),
+        r.integer(lim.get("max_replicas", defaults.max_replicas), "limits.max_replicas", 1),
+    )
+
+    raw_replicas = top.get("replicas")
+    if not isinstance(raw_replicas, list) or not raw_replicas:
+        raise r.fail("replicas", "expected a non-empty list of replicas")
+    if len(raw_replicas) > limits.max_replicas:
+        raise r.fail(
+            "replicas", f"{len(raw_replicas)} replicas, more than limits.max_replicas "
+            f"({limits.max_replicas})"
+        )  # fmt: skip
+    replicas = tuple(_replica(r, raw, f"replicas[{i}]") for i, raw in enumerate(raw_replicas))
+    seen: set[str] = set()
+    for i, rep in enumerate(replicas):
+        if rep.name in seen:
+            raise r.fail(f"replicas[{i}].name", f"duplicate replica name {rep.name!r}")
+        seen.add(rep.name)
+
+    rt = r.mapping(top.get("routing"), "routing", _ROUTING)
+    policy = rt.get("policy", "prefix_balanced")
+    if policy not in POLICIES:
+        raise r.fail(
+            "routing.policy",
+            f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}",
+        )
+    d = RoutingParams()
+    try:
+        params = check_params(
+            RoutingParams(
+                rt.get("balance_abs_threshold", d.balance_abs_threshold),
+                rt.get("balance_rel_threshold", d.balance_rel_threshold),
+                rt.get("cache_threshold", d.cache_threshold),
+            )
+        )
+    except ConfigError as exc:
+        raise r.fail("routing", str(exc)) from None
+
+    px = r.mapping(top.get("proxy"), "proxy", _PROXY)
+    enabled = px.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise r.fail("proxy.enabled", f"expected true or false, got {enabled!r}")
+    proxy = ProxyConfig(enabled, r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"))
+
+    tokenizer = r.string(top.get("tokenizer"), "tokenizer")
+    if tokenizer is not None and tokenizer != "bytes":
+        path = Path(tokenizer)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise r.fail("tokenizer", f"file {str(path)!r} does not exist")
+        tokenizer = str(path)
+    elif tokenizer == "bytes":
+        tokenizer = None
+
+    try:
+        index = check_index_url(top.get("index", "memory"))
+    except ConfigError as exc:
+        raise r.fail("", str(exc)) from None
+    hash_algo = top.get("hash_algo", "xxh3_128")
+    if hash_algo not in HASH_FUNCTIONS:
+        raise r.fail(
+            "hash_algo", f"unknown hash {hash_algo!r}; choose one of {', '.join(HASH_FUNCTIONS)}"
+        )
+    return ServiceConfig(
+        replicas, RoutingConfig(policy, params), limits, proxy, tokenizer, index, hash_algo, source
+    )
+
+
+def load_config(path: str | Path) -> ServiceConfig:
+    """Read and validate a service YAML file; ConfigError saying what is wrong otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    return parse_config(data, str(path), path.parent)

@@ -1,0 +1,64 @@
+"""A tiny OpenAI-compatible upstream for the proxy tests, serving several named replicas.
+
+    python -m tests.fake_openai_upstream --port 8124
+
+``POST /{name}/v1/completions`` and ``/{name}/v1/chat/completions`` answer as replica ``name``;
+with ``"stream": true`` they send ``max_tokens`` server-sent events (``delay`` seconds apart when
+the body has ``"delay"``) and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+app = FastAPI()
+
+
+async def _answer(name: str, kind: str, request: Request) -> Response:
+    body = await request.json()
+    count = int(body.get("max_tokens", 3))
+    if not body.get("stream"):
+        return JSONResponse(
+            {"object": kind, "replica": name, "model": body.get("model"), "choices": [
+                {"index": 0, "text": "x" * count}
+            ]}
+        )  # fmt: skip
+    delay = float(body.get("delay", 0.0))
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(count):
+            chunk = {"object": kind, "replica": name, "index": i}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            if delay:
+                await asyncio.sleep(delay)
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@app.post("/{name}/v1/completions")
+async def completions(name: str, request: Request) -> Response:
+    return await _answer(name, "text_completion", request)
+
+
+@app.post("/{name}/v1/chat/completions")
+async def chat(name: str, request: Request) -> Response:
+    return await _answer(name, "chat.completion.chunk", request)
+
+
+@app.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    uvicorn.run(app, host="127.0.0.1", port=parser.parse_args().port, log_level="warning")

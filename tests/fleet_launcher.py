@@ -1,0 +1,70 @@
+"""Runs the fleet service for the tests: a config file, the in-memory test index seeded from a
+JSON file, and an ingest source that leaves marker files when started and stopped.
+
+    python -m tests.fleet_launcher --config fleet.yaml --port 8123 --seed seed.json --markers DIR
+
+``seed.json`` lists ``{"replica": name, "tokens": [...] | "text": "...", "medium": "GPU"}``; the
+prompt's full blocks are stored for that replica under its configured namespace and block size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import uvicorn
+
+from prefixcache.fleet.ingest import CallableIngest, IngestCounts
+from prefixcache.fleet.router import Router
+from prefixcache.fleet.server import create_app
+from prefixcache.fleet.service_config import load_config
+from prefixcache.hashing import BlockHasher
+from prefixcache.replay.traces import load_tokenizer
+from tests.fleet_doubles import DictFleetIndex
+
+INGEST_COUNTS = {
+    "replica-a": IngestCounts(5, 40, 2, 1, 0),
+    "replica-b": IngestCounts(3, 8, 0, 0, 2),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--seed")
+    parser.add_argument("--markers")
+    args = parser.parse_args()
+    config = load_config(args.config)
+    index = DictFleetIndex()
+    tokenizer = load_tokenizer(config.tokenizer)
+    for row in json.loads(Path(args.seed).read_text()) if args.seed else []:
+        replica = config.replica(row["replica"])
+        assert replica is not None, row
+        tokens = row["tokens"] if "tokens" in row else tokenizer.encode(row["text"])
+        digests = BlockHasher(replica.block_size).hash_prompt(tokens, replica.namespace)
+        index.store(replica.name, digests, row.get("medium", "GPU"))
+    for replica in config.replicas:
+        if replica.name not in index.replicas():
+            index.store(replica.name, [])
+    router = Router(
+        index,
+        [r.spec() for r in config.replicas],
+        config.routing.policy,
+        config.routing.params,
+        max_prompt_tokens=config.limits.max_prompt_tokens,
+    )
+    markers = Path(args.markers) if args.markers else None
+
+    def mark(name: str) -> None:
+        if markers is not None:
+            (markers / name).write_text("1")
+
+    ingest = CallableIngest(lambda: mark("started"), lambda: mark("stopped"), lambda: INGEST_COUNTS)
+    app = create_app(router, config, tokenizer=tokenizer, ingest=ingest)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Routing policies and the in-process Router, over the in-memory test index."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixcache.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvalidTokensError,
+    PayloadTooLargeError,
+    UnknownNamespaceError,
+    UnknownReplicaError,
+    UnknownRequestError,
+)
+from prefixcache.fleet.fleet_index import CPU
+from prefixcache.fleet.router import ReplicaLoad, ReplicaSpec, Router
+from prefixcache.fleet.routing import (
+    POLICIES,
+    ReplicaScore,
+    RouteContext,
+    RoutingParams,
+    get_policy,
+    is_imbalanced,
+    least_loaded,
+    prefix,
+    prefix_balanced,
+    round_robin,
+)
+from prefixcache.hashing import BlockHasher
+from prefixcache.namespace import Namespace
+from tests.fleet_doubles import DictFleetIndex
+
+NS = Namespace("m")
+
+
+def score(name: str, cached: int = 0, load: int = 0, **kw: int) -> ReplicaScore:
+    fields = {"gpu_cached_tokens": cached, "in_flight_tokens": 0, "capacity_blocks": 100}
+    fields["held_blocks"] = 0
+    fields.update(kw)
+    return ReplicaScore(name, cached, in_flight=load, **fields)  # type: ignore[misc]
+
+
+# ---- policies -----------------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_in_order() -> None:
+    scores = [score("a"), score("b"), score("c")]
+    picks = [round_robin(scores, RouteContext(10, turn)).replica for turn in range(5)]
+    assert picks == ["a", "b", "c", "a", "b"]
+
+
+def test_least_loaded_requests_then_tokens_then_order() -> None:
+    scores = [score("a", load=2), score("b", load=1, in_flight_tokens=50), score("c", load=1)]
+    assert least_loaded(scores, RouteContext(10)).replica == "c"
+    assert least_loaded([score("a"), score("b")], RouteContext(10)).replica == "a"
+
+
+def test_prefix_most_cached_then_gpu_then_least_loaded() -> None:
+    ctx = RouteContext(64)
+    assert prefix([score("a", 16), score("b", 48), score("c", 32)], ctx).replica == "b"
+    tie = [score("a", 32, load=3), score("b", 32, load=1), score("c", 16)]
+    assert prefix(tie, ctx) == ("b", "prefix")
+    gpu = [score("a", 32, gpu_cached_tokens=16), score("b", 32, gpu_cached_tokens=32, load=5)]
+    assert prefix(gpu, ctx).replica == "b"
+
+
+def test_prefix_balanced_follows_sglang_rule() -> None:
+    params = RoutingParams(balance_abs_threshold=4, balance_rel_threshold=1.5, cache_threshold=0.3)
+    ctx = RouteContext(100, 0, params)
+    # balanced, good match: the prefix holder wins even though it is busier
+    balanced = [score("a", 80, load=4), score("b", 0, load=1)]
+    assert prefix_balanced(balanced, ctx) == ("a", "prefix")
+    # max - min = 5 > 4 and 6 > 1.5 * 1: imbalanced, the least loaded wins
+    imbalanced = [score("a", 80, load=6), score("b", 0, load=1)]
+    assert is_imbalanced(imbalanced, params)
+    assert prefix_balanced(imbalanced, ctx) == ("b", "imbalanced")
+    # a large absolute gap that is not relatively large is still balanced
+    relative = [score("a", 80, load=20), score("b", 0, load=15)]
+    assert not is_imbalanced(relative, params)
+    assert prefix_balanced(relative, ctx).replica == "a"
+    # best match 30% is not above the threshold: the roomiest replica wins
+    low = [
+        score("a", 30, held_blocks=90),
+        score("b", 0, held_blocks=10),
+        score("c", held_blocks=10),
+    ]
+    assert prefix_balanced(low, ctx) == ("b", "low_match")
+
+
+def test_registry_and_bad_names() -> None:
+    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix", "prefix_balanced"}
+    assert get_policy("prefix") is prefix
+    with pytest.raises(ConfigError, match="unknown routing policy 'fastest'"):
+        get_policy("fastest")
+    with pytest.raises(InvalidArgumentError, match="no eligible replica"):
+        prefix([], RouteContext(1))
+
+
+replica_scores = st.lists(
+    st.builds(
+        ReplicaScore,
+        name=st.just(""),
+        cached_tokens=st.integers(0, 512),
+        gpu_cached_tokens=st.integers(0, 512),
+        in_flight=st.integers(0, 200),
+        in_flight_tokens=st.integers(0, 10_000),
+        capacity_blocks=st.integers(0, 1000),
+        held_blocks=st.integers(0, 1000),
+    ),
+    min_size=1,
+    max_size=16,
+).map(lambda xs: [x._replace(name=f"r{i}") for i, x in enumerate(xs)])
+
+
+@given(replica_scores, st.integers(1, 1024), st.integers(0, 1000))
+def test_policy_properties(scores: list[ReplicaScore], prompt: int, turn: int) -> None:
+    ctx = RouteContext(prompt, turn)
+    by_name = {s.name: s for s in scores}
+    best_cached = max(s.cached_tokens for s in scores)
+    least = min(s.in_flight for s in scores)
+    # prefix never picks a replica with fewer cached tokens than another one
+    assert by_name[prefix(scores, ctx).replica].cached_tokens == best_cached
+    assert by_name[least_loaded(scores, ctx).replica].in_flight == least
+    assert round_robin(scores, ctx).replica == scores[turn % len(scores)].name
+    choice = prefix_balanced(scores, ctx)
+    chosen = by_name[choice.replica]
+    if is_imbalanced(scores, ctx.params):
+        assert choice.rule == "imbalanced" and chosen.in_flight == least
+    elif best_cached / prompt > ctx.params.cache_threshold:
+        assert choice.rule == "prefix" and chosen.cached_tokens == best_cached
+    else:
+        free = max(s.capacity_blocks - s.held_blocks for s in scores)
+        assert choice.rule == "low_match" and chosen.capacity_blocks - chosen.held_blocks == free
+
+
+# ---- router -------------------------------------------------------------------------------------
+
+
+def seeded(policy: str = "prefix", **kw: object) -> tuple[Router, DictFleetIndex, np.ndarray]:
+    index = DictFleetIndex()
+    tokens = np.arange(1, 129, dtype="<i4")  # 8 blocks of 16
+    digests = BlockHasher(16).hash_prompt(tokens, NS)
+    index.store("a", digests[:2])
+    index.store("b", digests[:6])
+    index.store("b", digests[6:], CPU)
+    index.store("c", [])
+    specs = [ReplicaSpec(name, NS, 16, 1000) for name in "abc"]
+    return Router(index, specs, policy, **kw), index, tokens  # type: ignore[arg-type]
+
+
+def test_lookup_scores_every_eligible_replica() -> None:
+    router, _, tokens = seeded()
+    result = router.lookup(NS, tokens)
+    assert result.prompt_tokens == 128
+    got = {s.name: (s.cached_tokens, s.gpu_cached_tokens, s.held_blocks) for s in result.scores}
+    assert got == {"a": (32, 32, 2), "b": (128, 96, 8), "c": (0, 0, 0)}
+    assert router.lookup(NS, tokens.tolist()) == result
+    assert router.lookup(NS, tokens[:20]).scores[1].cached_tokens == 16
+    other = Router(DictFleetIndex(), [ReplicaSpec("x", Namespace("m", salt="t"), 16)])
+    assert other.lookup(Namespace("m", salt="t"), tokens).scores[0].cached_tokens == 0
+
+
+def test_route_counts_load_until_release() -> None:
+    router, _, tokens = seeded("prefix")
+    decision = router.route(NS, tokens, request_id="r1")
+    assert decision.replica == "b" and decision.cached_tokens == 128
+    assert decision.policy == "prefix" and decision.rule == "prefix"
+    assert router.loads()[1] == ReplicaLoad("b", 1, 128)
+    assert router.in_flight() == 1
+    assert router.release("r1") == ("r1", "b", 128)
+    assert router.loads()[1] == ReplicaLoad("b", 0, 0)
+    with pytest.raises(UnknownRequestError, match="not in flight"):
+        router.release("r1")
+    assert router.route(NS, tokens).request_id is None
+    assert router.in_flight() == 0
+
+
+def test_least_loaded_spreads_tracked_routes() -> None:
+    router, _, tokens = seeded("least_loaded")
+    picks = [router.route(NS, tokens, request_id=f"r{i}").replica for i in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_rejected_routes_change_nothing() -> None:
+    router, index, tokens = seeded("prefix", max_prompt_tokens=200)
+    router.route(NS, tokens, request_id="held")
+    before = (
+        router.loads(),
+        router.in_flight(),
+        index.match(BlockHasher(16).hash_prompt(tokens, NS)),
+    )
+    bad_calls = [
+        (DuplicateRequestError, lambda: router.route(NS, tokens, request_id="held")),
+        (InvalidTokensError, lambda: router.route(NS, [1, -1], request_id="x1")),
+        (InvalidTokensError, lambda: router.route(NS, [1.5, 2], request_id="x2")),
+        (InvalidTokensError, lambda: router.route(NS, [True, 2], request_id="x3")),
+        (InvalidTokensError, lambda: router.route(NS, [], request_id="x4")),
+        (PayloadTooLargeError, lambda: router.route(NS, list(range(201)), request_id="x5")),
+        (UnknownNamespaceError, lambda: router.route(Namespace("n"), tokens, request_id="x6")),
+        (InvalidArgumentError, lambda: router.route(NS, tokens, request_id="")),
+        (InvalidArgumentError, lambda: router.route("m", tokens)),  # type: ignore[arg-type]
+    ]
+    for error, call in bad_calls:
+        with pytest.raises(error):
+            call()
+        after = (
+            router.loads(),
+            router.in_flight(),
+            index.match(BlockHasher(16).hash_prompt(tokens, NS)),
+        )
+        assert after == before
+
+
+def test_namespaces_and_block_sizes_are_kept_apart() -> None:
+    index = DictFleetIndex()
+    tokens = list(range(64))
+    lora = Namespace("m", adapter="sql")
+    index.store("a", BlockHasher(16).hash_prompt(tokens, NS))
+    index.store("big", BlockHasher(32).hash_prompt(tokens, NS))
+    index.store("l", BlockHasher(16).hash_prompt(tokens, NS))  # stored under the base namespace
+    router = Router(
+        index,
+        [ReplicaSpec("a", NS, 16), ReplicaSpec("big", NS, 32), ReplicaSpec("l", lora, 16)],
+        "prefix",
+    )
+    got = {s.name: s.cached_tokens for s in router.lookup(NS, tokens).scores}
+    assert got == {"a": 64, "big": 64}
+    assert [(s.name, s.cached_tokens) for s in router.lookup(lora, tokens).scores] == [("l", 0)]
+    assert router.namespaces() == [NS, lora]
+    with pytest.raises(UnknownNamespaceError, match="served: m, m lora=sql"):
+        router.lookup(Namespace("m", salt="x"), tokens)
+
+
+def test_replicas_added_and_removed() -> None:
+    router, index, tokens = seeded("prefix")
+    router.route(NS, tokens, request_id="on-b")
+    removed = router.remove_replica("b")
+    assert removed.name == "b" and "b" not in index.replicas()
+    assert router.route(NS, tokens).replica == "a"
+    assert router.release("on-b").replica == "b"  # still releasable
+    with pytest.raises(UnknownReplicaError):
+        router.remove_replica("b")
+    router.add_replica(ReplicaSpec("b", NS, 16, 1000))
+    assert router.loads()[-1] == ReplicaLoad("b", 0, 0)
+    with pytest.raises(InvalidArgumentError, match="already in the fleet"):
+        router.add_replica(ReplicaSpec("a", NS, 16))
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        router.add_replica(ReplicaSpec("d", NS, 0))
+    assert [s.name for s in router.replicas()] == ["a", "c", "b"]
+
+
+def test_bad_router_options() -> None:
+    with pytest.raises(ConfigError, match="unknown routing policy"):
+        Router(DictFleetIndex(), [], "nearest")
+    with pytest.raises(ConfigError, match="balance_rel_threshold"):
+        Router(DictFleetIndex(), [], params=RoutingParams(64, 0.5, 0.3))
+    with pytest.raises(ConfigError, match="unknown hash"):
+        Router(DictFleetIndex(), [], hash_algo="md5")
+
+
+def test_concurrent_routes_releases_and_index_writes() -> None:
+    router, index, tokens = seeded("prefix_balanced")
+    errors: list[BaseException] = []
+    digests = BlockHasher(16).hash_prompt(tokens, NS)
+
+    def client(k: int) -> None:
+        try:
+            for i in range(150):
+                rid = f"{k}-{i}"
+                router.route(NS, tokens, request_id=rid)
+                router.lookup(NS, tokens)
+                router.release(rid)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def writer() -> None:
+        for _ in range(150):
+            index.store("c", digests)
+            index.remove("c", digests)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    threads.append(threading.Thread(target=writer))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert router.in_flight() == 0
+    assert all(load.in_flight == 0 and load.in_flight_tokens == 0 for load in router.loads())

@@ -1,0 +1,356 @@
+"""The fleet service over real HTTP: the app in a uvicorn subprocess on 127.0.0.1, seeded with the
+test index, and a fake OpenAI-compatible upstream in another subprocess for proxy mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fleet_processes import ROOT, free_port, running, wait_until
+
+PROMPT = list(range(1, 33))  # 8 blocks of 4 tokens
+TEXT = "hello fleet, this prompt is shared"
+MAX_BODY = 16384
+MAX_TOKENS = 256
+
+
+def _config(upstream: str, dead_port: int) -> str:
+    return f"""
+index: memory
+routing: {{policy: prefix}}
+proxy: {{enabled: true, timeout_s: 30}}
+limits: {{max_body_bytes: {MAX_BODY}, max_prompt_tokens: {MAX_TOKENS}, max_replicas: 8}}
+replicas:
+  - {{name: replica-a, model: m, block_size: 4, capacity_blocks: 1000, url: "{upstream}/replica-a",
+      events: "tcp://127.0.0.1:5557"}}
+  - {{name: replica-b, model: m, block_size: 4, capacity_blocks: 1000, url: "{upstream}/replica-b"}}
+  - {{name: replica-dead, model: dead, block_size: 4, url: "http://127.0.0.1:{dead_port}"}}
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    up_port, port, dead_port = free_port(), free_port(), free_port()
+    upstream_base = f"http://127.0.0.1:{up_port}"
+    (tmp / "fleet.yaml").write_text(_config(upstream_base, dead_port))
+    seed = [
+        {"replica": "replica-a", "tokens": PROMPT},
+        {"replica": "replica-b", "tokens": PROMPT[:8]},
+        {"replica": "replica-b", "text": TEXT},
+    ]
+    (tmp / "seed.json").write_text(json.dumps(seed))
+    markers = tmp / "markers"
+    markers.mkdir()
+    service_args = [
+        "tests.fleet_launcher",
+        "--config", str(tmp / "fleet.yaml"),
+        "--port", str(port),
+        "--seed", str(tmp / "seed.json"),
+        "--markers", str(markers),
+    ]  # fmt: skip
+    upstream_args = ["tests.fake_openai_upstream", "--port", str(up_port)]
+    with (
+        running(upstream_args, up_port, tmp / "upstream.log"),
+        running(service_args, port, tmp / "service.log") as base,
+        httpx.Client(base_url=base, timeout=10.0) as client,
+    ):
+        yield {"client": client, "markers": markers}
+
+
+def _state(client: httpx.Client) -> tuple[Any, Any]:
+    """Loads and index sizes of every replica, and the lookups of the seeded prompts."""
+    replicas = client.get("/v1/replicas").json()
+    lookups = [
+        client.post("/v1/lookup", json={"model": "m", "tokens": PROMPT}).json(),
+        client.post("/v1/lookup", json={"model": "m", "text": TEXT}).json(),
+    ]
+    return replicas, lookups
+
+
+def _cached(lookup: dict[str, Any]) -> dict[str, int]:
+    return {r["name"]: r["cached_tokens"] for r in lookup["replicas"]}
+
+
+def test_health_and_replicas(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and health["replicas"] == 3 and health["proxy"] is True
+    replicas = {r["name"]: r for r in client.get("/v1/replicas").json()["replicas"]}
+    assert set(replicas) == {"replica-a", "replica-b", "replica-dead"}
+    assert replicas["replica-a"]["index_blocks"] == 8
+    assert replicas["replica-a"]["events"] == "tcp://127.0.0.1:5557"
+    assert replicas["replica-b"]["block_size"] == 4 and replicas["replica-b"]["model"] == "m"
+    assert (fleet["markers"] / "started").exists()
+
+
+def test_lookup_tokens_and_text(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    by_tokens = client.post("/v1/lookup", json={"model": "m", "tokens": PROMPT}).json()
+    assert by_tokens["prompt_tokens"] == 32
+    assert _cached(by_tokens) == {"replica-a": 32, "replica-b": 8}
+    longer = client.post("/v1/lookup", json={"model": "m", "tokens": [*PROMPT, 7, 7, 7, 7, 7]})
+    assert _cached(longer.json()) == {"replica-a": 32, "replica-b": 8}
+    by_text = client.post("/v1/lookup", json={"model": "m", "text": TEXT}).json()
+    full = len(TEXT.encode()) // 4 * 4
+    assert by_text["prompt_tokens"] == len(TEXT.encode())
+    assert _cached(by_text) == {"replica-a": 0, "replica-b": full}
+    other = client.post("/v1/lookup", json={"model": "dead", "tokens": PROMPT}).json()
+    assert _cached(other) == {"replica-dead": 0}
+
+
+def test_route_and_release(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    decision = client.post(
+        "/v1/route", json={"model": "m", "tokens": PROMPT, "request_id": "route-1"}
+    ).json()
+    assert decision["replica"] == "replica-a" and decision["policy"] == "prefix"
+    assert decision["cached_tokens"] == 32 and decision["rule"] == "prefix"
+    assert decision["url"].endswith("/replica-a")
+    assert {s["name"] for s in decision["scores"]} == {"replica-a", "replica-b"}
+    loads = {r["name"]: r["in_flight"] for r in client.get("/v1/replicas").json()["replicas"]}
+    assert loads == {"replica-a": 1, "replica-b": 0, "replica-dead": 0}
+    released = client.post("/v1/release", json={"request_id": "route-1"})
+    assert released.status_code == 200
+    assert released.json() == {"request_id": "route-1", "replica": "replica-a", "prompt_tokens": 32}
+    again = client.post("/v1/release", json={"request_id": "route-1"})
+    assert again.status_code == 404 and "not in flight" in again.json()["error"]["message"]
+    loads = {r["name"]: r["in_flight"] for r in client.get("/v1/replicas").json()["replicas"]}
+    assert loads["replica-a"] == 0
+    pure = client.post("/v1/route", json={"model": "m", "tokens": PROMPT}).json()
+    assert pure["request_id"] is None
+    assert client.get("/v1/replicas").json()["replicas"][0]["in_flight"] == 0
+
+
+BAD_REQUESTS = [
+    ("/v1/lookup", {"model": "m", "tokens": [1, -2]}, 422, ">= 0"),
+    ("/v1/lookup", {"model": "m", "tokens": [1, 2.5]}, 422, "got `float`"),
+    ("/v1/lookup", {"model": "m", "tokens": [1, 2.0]}, 422, "got `float`"),
+    ("/v1/lookup", {"model": "m", "tokens": [True, 2]}, 422, "got `bool`"),
+    ("/v1/lookup", {"model": "m", "tokens": [1, 2**31]}, 422, "<= 2147483647"),
+    ("/v1/lookup", {"model": "m", "tokens": [1, 10**30]}, 422, "$.tokens[1]"),
+    ("/v1/lookup", {"model": "m", "tokens": [[1, 2]]}, 422, "$.tokens[0]"),
+    ("/v1/lookup", {"model": "m", "tokens": []}, 422, "empty"),
+    ("/v1/lookup", {"model": "m", "tokens": "123"}, 422, "got `str`"),
+    ("/v1/lookup", {"model": "m", "text": ""}, 422, "empty"),
+    ("/v1/lookup", {"model": "m"}, 422, "exactly one of"),
+    ("/v1/lookup", {"model": "m", "tokens": [1], "text": "x"}, 422, "exactly one of"),
+    ("/v1/lookup", {"tokens": [1]}, 422, "missing required field `model`"),
+    ("/v1/lookup", {"model": "m", "tokens": [1], "colour": 1}, 422, "unknown field `colour`"),
+    ("/v1/lookup", {"model": "nope", "tokens": [1]}, 404, "no replica serves namespace nope"),
+    ("/v1/lookup", {"model": "m", "salt": "t1", "tokens": [1]}, 404, "salt=t1"),
+    ("/v1/lookup", {"model": "m", "tokens": list(range(MAX_TOKENS + 1))}, 413, "at most 256"),
+    ("/v1/lookup", {"model": "m", "text": "y" * (MAX_TOKENS + 1)}, 413, "at most 256"),
+    ("/v1/lookup", {"model": "m", "text": "z" * (MAX_BODY + 10)}, 413, "exceeds the limit"),
+    ("/v1/lookup", [1, 2], 422, "Expected `object`"),
+    ("/v1/route", {"model": "m", "tokens": [1, -1], "request_id": "bad-1"}, 422, ">= 0"),
+    ("/v1/route", {"model": "m", "tokens": PROMPT, "request_id": ""}, 422, "length >= 1"),
+    ("/v1/route", {"model": "m", "tokens": PROMPT, "request_id": 7}, 422, "got `int`"),
+    ("/v1/route", {"model": "x", "tokens": PROMPT, "request_id": "bad-2"}, 404, "no replica"),
+    ("/v1/release", {"request_id": "never-routed"}, 404, "not in flight"),
+    ("/v1/release", {}, 422, "missing required field `request_id`"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "text"), BAD_REQUESTS)
+def test_bad_input_is_a_4xx_json_error_and_changes_nothing(
+    fleet: dict[str, Any], path: str, body: Any, status: int, text: str
+) -> None:
+    client = fleet["client"]
+    before = _state(client)
+    response = client.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert text in error["message"] and error["status"] == status
+    assert _state(client) == before
+
+
+def test_malformed_json_and_duplicate_ids(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    before = _state(client)
+    response = client.post(
+        "/v1/route", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    huge = client.post("/v1/lookup", content=b" " * (MAX_BODY + 1))
+    assert huge.status_code == 413
+    assert _state(client) == before
+    first = client.post("/v1/route", json={"model": "m", "tokens": PROMPT, "request_id": "dup"})
+    assert first.status_code == 200
+    during = _state(client)
+    second = client.post("/v1/route", json={"model": "m", "tokens": PROMPT, "request_id": "dup"})
+    assert second.status_code == 409 and "already in flight" in second.json()["error"]["message"]
+    assert _state(client) == during
+    assert client.post("/v1/release", json={"request_id": "dup"}).status_code == 200
+    assert _state(client) == before
+
+
+def _metrics(client: httpx.Client) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            key = tuple(sorted(sample.labels.items()))
+            out.setdefault(sample.name, {})[key] = sample.value
+    return out
+
+
+def test_metrics(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    before = _metrics(client)
+    decisions_key = (("policy", "prefix"), ("replica", "replica-a"), ("rule", "prefix"))
+    routed_before = before.get("prefixcache_route_decisions_total", {}).get(decisions_key, 0.0)
+    count_before = before.get("prefixcache_route_latency_seconds_count", {}).get((), 0.0)
+    for _ in range(3):
+        client.post("/v1/route", json={"model": "m", "tokens": PROMPT})
+    client.post("/v1/lookup", json={"model": "m", "tokens": [1, -1]})
+    after = _metrics(client)
+    assert after["prefixcache_route_decisions_total"][decisions_key] == routed_before + 3
+    assert after["prefixcache_route_latency_seconds_count"][()] == count_before + 3
+    fraction = after["prefixcache_route_cached_fraction_bucket"]
+    assert fraction[(("le", "0.99"),)] < fraction[(("le", "1.0"),)]  # the 32/32 routes
+    blocks = after["prefixcache_index_blocks"]
+    assert blocks[(("replica", "replica-a"),)] == 8
+    assert blocks[(("replica", "replica-dead"),)] == 0
+    assert after["prefixcache_replica_in_flight"][(("replica", "replica-a"),)] == 0
+    assert after["prefixcache_ingest_blocks_stored_total"][(("replica", "replica-a"),)] == 40
+    assert after["prefixcache_ingest_sequence_gaps_total"][(("replica", "replica-a"),)] == 1
+    assert after["prefixcache_ingest_errors_total"][(("replica", "replica-b"),)] == 2
+    errors = after["prefixcache_http_errors_total"]
+    assert errors[(("endpoint", "/v1/lookup"), ("status", "422"))] >= 1
+
+
+# ---- proxy mode -------------------------------------------------------------------------------
+
+
+def _in_flight(client: httpx.Client) -> int:
+    return sum(r["in_flight"] for r in client.get("/v1/replicas").json()["replicas"])
+
+
+def test_proxy_completion_goes_to_the_prefix_holder(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    response = client.post(
+        "/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 4}
+    )
+    assert response.status_code == 200
+    assert response.headers["x-prefixcache-replica"] == "replica-a"
+    assert (
+        response.json()["replica"] == "replica-a"
+        and response.json()["choices"][0]["text"] == "xxxx"
+    )
+    text = client.post("/v1/completions", json={"model": "m", "prompt": TEXT})
+    assert text.json()["replica"] == "replica-b"
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion.chunk"
+    assert _in_flight(client) == 0
+
+
+def test_proxy_streams_events_as_they_arrive(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 5, "delay": 0.05}
+    events = []
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 1:  # mid-stream: the request is still counted as load
+                    assert _in_flight(client) == 1
+    assert events[-1] == "[DONE]"
+    assert [json.loads(e)["index"] for e in events[:-1]] == [0, 1, 2, 3, 4]
+    assert all(json.loads(e)["replica"] == "replica-a" for e in events[:-1])
+    wait_until(lambda: _in_flight(client) == 0, "the load to be released")
+
+
+def test_proxy_releases_on_client_disconnect(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 400, "delay": 0.02}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        first = next(response.iter_lines())
+        assert first.startswith("data: ")
+        assert _in_flight(client) == 1
+    wait_until(lambda: _in_flight(client) == 0, "the load of the dropped stream to be released")
+
+
+def test_proxy_upstream_down_is_502_and_released(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    response = client.post("/v1/completions", json={"model": "dead", "prompt": "hello"})
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["type"] == "UpstreamError" and "replica-dead" in error["message"]
+    assert _in_flight(client) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "text"),
+    [
+        ("/v1/completions", {"model": "m", "prompt": [1, -5]}, 422, ">= 0"),
+        ("/v1/completions", {"model": "m", "prompt": [1, True]}, 422, "got True"),
+        ("/v1/completions", {"model": "m", "prompt": 5}, 422, "'prompt' must be"),
+        ("/v1/completions", {"model": "zzz", "prompt": "hi"}, 404, "no replica serves model"),
+        ("/v1/completions", {"prompt": "hi"}, 422, "'model'"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"content": "x"}]}, 422, "role"),
+        ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 422, "'messages'"),
+    ],
+)
+def test_proxy_bad_input(
+    fleet: dict[str, Any], path: str, body: Any, status: int, text: str
+) -> None:
+    client = fleet["client"]
+    before = _state(client)
+    response = client.post(path, json=body)
+    assert response.status_code == status, response.text
+    assert text in response.json()["error"]["message"]
+    assert _state(client) == before
+
+
+# ---- lifecycle and command line ---------------------------------------------------------------
+
+
+def test_ingest_source_starts_and_stops_with_the_app(tmp_path: Path) -> None:
+    (tmp_path / "fleet.yaml").write_text("replicas: [{name: replica-a, model: m}]\n")
+    port = free_port()
+    args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
+    args += ["--port", str(port), "--markers", str(tmp_path)]
+    with running(args, port, tmp_path / "service.log"):
+        assert (tmp_path / "started").exists() and not (tmp_path / "stopped").exists()
+    assert (tmp_path / "stopped").exists()
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("replicas: []\n", "replicas: expected a non-empty list"),
+        ("replicas: [{name: a, model: m, block_size: -4}]\n", "replicas[0].block_size"),
+        ("replicas: [{name: a, model: m}]\nindex: mysql://x\n", "expected 'memory' or 'redis"),
+        ("replicas: [{name: a, model: m}]\nrouting: {policy: random}\n", "unknown policy"),
+        ("replicas: [{name: a}\n", "not valid YAML"),
+    ],
+)
+def test_cli_bad_config_is_one_line_and_exit_2(
+    tmp_path: Path, yaml_text: str, message: str
+) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml_text)
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixcache", "serve", "--config", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert lines[0].startswith("prefixcache serve: error: ") and message in lines[0]
