@@ -50,6 +50,7 @@ class WireFormatError(PrefixCacheError, ValueError):
 class FleetCapacityError(PrefixCacheError, RuntimeError):
     """A fleet index or subscriber is at a configured limit (replicas, blocks of one event)."""
 
+
 class UnknownNamespaceError(PrefixCacheError, LookupError):
     """No replica of the fleet serves the request's model, adapter or namespace."""
 
