@@ -8,10 +8,9 @@ each route counted as load and released. Over HTTP: the service in a uvicorn sub
 gives p50 and p99; the medians of the repeats are printed with the targets (p99 <= 1 ms in
 process, <= 5 ms over HTTP).
 
-The index is ``prefixcache.fleet.memory_index`` when installed, else the in-memory test index of
-``tests/fleet_doubles.py``; the output says which. Every replica holds a different depth of one
-of four prompt families (0 to 100% of the prompt), so each route hashes all 512 blocks and each
-replica's match ends at another block.
+The index is the in-memory fleet index (``prefixcache.fleet.memory_index``). Every replica holds
+a different depth of one of four prompt families (0 to 100% of the prompt), so each route hashes
+all 512 blocks and each replica's match ends at another block.
 """
 
 from __future__ import annotations
@@ -35,16 +34,10 @@ BLOCK = 16
 
 
 def make_index() -> tuple[Any, str]:
-    """The in-memory index backend if present, else the test double, and a label for it."""
-    try:
-        from prefixcache.fleet.memory_index import open_index  # type: ignore[import-not-found]
+    """The in-memory fleet index, and a label for it."""
+    from prefixcache.fleet.open_index import open_index
 
-        return open_index("memory"), "prefixcache.fleet.memory_index"
-    except ImportError:
-        sys.path.insert(0, str(ROOT))
-        from tests.fleet_doubles import DictFleetIndex
-
-        return DictFleetIndex(), "tests/fleet_doubles.DictFleetIndex (memory_index not installed)"
+    return open_index("memory"), "MemoryFleetIndex"
 
 
 def build(tokens: int, replicas: int) -> tuple[Any, str, list[np.ndarray]]:
