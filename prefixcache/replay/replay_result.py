@@ -97,8 +97,9 @@ class ReplayResult:
             "capacity": tot.capacity,
             "isolation": tot.isolation,
             "tail": tot.tail,
+            "routing": tot.routing,
         }
-        missed = {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}  # one cache: no routing
+        missed = {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}
         return {
             "schema_version": SCHEMA_VERSION,
             "library_version": prefixcache.__version__,
@@ -201,7 +202,6 @@ def _write_requests(result: ReplayResult, path: Path) -> None:
         if log is None:
             return
         n = len(log)
-        zero = [0] * n
         blocks = [t // result.config.options.block_size for t in log.prompt_tokens]
         nan = [math.nan] * n
         w.writerows(
@@ -217,7 +217,7 @@ def _write_requests(result: ReplayResult, path: Path) -> None:
                 log.miss_capacity,
                 log.miss_isolation,
                 log.miss_tail,
-                zero,
+                log.miss_routing,
                 log.output_tokens,
                 map(_num, log.ttft_s or nan),
                 map(_num, log.ttft_nocache_s or nan),
