@@ -53,6 +53,7 @@ class RequestLog:
         self.miss_capacity = array("q")
         self.miss_isolation = array("q")
         self.miss_tail = array("q")
+        self.miss_routing = array("q")
         self.output_tokens = array("q")
         self.ttft_s = array("d")  # serving mode only, filled in at the end
         self.ttft_nocache_s = array("d")
@@ -77,6 +78,7 @@ class Totals:
     prompt_tokens: int = 0
     rejected: int = 0
     requests: int = 0
+    routing: int = 0
     tail: int = 0
     ub_blocks: int = 0
     ub_tokens: int = 0
@@ -115,10 +117,14 @@ class Accountant:
         partial_tokens: int,
         *,
         rejected: bool = False,
+        elsewhere: int = 0,
     ) -> None:
         """Account one admission (or a rejection: nothing hit). ``cow``: the whole prompt was
         cached and its last token is recomputed in a copy; ``partial_tokens``: slots copied from
-        a partially matching block (they are part of ``cached_len``)."""
+        a partially matching block (they are part of ``cached_len``); ``elsewhere``: leading
+        full blocks of the prompt another replica of a fleet holds (0 for one cache). Blocks
+        seen before that another replica holds and this cache missed are routing misses, taken
+        out of the capacity misses."""
         p = self.p
         t = len(req.tokens)
         f = t // p
@@ -130,6 +136,7 @@ class Accountant:
         else:
             n, m = divmod(cached_len, p)
         anchor, u, v = self.shadow.observe(buf, f, req.namespace, n)
+        routing = 0
         if cow:
             cold = capacity = isolation = 0
             tail = 1
@@ -139,6 +146,10 @@ class Accountant:
             capacity = (u - n) * p - (lost if u > n else 0)
             isolation = (v - u) * p - (lost if u == n < v else 0)
             cold = (f - v) * p - (lost if v == n < f else 0)
+            w = min(elsewhere, u)
+            if w > n:  # blocks n..w-1 were on another replica: the route missed them
+                routing = (w - n) * p - lost
+                capacity = (u - w) * p
         ub = u * p if u < f else (t - 1 if f * p == t else f * p)
         outputs = req.output_len * req.n
 
@@ -155,6 +166,7 @@ class Accountant:
         tot.capacity += capacity
         tot.isolation += isolation
         tot.tail += tail
+        tot.routing += routing
         tot.output_tokens += outputs
         tot.partial_copy_tokens += partial_tokens
         tot.rejected += rejected
@@ -174,6 +186,7 @@ class Accountant:
             log.miss_capacity.append(capacity)
             log.miss_isolation.append(isolation)
             log.miss_tail.append(tail)
+            log.miss_routing.append(routing)
             log.output_tokens.append(outputs)
 
     def note_output(self, req: Request, full_tokens_buf: bytes) -> None:

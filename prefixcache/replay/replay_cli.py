@@ -11,6 +11,7 @@ from typing import Any
 
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.eviction import POLICIES
+from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
 from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
 from prefixcache.replay.replay_config import MODES, ReplayConfig
 from prefixcache.replay.traces import FORMATS
@@ -69,6 +70,19 @@ def register(subparsers: Any) -> None:
     serving.add_argument("--gpu", default="h100-sxm", help=f"{', '.join(gpu_names())}")
     serving.add_argument("--token-budget", type=int, default=8192, help="tokens per step (8192)")
     serving.add_argument("--max-seqs", type=int, default=256, help="running sequences (256)")
+    fleet = rp.add_argument_group("fleet (serving mode)")
+    fleet.add_argument(
+        "--replicas",
+        type=_replica_list,
+        metavar="N",
+        help="replicas, each with the cache size above, behind the fleet router, e.g. 1,2,4",
+    )
+    fleet.add_argument(
+        "--routing",
+        type=_routing_list,
+        metavar="POLICY",
+        help=f"routing policies: {', '.join(sorted(ROUTING_POLICIES))} (prefix_balanced)",
+    )
     _trace_args(rp)
     rp.set_defaults(func=_replay)
 
@@ -115,6 +129,29 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _replica_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected replica counts separated by commas: {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive replica counts: {text!r}")
+    return values
+
+
+def _routing_list(text: str) -> list[str]:
+    values = _str_list(text)
+    unknown = [v for v in values if v not in ROUTING_POLICIES]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown routing policy {(unknown or [text])[0]!r}; choose from "
+            f"{', '.join(sorted(ROUTING_POLICIES))}"
+        )
+    return values
+
+
 def _size_list(text: str) -> list[int]:
     try:
         return [parse_size(x) for x in text.split(",") if x.strip()]
@@ -150,9 +187,16 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         tokenizer=args.tokenizer,
         output_len=args.output_len,
     )
+    fleets: list[dict[str, Any]] = [
+        {"replicas": n, "routing": routing}
+        for n in (args.replicas or [1])
+        for routing in (args.routing or [None])
+    ]
+    if (args.replicas or args.routing) and args.mode != "serving":
+        raise ConfigError("--replicas and --routing need --mode serving")
     return [
-        base.with_(block_size=bs, policy=pol, **size)
-        for size, bs, pol in itertools.product(sizes, args.block_size, args.policy)
+        base.with_(block_size=bs, policy=pol, **size, **fleet)
+        for size, bs, pol, fleet in itertools.product(sizes, args.block_size, args.policy, fleets)
     ]
 
 

@@ -30,6 +30,9 @@ class ReplayConfig:
     gpu: str = "h100-sxm"
     token_budget: int = 8192  # tokens per step (prefill chunks + decodes)
     max_seqs: int = 256  # running sequences
+    # fleet (serving mode): replicas of this cache size each, routed by a fleet policy
+    replicas: int = 1
+    routing: str | None = None  # a fleet routing policy; None: prefix_balanced with replicas > 1
     # traces
     trace_format: str | None = None
     trace_block_size: int = 512  # Mooncake tokens per hash id
@@ -39,6 +42,16 @@ class ReplayConfig:
 
     def with_(self, **changes: Any) -> ReplayConfig:
         return replace(self, **changes)
+
+    @property
+    def is_fleet(self) -> bool:
+        """A fleet replay: several replicas, or a routing policy named."""
+        return self.replicas > 1 or self.routing is not None
+
+    @property
+    def routing_policy(self) -> str:
+        """The routing policy a fleet replay uses."""
+        return self.routing or "prefix_balanced"
 
     def resolve(self) -> ResolvedConfig:
         """Check every option and size the cache; raises ConfigError with what to change."""
@@ -57,6 +70,20 @@ class ReplayConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
+            raise ConfigError(f"replicas must be a positive integer, got {self.replicas!r}")
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be a positive integer, got {self.replicas!r}")
+        if self.routing is not None:
+            from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
+
+            if self.routing not in ROUTING_POLICIES:
+                raise ConfigError(
+                    f"unknown routing policy {self.routing!r}; choose one of "
+                    f"{', '.join(sorted(ROUTING_POLICIES))}"
+                )
+        if self.is_fleet and self.mode != "serving":
+            raise ConfigError("--replicas and --routing need --mode serving")
         model_name = self.model or (DEFAULT_SERVING_MODEL if self.mode == "serving" else None)
         model = get_model(model_name) if model_name else None
         gpu = get_gpu(self.gpu) if self.mode == "serving" else None
@@ -124,4 +151,6 @@ class ResolvedConfig:
         }
         if o.mode == "serving":
             out.update(gpu=o.gpu, token_budget=o.token_budget, max_seqs=o.max_seqs)
+        if o.is_fleet:
+            out.update(replicas=o.replicas, routing=o.routing_policy)
         return out

@@ -87,6 +87,25 @@ class ReplayResult:
             "block_hit_rate": rate(tot.hit_blocks, tot.prompt_blocks),
             "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
             "evicted_blocks": self.stats.evicted_blocks,
+            **self._fleet_row(),
+        }
+
+    def _fleet_row(self) -> dict[str, Any]:
+        """Fleet columns of a sweep line (none for a single-cache replay)."""
+        options = self.config.options
+        if not options.is_fleet:
+            return {}
+        fleet = self.extra.get("fleet") or {}
+        pooled = fleet.get("pooled") or {}
+        serving = self.serving.report_dict() if self.serving else {}
+        return {
+            "replicas": options.replicas,
+            "routing": options.routing_policy,
+            "routing_miss_tokens": self.acc.totals.routing,
+            "load_imbalance": fleet.get("load_imbalance"),
+            "pooled_token_hit_rate": pooled.get("token_hit_rate"),
+            "ttft_p50_s": serving.get("ttft_p50_s"),
+            "ttft_p99_s": serving.get("ttft_p99_s"),
         }
 
     def to_report_dict(self) -> dict[str, Any]:
@@ -97,8 +116,9 @@ class ReplayResult:
             "capacity": tot.capacity,
             "isolation": tot.isolation,
             "tail": tot.tail,
+            "routing": tot.routing,
         }
-        missed = {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}  # one cache: no routing
+        missed = {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}
         return {
             "schema_version": SCHEMA_VERSION,
             "library_version": prefixcache.__version__,
@@ -201,7 +221,6 @@ def _write_requests(result: ReplayResult, path: Path) -> None:
         if log is None:
             return
         n = len(log)
-        zero = [0] * n
         blocks = [t // result.config.options.block_size for t in log.prompt_tokens]
         nan = [math.nan] * n
         w.writerows(
@@ -217,7 +236,7 @@ def _write_requests(result: ReplayResult, path: Path) -> None:
                 log.miss_capacity,
                 log.miss_isolation,
                 log.miss_tail,
-                zero,
+                log.miss_routing,
                 log.output_tokens,
                 map(_num, log.ttft_s or nan),
                 map(_num, log.ttft_nocache_s or nan),

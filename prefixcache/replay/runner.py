@@ -50,8 +50,23 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     requests = with_progress(source, source.total, f"replay {source.name}", progress)
     start = time.perf_counter()
     serving = None
+    extra: dict[str, Any] = {}
+    stats = mgr.stats
     with _no_automatic_gc():
-        if config.mode == "sequential":
+        if config.is_fleet:
+            from prefixcache.replay.fleet_replay import run_fleet
+
+            fleet = run_fleet(
+                requests,
+                lambda: iter(source),
+                acc,
+                resolved,
+                source.multi_namespace,
+            )
+            serving, stats = fleet.serving, fleet.stats
+            truncated = serving.truncated
+            extra["fleet"] = fleet.fleet.report_dict()
+        elif config.mode == "sequential":
             truncated = run_sequential(requests, mgr, acc)
         else:
             from prefixcache.replay.serving import run_serving
@@ -65,7 +80,9 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
         "sha256": source.sha256(),
         "name": source.name,
     }
-    return ReplayResult(info, resolved, source.seed, acc, mgr.stats, elapsed, serving, truncated)
+    return ReplayResult(
+        info, resolved, source.seed, acc, stats, elapsed, serving, truncated, extra=extra
+    )
 
 
 @contextmanager

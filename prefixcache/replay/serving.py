@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,6 +135,8 @@ class Simulator:
         self.running: list[_Live] = []
         self.waiting: deque[_Live] = deque()
         self.live_seqs = 0
+        # a fleet's hook: leading full prompt blocks another replica holds (routing misses)
+        self.elsewhere: Callable[[Request], int] | None = None
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self, requests: Iterable[Request]) -> None:
@@ -238,6 +240,7 @@ class Simulator:
                         adm.cached_len,
                         adm.cow,
                         adm.partial_tokens,
+                        elsewhere=self.elsewhere(r.req) if self.elsewhere is not None else 0,
                     )
             r.kv = adm.cached_len
             r.prefill_left = len(r.tokens) - adm.cached_len
@@ -345,25 +348,8 @@ class Simulator:
         acc = self.acc
         if acc is None:
             return
-        p = self.p
-        logical = frag = 0
-        for r in self.running:
-            if not r.seqs:  # prefilling: the whole prompt is allocated
-                blocks = -(-len(r.tokens) // p)
-                logical += blocks
-                frag += blocks * p - len(r.tokens)
-                continue
-            shared_tail = False
-            for s in r.seqs:
-                blocks = -(-s.flushed // p)
-                logical += blocks
-                if s.must_flush:  # still shares the prompt's last block
-                    shared_tail = True
-                else:
-                    frag += blocks * p - s.kv_len
-            if shared_tail:
-                frag += -(-len(r.tokens) // p) * p - len(r.tokens)
         used = self.mgr.block_counts()
+        logical, frag = self.usage()
         acc.note_usage(used.active, logical, frag)
         timeline = acc.timeline
         if timeline is None or not (final or timeline.due(self.steps)):
@@ -383,6 +369,28 @@ class Simulator:
             timeline.finish(self.steps, row)
         else:
             timeline.add(self.steps, row)
+
+    def usage(self) -> tuple[int, int]:
+        """Logical blocks of the running requests and the unused slots of their last blocks."""
+        p = self.p
+        logical = frag = 0
+        for r in self.running:
+            if not r.seqs:  # prefilling: the whole prompt is allocated
+                blocks = -(-len(r.tokens) // p)
+                logical += blocks
+                frag += blocks * p - len(r.tokens)
+                continue
+            shared_tail = False
+            for s in r.seqs:
+                blocks = -(-s.flushed // p)
+                logical += blocks
+                if s.must_flush:  # still shares the prompt's last block
+                    shared_tail = True
+                else:
+                    frag += blocks * p - s.kv_len
+            if shared_tail:
+                frag += -(-len(r.tokens) // p) * p - len(r.tokens)
+        return logical, frag
 
 
 def run_serving(

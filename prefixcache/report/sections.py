@@ -58,6 +58,7 @@ def build_document(run: Run) -> Document:
             savings(run),
             over_time(run),
             serving(run),
+            *([fleet(run)] if run.report.get("fleet") else []),
             top_prefixes(run),
             sweep(run),
             consistency(run),
@@ -352,6 +353,59 @@ def serving(run: Run) -> Section:
     ]
     if np.isfinite(run.requests["ttft_s"].astype(np.float64)).any():
         section.plots.append("ttft")
+    return section
+
+
+def fleet(run: Run) -> Section:
+    """Replicas behind the router: per-replica load, hit rate and TTFT, and the pooled line."""
+    fl = run.report["fleet"]
+    section = Section("fleet", f"Fleet: {fl['replicas']} replicas routed by {fl['routing']}")
+    rows = [
+        [
+            r["name"],
+            fmt.count(r["requests"]),
+            fmt.seconds(r["busy_seconds"]),
+            fmt.pct(r["token_hit_rate"]),
+            fmt.seconds(r["ttft_p50_s"]),
+            fmt.seconds(r["ttft_p99_s"]),
+            fmt.count(r["evicted_blocks"]),
+        ]
+        for r in fl["per_replica"]
+    ]
+    pooled = fl["pooled"]
+    if pooled is not None:
+        rows.append(
+            [
+                f"pooled ({fmt.count(pooled['capacity_blocks'])} blocks)",
+                fmt.count(run.report["requests"]),
+                fmt.NA,
+                fmt.pct(pooled["token_hit_rate"]),
+                fmt.seconds(pooled["ttft_p50_s"]),
+                fmt.seconds(pooled["ttft_p99_s"]),
+                fmt.NA,
+            ]
+        )
+    section.tables.append(
+        Table(
+            ["Replica", "Requests", "Busy", "Token hit rate", "TTFT p50", "TTFT p99", "Evicted"],
+            rows,
+            caption="Pooled: one replica with N x the blocks and N x the compute",
+        )
+    )
+    section.fields += [
+        Field("Token hit rate (fleet)", fmt.pct(run.report["token_hit_rate"])),
+        Field(
+            "Routing misses",
+            fmt.pct(run.report["misses"]["routing"] / (run.report["prompt_tokens"] or 1)),
+            note="of prompt tokens",
+        ),
+        Field("Load imbalance", f"{fl['load_imbalance']:.2f}", note="max / mean busy time"),
+        Field("Request imbalance", f"{fl['request_imbalance']:.2f}", note="max / mean"),
+        Field(
+            "Route rules",
+            ", ".join(f"{k} {fmt.count(v)}" for k, v in fl["route_rules"].items()) or fmt.NA,
+        ),
+    ]
     return section
 
 

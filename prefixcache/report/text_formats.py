@@ -161,7 +161,41 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
             f"  simulated       {sv['simulated_seconds']:.1f} s in {sv['steps']:,} steps, "
             f"{sv['preemptions']:,} preemptions"
         )
-    if r.get("sweep"):
+    fl = r.get("fleet")
+    if fl:
+        lines.append(
+            f"  fleet           {fl['replicas']} replicas, routing {fl['routing']}, "
+            f"load imbalance {fl['load_imbalance']:.2f} (max/mean busy time)"
+        )
+        for rep in fl["per_replica"]:
+            lines.append(
+                f"    {rep['name']:<12}  {rep['requests']:>7,} req  "
+                f"busy {rep['busy_seconds']:8.1f} s  "
+                f"hit {fmt.pct(rep['token_hit_rate']):>6}  TTFT p50 {rep['ttft_p50_s']:.3f} s  "
+                f"p99 {rep['ttft_p99_s']:.3f} s"
+            )
+        pooled = fl["pooled"]
+        if pooled:
+            lines.append(
+                f"  pooled cache    hit {fmt.pct(pooled['token_hit_rate'])} "
+                f"(one replica, {pooled['capacity_blocks']:,} blocks, {fl['replicas']}x compute)"
+            )
+    if r.get("sweep") and any("replicas" in row for row in r["sweep"]):
+        lines.append(
+            "  sweep           replicas  routing          token hit  pooled  routing miss  "
+            "imbalance  TTFT p50"
+        )
+        for row in r["sweep"]:
+            pooled_rate = row.get("pooled_token_hit_rate")
+            lines.append(
+                f"                  {row.get('replicas', 1):>8}  {row.get('routing') or '-':<15}  "
+                f"{fmt.pct(row['token_hit_rate']):>9}  "
+                f"{fmt.pct(pooled_rate) if pooled_rate is not None else '-':>6}  "
+                f"{row.get('routing_miss_tokens', 0):>12,}  "
+                f"{row.get('load_imbalance') or 1.0:>9.2f}  "
+                f"{row.get('ttft_p50_s') or 0.0:>6.3f} s"
+            )
+    elif r.get("sweep"):
         lines.append("  sweep           capacity  block  policy  token hit  block hit  evicted")
         for row in r["sweep"]:
             lines.append(

@@ -1,0 +1,443 @@
+"""Fleet replay: N simulated replicas, each its own cache, behind the fleet router.
+
+Every replica is a serving simulation (``serving.Simulator``) over its own ``CacheManager`` of the
+configured size: ``capacity_blocks`` is per replica. Requests are routed at arrival by the real
+``Router`` over a ``MemoryFleetIndex``, and the index is fed as the service feeds it, in process:
+each replica's manager events become wire events (``to_wire``), one ``KVEventBatch`` per replica
+per simulated step (``encode_batch``), handed to ``KVEventSubscriber.ingest`` with the replica's
+next sequence number. A request counts as load on its replica from its route until it finishes
+(or is dropped), then the router releases it.
+
+Replicas run on their own clocks; the replica with the earliest clock steps next, and every
+replica has stepped up to a request's arrival time before the request is routed, so a route sees
+every block stored or removed before it (up to one step of the replica that overshoots).
+
+The ``routing`` miss cause: at admission, the leading full prompt blocks held by any other
+replica (read from the index, which is exact for replicas between their steps) that this replica
+did not hit and that the fleet had seen in the namespace (``accounting.Accountant.record``).
+
+The pooled line is one replica with N times the blocks and N times the compute: token budget,
+running sequences, peak FLOPs and memory bandwidth all scaled by N. With every block in one cache
+and no route to get wrong, its hit rate is what routing aims for.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+from prefixcache.errors import ConfigError
+from prefixcache.fleet.kv_publisher import to_wire
+from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
+from prefixcache.fleet.kv_wire import KVEventBatch, WireEvent, encode_batch
+from prefixcache.fleet.memory_index import MemoryFleetIndex
+from prefixcache.fleet.router import ReplicaSpec, Router
+from prefixcache.manager import CacheManager
+from prefixcache.namespace import Namespace
+from prefixcache.replay.accounting import Accountant, TimelineRow
+from prefixcache.replay.replay_config import ResolvedConfig
+from prefixcache.replay.replay_result import ServingStats
+from prefixcache.replay.request import Request
+from prefixcache.replay.serving import Simulator, _Live
+from prefixcache.run_format import nearest_rank, rate
+from prefixcache.stats import CacheStats
+
+
+class ReplicaStats(NamedTuple):
+    """What one replica of a fleet replay served."""
+
+    name: str
+    requests: int  # routed to it
+    prompt_tokens: int  # of the requests it admitted
+    hit_tokens: int
+    token_hit_rate: float
+    busy_seconds: float  # simulated time spent in steps
+    steps: int
+    evicted_blocks: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+
+
+class PooledLine(NamedTuple):
+    """One replica with N x the blocks and N x the compute, replaying the same requests."""
+
+    capacity_blocks: int
+    token_hit_rate: float
+    block_hit_rate: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+
+
+@dataclass
+class FleetStats:
+    """Per-replica figures, load imbalance and the pooled upper bound of a fleet replay."""
+
+    policy: str
+    replicas: list[ReplicaStats]
+    rules: dict[str, int]  # routes per deciding rule of the policy
+    pooled: PooledLine | None = None
+    index_blocks: int = 0  # blocks the fleet index holds at the end
+
+    @property
+    def request_imbalance(self) -> float:
+        """Max over mean of the requests routed to each replica (1.0: even)."""
+        return _imbalance([r.requests for r in self.replicas])
+
+    @property
+    def load_imbalance(self) -> float:
+        """Max over mean of the replicas' busy seconds (1.0: even)."""
+        return _imbalance([r.busy_seconds for r in self.replicas])
+
+    def report_dict(self) -> dict[str, Any]:
+        """The ``fleet`` object of report.json."""
+        return {
+            "replicas": len(self.replicas),
+            "routing": self.policy,
+            "request_imbalance": self.request_imbalance,
+            "load_imbalance": self.load_imbalance,
+            "route_rules": dict(sorted(self.rules.items())),
+            "index_blocks": self.index_blocks,
+            "per_replica": [r._asdict() for r in self.replicas],
+            "pooled": self.pooled._asdict() if self.pooled is not None else None,
+        }
+
+
+def _imbalance(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 1.0
+
+
+def _percentile(values: list[float], q: int) -> float:
+    served = [v for v in values if not math.isnan(v)]
+    return nearest_rank(served, q) if served else 0.0
+
+
+class _Replica(Simulator):
+    """A serving simulation that publishes its manager's events and reports finished requests."""
+
+    def __init__(
+        self, fleet: FleetSimulator, name: str, mgr: CacheManager, cfg: ResolvedConfig
+    ) -> None:
+        super().__init__(mgr, cfg, fleet.acc)
+        self.fleet, self.name = fleet, name
+        self.ttft = fleet.ttft  # indexed by the fleet's request index
+        self.pending: list[WireEvent] = []
+        self.seq = 0
+        self.busy = 0.0
+        self.live: dict[int, _Live] = {}
+        self.routed = self.prompt_tokens = self.hit_tokens = 0
+        mgr.add_listener(lambda event: self.pending.append(to_wire(event)))
+
+    @property
+    def busy_now(self) -> bool:
+        """Something is waiting or running."""
+        return bool(self.running or self.waiting)
+
+    def take(self, live: _Live) -> None:
+        """Queue a request routed here."""
+        if not self.busy_now and self.clock < live.req.arrival_s:
+            self.clock = live.req.arrival_s
+        self.waiting.append(live)
+        self.live[live.idx] = live
+        self.routed += 1
+
+    def step(self) -> None:
+        """One step; then publish its events and release the requests that left."""
+        acc = self.acc
+        before, prompt, hit = self.clock, 0, 0
+        if acc is not None:
+            prompt, hit = acc.totals.prompt_tokens, acc.totals.hit_tokens
+        self._step()
+        self.busy += self.clock - before
+        if acc is not None:
+            self.prompt_tokens += acc.totals.prompt_tokens - prompt
+            self.hit_tokens += acc.totals.hit_tokens - hit
+        self.publish()
+        if len(self.running) + len(self.waiting) < len(self.live):
+            here = {r.idx for r in self.running}
+            here.update(r.idx for r in self.waiting)
+            for idx in [i for i in self.live if i not in here]:
+                del self.live[idx]
+                self.fleet.finished(idx)
+
+    def publish(self) -> None:
+        """The step's events as one wire batch, through the subscriber into the index."""
+        if not self.pending:
+            return
+        events, self.pending = self.pending, []
+        payload = encode_batch(KVEventBatch(self.clock, events, 0))
+        self.fleet.subscriber.ingest(self.name, self.seq, payload)
+        self.seq += 1
+
+    def _measure(self, final: bool = False) -> None:
+        """The fleet measures usage over all replicas instead."""
+
+
+class FleetSimulator:
+    """N replicas behind a router; ``run`` replays requests through them."""
+
+    def __init__(
+        self,
+        cfg: ResolvedConfig,
+        acc: Accountant | None,
+        namespace: Namespace,
+        *,
+        caching: bool = True,
+    ) -> None:
+        o = cfg.options
+        self.cfg, self.acc = cfg, acc
+        self.p = o.block_size
+        self.ttft: list[float] = []
+        self.index = MemoryFleetIndex()
+        names = [f"replica-{k}" for k in range(o.replicas)]
+        self.subscriber = KVEventSubscriber(
+            self.index,
+            [
+                ReplicaEndpoint(name, namespace=namespace, block_size=self.p, hash_algo=o.hash_algo)
+                for name in names
+            ],
+        )
+        self.router = Router(
+            self.index,
+            [ReplicaSpec(name, namespace, self.p, cfg.capacity_blocks) for name in names],
+            o.routing_policy,
+            hash_algo=o.hash_algo,
+        )
+        self.replicas = [
+            _Replica(self, name, cfg.cache_manager(caching=caching), cfg) for name in names
+        ]
+        for k, rep in enumerate(self.replicas):
+            rep.elsewhere = self._elsewhere_of(k)
+        self.assignment: list[int] = []
+        self.rules: dict[str, int] = {}
+        self.steps = 0
+        self.truncated = 0
+        self._usage = [(0, 0, 0)] * len(self.replicas)
+
+    def _elsewhere_of(self, k: int) -> Callable[[Request], int]:
+        rep = self.replicas[k]
+        hasher = rep.mgr.hasher
+        name = rep.name
+
+        def elsewhere(req: Request) -> int:
+            digests = hasher.hash_prompt(req.tokens, req.namespace)
+            if not digests:
+                return 0
+            return max(
+                (m.blocks for m in self.index.match(digests) if m.replica != name), default=0
+            )
+
+        return elsewhere
+
+    def run(self, requests: Iterable[Request]) -> None:
+        """Route and serve every request, then run the fleet until all have finished."""
+        for idx, req in enumerate(requests):
+            self._advance(req.arrival_s)
+            decision = self.router.route(req.namespace, req.tokens, str(idx))
+            self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
+            k = int(decision.replica.rsplit("-", 1)[1])
+            self.ttft.append(math.nan)
+            self.assignment.append(k)
+            self.replicas[k].take(_Live(idx, req))
+        self._advance(math.inf)
+        self._measure(final=True)
+        self.truncated = sum(r.truncated for r in self.replicas)
+
+    def _advance(self, until: float) -> None:
+        """Step the replica with the earliest clock while any busy one is before ``until``."""
+        reps = self.replicas
+        while True:
+            best = None
+            for rep in reps:
+                if rep.busy_now and rep.clock < until and (best is None or rep.clock < best.clock):
+                    best = rep
+            if best is None:
+                return
+            best.step()
+            self.steps += 1
+            k = reps.index(best)
+            logical, frag = best.usage()
+            self._usage[k] = (best.mgr.block_counts().active, logical, frag)
+            self._measure(clock=best.clock)
+
+    def finished(self, idx: int) -> None:
+        """A request left its replica: its load goes."""
+        self.router.release(str(idx))
+
+    def _measure(self, final: bool = False, clock: float | None = None) -> None:
+        acc = self.acc
+        if acc is None:
+            return
+        physical = sum(u[0] for u in self._usage)
+        acc.note_usage(physical, sum(u[1] for u in self._usage), sum(u[2] for u in self._usage))
+        timeline = acc.timeline
+        if timeline is None or not (final or timeline.due(self.steps)):
+            return
+        counts = [r.mgr.block_counts() for r in self.replicas]
+        tot = acc.totals
+        row = TimelineRow(
+            round(clock if clock is not None else self.clock, 9),
+            sum(c.active for c in counts),
+            sum(c.cached for c in counts),
+            sum(c.free for c in counts),
+            sum(r.mgr.stats.evicted_blocks for r in self.replicas),
+            tot.prompt_tokens,
+            tot.hit_tokens,
+            acc.rolling_hit_rate(),
+        )
+        if final:
+            timeline.finish(self.steps, row)
+        else:
+            timeline.add(self.steps, row)
+
+    @property
+    def clock(self) -> float:
+        """The latest replica clock: when the last request finished."""
+        return max((r.clock for r in self.replicas), default=0.0)
+
+    def replica_stats(self) -> list[ReplicaStats]:
+        """Per-replica figures (TTFTs from the fleet's per-request list)."""
+        ttfts: list[list[float]] = [[] for _ in self.replicas]
+        for idx, k in enumerate(self.assignment):
+            ttfts[k].append(self.ttft[idx])
+        return [
+            ReplicaStats(
+                r.name,
+                r.routed,
+                r.prompt_tokens,
+                r.hit_tokens,
+                rate(r.hit_tokens, r.prompt_tokens),
+                r.busy,
+                r.steps,
+                r.mgr.stats.evicted_blocks,
+                _percentile(ttfts[k], 50),
+                _percentile(ttfts[k], 99),
+            )
+            for k, r in enumerate(self.replicas)
+        ]
+
+    def cache_stats(self) -> CacheStats:
+        """The managers' counters, summed."""
+        total = CacheStats()
+        for r in self.replicas:
+            for key, value in vars(r.mgr.stats).items():
+                setattr(total, key, getattr(total, key) + value)
+        return total
+
+
+def check_one_namespace(multi_namespace: bool) -> None:
+    """ConfigError when the workload has several namespaces (a fleet serves one)."""
+    if multi_namespace:
+        raise ConfigError(
+            "a fleet replay serves one namespace; this workload has several "
+            "(tenants, salts or adapters): replay it with --replicas 1"
+        )
+
+
+def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
+    """One replica with N x the blocks, token budget, running sequences, FLOPs and bandwidth."""
+    o = cfg.options
+    n = o.replicas
+    gpu = cfg.gpu
+    if gpu is not None:
+        gpu = replace(gpu, peak_flops=gpu.peak_flops * n, hbm_bytes_per_s=gpu.hbm_bytes_per_s * n)
+    return replace(
+        cfg,
+        options=o.with_(
+            replicas=1,
+            routing=None,
+            record=False,
+            capacity_blocks=cfg.capacity_blocks * n,
+            kv_memory=None,
+            token_budget=o.token_budget * n,
+            max_seqs=o.max_seqs * n,
+        ),
+        capacity_blocks=cfg.capacity_blocks * n,
+        capacity_bytes=cfg.capacity_bytes * n if cfg.capacity_bytes is not None else None,
+        gpu=gpu,
+    )
+
+
+def run_pooled(
+    requests: Iterable[Request], cfg: ResolvedConfig, track_isolation: bool
+) -> PooledLine:
+    """Replay ``requests`` through the pooled cache of ``pooled_config(cfg)``."""
+    pooled = pooled_config(cfg)
+    mgr = pooled.cache_manager()
+    acc = Accountant(
+        pooled.options.block_size, mgr.hasher, track_isolation=track_isolation, record=False
+    )
+    sim = Simulator(mgr, pooled, acc)
+    sim.run(requests)
+    tot = acc.totals
+    return PooledLine(
+        pooled.capacity_blocks,
+        rate(tot.hit_tokens, tot.prompt_tokens),
+        rate(tot.hit_blocks, tot.prompt_blocks),
+        _percentile(sim.ttft, 50),
+        _percentile(sim.ttft, 99),
+    )
+
+
+class FleetRun(NamedTuple):
+    """What ``run_fleet`` hands back to the runner."""
+
+    serving: ServingStats
+    fleet: FleetStats
+    stats: CacheStats
+    simulator: FleetSimulator
+
+
+def run_fleet(
+    requests: Iterable[Request],
+    reopen: Callable[[], Iterable[Request]],
+    acc: Accountant,
+    cfg: ResolvedConfig,
+    multi_namespace: bool,
+) -> FleetRun:
+    """Replay through the fleet, then a no-cache fleet (same routing) for the no-cache TTFTs and
+    the pooled cache for the upper bound. ``reopen()`` yields the requests again."""
+    check_one_namespace(multi_namespace)
+    it = iter(requests)
+    first = next(it, None)
+    namespace = first.namespace if first is not None else Namespace("default")
+
+    def chain() -> Iterable[Request]:
+        if first is not None:
+            yield first
+        yield from it
+
+    sim = FleetSimulator(cfg, acc, namespace)
+    sim.run(chain())
+    plain = FleetSimulator(cfg, None, namespace, caching=False)
+    plain.run(reopen())
+    pooled = run_pooled(reopen(), cfg, multi_namespace)
+    if acc.log is not None:
+        ids = acc.log.request_id
+        acc.log.ttft_s = _column(sim.ttft[i] for i in ids)
+        acc.log.ttft_nocache_s = _column(
+            plain.ttft[i] if i < len(plain.ttft) else math.nan for i in ids
+        )
+    serving = ServingStats(
+        sim.ttft,
+        plain.ttft,
+        sum(r.preemptions for r in sim.replicas),
+        sim.steps,
+        sim.clock,
+        sim.truncated,
+    )
+    fleet = FleetStats(
+        cfg.options.routing_policy,
+        sim.replica_stats(),
+        sim.rules,
+        pooled,
+        sum(sim.index.num_blocks(r.name) for r in sim.replicas),
+    )
+    return FleetRun(serving, fleet, sim.cache_stats(), sim)
+
+
+def _column(values: Iterable[float]) -> array[float]:
+    return array("d", values)

@@ -1,0 +1,190 @@
+"""Fleet replay: replicas behind the router, fed through the KV event wire."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+from fleet_support import manager_digests
+
+from prefixcache.cli import main
+from prefixcache.replay import ReplayConfig, open_source
+from prefixcache.replay.accounting import Accountant
+from prefixcache.replay.fleet_replay import FleetSimulator
+from prefixcache.replay.runner import replay_source
+from prefixcache.run_format import MISS_CAUSES
+
+SCENARIO = Path(__file__).parent.parent / "scenarios" / "shared_system_prompt.yaml"
+BLOCKS = 300  # per replica: the system prompt (64 blocks) and a few questions
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped scenario, cut to a few hundred requests."""
+    spec = yaml.safe_load(SCENARIO.read_text())
+    spec["requests"] = 240
+    path = tmp_path_factory.mktemp("fleet") / "shared.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def config(replicas: int, routing: str | None) -> ReplayConfig:
+    return ReplayConfig(
+        capacity_blocks=BLOCKS, mode="serving", replicas=replicas, routing=routing, max_seqs=32
+    )
+
+
+@cache
+def _report(path: str, replicas: int, routing: str | None) -> dict:
+    cfg = config(replicas, routing)
+    return replay_source(open_source(path, cfg), cfg).to_report_dict()
+
+
+def report(path: Path, replicas: int, routing: str | None) -> dict:
+    return _report(str(path), replicas, routing)
+
+
+def test_prefix_routing_beats_round_robin(small: Path) -> None:
+    rr = report(small, 4, "round_robin")
+    pre = report(small, 4, "prefix")
+    assert pre["token_hit_rate"] > rr["token_hit_rate"]
+
+
+def test_routing_misses_only_with_several_replicas(small: Path) -> None:
+    assert report(small, 1, "round_robin")["misses"]["routing"] == 0
+    assert report(small, 4, "round_robin")["misses"]["routing"] > 0
+
+
+@pytest.mark.parametrize(
+    ("replicas", "routing"), [(1, "prefix"), (4, "round_robin"), (4, "prefix")]
+)
+def test_miss_breakdown_sums_exactly(small: Path, replicas: int, routing: str) -> None:
+    r = report(small, replicas, routing)
+    assert set(r["misses"]) == set(MISS_CAUSES)
+    assert sum(r["misses"].values()) == r["prompt_tokens"] - r["hit_tokens"]
+    assert all(v >= 0 for v in r["misses"].values())
+
+
+def test_pooled_line_bounds_every_policy(small: Path) -> None:
+    for routing in ("round_robin", "prefix", "prefix_balanced"):
+        r = report(small, 4, routing)
+        pooled = r["fleet"]["pooled"]
+        assert pooled["capacity_blocks"] == 4 * BLOCKS
+        assert pooled["token_hit_rate"] >= r["token_hit_rate"]
+
+
+def test_per_replica_figures_add_up(small: Path) -> None:
+    r = report(small, 4, "round_robin")
+    reps = r["fleet"]["per_replica"]
+    assert len(reps) == 4
+    assert sum(x["requests"] for x in reps) == r["requests"]
+    assert sum(x["hit_tokens"] for x in reps) == r["hit_tokens"]
+    assert {x["requests"] for x in reps} == {60}  # round robin: even
+    assert r["fleet"]["request_imbalance"] == 1.0
+    assert r["fleet"]["load_imbalance"] >= 1.0
+
+
+def test_one_replica_fleet_matches_the_single_cache(small: Path) -> None:
+    """A fleet of one routes everything to one cache: the same hits as the plain replay."""
+    plain_cfg = ReplayConfig(capacity_blocks=BLOCKS, mode="serving", max_seqs=32)
+    plain = replay_source(open_source(small, plain_cfg), plain_cfg).to_report_dict()
+    fleet = report(small, 1, "prefix")
+    for key in ("hit_tokens", "prompt_tokens", "misses", "evicted_blocks"):
+        assert fleet[key] == plain[key]
+    assert fleet["serving"]["ttft_p50_s"] == plain["serving"]["ttft_p50_s"]
+    assert "fleet" not in plain and "replicas" not in plain["config"]
+
+
+def test_index_equals_the_replicas_cached_blocks(small: Path) -> None:
+    cfg = config(3, "prefix_balanced")
+    resolved = cfg.resolve()
+    source = open_source(small, cfg)
+    first = next(iter(source))
+    sim = FleetSimulator(resolved, None, first.namespace)
+    sim.run(source)
+    assert sim.router.in_flight() == 0
+    for rep in sim.replicas:
+        held = set(sim.index.holdings(rep.name))
+        assert held == manager_digests(rep.mgr)
+        assert held  # something was cached
+        assert sim.subscriber.counters()[rep.name].malformed == 0
+
+
+def test_accountant_routing_cause_is_carved_from_capacity() -> None:
+    """A prompt seen before, missed here, held elsewhere: its blocks are routing misses."""
+    import numpy as np
+
+    from prefixcache import CacheManager, Namespace
+    from prefixcache.replay import Request
+
+    mgr = CacheManager(16, 4)
+    acc = Accountant(4, mgr.hasher, track_isolation=False)
+    req = Request(0.0, np.arange(10, dtype=np.int32), 1, Namespace("m"))
+    acc.record(0, req, req.tokens.tobytes(), 0, False, 0)
+    acc.record(1, req, req.tokens.tobytes(), 0, False, 0, elsewhere=1)
+    t = acc.totals
+    assert (t.cold, t.capacity, t.routing, t.tail) == (8, 4, 4, 4)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--replicas", "0"], "positive replica counts"),
+        (["--replicas", "two"], "replica counts"),
+        (["--routing", "random"], "unknown routing policy 'random'"),
+        (["--routing", "prefix,bogus"], "unknown routing policy 'bogus'"),
+    ],
+)
+def test_bad_fleet_flags_exit_2_with_one_line(
+    small: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(small), "--mode", "serving", "--blocks", "100", *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_fleet_needs_serving_mode(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["replay", str(small), "--blocks", "100", "--replicas", "2"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["prefixcache replay: error: --replicas and --routing need --mode serving"]
+
+
+def test_fleet_report_is_valid(small: Path) -> None:
+    from prefixcache.report.run_dir import schema_problems
+
+    assert schema_problems(report(small, 4, "prefix")) == []
+
+
+def test_cli_sweeps_replicas_and_policies(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    argv = ["replay", str(small), "--mode", "serving", "--blocks", str(BLOCKS), "--max-seqs", "32"]
+    argv += [
+        "--replicas",
+        "1,2",
+        "--routing",
+        "round_robin,prefix",
+        "--jobs",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "pooled cache" in text and "routing miss" in text
+
+    rows = json.loads((out / "report.json").read_text())["sweep"]
+    assert [(r["replicas"], r["routing"]) for r in rows] == [
+        (1, "round_robin"),
+        (1, "prefix"),
+        (2, "round_robin"),
+        (2, "prefix"),
+    ]
+    assert all(r["pooled_token_hit_rate"] >= r["token_hit_rate"] for r in rows)
