@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.index_backends import open_index
+from prefixcache.fleet.open_index import open_index
 from prefixcache.fleet.routing import RoutingParams
 from prefixcache.fleet.service_config import load_config, parse_config
 from prefixcache.namespace import Namespace

@@ -44,6 +44,7 @@ from prefixcache.errors import (
     WireFormatError,
 )
 from prefixcache.fleet.fleet_index import CPU, GPU, FleetIndex
+from prefixcache.fleet.ingest import IngestCounts
 from prefixcache.fleet.kv_wire import (
     END_SEQ,
     BatchDecoder,
@@ -177,6 +178,20 @@ class KVEventSubscriber:
             return {
                 name: ReplicaCounters(**vars(rep.counts), last_seq=rep.last_seq)
                 for name, rep in sorted(self._replicas.items())
+            }
+
+    def ingest_counts(self) -> dict[str, IngestCounts]:
+        """The counters in the service's terms (``prefixcache.fleet.ingest.IngestStats``)."""
+        with self._lock:
+            return {
+                name: IngestCounts(
+                    events=c.batches,
+                    blocks_stored=c.blocks_stored,
+                    blocks_removed=c.blocks_removed,
+                    sequence_gaps=c.gaps,
+                    errors=c.malformed,
+                )
+                for name, c in ((name, rep.counts) for name, rep in sorted(self._replicas.items()))
             }
 
     # ---- ingestion ------------------------------------------------------------------------

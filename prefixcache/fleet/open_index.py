@@ -1,21 +1,28 @@
-"""Open a fleet index from a URL: ``memory`` or ``redis://host:port/db``."""
+"""Open a fleet index from a URL: ``memory`` or ``redis://host:port/db``.
+
+Backends are imported on demand, so the in-memory index never needs the Redis client.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefixcache.errors import ConfigError
-from prefixcache.fleet.memory_index import MemoryFleetIndex
-from prefixcache.fleet.redis_index import RedisFleetIndex
+from prefixcache.fleet.service_config import check_index_url
+
+if TYPE_CHECKING:
+    from prefixcache.fleet.memory_index import MemoryFleetIndex
+    from prefixcache.fleet.redis_index import RedisFleetIndex
 
 
 def open_index(url: str, **options: Any) -> MemoryFleetIndex | RedisFleetIndex:
     """The index ``url`` names: ``"memory"`` (this process) or ``redis://host:port/db`` (shared;
-    ``rediss://`` and ``unix://`` too). ``options`` go to the index's constructor."""
-    if not isinstance(url, str):
-        raise ConfigError(f"index URL must be a str, got {type(url).__name__}")
+    ``rediss://`` too). ``options`` go to the index's constructor. Raises
+    ConfigError for any other URL."""
+    url = check_index_url(url)
     if url == "memory":
+        from prefixcache.fleet.memory_index import MemoryFleetIndex
+
         return MemoryFleetIndex(**options)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisFleetIndex.from_url(url, **options)
-    raise ConfigError(f"unknown index URL {url!r}: use 'memory' or 'redis://host:port/db'")
+    from prefixcache.fleet.redis_index import RedisFleetIndex
+
+    return RedisFleetIndex.from_url(url, **options)

@@ -41,7 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from prefixcache.fleet.index_backends import open_index
+        from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
+        from prefixcache.fleet.open_index import open_index
         from prefixcache.fleet.router import Router
         from prefixcache.fleet.server import create_app
         from prefixcache.fleet.service_config import check_index_url, load_config
@@ -66,7 +67,24 @@ def _serve(args: argparse.Namespace) -> int:
             hash_algo=config.hash_algo,
             max_prompt_tokens=config.limits.max_prompt_tokens,
         )
-        app = create_app(router, config, proxy=args.proxy)
+        # every replica with an event endpoint is followed from the app's start to its stop
+        subscriber = KVEventSubscriber(
+            index,
+            [
+                ReplicaEndpoint(
+                    r.name,
+                    r.events,
+                    r.replay,
+                    r.namespace,
+                    r.block_size,
+                    hash_algo=config.hash_algo,
+                )
+                for r in config.replicas
+                if r.events is not None
+            ],
+            max_replicas=config.limits.max_replicas,
+        )
+        app = create_app(router, config, proxy=args.proxy, ingest=subscriber)
     except (PrefixCacheError, OSError) as exc:
         print(f"prefixcache serve: error: {exc}", file=sys.stderr)
         return 2
