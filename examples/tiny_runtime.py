@@ -173,7 +173,8 @@ def run_requests(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     result = RunResult()
-    waiting, running = list(prompts), []
+    waiting: list[str] = list(prompts)
+    running: list[str] = []
     while waiting or running:
         rows: list[tuple[str, list[int], int, np.ndarray]] = []  # (rid, ids, start pos, slots)
         copies = []

@@ -122,3 +122,19 @@ def test_prefix_routing_beats_round_robin_on_a_real_fleet(tmp_path: Path) -> Non
     # robin pays each system prompt once per replica that sees it, prefix routing once
     assert px.cached_tokens - rr.cached_tokens >= system_len
     print(run_fleet.table([rr, px]))
+
+
+def test_a_replica_that_fails_to_start_stops_the_fleet(tmp_path: Path) -> None:
+    run_fleet = _load("run_fleet")
+    processes: list[subprocess.Popen[bytes]] = []
+    with pytest.raises(RuntimeError, match="exited with"):
+        run_fleet.run(
+            ("prefix",),
+            num_replicas=2,
+            num_requests=2,
+            num_blocks=0,  # the replicas refuse an empty cache
+            log_dir=tmp_path,
+            processes=processes,
+        )
+    assert len(processes) == 2
+    assert all(proc.returncode is not None for proc in processes)

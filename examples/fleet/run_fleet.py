@@ -71,6 +71,14 @@ class PolicyResult(NamedTuple):
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+class StartedReplica(NamedTuple):
+    """A replica process and what its /healthz said (model, block size, event endpoints)."""
+
+    name: str
+    url: str
+    health: dict[str, Any]
+
+
 @dataclass
 class Processes:
     """Subprocesses started so far; ``stop_all`` ends each one (SIGTERM, then SIGKILL)."""
@@ -151,8 +159,8 @@ def shared_prompt_workload(
     return Workload(prompts, which)
 
 
-def fleet_config(policy: str, replicas: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The service config for replicas described by (name, url, health answer)."""
+def fleet_config(policy: str, replicas: Sequence[StartedReplica]) -> dict[str, Any]:
+    """The service config for the started replicas, proxying on, the index in memory."""
     return {
         "index": "memory",
         "tokenizer": None,
@@ -160,13 +168,13 @@ def fleet_config(policy: str, replicas: Sequence[dict[str, Any]]) -> dict[str, A
         "proxy": {"enabled": True, "timeout_s": HTTP_TIMEOUT_S},
         "replicas": [
             {
-                "name": r["name"],
-                "url": r["url"],
-                "events": r["health"]["events"],
-                "replay": r["health"]["replay"],
-                "model": r["health"]["model"],
-                "block_size": r["health"]["block_size"],
-                "capacity_blocks": r["health"]["capacity_blocks"],
+                "name": r.name,
+                "url": r.url,
+                "events": r.health["events"],
+                "replay": r.health["replay"],
+                "model": r.health["model"],
+                "block_size": r.health["block_size"],
+                "capacity_blocks": r.health["capacity_blocks"],
             }
             for r in replicas
         ],
@@ -194,7 +202,7 @@ def run_policy(
     """Start fresh replicas and a router with ``policy``, send the workload, measure, stop."""
     try:
         with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
-            replicas = []
+            starting = []
             for i in range(num_replicas):
                 name, port = f"replica-{i}", free_port()
                 proc = procs.start(
@@ -202,11 +210,13 @@ def run_policy(
                     [str(HERE / "replica.py"), "--port", str(port), "--model", MODEL,
                      "--blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE)],
                 )  # fmt: skip
-                replicas.append({"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc})
-            for r in replicas:
-                r["health"] = wait_healthy(
-                    client, procs, f"{policy}-{r['name']}", r["proc"], r["url"]
+                starting.append((name, f"http://127.0.0.1:{port}", proc))
+            replicas = [
+                StartedReplica(
+                    name, url, wait_healthy(client, procs, f"{policy}-{name}", proc, url)
                 )
+                for name, url, proc in starting
+            ]
             config = procs.log_dir / f"{policy}-fleet.yaml"
             config.write_text(yaml.safe_dump(fleet_config(policy, replicas), sort_keys=False))
             port = free_port()
@@ -227,7 +237,7 @@ def run_policy(
                 resp.raise_for_status()
                 served_by.append(resp.headers["x-prefixcache-replica"])
 
-            stats = {r["name"]: client.get(f"{r['url']}/stats").json() for r in replicas}
+            stats = {r.name: client.get(f"{r.url}/stats").json() for r in replicas}
             last, last_replica = workload.prompts[-1], served_by[-1]
             lookup_cached = _wait_for_lookup(client, service, last, last_replica)
             listed = client.get(f"{service}/v1/replicas").json()["replicas"]
