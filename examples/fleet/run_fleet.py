@@ -334,6 +334,10 @@ def iter_policies(text: str) -> Iterator[str]:
         yield name
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, run every policy and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -347,18 +351,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, help="keep the processes' logs and configs here")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the fleet on SIGTERM as on Ctrl-C
     start = time.monotonic()
-    results = run(
-        args.policies,
-        num_replicas=args.replicas,
-        num_requests=args.requests,
-        num_systems=args.systems,
-        system_len=args.system_len,
-        num_blocks=args.blocks,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        log_dir=args.log_dir,
-    )
+    try:
+        results = run(
+            args.policies,
+            num_replicas=args.replicas,
+            num_requests=args.requests,
+            num_systems=args.systems,
+            system_len=args.system_len,
+            num_blocks=args.blocks,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            log_dir=args.log_dir,
+        )
+    except KeyboardInterrupt:  # every process was stopped on the way out
+        raise SystemExit(130) from None
     print(
         f"{args.replicas} replicas, {args.requests} requests over {args.systems} system prompts "
         f"of {args.system_len} tokens, {time.monotonic() - start:.0f} s"
