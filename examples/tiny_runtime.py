@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,8 +119,11 @@ class TinyDecoder:
 
 @dataclass
 class RunResult:
+    """Generated tokens and last-token logits per request, and the prefill work done."""
+
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # per request: prompt hits
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
 
@@ -146,36 +150,31 @@ def _pack(
     }
 
 
-def generate(
+def run_requests(
     model: TinyDecoder,
+    mgr: CacheManager,
+    kv: PagedKVCache,
+    ns: Namespace,
     prompts: dict[str, list[int]],
     *,
     max_new_tokens: int,
-    caching: bool,
-    block_size: int = 16,
-    num_blocks: int = 64,
     backend: Backend = "auto",
     device: str = "cpu",
+    after_step: Callable[[], object] | None = None,
 ) -> RunResult:
-    """Continuous batching: per step, admit every waiting prompt that fits, decode the rest.
+    """Continuous batching over ``mgr`` and ``kv``: per step, admit every waiting prompt that
+    fits, decode the rest, run the forward pass, then ``end_step()`` and ``after_step()`` (e.g.
+    a KV event publisher's ``flush``). Finished requests are released, so their full blocks stay
+    cached for later calls on the same manager.
 
     Prompts admitted in the same step share blocks that step is still writing: per layer, the
     model stores all new K/V before attention reads any, and runs the copies in between.
     """
-    c = model.cfg
-    mgr = CacheManager(num_blocks=num_blocks, block_size=block_size, enable_caching=caching)
-    kv = PagedKVCache(
-        c.num_layers,
-        num_blocks,
-        block_size,
-        c.num_kv_heads,
-        c.head_dim,
-        dtype=torch.float32,
-        device=device,
-    )
-    ns = Namespace(model="tiny-random")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     result = RunResult()
-    waiting, running = list(prompts), []
+    waiting: list[str] = list(prompts)
+    running: list[str] = []
     while waiting or running:
         rows: list[tuple[str, list[int], int, np.ndarray]] = []  # (rid, ids, start pos, slots)
         copies = []
@@ -187,13 +186,17 @@ def generate(
             rows.append((rid, prompt[adm.cached_len :], adm.cached_len, adm.slot_mapping()))
             result.prompt_tokens += len(prompt)
             result.computed_prompt_tokens += len(prompt) - adm.cached_len
+            result.cached_tokens[rid] = adm.cached_len
             result.tokens[rid], result.logits[rid] = [], []
+        if not rows and not running:
+            raise RuntimeError(f"request {waiting[0]!r} does not fit in the cache")
         for rid in running:
             tok = result.tokens[rid][-1]
             res = mgr.append(rid, [tok])
             copies += res.copies
             rows.append((rid, [tok], mgr.num_tokens(rid) - 1, res.slots))
         logits = model.step(**_pack(rows, mgr, device), kv=kv, backend=backend, copies=copies)
+        mgr.end_step()
         running = []
         for (rid, *_), row_logits in zip(rows, logits, strict=True):
             result.logits[rid].append(row_logits.cpu())
@@ -202,7 +205,61 @@ def generate(
                 running.append(rid)
             else:
                 mgr.release(rid)
+        if after_step is not None:
+            after_step()
     return result
+
+
+def new_cache(
+    cfg: ModelConfig,
+    *,
+    num_blocks: int,
+    block_size: int = 16,
+    caching: bool = True,
+    stepped: bool = False,
+    device: str = "cpu",
+) -> tuple[CacheManager, PagedKVCache]:
+    """A manager and its fp32 paged K/V storage, sized for ``cfg``."""
+    mgr = CacheManager(
+        num_blocks=num_blocks, block_size=block_size, enable_caching=caching, stepped=stepped
+    )
+    kv = PagedKVCache(
+        cfg.num_layers,
+        num_blocks,
+        block_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype=torch.float32,
+        device=device,
+    )
+    return mgr, kv
+
+
+def generate(
+    model: TinyDecoder,
+    prompts: dict[str, list[int]],
+    *,
+    max_new_tokens: int,
+    caching: bool,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    backend: Backend = "auto",
+    device: str = "cpu",
+) -> RunResult:
+    """Generate for ``prompts`` on a fresh cache (``run_requests``)."""
+    mgr, kv = new_cache(
+        model.cfg, num_blocks=num_blocks, block_size=block_size, caching=caching, device=device
+    )
+    return run_requests(
+        model,
+        mgr,
+        kv,
+        Namespace(model="tiny-random"),
+        prompts,
+        max_new_tokens=max_new_tokens,
+        backend=backend,
+        device=device,
+    )
 
 
 def shared_prompt_batch(
