@@ -62,6 +62,17 @@ def test_least_loaded_requests_then_tokens_then_order() -> None:
     assert least_loaded([score("a"), score("b")], RouteContext(10)).replica == "a"
 
 
+def test_equal_replicas_take_turns() -> None:
+    """Ties that load cannot break rotate with the router's turn, for every policy: cold
+    prompts spread over the fleet instead of all landing on the first replica."""
+    cold = [score("a"), score("b"), score("c")]
+    for policy in (least_loaded, prefix, prefix_balanced):
+        picks = [policy(cold, RouteContext(64, turn)).replica for turn in range(4)]
+        assert picks == ["a", "b", "c", "a"], policy.__name__
+    warm = [score("a"), score("b", 32), score("c")]
+    assert {prefix(warm, RouteContext(64, turn)).replica for turn in range(3)} == {"b"}
+
+
 def test_prefix_most_cached_then_gpu_then_least_loaded() -> None:
     ctx = RouteContext(64)
     assert prefix([score("a", 16), score("b", 48), score("c", 32)], ctx).replica == "b"

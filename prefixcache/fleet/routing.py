@@ -6,8 +6,9 @@ round robin, the thresholds). It returns a ``Choice``: the chosen replica's name
 decided, which metrics and responses report.
 
 - ``round_robin``: the replica at ``turn`` modulo the number of replicas.
-- ``least_loaded``: fewest in-flight requests, then fewest in-flight tokens, then config order.
-- ``prefix``: most cached prompt tokens, then most of them on GPU, then least loaded.
+- ``least_loaded``: fewest in-flight requests, then fewest in-flight tokens, then the next replica
+  in round-robin order (so equal replicas take turns rather than the first one taking all).
+- ``prefix``: most cached prompt tokens, then most of them on GPU, then least loaded (as above).
 - ``prefix_balanced``: the rule of SGLang's cache-aware router, on in-flight request counts. The
   fleet is *imbalanced* when both ``max - min > balance_abs_threshold`` and
   ``max > balance_rel_threshold * min`` hold over the replicas' in-flight requests; then the least
@@ -63,12 +64,14 @@ class Choice(NamedTuple):
 Policy = Callable[[Sequence[ReplicaScore], RouteContext], Choice]
 
 
-def _load_key(position: int, score: ReplicaScore) -> tuple[int, int, int]:
-    return (score.in_flight, score.in_flight_tokens, position)
+def _load_key(position: int, score: ReplicaScore, turn: int, n: int) -> tuple[int, int, int]:
+    # the last tie-break rotates with the router's turn: equal replicas take turns
+    return (score.in_flight, score.in_flight_tokens, (position - turn) % n)
 
 
-def _least_loaded_of(scores: Sequence[ReplicaScore]) -> ReplicaScore:
-    return min(enumerate(scores), key=lambda item: _load_key(*item))[1]
+def _least_loaded_of(scores: Sequence[ReplicaScore], turn: int) -> ReplicaScore:
+    n = len(scores)
+    return min(enumerate(scores), key=lambda item: _load_key(item[0], item[1], turn, n))[1]
 
 
 def _check(scores: Sequence[ReplicaScore]) -> None:
@@ -83,17 +86,22 @@ def round_robin(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
 
 
 def least_loaded(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
-    """Fewest in-flight requests, then fewest in-flight tokens, then the first configured."""
+    """Fewest in-flight requests, then fewest in-flight tokens, then round-robin order."""
     _check(scores)
-    return Choice(_least_loaded_of(scores).name, "least_loaded")
+    return Choice(_least_loaded_of(scores, ctx.turn).name, "least_loaded")
 
 
 def prefix(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
     """Most cached prompt tokens, then most on GPU, then least loaded."""
     _check(scores)
+    n, turn = len(scores), ctx.turn
     best = min(
         enumerate(scores),
-        key=lambda item: (-item[1].cached_tokens, -item[1].gpu_cached_tokens, *_load_key(*item)),
+        key=lambda item: (
+            -item[1].cached_tokens,
+            -item[1].gpu_cached_tokens,
+            *_load_key(item[0], item[1], turn, n),
+        ),
     )[1]
     return Choice(best.name, "prefix")
 
@@ -110,13 +118,17 @@ def prefix_balanced(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice
     free capacity decides (see the module docstring for the exact rule)."""
     _check(scores)
     if is_imbalanced(scores, ctx.params):
-        return Choice(_least_loaded_of(scores).name, "imbalanced")
+        return Choice(_least_loaded_of(scores, ctx.turn).name, "imbalanced")
     best_cached = max(s.cached_tokens for s in scores)
     if ctx.prompt_tokens > 0 and best_cached / ctx.prompt_tokens > ctx.params.cache_threshold:
         return Choice(prefix(scores, ctx).replica, "prefix")
+    n, turn = len(scores), ctx.turn
     roomiest = min(
         enumerate(scores),
-        key=lambda item: (item[1].held_blocks - item[1].capacity_blocks, *_load_key(*item)),
+        key=lambda item: (
+            item[1].held_blocks - item[1].capacity_blocks,
+            *_load_key(item[0], item[1], turn, n),
+        ),
     )[1]
     return Choice(roomiest.name, "low_match")
 
