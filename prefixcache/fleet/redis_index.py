@@ -298,21 +298,29 @@ class RedisFleetIndex:
         return RedisIndexStats(self._errors, self._resyncs, self._in_sync, self._overflow)
 
     def holdings(self, replica: str) -> dict[bytes, frozenset[str]]:
-        """Every digest ``replica`` holds in Redis and on which media (O(its blocks))."""
+        """Every digest ``replica`` holds in Redis and on which media (O(its blocks)); from the
+        local view while Redis is unreachable."""
         check_replica(replica)
         with self._lock:
-            self.flush()
-            members = sorted(_raw(m) for m in self.client.smembers(f"{self.prefix}:r:{replica}"))
-            slot = self.client.hget(self.prefix + ":replicas", replica)
-            if slot is None:
-                return {}
-            r = int(slot)
-            pipe = self.client.pipeline(transaction=False)
-            for d in members:
-                key = self.prefix.encode() + b":b:" + d
-                pipe.getbit(key, 2 * r)
-                pipe.getbit(key, 2 * r + 1)
-            bits = pipe.execute()
+            if not self.flush():
+                return self.local.holdings(replica)
+            try:
+                members = sorted(
+                    _raw(m) for m in self.client.smembers(f"{self.prefix}:r:{replica}")
+                )
+                slot = self.client.hget(self.prefix + ":replicas", replica)
+                if slot is None:
+                    return {}
+                r = int(slot)
+                pipe = self.client.pipeline(transaction=False)
+                for d in members:
+                    key = self.prefix.encode() + b":b:" + d
+                    pipe.getbit(key, 2 * r)
+                    pipe.getbit(key, 2 * r + 1)
+                bits = pipe.execute()
+            except redis.RedisError as exc:
+                self._failed(exc)
+                return self.local.holdings(replica)
             return {
                 d: frozenset(m for m, b in ((GPU, bits[2 * k]), (CPU, bits[2 * k + 1])) if b)
                 for k, d in enumerate(members)
