@@ -42,11 +42,14 @@ class Replica:
         self.publisher.flush()
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
+@pytest.fixture(params=["memory", "redis"])
+def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    index = "memory"
+    if request.param == "redis":
+        index = request.getfixturevalue("redis_server").url
     replicas = {"a": Replica(64), "b": Replica(12)}
     config = {
-        "index": "memory",
+        "index": index,
         "routing": {"policy": "prefix"},
         "replicas": [
             {
@@ -66,7 +69,7 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
     args = ["prefixcache", "serve", "--config", str(path), "--port", str(port)]
     try:
         with running(args, port, tmp_path / "serve.log") as base, httpx.Client(base_url=base) as c:
-            yield {"client": c, "replicas": replicas}
+            yield {"client": c, "replicas": replicas, "index": request.param}
     finally:
         for rep in replicas.values():
             rep.publisher.close()
@@ -113,3 +116,41 @@ def test_lookups_follow_the_replicas_events(fleet: dict[str, Any]) -> None:
         )
     }
     assert stored["a"] >= len(SYSTEM) // BLOCK and stored["b"] >= 18
+    if fleet["index"] == "redis":  # a shared index reports its health
+        assert re.search(r"^prefixcache_index_in_sync 1\.0$", metrics, re.M)
+        assert re.search(r"^prefixcache_index_errors_total 0\.0$", metrics, re.M)
+
+
+def test_text_prompts_use_the_configured_tokenizer_file(tmp_path: Path) -> None:
+    """With ``tokenizer:`` set, text prompts are encoded by that Hugging Face tokenizer file:
+    a text lookup matches the blocks stored for its token ids."""
+    import tokenizers
+    from fastapi.testclient import TestClient
+
+    from prefixcache.fleet.memory_index import MemoryFleetIndex
+    from prefixcache.fleet.router import Router
+    from prefixcache.fleet.server import create_app
+    from prefixcache.fleet.service_config import parse_config
+    from prefixcache.hashing import BlockHasher
+
+    words = [f"w{i}" for i in range(40)]
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = parse_config(
+        {
+            "tokenizer": "tokenizer.json",
+            "replicas": [{"name": "a", "model": MODEL, "block_size": BLOCK}],
+        },
+        "fleet.yaml",
+        tmp_path,
+    )
+    index = MemoryFleetIndex()
+    text = " ".join(words[:10])  # ids 1..10: two full blocks of 4
+    index.store("a", BlockHasher(BLOCK).hash_prompt(list(range(1, 11)), Namespace(MODEL)))
+    router = Router(index, [r.spec() for r in config.replicas])
+    with TestClient(create_app(router, config)) as client:
+        body = client.post("/v1/lookup", json={"model": MODEL, "text": text}).json()
+    assert body["prompt_tokens"] == 10
+    assert body["replicas"][0]["cached_tokens"] == 8

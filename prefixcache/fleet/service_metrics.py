@@ -2,7 +2,8 @@
 
 Counted as they happen: route decisions (policy, replica, rule), the cached fraction of routed
 prompts, route latency, error responses. Read at each scrape: the index's blocks and the in-flight
-load per replica, and the counters of an ``IngestStats`` source when one is plugged in.
+load per replica, the health of a shared (Redis) index, and the counters of an ``IngestStats``
+source when one is plugged in.
 """
 
 from __future__ import annotations
@@ -57,6 +58,24 @@ class _FleetCollector(Collector):
         yield blocks
         yield in_flight
         yield tokens
+        stats = getattr(index, "stats", None)  # a shared (Redis) index reports its health
+        if callable(stats):
+            health = stats()
+            yield CounterMetricFamily(
+                "prefixcache_index_errors",
+                "Failed calls to the shared index (answered from the local view meanwhile)",
+                value=health.errors,
+            )
+            yield CounterMetricFamily(
+                "prefixcache_index_resyncs",
+                "Times the local view was written back to the shared index after an outage",
+                value=health.resyncs,
+            )
+            yield GaugeMetricFamily(
+                "prefixcache_index_in_sync",
+                "1 while the shared index has every write, 0 during an outage",
+                value=int(health.in_sync),
+            )
         if self._ingest is None:
             return
         counts = self._ingest.ingest_counts()
