@@ -53,6 +53,8 @@ def paged_attention(
         max_seq_len = check_attention_values(shapes, block_tables, seq_lens, query_start_loc)
     if config is not None and num_splits is not None:
         raise ValueError("pass either num_splits or config (which has num_splits), not both")
+    if config is not None:
+        config.validate(shapes.group)  # on every backend, so a bad config never passes silently
     scale = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     out = torch.empty_like(q) if out is None else out
     if shapes.total_q == 0:
@@ -81,7 +83,7 @@ def paged_attention(
             num_sms=num_sms,
             num_splits=num_splits,
         )
-    config.validate(shapes.group)
+        config.validate(shapes.group)
     _launch(
         q,
         k_cache,
