@@ -88,6 +88,7 @@ def choose_config(
     max_seq_len: int,
     num_sms: int,
     num_splits: int | None = None,
+    capability: tuple[int, int] = (0, 0),
 ) -> AttentionConfig:
     """Heuristic launch config for one batch; ``num_splits`` forces the split count."""
     group_rows = _next_pow2(group)
