@@ -110,11 +110,20 @@ def reference_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> None:
-    """Write k/v [n, Hkv, D] into the caches at ``slot_mapping`` [n] (slot -1 = skip), in place."""
+    """Write k/v [n, Hkv, D] into the caches at ``slot_mapping`` [n] (slot -1 = skip), in place.
+
+    With ``k_scale``/``v_scale`` the caches are fp8 and receive ``quantize_fp8(x, scale)``.
+    """
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
     keep = slots >= 0
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scale is None:
+            cache[blocks, offsets] = x[keep].to(cache.dtype)
+        else:
+            cache[blocks, offsets] = quantize_fp8(x[keep], scale).view(cache.dtype)
