@@ -23,7 +23,7 @@ from prefixcache.kernels.cascade import (
     find_prefix_groups,
 )
 from prefixcache.kernels.config import MAX_SPLITS, AttentionConfig, choose_config
-from prefixcache.kernels.kernel_errors import KernelInputError
+from prefixcache.kernels.kernel_errors import KernelInputError, UnsupportedConfigError
 from prefixcache.kernels.reference import reference_paged_attention
 from prefixcache.kernels.validation import (
     AttentionShapes,
@@ -33,6 +33,7 @@ from prefixcache.kernels.validation import (
 )
 
 _LOG2E = 1.4426950408889634
+FP8_MIN_CAPABILITY = (8, 9)
 
 SharedPrefix = Literal["auto"] | Sequence[PrefixGroup] | None
 
@@ -196,6 +197,11 @@ def paged_attention(
         )
         return out
 
+    if fp8 and q.device.type == "cuda" and device_capability(q.device) < FP8_MIN_CAPABILITY:
+        raise UnsupportedConfigError(
+            "fp8 K/V caches need an sm_89+ GPU (Ada, Hopper) for e4m3 conversions; use "
+            "backend='torch' or a 16-bit cache"
+        )
     if max_seq_len is None:
         max_seq_len = shapes.max_blocks * shapes.block_size  # a bound read from shapes: no sync
     qk_scale = scale * _LOG2E * (k_scale if fp8 else 1.0)

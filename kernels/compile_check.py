@@ -74,7 +74,8 @@ def _signature(fn: Any, const: dict[str, Any], ptrs: dict[str, str]) -> dict[str
         elif name in ptrs:
             sig[name] = ptrs[name]
         else:
-            sig[name] = "fp32" if name in ("qk_scale", "v_scale") else "i32"
+            floats = ("qk_scale", "v_scale", "k_inv_scale", "v_inv_scale")
+            sig[name] = "fp32" if name in floats else "i32"
     return sig
 
 
@@ -119,17 +120,25 @@ def main(argv: list[str] | None = None) -> int:
         names = ("lse_ptr", "suffix_out_ptr", "suffix_lse_ptr", "prefix_out_ptr", "prefix_lse_ptr")
         ptrs = {"out_ptr": PTR[dtype], "prefix_row_ptr": "*i32"} | dict.fromkeys(names, "*fp32")
         jobs.append((f"merge-prefix {dtype} lse={lse}", merge_prefix_kernel, const, ptrs, 4))
-    for dtype, d, slot in (("fp16", 128, "*i64"), ("bf16", 80, "*i32")):
+    for dtype, d, slot, fp8 in (
+        ("fp16", 128, "*i64", False),
+        ("bf16", 80, "*i32", False),
+        ("bf16", 128, "*i64", True),
+    ):
         const = {
             "HEAD_DIM": d,
             "HEAD_DIM_PAD": 1 << (d - 1).bit_length(),
             "BLOCK_SIZE": 16,
             "BLOCK_T": 32,
+            "QUANT_FP8": fp8,
         }
-        ptrs = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"), PTR[dtype])
+        ptrs = dict.fromkeys(("k_ptr", "v_ptr"), PTR[dtype])
+        ptrs |= dict.fromkeys(("k_cache_ptr", "v_cache_ptr"), "*u8" if fp8 else PTR[dtype])
         ptrs["slot_mapping_ptr"] = slot
-        jobs.append((f"store {dtype} d{d} {slot}", store_kv_kernel, const, ptrs, 4))
+        jobs.append((f"store {dtype} d{d} {slot} fp8={fp8}", store_kv_kernel, const, ptrs, 4))
 
+    if args.arch < 89:  # e4m3 conversions need sm_89+; the wrappers refuse fp8 caches there
+        jobs = [job for job in jobs if not (job[2].get("KV_FP8") or job[2].get("QUANT_FP8"))]
     for label, fn, const, ptrs, num_warps in jobs:
         src = ASTSource(fn, _signature(fn, const, ptrs), const)
         kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
