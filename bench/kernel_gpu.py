@@ -5,7 +5,11 @@
 (a) runs tests/test_kernels*.py compiled on the GPU (bf16 cases included);
 (b) times decode attention over paged K/V (shuffled physical blocks) for batch x context grids and
     compares it with the same kernel over sequential blocks and with torch SDPA over contiguous
-    K/V. Bandwidth counts K and V bytes read once; the peak is the H200's ~4.8 TB/s.
+    K/V. Bandwidth counts K and V bytes read once; the peak is the H200's ~4.8 TB/s;
+(c) shared-prefix decode: 64 sequences x (8k shared + 256 own tokens), cascade (prefix read once)
+    against the per-sequence path;
+(d) small-batch decode, eager launches against one CUDA graph replay (out=, workspace=,
+    validate=False), each with its ratio to SDPA, for B = 1, 16, 64 x 1k..128k tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 # Compiled kernels, not the interpreter: triton.jit reads this when the kernels are imported, and
 # tests/conftest.py only sets it when unset.
@@ -165,6 +170,107 @@ def bench(grid: list[tuple[int, int]]) -> None:
     print("nosplit: split-KV forced off; vs sdpa: paged time / SDPA time over contiguous K/V.")
 
 
+def bench_shared_prefix(batch: int = 64, shared: int = 8192, own: int = 256) -> None:
+    """Decode over a common prefix: per-sequence reads vs the prefix read once per group."""
+    from triton.testing import do_bench
+
+    from prefixcache.kernels import PrefixGroup, paged_attention
+
+    print(f"\n== shared prefix: {batch} x ({shared} shared + {own} own) tokens, decode")
+    dev = "cuda"
+    shared_blocks, own_blocks = shared // BLOCK_SIZE, own // BLOCK_SIZE
+    num_blocks = shared_blocks + batch * own_blocks
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(cache_shape, device=dev, dtype=DTYPE)
+    v_cache = torch.randn(cache_shape, device=dev, dtype=DTYPE)
+    prefix = torch.arange(shared_blocks, device=dev).expand(batch, -1)
+    private = shared_blocks + torch.randperm(batch * own_blocks, device=dev).view(batch, own_blocks)
+    tables = torch.cat([prefix, private], 1).int()
+    seq_lens = torch.full((batch,), shared + own, device=dev, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=dev, dtype=DTYPE)
+    args = (q, k_cache, v_cache, tables, seq_lens, qsl)
+    groups = [PrefixGroup(tuple(range(batch)), shared_blocks)]
+
+    def run(mode: Any) -> torch.Tensor:
+        return paged_attention(*args, shared_prefix=mode, validate=False)
+
+    t_plain = do_bench(partial(run, None)) * 1e3
+    t_auto = do_bench(partial(run, "auto")) * 1e3
+    t_groups = do_bench(partial(run, groups)) * 1e3
+    diff = (run("auto").float() - run(None).float()).abs().max().item()
+    kv_row = 2 * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    plain_gb, cascade_gb = (
+        batch * (shared + own) * kv_row / 1e9,
+        (shared + batch * own) * kv_row / 1e9,
+    )
+    print(f"{'path':>22} {'us':>9} {'K/V GB read':>11} {'vs plain':>8}")
+    print(f"{'per-sequence':>22} {t_plain:>9.1f} {plain_gb:>11.3f} {1.0:>7.2f}x")
+    speedup = t_plain / t_auto
+    print(f"{'cascade (auto groups)':>22} {t_auto:>9.1f} {cascade_gb:>11.3f} {speedup:>7.2f}x")
+    print(
+        f"{'cascade (given groups)':>22} {t_groups:>9.1f} {cascade_gb:>11.3f} "
+        f"{t_plain / t_groups:>7.2f}x"
+    )
+    print(f"max |cascade - plain| = {diff:.1e}; auto includes planning (reads the tables on host)")
+
+
+SMALL_BATCH_GRID = [(b, c) for b in (1, 16, 64) for c in (1024, 8192, 32768, 131072)]
+MAX_TOKENS = 1 << 22  # skip shapes whose cache plus SDPA copy would not fit comfortably
+
+
+def bench_graphs(grid: list[tuple[int, int]]) -> None:
+    """Small-batch decode: eager wrapper calls vs one captured CUDA graph, both against SDPA."""
+    from triton.testing import do_bench
+
+    from prefixcache.kernels import paged_attention, workspace_size
+
+    print("\n== decode launch overhead: eager vs CUDA graph (out=, workspace=, validate=False)")
+    print(
+        f"{'batch':>5} {'ctx':>6} {'eager us':>9} {'graph us':>9} {'sdpa us':>8} "
+        f"{'eager/sdpa':>10} {'graph/sdpa':>10}"
+    )
+    for batch, context in grid:
+        if batch * context > MAX_TOKENS:
+            print(f"{batch:>5} {context:>6}  skipped (> {MAX_TOKENS} tokens)")
+            continue
+        case = make_case(batch, context)
+        out = torch.empty_like(case.q)
+        ws = torch.empty(workspace_size(batch, NUM_Q_HEADS, HEAD_DIM), device="cuda")
+        args = (
+            case.q,
+            case.k_cache,
+            case.v_cache,
+            case.shuffled,
+            case.seq_lens,
+            case.query_start_loc,
+        )
+
+        step = partial(
+            paged_attention, *args, out=out, workspace=ws, max_seq_len=context, validate=False
+        )
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        k, v = contiguous_kv(case, case.k_cache), contiguous_kv(case, case.v_cache)
+        t_eager = do_bench(step) * 1e3
+        t_graph = do_bench(graph.replay) * 1e3
+        t_sdpa = do_bench(partial(sdpa, case.q, k, v)) * 1e3
+        print(
+            f"{batch:>5} {context:>6} {t_eager:>9.1f} {t_graph:>9.1f} {t_sdpa:>8.1f} "
+            f"{t_eager / t_sdpa:>9.2f}x {t_graph / t_sdpa:>9.2f}x",
+            flush=True,
+        )
+        del case, k, v, graph
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-tests", action="store_true")
@@ -177,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     status = 0 if args.skip_tests else run_tests()
     if not args.skip_bench:
         bench(QUICK_GRID if args.quick else GRID)
+        bench_shared_prefix()
+        bench_graphs(SMALL_BATCH_GRID[:2] if args.quick else SMALL_BATCH_GRID)
     return status
 
 

@@ -6,13 +6,14 @@ Lives in the top-level ``kernels/`` folder, imported as ``prefixcache.kernels`` 
 interpreter when TRITON_INTERPRET=1) and the torch reference otherwise; triton is optional.
 """
 
-from prefixcache.kernels.attention import paged_attention
+from prefixcache.kernels.attention import paged_attention, workspace_size
 from prefixcache.kernels.backend import (
     Backend,
     interpreter_enabled,
     resolve_backend,
     triton_available,
 )
+from prefixcache.kernels.cascade import PrefixGroup, find_prefix_groups, group_shared_prefixes
 from prefixcache.kernels.config import AttentionConfig, choose_config
 from prefixcache.kernels.kernel_errors import (
     KernelDTypeError,
@@ -33,10 +34,13 @@ __all__ = [
     "Backend",
     "KernelDTypeError",
     "KernelInputError",
+    "PrefixGroup",
     "TritonUnavailableError",
     "UnsupportedConfigError",
     "choose_config",
+    "find_prefix_groups",
     "gather_kv",
+    "group_shared_prefixes",
     "interpreter_enabled",
     "paged_attention",
     "reference_attention",
@@ -45,4 +49,5 @@ __all__ = [
     "resolve_backend",
     "store_kv",
     "triton_available",
+    "workspace_size",
 ]

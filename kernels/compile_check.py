@@ -19,6 +19,8 @@ PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
 def _attention_variants() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
     """(label, constexprs, dtype of q/k/v/out) per variant; covers every constexpr branch."""
     variants = []
+    prefix = {"CAUSAL": False, "RETURN_LSE": True}  # shared-prefix pass
+    suffix = {"HAS_KV_START": True, "RETURN_LSE": True}  # own-keys pass
     for dtype, d, block_q, block_m, tile_n, splits, extra in [
         ("fp16", 128, 1, 16, 64, 1, {}),
         ("bf16", 128, 1, 16, 64, 8, {}),
@@ -26,6 +28,11 @@ def _attention_variants() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
         ("bf16", 128, 16, 64, 32, 1, {}),
         ("fp16", 64, 1, 16, 64, 1, {"num_seqs": 1}),  # ints equal to 1 are specialized
         ("fp32", 128, 5, 16, 16, 1, {}),
+        ("bf16", 128, 32, 128, 32, 1, prefix),  # Hopper-size tile
+        ("bf16", 128, 16, 64, 32, 4, prefix),
+        ("fp16", 128, 1, 16, 64, 1, suffix),
+        ("bf16", 128, 1, 16, 64, 4, suffix | {"KV_FP8": True}),
+        ("fp16", 64, 16, 64, 64, 1, {"KV_FP8": True}),
     ]:
         const = {
             "HEAD_DIM": d,
@@ -36,12 +43,21 @@ def _attention_variants() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
             "TILE_N": tile_n,
             "NUM_SPLITS": splits,
             "SPLIT": splits > 1,
+            "CAUSAL": True,
+            "HAS_KV_START": False,
+            "RETURN_LSE": False,
+            "KV_FP8": False,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
             **extra,
         }
         variants.append(
             (
-                f"attention {dtype} d{d} q{block_q} m{block_m} n{tile_n} s{splits}",
+                f"attention {dtype} d{d} q{block_q} m{block_m} n{tile_n} s{splits} "
+                + " ".join(
+                    k.lower() if v else f"no-{k.lower()}"
+                    for k, v in extra.items()
+                    if isinstance(v, bool)
+                ),
                 const,
                 {"dtype": dtype},
             )
@@ -58,7 +74,8 @@ def _signature(fn: Any, const: dict[str, Any], ptrs: dict[str, str]) -> dict[str
         elif name in ptrs:
             sig[name] = ptrs[name]
         else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            floats = ("qk_scale", "v_scale", "k_inv_scale", "v_inv_scale")
+            sig[name] = "fp32" if name in floats else "i32"
     return sig
 
 
@@ -74,32 +91,54 @@ def main(argv: list[str] | None = None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from prefixcache.kernels.triton_attention import merge_splits_kernel, paged_attention_kernel
+    from prefixcache.kernels.triton_attention import (
+        merge_prefix_kernel,
+        merge_splits_kernel,
+        paged_attention_kernel,
+    )
     from prefixcache.kernels.triton_store import store_kv_kernel
 
     target = GPUTarget("cuda", args.arch, 32)
     jobs = []
     for label, const, kind in _attention_variants():
         dt = PTR[kind["dtype"]]
-        ptrs = dict.fromkeys(("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr"), dt)
-        ptrs |= dict.fromkeys(("seg_out_ptr", "seg_lse_ptr"), "*fp32")
-        ptrs |= dict.fromkeys(("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"), "*i32")
+        kv = "*u8" if const.get("KV_FP8") else dt
+        out = "*fp32" if const.get("RETURN_LSE") else dt
+        ptrs = {"out_ptr": out, "q_ptr": dt, "k_cache_ptr": kv, "v_cache_ptr": kv}
+        ptrs |= dict.fromkeys(("seg_out_ptr", "seg_lse_ptr", "lse_ptr"), "*fp32")
+        ptrs |= dict.fromkeys(
+            ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "kv_start_ptr"), "*i32"
+        )
         jobs.append((label, paged_attention_kernel, const, ptrs, 4))
-    for dtype, splits, block_h in (("bf16", 32, 2), ("fp32", 4, 8)):
-        const = {"HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_H": block_h}
-        ptrs = {"out_ptr": PTR[dtype], "seg_out_ptr": "*fp32", "seg_lse_ptr": "*fp32"}
+    for dtype, splits, block_h, lse in (("bf16", 32, 2, False), ("fp32", 4, 8, True)):
+        const = {"HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_H": block_h, "RETURN_LSE": lse}
+        ptrs = {"out_ptr": PTR[dtype], "lse_ptr": "*fp32"}
+        ptrs |= {"seg_out_ptr": "*fp32", "seg_lse_ptr": "*fp32"}
         jobs.append((f"merge {dtype} s{splits} h{block_h}", merge_splits_kernel, const, ptrs, 4))
-    for dtype, d, slot in (("fp16", 128, "*i64"), ("bf16", 80, "*i32")):
+    for dtype, lse in (("bf16", False), ("fp16", True)):
+        const = {"HEAD_DIM": 128, "BLOCK_H": 8, "RETURN_LSE": lse}
+        names = ("lse_ptr", "suffix_out_ptr", "suffix_lse_ptr", "prefix_out_ptr", "prefix_lse_ptr")
+        ptrs = {"out_ptr": PTR[dtype], "prefix_row_ptr": "*i32"} | dict.fromkeys(names, "*fp32")
+        jobs.append((f"merge-prefix {dtype} lse={lse}", merge_prefix_kernel, const, ptrs, 4))
+    for dtype, d, slot, fp8 in (
+        ("fp16", 128, "*i64", False),
+        ("bf16", 80, "*i32", False),
+        ("bf16", 128, "*i64", True),
+    ):
         const = {
             "HEAD_DIM": d,
             "HEAD_DIM_PAD": 1 << (d - 1).bit_length(),
             "BLOCK_SIZE": 16,
             "BLOCK_T": 32,
+            "QUANT_FP8": fp8,
         }
-        ptrs = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"), PTR[dtype])
+        ptrs = dict.fromkeys(("k_ptr", "v_ptr"), PTR[dtype])
+        ptrs |= dict.fromkeys(("k_cache_ptr", "v_cache_ptr"), "*u8" if fp8 else PTR[dtype])
         ptrs["slot_mapping_ptr"] = slot
-        jobs.append((f"store {dtype} d{d} {slot}", store_kv_kernel, const, ptrs, 4))
+        jobs.append((f"store {dtype} d{d} {slot} fp8={fp8}", store_kv_kernel, const, ptrs, 4))
 
+    if args.arch < 89:  # e4m3 conversions need sm_89+; the wrappers refuse fp8 caches there
+        jobs = [job for job in jobs if not (job[2].get("KV_FP8") or job[2].get("QUANT_FP8"))]
     for label, fn, const, ptrs, num_warps in jobs:
         src = ASTSource(fn, _signature(fn, const, ptrs), const)
         kernel = triton.compile(src, target=target, options={"num_warps": num_warps})

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from prefixcache.kernels.kernel_errors import UnsupportedConfigError
 
 MAX_SPLITS = 32
+HOPPER = (9, 0)
+# Hopper-size tiles pay off only when a program's rows are mostly real queries.
+MIN_ROWS_FOR_WIDE_TILE = 64
 # A split should stream at least this many key tiles, or the merge costs more than it wins.
 MIN_TILES_PER_SPLIT = 4
 
@@ -88,19 +91,37 @@ def choose_config(
     max_seq_len: int,
     num_sms: int,
     num_splits: int | None = None,
+    capability: tuple[int, int] = (0, 0),
 ) -> AttentionConfig:
-    """Heuristic launch config for one batch; ``num_splits`` forces the split count."""
+    """Heuristic launch config for one batch; ``num_splits`` forces the split count.
+
+    ``capability`` is the GPU's compute capability ((0, 0) without a GPU). On Hopper (sm_90+)
+    extend/prefill batches whose sequences average at least MIN_ROWS_FOR_WIDE_TILE rows
+    (query tokens x group) get 128-row tiles with 64-key tiles and 8 warps (head_dim <= 128):
+    twice the rows per K/V tile, which the larger register file and shared memory hold.
+    """
     group_rows = _next_pow2(group)
+    num_warps = 4
     if total_q == num_seqs:
         # Pure decode: one query token per program, wider key tiles since it is bandwidth bound.
         block_m, block_q, tile_n = max(16, group_rows), 1, 64
+    elif (
+        capability >= HOPPER
+        and head_dim <= 128
+        and group_rows <= 128
+        and total_q * group >= MIN_ROWS_FOR_WIDE_TILE * num_seqs
+    ):
+        block_m, tile_n, num_warps = 128, 64, 8
+        block_q = block_m // group
     else:
         block_m = max(64, group_rows)
         block_q = block_m // group
         tile_n = 64 if head_dim <= 64 else 32
-    cfg = AttentionConfig(block_q=block_q, block_m=block_m, tile_n=tile_n)
+    cfg = AttentionConfig(block_q=block_q, block_m=block_m, tile_n=tile_n, num_warps=num_warps)
     programs = cfg.num_q_blocks(total_q, num_seqs) * num_kv_heads
     splits = (
         choose_split(programs, max_seq_len, tile_n, num_sms) if num_splits is None else num_splits
     )
-    return AttentionConfig(block_q=block_q, block_m=block_m, tile_n=tile_n, num_splits=splits)
+    return AttentionConfig(
+        block_q=block_q, block_m=block_m, tile_n=tile_n, num_splits=splits, num_warps=num_warps
+    )

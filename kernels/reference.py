@@ -14,12 +14,14 @@ def reference_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense attention for one sequence, GQA/MQA aware, computed in fp32.
 
     q: [Tq, Hq, D] (the last Tq positions of the sequence), k/v: [Tk, Hkv, D] with Tk >= Tq.
     Causal masking is bottom-right aligned: query i sits at position Tk - Tq + i.
-    Returns [Tq, Hq, D] in q's dtype.
+    Returns [Tq, Hq, D] in q's dtype; ``lse_out`` [Tq, Hq] receives each row's log-sum-exp of the
+    scaled scores (natural log).
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -35,8 +37,25 @@ def reference_attention(
         qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
         kpos = torch.arange(tk, device=q.device)[None, :]
         scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    if lse_out is not None:
+        lse_out.copy_(torch.logsumexp(scores, dim=-1).transpose(0, 1))
     out = torch.softmax(scores, dim=-1) @ vf  # [Hq, Tq, D]
     return out.transpose(0, 1).to(q.dtype)
+
+
+def dequantize_fp8(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """e4m3 values (float8_e4m3fn, or their bits as uint8) times ``scale``, in fp32."""
+    if cache.dtype == torch.uint8:
+        cache = cache.view(torch.float8_e4m3fn)
+    return cache.float() * scale
+
+
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` saturated to +-448 and rounded to nearest-even e4m3, as float8_e4m3fn."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -60,11 +79,16 @@ def reference_paged_attention(
     query_start_loc: torch.Tensor,
     *,
     scale: float | None = None,
+    lse_out: torch.Tensor | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention by gathering each sequence and running ``reference_attention``.
 
     q: [total_q, Hq, D] packed; sequence b owns rows query_start_loc[b]:query_start_loc[b+1], the
-    last q_len of its seq_lens[b] tokens. Returns [total_q, Hq, D] in q's dtype.
+    last q_len of its seq_lens[b] tokens. Returns [total_q, Hq, D] in q's dtype. ``lse_out``
+    [total_q, Hq] receives the rows' log-sum-exp. With ``k_scale``/``v_scale`` the caches hold
+    e4m3 values (see ``dequantize_fp8``).
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -72,7 +96,11 @@ def reference_paged_attention(
         lo, hi = starts[b], starts[b + 1]
         k = gather_kv(k_cache, block_tables[b], seq_len)
         v = gather_kv(v_cache, block_tables[b], seq_len)
-        out[lo:hi] = reference_attention(q[lo:hi], k, v, causal=True, scale=scale)
+        if k_scale is not None or v_scale is not None:
+            k = dequantize_fp8(k, 1.0 if k_scale is None else k_scale)
+            v = dequantize_fp8(v, 1.0 if v_scale is None else v_scale)
+        lse = None if lse_out is None else lse_out[lo:hi]
+        out[lo:hi] = reference_attention(q[lo:hi], k, v, causal=True, scale=scale, lse_out=lse)
     return out
 
 
@@ -82,11 +110,20 @@ def reference_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> None:
-    """Write k/v [n, Hkv, D] into the caches at ``slot_mapping`` [n] (slot -1 = skip), in place."""
+    """Write k/v [n, Hkv, D] into the caches at ``slot_mapping`` [n] (slot -1 = skip), in place.
+
+    With ``k_scale``/``v_scale`` the caches are fp8 and receive ``quantize_fp8(x, scale)``.
+    """
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
     keep = slots >= 0
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scale is None:
+            cache[blocks, offsets] = x[keep].to(cache.dtype)
+        else:
+            cache[blocks, offsets] = quantize_fp8(x[keep], scale).view(cache.dtype)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from prefixcache.kernels.attention import FP8_MIN_CAPABILITY, device_capability
 from prefixcache.kernels.backend import Backend, check_kernel_mode, resolve_backend
+from prefixcache.kernels.kernel_errors import KernelInputError, UnsupportedConfigError
 from prefixcache.kernels.reference import reference_store_kv
-from prefixcache.kernels.validation import check_slot_values, check_store_args
+from prefixcache.kernels.validation import check_slot_values, check_store_args, is_fp8
 
 _BLOCK_T = 32  # tokens per program
 
@@ -18,27 +20,50 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: Backend = "auto",
     validate: bool = True,
 ) -> None:
     """Write k/v [num_tokens, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D].
 
     Token t goes to slot ``slot_mapping[t]`` (int32/int64; slot = block * block_size + offset;
-    -1 skips the token). ``validate=False`` skips the slot range check (a GPU sync).
+    -1 skips the token). ``validate=False`` skips the slot range check (a GPU sync); the call
+    then reads only metadata and allocates nothing (CUDA-graph capturable).
+
+    fp8 caches (uint8 holding e4m3 bits, or float8_e4m3fn) store ``k / k_scale`` and
+    ``v / v_scale`` saturated to +-448 and rounded to nearest even; k/v may be fp32/fp16/bf16.
     """
     num_blocks, block_size = check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    fp8 = is_fp8(k_cache)
+    if fp8 and not (k_scale > 0 and v_scale > 0):
+        raise KernelInputError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
     if validate:
         check_slot_values(slot_mapping, num_blocks * block_size)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     if resolve_backend(backend, k.device) == "torch":
-        reference_store_kv(k, v, k_cache, v_cache, slot_mapping)
+        reference_store_kv(
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k_scale=k_scale if fp8 else None,
+            v_scale=v_scale if fp8 else None,
+        )
         return
 
     from prefixcache.kernels.triton_store import store_kv_kernel
 
     check_kernel_mode(store_kv_kernel, k.device)
+    if fp8 and k.device.type == "cuda" and device_capability(k.device) < FP8_MIN_CAPABILITY:
+        raise UnsupportedConfigError(
+            "fp8 K/V caches need an sm_89+ GPU (Ada, Hopper); use backend='torch' or a 16-bit cache"
+        )
+    if fp8:  # e4m3 bits as bytes (views, no copy)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     grid = (-(-num_tokens // _BLOCK_T), num_kv_heads)
     store_kv_kernel[grid](
         k_ptr=k,
@@ -47,6 +72,8 @@ def store_kv(
         v_cache_ptr=v_cache,
         slot_mapping_ptr=slot_mapping,
         num_tokens=num_tokens,
+        k_inv_scale=1.0 / k_scale,
+        v_inv_scale=1.0 / v_scale,
         stride_kt=k.stride(0),
         stride_kh=k.stride(1),
         stride_vt=v.stride(0),
@@ -61,5 +88,6 @@ def store_kv(
         HEAD_DIM_PAD=1 << (head_dim - 1).bit_length(),
         BLOCK_SIZE=block_size,
         BLOCK_T=_BLOCK_T,
+        QUANT_FP8=fp8,
         num_warps=4,
     )

@@ -48,6 +48,7 @@ def make_paged_batch(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     shared_prefix_blocks: int = 0,
+    share_from: Sequence[tuple[int, int] | None] | None = None,
     spare_blocks: int = 3,
     pad_id: int = NAN_BLOCK,
     seed: int = 0,
@@ -55,15 +56,24 @@ def make_paged_batch(
     """Build a batch: sequence b has ``seq_lens[b]`` tokens of which the last ``q_lens[b]`` query.
 
     Physical block ids are shuffled; the first ``shared_prefix_blocks`` blocks of every sequence
-    are the same physical blocks (same K/V), as a prefix cache would hand them out. Unused table
-    entries hold ``pad_id`` (the NaN block by default, or e.g. -1).
+    are the same physical blocks (same K/V), as a prefix cache would hand them out.
+    ``share_from[b] = (donor, n)`` (donor < b) makes sequence b's first n blocks those of sequence
+    ``donor`` instead (after the common shared blocks' rule), for partial and nested sharing.
+    Unused table entries hold ``pad_id`` (the NaN block by default, or e.g. -1).
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     shared = shared_prefix_blocks
     if any(n < shared for n in blocks_per_seq):
         raise ValueError("every sequence needs at least shared_prefix_blocks blocks")
-    num_private = sum(n - shared for n in blocks_per_seq)
+    share = list(share_from) if share_from is not None else [None] * len(seq_lens)
+    if shared and any(share):
+        raise ValueError("pass either shared_prefix_blocks or share_from")
+    borrowed = [s[1] if s else shared for s in share]
+    for b, s in enumerate(share):
+        if s and not (0 <= s[0] < b and s[1] <= min(blocks_per_seq[b], blocks_per_seq[s[0]])):
+            raise ValueError(f"share_from[{b}] = {s} needs an earlier donor with enough blocks")
+    num_private = sum(n - k for n, k in zip(blocks_per_seq, borrowed, strict=True))
     num_blocks = 1 + shared + num_private + spare_blocks
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 stays NaN
     shared_ids, private_ids = ids[:shared], iter(ids[shared:])
@@ -78,10 +88,19 @@ def make_paged_batch(
     prefix_k, prefix_v = (randn(prefix_len, num_kv_heads, head_dim) for _ in range(2))
     table = torch.full((len(seq_lens), max(blocks_per_seq, default=1) + 1), pad_id)
     keys, values = [], []
+    rows: list[list[int]] = []
     for b, n in enumerate(seq_lens):
-        k = torch.cat([prefix_k, randn(n - prefix_len, num_kv_heads, head_dim)])
-        v = torch.cat([prefix_v, randn(n - prefix_len, num_kv_heads, head_dim)])
-        row = shared_ids + [next(private_ids) for _ in range(blocks_per_seq[b] - shared)]
+        if share[b]:
+            donor, n_blocks = share[b]  # type: ignore[misc]
+            head_k = keys[donor][: n_blocks * block_size].cpu()
+            head_v = values[donor][: n_blocks * block_size].cpu()
+            head_ids = rows[donor][:n_blocks]
+        else:
+            head_k, head_v, head_ids, n_blocks = prefix_k, prefix_v, shared_ids, shared
+        k = torch.cat([head_k, randn(n - len(head_k), num_kv_heads, head_dim)])
+        v = torch.cat([head_v, randn(n - len(head_v), num_kv_heads, head_dim)])
+        row = head_ids + [next(private_ids) for _ in range(blocks_per_seq[b] - n_blocks)]
+        rows.append(row)
         table[b, : len(row)] = torch.tensor(row, dtype=table.dtype)
         pos = torch.arange(n)
         blocks = table[b, pos // block_size].long()

@@ -42,18 +42,21 @@ def _find_seq(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr)
 
 @triton.jit
 def paged_attention_kernel(
-    out_ptr,  # [total_q, Hq, D] q dtype (unused with SPLIT)
+    out_ptr,  # [total_q, Hq, D] q dtype or fp32 (unused with SPLIT)
+    lse_ptr,  # [total_q, Hq] fp32 natural-log sum-exp, contiguous (RETURN_LSE without SPLIT)
     seg_out_ptr,  # [total_q, Hq, NUM_SPLITS, D] fp32, contiguous (SPLIT only)
     seg_lse_ptr,  # [total_q, Hq, NUM_SPLITS] fp32 log2-sum-exp2, contiguous (SPLIT only)
     q_ptr,  # [total_q, Hq, D]
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
-    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D] q dtype, or uint8 e4m3 bits with KV_FP8
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D] q dtype, or uint8 e4m3 bits with KV_FP8
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32, context incl. the new tokens
     query_start_loc_ptr,  # [B + 1] int32
+    kv_start_ptr,  # [B] int32 first key each sequence reads (HAS_KV_START only)
     num_seqs,
     num_q_heads,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale with KV_FP8)
+    v_scale,  # V dequantization scale (KV_FP8 only)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -73,6 +76,10 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,  # keys per loop iteration
     NUM_SPLITS: tl.constexpr,
     SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr,  # False: every query sees all seq_len keys (shared-prefix pass)
+    HAS_KV_START: tl.constexpr,  # skip keys below kv_start[seq] (suffix pass)
+    RETURN_LSE: tl.constexpr,  # write the row log-sum-exp (natural log) to lse_ptr
+    KV_FP8: tl.constexpr,  # cache holds e4m3 bytes; dequantize on load
     DOT_PRECISION: tl.constexpr,
 ):
     q_block_idx = tl.program_id(0)
@@ -87,7 +94,7 @@ def paged_attention_kernel(
     if q_block * BLOCK_Q >= q_len:
         return  # slack block of the grid
     seq_len = tl.load(seq_lens_ptr + seq)  # scalar: cached + new tokens
-    context_len = seq_len - q_len  # scalar: cached prefix length
+    context_len = seq_len - q_len  # scalar: cached prefix length (causal only)
 
     rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     q_pos = q_block * BLOCK_Q + rows // GROUP  # [BLOCK_M] index among the new tokens
@@ -100,16 +107,24 @@ def paged_attention_kernel(
     q_offs = q_tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]  # [BLOCK_M, D]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, D]
 
-    # Keys this program needs: causal bound of its last query (never past seq_len).
-    kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # scalar
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    if SPLIT:
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if CAUSAL:
+        # Keys this program needs: causal bound of its last query (never past seq_len).
+        kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # scalar
     else:
-        tile_lo = 0
-        tile_hi = num_tiles
+        kv_end = seq_len  # scalar
+    if HAS_KV_START:
+        kv_start = tl.load(kv_start_ptr + seq)  # scalar: keys below were read by another pass
+    else:
+        kv_start = 0
+    tile_first = kv_start // TILE_N  # scalar
+    tile_end = tl.cdiv(kv_end, TILE_N)  # scalar
+    if SPLIT:
+        tiles_per_split = tl.cdiv(tile_end - tile_first, NUM_SPLITS)
+        tile_lo = tile_first + split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, tile_end)
+    else:
+        tile_lo = tile_first
+        tile_hi = tile_end
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt  # [max_blocks] this sequence's table
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh  # [num_blocks, BLOCK_SIZE, D] view
@@ -120,17 +135,24 @@ def paged_attention_kernel(
 
     for tile in range(tile_lo, tile_hi):
         keys = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] absolute key positions
-        key_valid = keys < kv_end  # [TILE_N]; entries past the last used block are never read
+        # [TILE_N]; entries past the last used block (or before kv_start) are never read
+        key_valid = (keys < kv_end) & (keys >= kv_start)
         blk = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)  # [TILE_N]
         slot = (keys % BLOCK_SIZE).to(tl.int64)  # [TILE_N] offset inside the block
         k_offs = (blk * stride_kb + slot * stride_ks)[None, :] + dims[:, None]  # [D, TILE_N]
         k = tl.load(k_head + k_offs, mask=key_valid[None, :], other=0.0)  # [D, TILE_N]
         v_offs = (blk * stride_vb + slot * stride_vs)[:, None] + dims[None, :]  # [TILE_N, D]
         v = tl.load(v_head + v_offs, mask=key_valid[:, None], other=0.0)  # [TILE_N, D]
+        if KV_FP8:
+            # e4m3 bytes -> q dtype; k_scale is folded into qk_scale, v_scale applied at the end.
+            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # [D, TILE_N]
+            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # [TILE_N, D]
 
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        allowed = key_valid[None, :] & (keys[None, :] <= q_abs[:, None])  # [BLOCK_M, TILE_N]
-        qk = tl.where(allowed, qk, float("-inf"))
+        allowed = key_valid[None, :]  # [1, TILE_N]
+        if CAUSAL:
+            allowed = allowed & (keys[None, :] <= q_abs[:, None])  # [BLOCK_M, TILE_N]
+        qk = tl.where(allowed, qk, float("-inf"))  # [BLOCK_M, TILE_N]
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
         # Rows with no allowed key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # [BLOCK_M]
@@ -142,20 +164,26 @@ def paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # [BLOCK_M]; l == 0 only for empty splits
     result = acc / l_safe[:, None]  # [BLOCK_M, D]
+    if KV_FP8:
+        result = result * v_scale
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # [BLOCK_M] log2 units
     if SPLIT:
         seg_row = (q_tok * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
         seg_offs = seg_row[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_M, D]
         tl.store(seg_out_ptr + seg_offs, result, mask=row_valid[:, None])
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # [BLOCK_M]
         tl.store(seg_lse_ptr + seg_row, lse, mask=row_valid)
     else:
         o_offs = q_tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]  # [M, D]
         tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        if RETURN_LSE:
+            lse_row = q_tok * num_q_heads + head  # [BLOCK_M]
+            tl.store(lse_ptr + lse_row, lse * 0.6931471805599453, mask=row_valid)
 
 
 @triton.jit
 def merge_splits_kernel(
-    out_ptr,  # [total_q, Hq, D] q dtype
+    out_ptr,  # [total_q, Hq, D] q dtype or fp32
+    lse_ptr,  # [total_q, Hq] fp32 natural log, contiguous (RETURN_LSE only)
     seg_out_ptr,  # [total_q, Hq, NUM_SPLITS, D] fp32, contiguous
     seg_lse_ptr,  # [total_q, Hq, NUM_SPLITS] fp32, contiguous
     num_q_heads,
@@ -164,6 +192,7 @@ def merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,  # query heads per program
+    RETURN_LSE: tl.constexpr,
 ):
     """out = sum_s 2^(lse_s - lse_max) * o_s / sum_s 2^(lse_s - lse_max) for BLOCK_H heads."""
     tok = tl.program_id(0).to(tl.int64)
@@ -175,9 +204,62 @@ def merge_splits_kernel(
     rows = (tok * num_q_heads + heads)[:, None] * NUM_SPLITS + splits[None, :]  # [BLOCK_H, S]
     # -inf marks empty splits; every valid query sees key 0, so some split is finite.
     lse = tl.load(seg_lse_ptr + rows, mask=head_valid[:, None], other=0.0)  # [BLOCK_H, S]
-    weight = tl.exp2(lse - tl.max(lse, 1)[:, None])  # [BLOCK_H, S]
+    lse_max = tl.max(lse, 1)  # [BLOCK_H]
+    weight = tl.exp2(lse - lse_max[:, None])  # [BLOCK_H, S]
     seg_offs = rows[:, :, None] * HEAD_DIM + dims[None, None, :]  # [BLOCK_H, S, D]
     seg = tl.load(seg_out_ptr + seg_offs, mask=head_valid[:, None, None], other=0.0)
-    merged = tl.sum(seg * weight[:, :, None], 1) / tl.sum(weight, 1)[:, None]  # [BLOCK_H, D]
+    weight_sum = tl.sum(weight, 1)  # [BLOCK_H]
+    merged = tl.sum(seg * weight[:, :, None], 1) / weight_sum[:, None]  # [BLOCK_H, D]
     o_offs = tok * stride_ot + heads.to(tl.int64)[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, merged.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
+    if RETURN_LSE:
+        merged_lse = (lse_max + tl.log2(weight_sum)) * 0.6931471805599453  # [BLOCK_H] natural log
+        tl.store(lse_ptr + tok * num_q_heads + heads, merged_lse, mask=head_valid)
+
+
+@triton.jit
+def merge_prefix_kernel(
+    out_ptr,  # [total_q, Hq, D] q dtype
+    lse_ptr,  # [total_q, Hq] fp32 merged natural-log sum-exp, contiguous (RETURN_LSE only)
+    suffix_out_ptr,  # [total_q, Hq, D] fp32, contiguous: each row over its own keys
+    suffix_lse_ptr,  # [total_q, Hq] fp32 natural log, contiguous
+    prefix_out_ptr,  # [num_prefix_rows, Hq, D] fp32, contiguous: rows stacked by prefix group
+    prefix_lse_ptr,  # [num_prefix_rows, Hq] fp32 natural log, contiguous
+    prefix_row_ptr,  # [total_q] int32: row of token t in the prefix pass, -1 without a prefix
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # query heads per program
+    RETURN_LSE: tl.constexpr,
+):
+    """Log-sum-exp merge of two attention states over disjoint keys (prefix and suffix)."""
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    head_valid = heads < num_q_heads  # [BLOCK_H]
+    dims = tl.arange(0, HEAD_DIM)  # [D]
+    prow = tl.load(prefix_row_ptr + tok).to(tl.int64) + tl.zeros([BLOCK_H], tl.int64)  # [BLOCK_H]
+    has_prefix = prow >= 0  # [BLOCK_H], uniform
+
+    s_rows = tok * num_q_heads + heads  # [BLOCK_H]
+    s_lse = tl.load(suffix_lse_ptr + s_rows, mask=head_valid, other=0.0)  # [BLOCK_H]
+    s_out = tl.load(
+        suffix_out_ptr + s_rows[:, None] * HEAD_DIM + dims[None, :], mask=head_valid[:, None]
+    )  # [BLOCK_H, D]
+    p_rows = tl.where(has_prefix, prow, 0) * num_q_heads + heads  # [BLOCK_H]
+    p_mask = head_valid & has_prefix  # [BLOCK_H]
+    p_lse = tl.load(prefix_lse_ptr + p_rows, mask=p_mask, other=float("-inf"))  # [BLOCK_H]
+    p_out = tl.load(
+        prefix_out_ptr + p_rows[:, None] * HEAD_DIM + dims[None, :],
+        mask=p_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_H, D]
+    # The suffix always holds the query's own key, so s_lse is finite and max(...) is too.
+    m = tl.maximum(s_lse, p_lse)  # [BLOCK_H]
+    w_s = tl.exp(s_lse - m)  # [BLOCK_H]
+    w_p = tl.exp(p_lse - m)  # [BLOCK_H]; 0 without a prefix
+    merged = (s_out * w_s[:, None] + p_out * w_p[:, None]) / (w_s + w_p)[:, None]  # [BLOCK_H, D]
+    o_offs = tok * stride_ot + heads.to(tl.int64)[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offs, merged.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
+    if RETURN_LSE:
+        tl.store(lse_ptr + s_rows, m + tl.log(w_s + w_p), mask=head_valid)

@@ -19,6 +19,13 @@ from prefixcache.kernels.kernel_errors import (
 SUPPORTED_HEAD_DIMS = (64, 128)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SLOT_DTYPES = (torch.int32, torch.int64)
+# fp8 K/V caches: e4m3 values, or their bits in uint8 (what vLLM allocates for kv_cache_dtype=fp8).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """True for an e4m3 K/V cache (float8_e4m3fn, or uint8 holding its bits)."""
+    return cache.dtype in FP8_DTYPES
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
         raise KernelInputError(
             f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
         )
-    _dtype("k_cache", k_cache, FLOAT_DTYPES)
+    _dtype("k_cache", k_cache, FLOAT_DTYPES + FP8_DTYPES)
     if v_cache.dtype != k_cache.dtype:
         raise KernelDTypeError(f"v_cache is {v_cache.dtype} but k_cache is {k_cache.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -109,7 +116,7 @@ def check_attention_args(
     _rank("seq_lens", seq_lens, 1, "[batch]")
     _rank("query_start_loc", query_start_loc, 1, "[batch + 1]")
     _dtype("q", q, FLOAT_DTYPES)
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and not is_fp8(k_cache):
         raise KernelDTypeError(f"q is {q.dtype} but the cache is {k_cache.dtype}; cast one")
     for name, t in (
         ("block_tables", block_tables),
@@ -219,7 +226,9 @@ def check_store_args(
                 f"{name} must be [num_tokens, num_kv_heads, head_dim] = {expected} to match "
                 f"slot_mapping and the cache, got {tuple(t.shape)}"
             )
-        if t.dtype != k_cache.dtype:
+        if is_fp8(k_cache):
+            _dtype(name, t, FLOAT_DTYPES)
+        elif t.dtype != k_cache.dtype:
             raise KernelDTypeError(f"{name} is {t.dtype} but the cache is {k_cache.dtype}; cast it")
     _dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
     _same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -11,7 +12,13 @@ from prefixcache.errors import ConfigError, InvalidArgumentError
 
 
 class PagedKVCache:
-    """The physical K/V blocks a CacheManager hands out. slot = block * block_size + offset."""
+    """The physical K/V blocks a CacheManager hands out. slot = block * block_size + offset.
+
+    ``kv_dtype="fp8"`` stores e4m3 values as uint8 (half the bytes of fp16) with per-layer,
+    per-tensor scales ``k_scale[layer]`` / ``v_scale[layer]``: a stored value ``x`` holds
+    ``x / scale`` rounded to e4m3 and saturated to +-448. ``dtype`` is then the compute dtype
+    that ``gather`` returns; pass the scales to ``store_kv`` and ``paged_attention``.
+    """
 
     def __init__(
         self,
@@ -24,6 +31,9 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float16,
         device: str | torch.device = "cpu",
         fill: float = 0.0,
+        kv_dtype: Literal["auto", "fp8"] = "auto",
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -34,11 +44,37 @@ class PagedKVCache:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if kv_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"kv_dtype must be 'auto' or 'fp8', got {kv_dtype!r}")
+        if not (k_scale > 0 and v_scale > 0):
+            raise ConfigError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.k = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.k_scale = [float(k_scale)] * num_layers
+        self.v_scale = [float(v_scale)] * num_layers
+        if kv_dtype == "fp8":
+            from prefixcache.kernels.reference import quantize_fp8
+
+            def make(scale: float) -> torch.Tensor:
+                byte = quantize_fp8(torch.tensor([fill]), scale).view(torch.uint8)
+                return byte.to(device).expand(shape).contiguous()
+
+            self.k = [make(k_scale) for _ in range(num_layers)]
+            self.v = [make(v_scale) for _ in range(num_layers)]
+        else:
+            self.k = [
+                torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)
+            ]
+            self.v = [
+                torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)
+            ]
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
 
     @staticmethod
     def bytes_per_block(
@@ -85,7 +121,10 @@ class PagedKVCache:
                 raise InvalidArgumentError(f"slot {lo} is invalid: slots are >= 0, or -1 to skip")
             if hi >= self.num_blocks * self.block_size:
                 raise InvalidArgumentError(f"slot {hi} is outside the cache")
-        reference_store_kv(k, v, self.k[layer], self.v[layer], slots_t)
+        scales = (self.k_scale[layer], self.v_scale[layer]) if self.fp8 else (None, None)
+        reference_store_kv(
+            k, v, self.k[layer], self.v[layer], slots_t, k_scale=scales[0], v_scale=scales[1]
+        )
 
     def apply_copies(
         self, copies: Iterable[tuple[int, int, int]], layer: int | None = None
@@ -102,8 +141,11 @@ class PagedKVCache:
     def gather(
         self, layer: int, block_table: Sequence[int] | torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's K and V, each [length, num_kv_heads, head_dim], read through its table."""
-        from prefixcache.kernels.reference import gather_kv
+        """A sequence's K and V, each [length, num_kv_heads, head_dim], read through its table.
+
+        fp8 caches are dequantized to the compute ``dtype``.
+        """
+        from prefixcache.kernels.reference import dequantize_fp8, gather_kv
 
         table = torch.as_tensor(block_table, dtype=torch.int64, device=self.k[layer].device)
         need = -(-length // self.block_size)
@@ -114,4 +156,8 @@ class PagedKVCache:
             )
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= self.num_blocks):
             raise InvalidArgumentError("block table has padding or a bad id inside the length")
-        return gather_kv(self.k[layer], used, length), gather_kv(self.v[layer], used, length)
+        k, v = gather_kv(self.k[layer], used, length), gather_kv(self.v[layer], used, length)
+        if self.fp8:
+            k = dequantize_fp8(k, self.k_scale[layer]).to(self.dtype)
+            v = dequantize_fp8(v, self.v_scale[layer]).to(self.dtype)
+        return k, v

@@ -132,3 +132,51 @@ def test_import_does_not_need_triton() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stderr
+
+
+H200 = (9, 0)
+A100 = (8, 0)
+
+
+@pytest.mark.parametrize(
+    ("capability", "head_dim", "group", "total_q", "expected_rows"),
+    [
+        (H200, 128, 4, 4096, 128),  # long prefill on Hopper: 128-row tiles
+        (H200, 64, 8, 512, 128),
+        (A100, 128, 4, 4096, 64),  # pre-Hopper keeps 64 rows
+        (H200, 128, 4, 16, 64),  # 4 query tokens per sequence: mostly padding at 128 rows
+        ((0, 0), 128, 4, 4096, 64),  # no GPU
+    ],
+    ids=["h200-prefill", "h200-d64", "a100", "h200-short-extend", "cpu"],
+)
+def test_hopper_tiles(
+    capability: tuple[int, int], head_dim: int, group: int, total_q: int, expected_rows: int
+) -> None:
+    cfg = _cfg(4, total_q, 8192, head_dim=head_dim, group=group, capability=capability)
+    assert cfg.block_m == expected_rows
+    assert cfg.block_q * group == cfg.block_m
+    if expected_rows == 128:
+        assert (cfg.tile_n, cfg.num_warps) == (64, 8)
+    cfg.validate(group)
+
+
+def test_hopper_decode_unchanged() -> None:
+    """Decode stays one query per program whatever the GPU."""
+    assert _cfg(64, 64, 4096, capability=H200) == _cfg(64, 64, 4096, capability=A100)
+
+
+def test_hopper_large_group_keeps_group_rows() -> None:
+    cfg = _cfg(1, 64, 4096, group=256, num_kv_heads=1, capability=H200)
+    assert cfg.block_m == 256 and cfg.block_q == 1
+    cfg.validate(256)
+
+
+def test_choice_is_pure_and_cached_per_shape() -> None:
+    from prefixcache.kernels.attention import _cached_config
+
+    kw = dict(num_seqs=3, total_q=300, num_kv_heads=8, group=4, head_dim=128, max_seq_len=9000)
+    first = _cached_config(**kw, num_sms=132, capability=H200)
+    hits = _cached_config.cache_info().hits
+    assert _cached_config(**kw, num_sms=132, capability=H200) is first
+    assert _cached_config.cache_info().hits == hits + 1
+    assert choose_config(**kw, num_sms=132, capability=H200) == first

@@ -171,3 +171,33 @@ def test_kernel_errors_are_library_errors() -> None:
     ):
         assert issubclass(error, PrefixCacheError)
     assert issubclass(UnsupportedConfigError, KernelInputError)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        AttentionConfig(block_q=4, block_m=16, tile_n=24),
+        AttentionConfig(block_q=9, block_m=16, tile_n=16),
+        AttentionConfig(block_q=1, block_m=16, tile_n=16, num_splits=3),
+    ],
+    ids=["tile-not-pow2", "rows", "splits-not-pow2"],
+)
+def test_bad_config_rejected_on_torch_backend(batch: PagedBatch, config: AttentionConfig) -> None:
+    """The torch backend ignores tile sizes but must still reject a config no kernel can run."""
+    with pytest.raises(UnsupportedConfigError):
+        _attend(batch, config=config, backend="torch")
+
+
+def test_bad_config_rejected_before_an_empty_batch_returns(batch: PagedBatch) -> None:
+    qsl = torch.zeros(1, dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(UnsupportedConfigError):
+        paged_attention(
+            batch.q[:0],
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables[:0],
+            empty,
+            qsl,
+            config=AttentionConfig(block_q=4, block_m=16, tile_n=24),
+        )
