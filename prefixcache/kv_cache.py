@@ -164,7 +164,7 @@ class PagedKVCache:
             ) from None
         off = {host: gpu for gpu, host in pairs[0]}  # a slot written twice keeps the last
         load = {gpu: host for host, gpu in pairs[1]}  # a block written twice keeps the last
-        for gpu, host in (*off.items(), *load.items()):
+        for gpu, host in (*((g, h) for h, g in off.items()), *load.items()):
             if not 0 <= gpu < self.num_blocks:
                 raise InvalidArgumentError(f"block {gpu} is outside the cache")
             if not 0 <= host < self.host_blocks:
