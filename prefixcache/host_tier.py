@@ -106,6 +106,57 @@ class HostTier:
         self._compact()
         return slot, evicted
 
+    def put_run(
+        self,
+        digests: list[bytes],
+        parent: bytes,
+        run: bytes,
+        position: int,
+        namespace: Namespace,
+    ) -> tuple[list[int], list[tuple[bytes, HostEntry]]]:
+        """Store a chain of blocks (not on host yet; ``parent`` is the first one's parent digest,
+        ``run`` their token bytes), first block first, evicting leaf entries to make room but
+        never a stored block's parent. Stops at the first block no room can be made for.
+        Returns the slots of the blocks stored (a leading part of the run) and the entries
+        evicted."""
+        free, entries, children = self._free, self.entries, self.children
+        bb = len(run) // len(digests)
+        slots: list[int] = []
+        evicted: list[tuple[bytes, HostEntry]] = []
+        stamp = self._stamp
+        for i, digest in enumerate(digests):
+            if not free:
+                kept = None
+                while not free:
+                    record = self._pop_leaf()
+                    if record is None:
+                        break
+                    if record[1] == parent:
+                        kept = record
+                        continue
+                    evicted.append((record[1], self.remove(record[1], defer=False)))
+                if kept is not None:
+                    heapq.heappush(self._leaves, kept)
+                if not free:
+                    break
+            slot = free.pop()
+            stamp += 1
+            entries[digest] = HostEntry(
+                slot, parent, run[i * bb : (i + 1) * bb], position + i, namespace, stamp
+            )
+            siblings = children.get(parent)
+            if siblings is None:
+                children[parent] = {digest}
+            else:
+                siblings.add(digest)
+            slots.append(slot)
+            parent = digest
+        self._stamp = stamp
+        if slots and parent not in children:  # the last block stored is a leaf; the rest are not
+            heapq.heappush(self._leaves, (stamp, parent))
+        self._compact()
+        return slots, evicted
+
     def remove(self, digest: bytes, *, defer: bool) -> HostEntry:
         """Take one entry off host (its children stay); its slot is free now or, with
         ``defer``, at ``release_deferred()``."""

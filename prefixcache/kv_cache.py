@@ -172,38 +172,30 @@ class PagedKVCache:
         self._events = []
         if not off and not load:
             return
-        device = self.k[0].device
-        if self._stream is None:  # the CPU: batched, synchronous copies
-            off_dst, off_src = torch.tensor(list(off)), torch.tensor(list(off.values()))
-            load_dst, load_src = torch.tensor(list(load)), torch.tensor(list(load.values()))
+        if self._stream is None:  # the CPU: synchronous copies, block by block (the fastest)
             for layer in range(self.num_layers):
-                for gpu_t, host_t in (
-                    (self.k[layer], self.k_host[layer]),
-                    (self.v[layer], self.v_host[layer]),
-                ):
-                    if off:
-                        host_t.index_copy_(
-                            0, off_dst, gpu_t.index_select(0, off_src).to(host_t.device)
-                        )
-                    if load:
-                        gpu_t.index_copy_(
-                            0, load_dst.to(device), host_t.index_select(0, load_src).to(device)
-                        )
+                self._copy_layer(layer, off, load, non_blocking=False)
             return
-        self._stream.wait_stream(torch.cuda.current_stream(device))
+        self._stream.wait_stream(torch.cuda.current_stream(self.k[0].device))
         with torch.cuda.stream(self._stream):
             for layer in range(self.num_layers):
-                for gpu_t, host_t in (
-                    (self.k[layer], self.k_host[layer]),
-                    (self.v[layer], self.v_host[layer]),
-                ):
-                    for host, gpu in off.items():
-                        host_t[host].copy_(gpu_t[gpu], non_blocking=True)
-                    for gpu, host in load.items():
-                        gpu_t[gpu].copy_(host_t[host], non_blocking=True)
+                self._copy_layer(layer, off, load, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 self._events.append(event)
+
+    def _copy_layer(
+        self, layer: int, off: dict[int, int], load: dict[int, int], *, non_blocking: bool
+    ) -> None:
+        """One layer's offloads (host slot <- GPU block), then its loads (GPU block <- slot)."""
+        for gpu_t, host_t in (
+            (self.k[layer], self.k_host[layer]),
+            (self.v[layer], self.v_host[layer]),
+        ):
+            for host, gpu in off.items():
+                host_t[host].copy_(gpu_t[gpu], non_blocking=non_blocking)
+            for gpu, host in load.items():
+                gpu_t[gpu].copy_(host_t[host], non_blocking=non_blocking)
 
     def wait_transfers(self, layer: int) -> None:
         """Make the current stream wait for ``layer``'s transfers (nothing to wait for on the

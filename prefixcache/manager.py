@@ -819,23 +819,17 @@ class CacheManager:
         what descends from them on host."""
         host = self.host
         assert host is not None
-        bb = self.index.block_bytes
-        stored = 0
-        parent = prev
-        for i, d in enumerate(digests):
-            slot, evicted = host.put(d, parent, run[i * bb : (i + 1) * bb], position + i, namespace)
-            if evicted:
-                self.stats.host_evicted_blocks += len(evicted)
-                self._emit_host_removed(evicted)
-            if slot is None:
-                for gone in digests[i:]:
-                    self._drop_host_below(gone)
-                break
-            self._offloads.append(Offload(ids[i], slot))
-            stored += 1
-            parent = d
+        slots, evicted = host.put_run(digests, prev, run, position, namespace)
+        if evicted:
+            self.stats.host_evicted_blocks += len(evicted)
+            self._emit_host_removed(evicted)
+        stored = len(slots)
+        self._offloads += map(Offload, ids[:stored], slots)
+        for gone in digests[stored:]:  # no room: they leave the cache, with what is below them
+            self._drop_host_below(gone)
         self.stats.offloaded_blocks += stored
         if stored and self._listeners:
+            bb = self.index.block_bytes
             tokens = np.frombuffer(run[: stored * bb], dtype="<i4").tolist()
             self._emit(
                 BlockStored(digests[:stored], prev, tokens, self.block_size, namespace, "CPU")
