@@ -73,39 +73,6 @@ class HostTier:
         return set(self._leaves)
 
     # ---- changes --------------------------------------------------------------------------
-    def put(
-        self, digest: bytes, parent: bytes, tokens: bytes, position: int, namespace: Namespace
-    ) -> tuple[int | None, list[tuple[bytes, HostEntry]]]:
-        """Store a block (not on host yet), evicting leaf entries to make room; the entry that
-        is ``parent`` is never evicted. Returns its slot (None: no room could be made, nothing
-        stored) and the entries evicted."""
-        evicted: list[tuple[bytes, HostEntry]] = []
-        kept: list[tuple[int, bytes]] = []
-        while not self._free:
-            record = self._pop_leaf()
-            if record is None:
-                break
-            if record[1] == parent:
-                kept.append(record)
-                continue
-            evicted.append((record[1], self.remove(record[1], defer=False)))
-        for record in kept:
-            heapq.heappush(self._leaves, record)
-        if not self._free:
-            return None, evicted
-        slot = self._free.pop()
-        self._stamp += 1
-        self.entries[digest] = HostEntry(slot, parent, tokens, position, namespace, self._stamp)
-        siblings = self.children.get(parent)
-        if siblings is None:
-            self.children[parent] = {digest}
-        else:
-            siblings.add(digest)
-        if digest not in self.children:
-            heapq.heappush(self._leaves, (self._stamp, digest))
-        self._compact()
-        return slot, evicted
-
     def put_run(
         self,
         digests: list[bytes],
