@@ -7,7 +7,13 @@ through ``store_kv`` into a ``PagedKVCache`` and attention reads them back throu
 block tables. Run once with prefix caching and once without: the tokens and logits agree (fp32,
 max |diff| <= 1e-4) while the cached run computes far fewer prefill tokens.
 
-    python examples/tiny_runtime.py [--backend auto|torch|triton] [--interpret]
+    python examples/tiny_runtime.py [--backend auto|torch|triton] [--interpret] [--host-blocks N]
+
+``--host-blocks N`` runs a workload that a small GPU pool cannot keep cached (prompts rotate over
+several system prompts) with a host tier of N blocks: evicted blocks are offloaded to host memory
+and loaded back on a hit, before the forward pass (offloads, then loads; each layer waits for its
+transfers before its K/V store). Tokens and logits still match the uncached run, and fewer
+prefill tokens are computed than with the GPU pool alone.
 
 On CPU, ``auto`` uses the torch reference attention unless TRITON_INTERPRET=1 (``--interpret``),
 which runs the Triton kernels in the interpreter; on CUDA it runs the compiled kernels.
@@ -97,6 +103,7 @@ class TinyDecoder:
             q = self._rope(q.reshape(-1, hq, d), positions)  # [T, Hq, D]
             k = self._rope(k.reshape(-1, hkv, d), positions)  # [T, Hkv, D]
             v = v.reshape(-1, hkv, d)
+            kv.wait_transfers(layer)  # this layer's offloads and loads are done
             store_kv(k, v, kv.k[layer], kv.v[layer], slots, backend=backend)
             # the step's copies go after the store: their sources may be blocks this very step
             # writes (indexed by an earlier admission of the step); copied and written slots
@@ -168,7 +175,9 @@ def run_requests(
     cached for later calls on the same manager.
 
     Prompts admitted in the same step share blocks that step is still writing: per layer, the
-    model stores all new K/V before attention reads any, and runs the copies in between.
+    model stores all new K/V before attention reads any, and runs the copies in between. With a
+    host tier the step's transfers start before the forward pass and the step ends with
+    ``end_step()`` (a load's host slot is reused only after it).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -195,6 +204,8 @@ def run_requests(
             res = mgr.append(rid, [tok])
             copies += res.copies
             rows.append((rid, [tok], mgr.num_tokens(rid) - 1, res.slots))
+        if mgr.host is not None:
+            kv.start_transfers(mgr.take_transfers())  # offloads, then loads
         logits = model.step(**_pack(rows, mgr, device), kv=kv, backend=backend, copies=copies)
         mgr.end_step()
         running = []
@@ -217,11 +228,17 @@ def new_cache(
     block_size: int = 16,
     caching: bool = True,
     stepped: bool = False,
+    host_blocks: int = 0,
     device: str = "cpu",
 ) -> tuple[CacheManager, PagedKVCache]:
-    """A manager and its fp32 paged K/V storage, sized for ``cfg``."""
+    """A manager and its fp32 paged K/V storage, sized for ``cfg``; ``host_blocks`` adds a host
+    tier to both (and makes the manager stepped)."""
     mgr = CacheManager(
-        num_blocks=num_blocks, block_size=block_size, enable_caching=caching, stepped=stepped
+        num_blocks=num_blocks,
+        block_size=block_size,
+        enable_caching=caching,
+        stepped=stepped or host_blocks > 0,
+        host_blocks=host_blocks,
     )
     kv = PagedKVCache(
         cfg.num_layers,
@@ -231,6 +248,7 @@ def new_cache(
         cfg.head_dim,
         dtype=torch.float32,
         device=device,
+        host_blocks=host_blocks,
     )
     return mgr, kv
 
@@ -243,12 +261,18 @@ def generate(
     caching: bool,
     block_size: int = 16,
     num_blocks: int = 64,
+    host_blocks: int = 0,
     backend: Backend = "auto",
     device: str = "cpu",
 ) -> RunResult:
     """Generate for ``prompts`` on a fresh cache (``run_requests``)."""
     mgr, kv = new_cache(
-        model.cfg, num_blocks=num_blocks, block_size=block_size, caching=caching, device=device
+        model.cfg,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        caching=caching,
+        host_blocks=host_blocks,
+        device=device,
     )
     return run_requests(
         model,
@@ -272,6 +296,44 @@ def shared_prompt_batch(
         f"req-{i}": system + rng.integers(0, vocab, int(rng.integers(3, 13))).tolist()
         for i in range(num_prompts)
     }
+
+
+def rotating_prompt_batch(
+    num_prompts: int, num_systems: int, system_len: int, vocab: int, seed: int = 0
+) -> dict[str, list[int]]:
+    """Prompt ``i`` = system prompt ``i % num_systems`` + a short random user turn."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, vocab, system_len).tolist() for _ in range(num_systems)]
+    return {
+        f"req-{i}": systems[i % num_systems]
+        + rng.integers(0, vocab, int(rng.integers(3, 13))).tolist()
+        for i in range(num_prompts)
+    }
+
+
+def compare_host_tier(
+    host_blocks: int = 32,
+    num_blocks: int = 8,
+    num_prompts: int = 9,
+    max_new_tokens: int = 4,
+    backend: Backend = "auto",
+    device: str = "cpu",
+) -> tuple[RunResult, RunResult, RunResult, float]:
+    """A workload a ``num_blocks`` GPU pool cannot keep cached, run with a host tier, without
+    one and without caching; returns the three runs and the max logit diff to the uncached."""
+    model = TinyDecoder(ModelConfig(), device=device)
+    prompts = rotating_prompt_batch(num_prompts, 3, 40, model.cfg.vocab)
+    kw = {"max_new_tokens": max_new_tokens, "num_blocks": num_blocks, "backend": backend}
+    tiered = generate(model, prompts, caching=True, host_blocks=host_blocks, device=device, **kw)
+    gpu_only = generate(model, prompts, caching=True, device=device, **kw)
+    plain = generate(model, prompts, caching=False, device=device, **kw)
+    diff = max(
+        float((a - b).abs().max())
+        for run in (tiered, gpu_only)
+        for rid in prompts
+        for a, b in zip(run.logits[rid], plain.logits[rid], strict=True)
+    )
+    return tiered, gpu_only, plain, diff
 
 
 def compare(
@@ -307,10 +369,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
     parser.add_argument("--interpret", action="store_true", help="Triton interpreter on CPU")
+    parser.add_argument("--host-blocks", type=int, default=0, help="host tier size in blocks")
     args = parser.parse_args()
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels first import triton
     device = "cuda" if torch.cuda.is_available() and not args.interpret else "cpu"
+    if args.host_blocks:
+        tiered, gpu_only, plain, diff = compare_host_tier(
+            args.host_blocks, backend=args.backend, device=device
+        )
+        same = tiered.tokens == plain.tokens == gpu_only.tokens
+        print(f"device {device}, backend {args.backend}, {len(tiered.tokens)} prompts")
+        print(
+            f"prefill tokens computed: {tiered.computed_prompt_tokens} with a host tier of "
+            f"{args.host_blocks} blocks, {gpu_only.computed_prompt_tokens} with the GPU pool "
+            f"alone, {plain.computed_prompt_tokens} without caching"
+        )
+        print(
+            f"generated tokens identical: {same}; max |logit diff| = {diff:.2e} (tol {LOGIT_TOL})"
+        )
+        if not same or diff > LOGIT_TOL:
+            raise SystemExit("mismatch between cached and uncached runs")
+        return
     cached, plain, diff = compare(backend=args.backend, device=device)
     same = cached.tokens == plain.tokens
     print(f"device {device}, backend {args.backend}, {len(cached.tokens)} prompts")

@@ -23,6 +23,7 @@ from prefixcache.hashing import BlockHasher
 from prefixcache.manager import Admission, AppendResult, CacheManager, Copy, Lookup
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.stats import BlockCounts, CacheStats
+from prefixcache.transfers import Load, Offload, TransferModel, Transfers
 
 if TYPE_CHECKING:
     from prefixcache.kv_cache import PagedKVCache
@@ -57,12 +58,16 @@ __all__ = [
     "DuplicateRequestError",
     "InvalidArgumentError",
     "InvalidTokensError",
+    "Load",
     "Lookup",
     "Namespace",
+    "Offload",
     "OutOfBlocksError",
     "PagedKVCache",
     "PrefixCacheError",
     "RequestTooLargeError",
+    "TransferModel",
+    "Transfers",
     "UnknownRequestError",
     "__version__",
 ]

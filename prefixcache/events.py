@@ -1,4 +1,9 @@
-"""Block events, carrying what vLLM's KV events carry, for global indexes and routers."""
+"""Block events, carrying what vLLM's KV events carry, for global indexes and routers.
+
+With a host tier, an offload is ``BlockRemoved`` (GPU) then ``BlockStored`` (CPU); a load is
+``BlockRemoved`` (CPU) then the usual ``BlockStored`` (GPU); a host eviction is ``BlockRemoved``
+(CPU).
+"""
 
 from __future__ import annotations
 
@@ -17,14 +22,16 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     namespace: Namespace
+    medium: str = "GPU"  # where the blocks now live: "GPU", or "CPU" for the host tier
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks were evicted from the cache."""
+    """Blocks left the cache's ``medium`` (evicted, offloaded, loaded or dropped)."""
 
     block_hashes: list[bytes]
     namespace: Namespace
+    medium: str = "GPU"  # "GPU", or "CPU" for the host tier
 
 
 @dataclass(frozen=True, slots=True)

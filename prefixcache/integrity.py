@@ -25,6 +25,11 @@ def _require(cond: bool, msg: str) -> None:
 
 
 def check_manager(mgr: CacheManager) -> None:
+    _check_gpu(mgr)
+    check_host_tier(mgr)
+
+
+def _check_gpu(mgr: CacheManager) -> None:
     index, pool, p = mgr.index, mgr.pool, mgr.block_size
     bb = 4 * p
     tree_blocks: list[int] = []
@@ -165,3 +170,49 @@ def check_manager(mgr: CacheManager) -> None:
                 f"{rid!r}: holds a cached block whose tokens differ",
             )
             node = node.parent
+
+
+def check_host_tier(mgr: CacheManager) -> None:
+    """The host tier's invariants: slots, children maps, the leaf LRU, prefix closure and
+    exclusivity with the GPU index."""
+    host = mgr.host
+    if host is None:
+        return
+    entries = host.entries
+    used = [e.slot for e in entries.values()]
+    free = host.free_slots()
+    slots = used + free + host.deferred
+    _require(len(slots) == host.capacity, "host slots are leaked or counted twice")
+    _require(set(slots) == set(range(host.capacity)), "host slots are leaked or in two states")
+    if not mgr.stepped:
+        _require(not host.deferred, "deferred host slots without steps")
+    gpu: set[bytes] = set()
+    for node in mgr.index.iter_nodes():
+        gpu.update(node.digest(i) for i in range(len(node.blocks)))
+    _require(not gpu & entries.keys(), "a block is both in the GPU index and on host")
+    expected: dict[bytes, set[bytes]] = {}
+    bb = 4 * mgr.block_size
+    for digest, entry in entries.items():
+        expected.setdefault(entry.parent, set()).add(digest)
+        _require(len(entry.tokens) == bb, "a host block's tokens have the wrong length")
+        want = mgr.hasher.hash_block(entry.parent, entry.position, entry.tokens)
+        _require(want == digest, "a host block's digest breaks the chain")
+        seed = mgr.hasher.seed(entry.namespace)
+        if entry.position == 0:
+            _require(entry.parent == seed, "a first host block's parent is not its seed")
+        else:
+            _require(
+                entry.parent in gpu or entry.parent in entries,
+                "a host block's parent is neither on the GPU nor on host",
+            )
+            up = entries.get(entry.parent)
+            if up is not None:
+                _require(
+                    up.namespace == entry.namespace and up.position == entry.position - 1,
+                    "a host block's parent is of another chain",
+                )
+    _require(host.children == expected, "host children maps are inconsistent")
+    records = host.leaf_records()
+    for digest, entry in entries.items():
+        if digest not in host.children:
+            _require((entry.stamp, digest) in records, "a host leaf is missing from the LRU")

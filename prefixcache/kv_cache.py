@@ -1,9 +1,17 @@
-"""Paged K/V storage: per layer, K and V [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""Paged K/V storage: per layer, K and V [num_blocks, block_size, num_kv_heads, head_dim].
+
+With ``host_blocks=N`` it also holds the host tier's K/V, per layer [N, block_size, ...] on the
+CPU (pinned when CUDA is available), and runs the manager's ``take_transfers()``:
+``start_transfers`` issues every layer's offloads then loads (on a side CUDA stream, one event per
+layer; plain synchronous copies on the CPU), and the forward pass calls ``wait_transfers(layer)``
+before that layer's K/V store.
+"""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -34,6 +42,7 @@ class PagedKVCache:
         kv_dtype: Literal["auto", "fp8"] = "auto",
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        host_blocks: int = 0,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -48,8 +57,11 @@ class PagedKVCache:
             raise ConfigError(f"kv_dtype must be 'auto' or 'fp8', got {kv_dtype!r}")
         if not (k_scale > 0 and v_scale > 0):
             raise ConfigError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
+        if not isinstance(host_blocks, int) or isinstance(host_blocks, bool) or host_blocks < 0:
+            raise ConfigError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
+        self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.kv_dtype = kv_dtype
@@ -71,6 +83,21 @@ class PagedKVCache:
             self.v = [
                 torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)
             ]
+        self.host_blocks = host_blocks
+        on_cuda = self.k[0].device.type == "cuda"
+        host_shape = (host_blocks, block_size, num_kv_heads, head_dim)
+        pin = host_blocks > 0 and torch.cuda.is_available()
+        storage = self.k[0].dtype  # fp8 caches keep their bytes on host too
+        self.k_host = [
+            torch.zeros(host_shape, dtype=storage, pin_memory=pin) for _ in range(num_layers)
+        ]
+        self.v_host = [
+            torch.zeros(host_shape, dtype=storage, pin_memory=pin) for _ in range(num_layers)
+        ]
+        self._stream: Any = (
+            torch.cuda.Stream(device=self.k[0].device) if on_cuda and host_blocks else None
+        )
+        self._events: list[Any] = []  # per layer, of the transfers started last
 
     @property
     def fp8(self) -> bool:
@@ -161,3 +188,77 @@ class PagedKVCache:
             k = dequantize_fp8(k, self.k_scale[layer]).to(self.dtype)
             v = dequantize_fp8(v, self.v_scale[layer]).to(self.dtype)
         return k, v
+
+    def start_transfers(self, transfers: tuple[Iterable[Any], Iterable[Any]]) -> None:
+        """Issue a step's transfers (``CacheManager.take_transfers()``): per layer, every
+        offload (GPU block -> host slot), then every load (host slot -> GPU block), in order.
+
+        On CUDA they run on a side stream after the work queued so far, one event per layer;
+        call ``wait_transfers(layer)`` before the layer's K/V store. On the CPU they are done
+        when this returns. Validates every id before copying anything.
+        """
+        try:
+            offloads, loads = transfers
+            pairs = [
+                [(_as_id(a), _as_id(b)) for a, b in part]
+                for part in (offloads, loads)  # (gpu, host) then (host, gpu)
+            ]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                "transfers must be (offloads, loads): (gpu_block, host_slot) and "
+                f"(host_slot, gpu_block) pairs of ints, got {transfers!r}"
+            ) from None
+        off = {host: gpu for gpu, host in pairs[0]}  # a slot written twice keeps the last
+        load = {gpu: host for host, gpu in pairs[1]}  # a block written twice keeps the last
+        for gpu, host in (*((g, h) for h, g in off.items()), *load.items()):
+            if not 0 <= gpu < self.num_blocks:
+                raise InvalidArgumentError(f"block {gpu} is outside the cache")
+            if not 0 <= host < self.host_blocks:
+                raise InvalidArgumentError(f"host slot {host} is outside the host tier")
+        self._events = []
+        if not off and not load:
+            return
+        if self._stream is None:  # the CPU: synchronous copies, block by block (the fastest)
+            for layer in range(self.num_layers):
+                self._copy_layer(layer, off, load, non_blocking=False)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.k[0].device))
+        with torch.cuda.stream(self._stream):
+            for layer in range(self.num_layers):
+                self._copy_layer(layer, off, load, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._events.append(event)
+
+    def _copy_layer(
+        self, layer: int, off: dict[int, int], load: dict[int, int], *, non_blocking: bool
+    ) -> None:
+        """One layer's offloads (host slot <- GPU block), then its loads (GPU block <- slot)."""
+        for gpu_t, host_t in (
+            (self.k[layer], self.k_host[layer]),
+            (self.v[layer], self.v_host[layer]),
+        ):
+            for host, gpu in off.items():
+                host_t[host].copy_(gpu_t[gpu], non_blocking=non_blocking)
+            for gpu, host in load.items():
+                gpu_t[gpu].copy_(host_t[host], non_blocking=non_blocking)
+
+    def wait_transfers(self, layer: int) -> None:
+        """Make the current stream wait for ``layer``'s transfers (nothing to wait for on the
+        CPU, or when none were started)."""
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, int)
+            or not 0 <= layer < self.num_layers
+        ):
+            raise InvalidArgumentError(
+                f"layer must be an int in [0, {self.num_layers}), got {layer!r}"
+            )
+        if self._events:
+            torch.cuda.current_stream(self.k[0].device).wait_event(self._events[layer])
+
+
+def _as_id(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(value)
+    return operator.index(value)

@@ -24,6 +24,7 @@ import numpy as np
 
 from prefixcache.errors import (
     CacheInUseError,
+    ConfigError,
     DuplicateRequestError,
     InvalidArgumentError,
     OutOfBlocksError,
@@ -33,12 +34,14 @@ from prefixcache.errors import (
 from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventListener
 from prefixcache.eviction import Evictor, PolicyKey
 from prefixcache.hashing import DIGEST_SIZE, BlockHasher
+from prefixcache.host_tier import HostEntry, HostTier
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.pool import BlockPool
 from prefixcache.radix import MatchResult, Node, PartialMatch, RadixIndex
 from prefixcache.results import Admission, AppendResult, Copy, Lookup, slots_of
 from prefixcache.stats import BlockCounts, CacheStats
 from prefixcache.tokens import TokenIds, as_single_token, as_size, as_token_array
+from prefixcache.transfers import Load, Offload, TransferModel, Transfers
 
 
 class RequestState:
@@ -95,7 +98,9 @@ class _Plan(NamedTuple):
     shared: int  # leading table blocks shared with the index
     cow: bool  # every prompt block matched: the last one is copied and one token recomputed
     partial: PartialMatch | None  # a block whose leading tokens can be copied
-    cached_len: int  # prompt tokens not computed (the copied ones included)
+    cached_len: int  # prompt tokens not computed (the copied and loaded ones included)
+    host_run: list[bytes]  # digests of the host blocks to load after the matched ones
+    host_found: int  # host blocks that continue the match (loaded or recomputed)
 
 
 class CacheManager:
@@ -103,6 +108,12 @@ class CacheManager:
 
     ``stepped=True``: the runtime calls ``end_step()`` after every forward pass, and the source of
     every copy handed out in a step stays held until then (see the module docstring).
+
+    ``host_blocks=N`` adds a host-memory tier of ``N`` block slots, exclusive of the GPU index:
+    evicted blocks are offloaded to it, and an admission loads the host blocks that continue its
+    cached prefix (``take_transfers()`` hands out the copies to run; see docs/architecture.md).
+    ``transfer_model`` decides per admission whether loading beats recomputing (None: always
+    load).
     """
 
     def __init__(
@@ -116,9 +127,16 @@ class CacheManager:
         enable_caching: bool = True,
         stepped: bool = False,
         clock: Callable[[], float] | None = None,
+        host_blocks: int = 0,
+        transfer_model: TransferModel | None = None,
     ) -> None:
         self.num_blocks = as_size(num_blocks, "num_blocks", 1)
         self.block_size = as_size(block_size, "block_size", 1)
+        num_host = as_size(host_blocks, "host_blocks")
+        if num_host and not enable_caching:
+            raise ConfigError("a host tier (host_blocks > 0) needs enable_caching=True")
+        if transfer_model is not None:
+            _check_transfer_model(transfer_model)
         self.hasher = BlockHasher(self.block_size, hash_algo)
         self.index = RadixIndex(self.hasher)
         self.pool = BlockPool(self.num_blocks)
@@ -136,6 +154,10 @@ class CacheManager:
         # stepped: copy sources of the current step that their request let go of before its end
         self._step_holds: list[tuple[Node, RequestState]] = []  # partial-copy source nodes
         self._step_refs: list[int] = []  # private blocks a copy-on-write of the step reads
+        self.host: HostTier | None = HostTier(num_host) if num_host else None
+        self.transfer_model = transfer_model
+        self._offloads: list[Offload] = []  # since the last take_transfers()
+        self._loads: list[Load] = []
 
     # ---- admission ------------------------------------------------------------------------
     def lookup(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> Lookup:
@@ -144,7 +166,8 @@ class CacheManager:
         arr = as_token_array(tokens)
         _check_namespace(namespace)
         plan = self._plan(arr, arr.tobytes(), namespace, check_size=False)
-        return Lookup(plan.cached_len, plan.match.n if plan.match is not None else 0)
+        n = plan.match.n if plan.match is not None else 0
+        return Lookup(plan.cached_len, n, len(plan.host_run))
 
     def can_admit(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> bool:
         """Whether ``admit`` would succeed now (free plus evictable blocks suffice). False too
@@ -183,7 +206,8 @@ class CacheManager:
         if type(priority) is not int or retention is not None:
             _check_priority(priority, retention)
         buf = arr.tobytes()
-        need, held_cached, match, shared, cow, partial, cached_len = self._plan(arr, buf, namespace)
+        plan = self._plan(arr, buf, namespace)
+        need, held_cached, match, shared, cow, partial, cached_len, host_run, _ = plan
         if need > self._available(held_cached):
             raise OutOfBlocksError(
                 f"request {request_id!r} needs {need} new blocks but only "
@@ -204,7 +228,13 @@ class CacheManager:
                 self.index.hold(node, now, hit=True)
             else:
                 node = digest = None
+        if host_run:  # off the host tier before any offload of ours can evict them
+            host_slots = self._unload(host_run, namespace)
         fresh = self._take(need)
+        if host_run:
+            self._loads += map(Load, host_slots, fresh)
+            if not self.stepped:  # the caller runs this call's loads before its next call
+                self.host.release_deferred()  # type: ignore[union-attr]
         table = self.index.path_blocks(node)
         src = table[-1] if cow else -1
         del table[shared:]
@@ -241,9 +271,14 @@ class CacheManager:
         st.lookup_tokens += t
         st.hit_tokens += cached_len
         st.lookup_blocks += t // p
-        st.hit_blocks += n
+        st.hit_blocks += n + len(host_run)
         st.zero_hit_requests += cached_len == 0
-        return Admission(cached_len, list(table), copies, t, p, n, partial_tokens, cow)
+        if plan.host_found:
+            st.host_hit_blocks += plan.host_found
+            st.loaded_blocks += len(host_run)
+        return Admission(
+            cached_len, list(table), copies, t, p, n, partial_tokens, cow, len(host_run)
+        )
 
     def _plan(
         self, arr: np.ndarray, buf: bytes, namespace: Namespace, *, check_size: bool = True
@@ -258,26 +293,35 @@ class CacheManager:
             )
         root = self.index.roots.get(namespace)
         if root is None or not self.enable_caching:
-            return _Plan(num_logical, 0, None, 0, False, None, 0)
+            if root is None and self.host is not None and self.host.entries:
+                on_host, found = self._host_run(buf, t, 0, self.hasher.seed(namespace))
+                cached_len = len(on_host) * p
+                return _Plan(num_logical, 0, None, 0, False, None, cached_len, on_host, found)
+            return _Plan(num_logical, 0, None, 0, False, None, 0, [], 0)
         match = self.index.match(root, buf, t // p)
+        host = self.host
         while True:
-            node, j, n, _ = match
+            node, j, n, digest = match
             cow = n > 0 and n * p == t
             shared = n - 1 if cow else n
             need = num_logical - shared
             partial = None
+            run: list[bytes] = []
+            found = 0
             if cow:
                 cached_len = t - 1
             else:
-                cached_len = n * p
-                if self.partial_copy and cached_len < t - 1:
+                if host is not None and host.entries:
+                    run, found = self._host_run(buf, t, n, digest)
+                cached_len = (n + len(run)) * p
+                if self.partial_copy and not run and cached_len < t - 1:
                     partial = self.index.partial_match(match, buf, min(p, t - 1 - cached_len))
                     if partial is not None:
                         cached_len += partial[1]
             cached = self.index.num_blocks - self.index.active_blocks
             free = self.pool.num_free + cached
             if need <= free - n:  # fits even if every matched block were unheld now
-                return _Plan(need, n, match, shared, cow, partial, cached_len)
+                return _Plan(need, n, match, shared, cow, partial, cached_len, run, found)
             held_cached = 0
             cur: Node | None = node
             count = j
@@ -287,10 +331,34 @@ class CacheManager:
                 cur = cur.parent
                 count = len(cur.blocks)
             if not cow or need <= free - held_cached:
-                return _Plan(need, held_cached, match, shared, cow, partial, cached_len)
+                return _Plan(need, held_cached, match, shared, cow, partial, cached_len, run, found)
             # the copy of the last block needs one block more than the prompt: with the pool
             # that full, recompute the last block instead
             match = self.index.match(root, buf, n - 1)
+
+    def _host_run(self, buf: bytes, t: int, n: int, digest: bytes) -> tuple[list[bytes], int]:
+        """The host blocks that continue a match of ``n`` blocks ending at ``digest`` (at most
+        ``(t-1)//p`` blocks in all, so one prompt token is computed): the digests to load, and
+        how many were found (more than loaded when the transfer model prefers recomputing)."""
+        assert self.host is not None
+        entries = self.host.entries
+        bb = self.index.block_bytes
+        hash_block = self.hasher.hash_block
+        run: list[bytes] = []
+        prev = digest
+        for i in range(n, (t - 1) // self.block_size):
+            block = buf[i * bb : (i + 1) * bb]
+            d = hash_block(prev, i, block)
+            entry = entries.get(d)
+            if entry is None or entry.tokens != block or entry.parent != prev:
+                break
+            run.append(d)
+            prev = d
+        found = len(run)
+        model = self.transfer_model
+        if run and model is not None and not model.should_load(found, self.block_size):
+            run = []
+        return run, found
 
     def _available(self, held_cached: int) -> int:
         cached = self.index.num_blocks - self.index.active_blocks
@@ -436,6 +504,9 @@ class CacheManager:
                 self.stats.unindexed_blocks += len(ids)
                 if self._listeners:
                     self._emit(BlockRemoved(_split_digests(digests), namespace))
+                if self.host is not None:
+                    for d in _split_digests(digests):
+                        self._drop_host_below(d)
             if parent.parent is not None and self.evictor.evictable(parent):
                 self.evictor.push(parent, now)
         self.stats.aborted_requests += len(doomed)
@@ -452,6 +523,15 @@ class CacheManager:
         self._step_holds.clear()
         self.pool.drop(self._step_refs)
         self._step_refs.clear()
+        if self.host is not None:
+            self.host.release_deferred()
+
+    def take_transfers(self) -> Transfers:
+        """The host-tier transfers planned since the last call, and forget them. Run every
+        offload, then every load, after planning the step and before its forward pass."""
+        out = Transfers(self._offloads, self._loads)
+        self._offloads, self._loads = [], []
+        return out
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` cached blocks now (policy order); returns how many."""
@@ -577,6 +657,9 @@ class CacheManager:
         self.index = RadixIndex(self.hasher)
         self.pool.reset()
         self.evictor.clear()
+        if self.host is not None:
+            self.host.clear()
+        self._offloads, self._loads = [], []
         for listener in self._listeners:
             listener(AllBlocksCleared())
 
@@ -696,19 +779,92 @@ class CacheManager:
             assert node is not None, "capacity check admitted more than is evictable"
             k = min(count, len(node.blocks))
             parent = node.parent
-            namespace = self.index.namespace_of(node) if self._listeners else None
+            host = self.host
+            namespace = (
+                self.index.namespace_of(node) if self._listeners or host is not None else None
+            )
+            if host is not None:  # what an offload needs, read before the tail goes
+                assert parent is not None
+                first = len(node.blocks) - k
+                prev = node.digest(first - 1) if first else parent.last_digest()
+                run = bytes(node.tokens[first * self.index.block_bytes :])
+                position = node.depth + first
             ids, digests = self.index.evict_tail(node, k)
             self.pool.give_back(ids)
             self.stats.evicted_blocks += k
             count -= k
             if namespace is not None:
-                self._emit(BlockRemoved(_split_digests(digests), namespace))
+                if self._listeners:
+                    self._emit(BlockRemoved(_split_digests(digests), namespace))
+                if host is not None:
+                    self._offload(ids, _split_digests(digests), run, prev, position, namespace)
             if node.blocks:
                 self.evictor.push(node, now)
             elif (
                 parent is not None and parent.parent is not None and self.evictor.evictable(parent)
             ):
                 self.evictor.push(parent, now)
+
+    def _offload(
+        self,
+        ids: list[int],
+        digests: list[bytes],
+        run: bytes,
+        prev: bytes,
+        position: int,
+        namespace: Namespace,
+    ) -> None:
+        """Put blocks just evicted from the GPU (a chain, first block first; ``prev`` is the
+        first one's parent digest) on host, while room can be made; the rest are dropped, with
+        what descends from them on host."""
+        host = self.host
+        assert host is not None
+        slots, evicted = host.put_run(digests, prev, run, position, namespace)
+        if evicted:
+            self.stats.host_evicted_blocks += len(evicted)
+            self._emit_host_removed(evicted)
+        stored = len(slots)
+        self._offloads += map(Offload, ids[:stored], slots)
+        for gone in digests[stored:]:  # no room: they leave the cache, with what is below them
+            self._drop_host_below(gone)
+        self.stats.offloaded_blocks += stored
+        if stored and self._listeners:
+            bb = self.index.block_bytes
+            tokens = np.frombuffer(run[: stored * bb], dtype="<i4").tolist()
+            self._emit(
+                BlockStored(digests[:stored], prev, tokens, self.block_size, namespace, "CPU")
+            )
+
+    def _unload(self, digests: list[bytes], namespace: Namespace) -> list[int]:
+        """Take a run of blocks to load off host; returns their slots (free once the step's
+        loads have run)."""
+        host = self.host
+        assert host is not None
+        slots = [host.remove(d, defer=True).slot for d in digests]
+        if self._listeners:
+            self._emit(BlockRemoved(list(digests), namespace, "CPU"))
+        return slots
+
+    def _drop_host_below(self, digest: bytes) -> None:
+        """The block ``digest`` leaves the cache: so does everything below it on host."""
+        assert self.host is not None
+        dropped = self.host.drop_below(digest)
+        if dropped:
+            self.stats.host_evicted_blocks += len(dropped)
+            self._emit_host_removed(dropped)
+
+    def _emit_host_removed(self, entries: list[tuple[bytes, HostEntry]]) -> None:
+        """BlockRemoved (CPU) events for entries that left the host tier, one per namespace run."""
+        if not self._listeners:
+            return
+        i = 0
+        while i < len(entries):
+            namespace = entries[i][1].namespace
+            j = i
+            while j < len(entries) and entries[j][1].namespace == namespace:
+                j += 1
+            self._emit(BlockRemoved([d for d, _ in entries[i:j]], namespace, "CPU"))
+            i = j
 
     def _commit(
         self,
@@ -802,6 +958,13 @@ class CacheManager:
         else:  # a list by now
             seq.pending.extend(ids)  # type: ignore[union-attr]
         self.stats.stored_blocks += len(ids)
+        host = self.host
+        if host is not None and host.entries:  # computed again: the GPU copy replaces the host's
+            twins = [d for d in digests if d in host.entries]
+            if twins:
+                replaced = [(d, host.remove(d, defer=False)) for d in twins]
+                self.stats.host_evicted_blocks += len(replaced)
+                self._emit_host_removed(replaced)
         if self._listeners:
             tokens = np.frombuffer(run, dtype="<i4").tolist()
             namespace = self.index.namespace_of(node)
@@ -841,6 +1004,19 @@ def _confirm(seq: RequestState) -> None:
     seq.pending = ()
     seq.pending_start = None
     seq.dependents = ()
+
+
+def _check_transfer_model(model: Any) -> None:
+    if not isinstance(model, TransferModel):
+        raise ConfigError(f"transfer_model must be a TransferModel or None, got {model!r}")
+    for name, value in zip(model._fields, model, strict=True):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ConfigError(f"transfer_model.{name} must be a positive number, got {value!r}")
 
 
 def _check_namespace(namespace: Any) -> None:

@@ -25,6 +25,7 @@ class Copy(NamedTuple):
 class Lookup(NamedTuple):
     cached_len: int  # tokens a new request would not compute
     cached_blocks: int  # full blocks found in the index
+    host_blocks: int = 0  # full blocks after them that would be loaded from the host tier
 
 
 def slots_of(table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
@@ -44,6 +45,7 @@ class Admission(NamedTuple):
     hit_blocks: int = 0  # full blocks matched in the index
     partial_tokens: int = 0  # tokens of a partially matching block copied instead of computed
     cow: bool = False  # every prompt block was cached: the last one is copied, one token computed
+    host_blocks: int = 0  # full blocks loaded from the host tier (after the ``hit_blocks``)
 
     def slot_mapping(self) -> np.ndarray:
         """int64 slots of the tokens to compute, ``tokens[cached_len:]``."""

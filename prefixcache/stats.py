@@ -11,7 +11,7 @@ class CacheStats:
     lookup_tokens: int = 0  # prompt tokens of admitted requests
     hit_tokens: int = 0  # prompt tokens whose K/V were not computed
     lookup_blocks: int = 0  # full prompt blocks
-    hit_blocks: int = 0  # full prompt blocks served from the cache
+    hit_blocks: int = 0  # full prompt blocks served from the cache (either tier)
     zero_hit_requests: int = 0
     evicted_blocks: int = 0
     cow_copies: int = 0  # copy-on-write copies of shared blocks
@@ -22,6 +22,11 @@ class CacheStats:
     forks: int = 0
     aborted_requests: int = 0  # dropped before their K/V was written (abort, with dependents)
     unindexed_blocks: int = 0  # blocks taken out of the index because their K/V never came
+    # the host tier (all 0 without one)
+    host_hit_blocks: int = 0  # prompt blocks found on host at admission (loaded or recomputed)
+    loaded_blocks: int = 0  # host blocks loaded into GPU blocks (counted in hit_blocks)
+    offloaded_blocks: int = 0  # GPU blocks evicted into the host tier
+    host_evicted_blocks: int = 0  # host blocks dropped (evicted, or their parent dropped)
 
     @property
     def token_hit_rate(self) -> float:

@@ -5,9 +5,12 @@ position): the value real K/V at that slot depends on. A step is planned through
 (admit / append / fork / release / abort / pin / evict in any order), then ``forward()`` runs it in
 the documented order: every live request's K/V store, then the step's copies in the order they
 were handed out, then attention, which here reads every live request back through its block
-table and demands exactly its fingerprints. ``end_step()`` then tells the manager. A request
-dropped by ``abort`` (with its dependents) takes its stores and copies out of the step, as a
-runtime takes it out of the batch.
+table and demands exactly its fingerprints. With a host tier, the step's transfers run first
+(``take_transfers()``: every offload copies GPU fingerprints to host slots, then every load copies
+host slots into GPU blocks), as the documented order says. ``end_step()`` then tells the
+manager. A request dropped by ``abort`` (with its dependents) takes its stores and copies out of
+the step, as a runtime takes it out of the batch; its loads still run (they write only blocks the
+abort freed, before anything of the step writes them again).
 """
 
 from __future__ import annotations
@@ -53,10 +56,14 @@ class FingerprintRuntime:
         self.mgr = mgr
         p = mgr.block_size
         self.store = np.zeros((mgr.num_blocks, p), dtype=np.uint64)
+        host_slots = mgr.host.capacity if mgr.host is not None else 0
+        self.host_store = np.zeros((host_slots, p), dtype=np.uint64)
+        self.transfers = 0  # offloads and loads run
+        self.last_transfers: tuple[list, list] = ([], [])  # those of the last forward pass
         self.live: dict[Hashable, _Live] = {}
         self.copies: list[tuple[Hashable, Copy]] = []  # this step, in the order handed out
         self.finished: list[Hashable] = []  # released once the step's forward has run
-        self.mirror: set[tuple[Namespace, bytes]] | None = None
+        self.mirror: set[tuple[Namespace, bytes, str]] | None = None
         self.reads = 0
         if track_events:
             self.mirror = set()
@@ -108,6 +115,13 @@ class FingerprintRuntime:
     # ---- the forward pass and the end of the step -----------------------------------------
     def forward(self) -> None:
         p = self.mgr.block_size
+        offloads, loads = self.mgr.take_transfers()  # 0. offloads, then loads
+        for gpu_block, slot in offloads:
+            self.host_store[slot] = self.store[gpu_block]
+        for slot, gpu_block in loads:
+            self.store[gpu_block] = self.host_store[slot]
+        self.transfers += len(offloads) + len(loads)
+        self.last_transfers = (offloads, loads)
         written: dict[int, Hashable] = {}
         for rid, live in self.live.items():  # 1. every K/V store of the step
             for slots, values in live.writes:
@@ -141,6 +155,8 @@ class FingerprintRuntime:
         """Every block in the index holds the K/V of exactly the prefix it claims."""
         mgr = self.mgr
         pending = mgr.pending_blocks
+        p = mgr.block_size
+        prefixes: dict[bytes, list[int]] = {}  # digest of an indexed block -> tokens through it
         for root in list(mgr.index.roots.values()):
             assert root.namespace is not None
             stack = [(root, [])]
@@ -149,7 +165,9 @@ class FingerprintRuntime:
                 tokens = prefix + np.frombuffer(bytes(node.tokens), dtype="<i4").tolist()
                 if node.parent is not None and node.blocks:
                     fps = prefix_fingerprints(root.namespace, tokens)
-                    p = mgr.block_size
+                    if mgr.host is not None:
+                        for k in range(len(node.blocks)):
+                            prefixes[node.digest(k)] = tokens[: (node.depth + k + 1) * p]
                     for k, b in enumerate(node.blocks):
                         if b in pending:
                             continue
@@ -157,23 +175,51 @@ class FingerprintRuntime:
                         assert self.store[b].tolist() == fps[lo : lo + p], "cached block is wrong"
                 for child in (node.children or {}).values():
                     stack.append((child, tokens))
+        if mgr.host is not None:
+            self._check_host(prefixes)
         if self.mirror is not None:
             indexed = {
-                (mgr.index.namespace_of(n), n.digest(i))
+                (mgr.index.namespace_of(n), n.digest(i), "GPU")
                 for n in mgr.index.iter_nodes()
                 for i in range(len(n.blocks))
             }
-            assert self.mirror == indexed, "events disagree with the index"
+            if mgr.host is not None:
+                indexed |= {(e.namespace, d, "CPU") for d, e in mgr.host.entries.items()}
+            assert self.mirror == indexed, "events disagree with the index and the host tier"
+
+    def _check_host(self, prefixes: dict[bytes, list[int]]) -> None:
+        """Every host slot in use holds the K/V of exactly the prefix its entry claims."""
+        host = self.mgr.host
+        assert host is not None
+        p = self.mgr.block_size
+        todo = dict(host.entries)
+        while todo:
+            progress = False
+            for digest, entry in list(todo.items()):
+                before = prefixes.get(entry.parent)
+                if before is None and entry.position == 0:
+                    before = []
+                if before is None:
+                    continue
+                assert len(before) == entry.position * p, "a host block's parent is misplaced"
+                tokens = before + np.frombuffer(entry.tokens, dtype="<i4").tolist()
+                fps = prefix_fingerprints(entry.namespace, tokens)
+                lo = entry.position * p
+                assert self.host_store[entry.slot].tolist() == fps[lo:], "host block is wrong"
+                prefixes[digest] = tokens
+                del todo[digest]
+                progress = True
+            assert progress, "a host block's parent is neither indexed nor on host"
 
     def _on_event(self, event: CacheEvent) -> None:
         assert self.mirror is not None
         if isinstance(event, BlockStored):
             for h in event.block_hashes:
-                key = (event.namespace, h)
+                key = (event.namespace, h, event.medium)
                 assert key not in self.mirror, "block stored twice"
                 self.mirror.add(key)
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
-                self.mirror.remove((event.namespace, h))
+                self.mirror.remove((event.namespace, h, event.medium))
         elif isinstance(event, AllBlocksCleared):
             self.mirror.clear()

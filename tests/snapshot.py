@@ -54,4 +54,17 @@ def snapshot(mgr: CacheManager) -> dict[str, Any]:
         ),
         "stats": mgr.stats.as_dict(),
         "tick": mgr.clock_ticks,
+        "host": _host(mgr),
     }
+
+
+def _host(mgr: CacheManager) -> Any:
+    host = mgr.host
+    if host is None:
+        return None
+    entries = sorted(
+        (d, e.slot, e.parent, e.tokens, e.position, repr(e.namespace), e.stamp)
+        for d, e in host.entries.items()
+    )
+    children = sorted((k, sorted(v)) for k, v in host.children.items())
+    return entries, children, host.free_slots(), list(host.deferred), sorted(host.leaf_records())

@@ -81,3 +81,43 @@ def test_paged_attention_through_manager_equals_contiguous(hq, hkv):
         torch.testing.assert_close(pk, k)
         torch.testing.assert_close(reference_attention(q, pk, pv), reference_attention(q, k, v))
     mgr.check_integrity()
+
+
+def test_host_transfers_move_kv_out_and_back():
+    from prefixcache import InvalidArgumentError
+
+    mgr = CacheManager(4, 4, stepped=True, host_blocks=4)
+    kv = PagedKVCache(2, 4, 4, 1, 8, dtype=torch.float32, host_blocks=4)
+    ns = Namespace(model="m")
+    a, b = list(range(9)), list(range(100, 109))
+    adm = mgr.admit("a", a, ns)
+    for layer in range(2):
+        kv.write(layer, torch.randn(9, 1, 8), torch.randn(9, 1, 8), adm.slot_mapping())
+    want = [kv.k[layer][adm.block_table[:2]].clone() for layer in range(2)]
+    mgr.end_step()
+    mgr.release("a")
+    adm_b = mgr.admit("b", b, ns)  # evicts a's two full blocks into the host tier
+    kv.start_transfers(mgr.take_transfers())
+    for layer in range(2):
+        kv.wait_transfers(layer)
+        kv.write(layer, torch.zeros(9, 1, 8), torch.zeros(9, 1, 8), adm_b.slot_mapping())
+    mgr.end_step()
+    mgr.release("b")
+    adm = mgr.admit("a2", a, ns)
+    assert (adm.hit_blocks, adm.host_blocks) == (1, 1)  # a's last full block was offloaded
+    transfers = mgr.take_transfers()
+    assert len(transfers.loads) == 1
+    kv.start_transfers(transfers)
+    for layer in range(2):
+        kv.wait_transfers(layer)
+        assert torch.equal(kv.k[layer][adm.block_table[:2]], want[layer])
+    with pytest.raises(InvalidArgumentError):
+        kv.start_transfers(([(0, 4)], []))  # host slot outside the tier
+    with pytest.raises(InvalidArgumentError):
+        kv.start_transfers(([], [(0, 9)]))  # block outside the cache
+    with pytest.raises(InvalidArgumentError):
+        kv.start_transfers(([(0.5, 1)], []))
+    with pytest.raises(InvalidArgumentError):
+        kv.wait_transfers(2)
+    with pytest.raises(ConfigError):
+        PagedKVCache(1, 2, 4, 1, 8, host_blocks=-1)

@@ -59,3 +59,27 @@ def test_runs_as_a_script() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "generated tokens identical: True" in proc.stdout
+
+
+def test_host_tier_keeps_logits_and_computes_less(runtime: ModuleType) -> None:
+    tiered, gpu_only, plain, diff = runtime.compare_host_tier(
+        host_blocks=32, num_prompts=6, max_new_tokens=3, backend="torch", device=DEVICE
+    )
+    assert tiered.tokens == gpu_only.tokens == plain.tokens
+    assert diff <= runtime.LOGIT_TOL
+    # the GPU pool alone loses the rotating system prompts; the host tier brings them back
+    assert tiered.computed_prompt_tokens < gpu_only.computed_prompt_tokens
+    assert gpu_only.computed_prompt_tokens <= plain.computed_prompt_tokens
+
+
+def test_host_tier_runs_as_a_script() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--backend", "torch", "--host-blocks", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "generated tokens identical: True" in proc.stdout
+    assert "with a host tier of 32 blocks" in proc.stdout

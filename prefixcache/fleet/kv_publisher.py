@@ -8,9 +8,10 @@ replay buffer. A ROUTER socket (optional) answers replay requests, ``(identity, 
 ``(END_SEQ, b"")``; a thread serves it.
 
 How prefixcache's events map onto the wire: block hashes are the 16-byte digests; ``medium`` is
-``"GPU"``; ``lora_name`` is the namespace's adapter. The rest of the namespace (salt, adapter
-version, extra keys) rides in ``extra_keys`` of the first block of a chain (the block whose
-``parent_block_hash`` is None), as a tuple of ``(name, value)`` pairs; other blocks carry None.
+the event's (``"GPU"``, or ``"CPU"`` for the host tier); ``lora_name`` is the namespace's
+adapter. The rest of the namespace (salt, adapter version, extra keys) rides in ``extra_keys`` of
+the first block of a chain (the block whose ``parent_block_hash`` is None), as a tuple of
+``(name, value)`` pairs; other blocks carry None.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from prefixcache.fleet.kv_wire import (
     END_SEQ,
-    MEDIUM_GPU,
     KVEventBatch,
     WireEvent,
     WireLayout,
@@ -72,12 +72,12 @@ def to_wire(event: CacheEvent) -> WireEvent:
             token_ids=list(event.token_ids),
             block_size=event.block_size,
             lora_id=None,
-            medium=MEDIUM_GPU,
+            medium=event.medium,
             lora_name=event.namespace.adapter,
             extra_keys=extra,
         )
     if isinstance(event, BlockRemoved):
-        return WireRemoved(block_hashes=list(event.block_hashes), medium=MEDIUM_GPU)
+        return WireRemoved(block_hashes=list(event.block_hashes), medium=event.medium)
     if isinstance(event, AllBlocksCleared):
         return WireCleared()
     raise TypeError(f"not a cache event: {event!r}")

@@ -1,0 +1,52 @@
+"""Host-tier transfers the manager hands back per step, and the load-or-recompute cost model.
+
+When to run them: after the step is planned and before its forward pass, every offload first
+(they read GPU blocks that the step may hand out again), then every load; then, per layer, the
+K/V stores, the copies and attention. ``PagedKVCache.start_transfers`` / ``wait_transfers`` do
+exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Offload(NamedTuple):
+    """Copy GPU block ``gpu_block`` into host slot ``host_slot`` (K and V, every layer)."""
+
+    gpu_block: int
+    host_slot: int
+
+
+class Load(NamedTuple):
+    """Copy host slot ``host_slot`` into GPU block ``gpu_block`` (K and V, every layer)."""
+
+    host_slot: int
+    gpu_block: int
+
+
+class Transfers(NamedTuple):
+    """The transfers of the operations planned since the last ``take_transfers()``: run every
+    offload, then every load, before the forward pass reads or writes K/V."""
+
+    offloads: list[Offload]
+    loads: list[Load]
+
+
+class TransferModel(NamedTuple):
+    """Costs that decide whether a host run is loaded or recomputed.
+
+    A run of ``b`` blocks is loaded when ``b * bytes_per_block / host_bandwidth`` (seconds to
+    copy it in) is below ``b * block_size * flops_per_token / flops`` (seconds to recompute it).
+    """
+
+    bytes_per_block: float  # K and V bytes of one block across all layers
+    host_bandwidth: float  # host -> device bytes per second
+    flops_per_token: float  # prefill FLOPs per token
+    flops: float  # device FLOPs per second
+
+    def should_load(self, blocks: int, block_size: int) -> bool:
+        """Whether loading ``blocks`` blocks costs less time than recomputing them."""
+        copy_s = blocks * self.bytes_per_block / self.host_bandwidth
+        compute_s = blocks * block_size * self.flops_per_token / self.flops
+        return copy_s < compute_s
