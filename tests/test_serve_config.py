@@ -19,7 +19,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fleet" / "fleet
 def test_example_config_loads() -> None:
     config = load_config(EXAMPLE)
     assert [r.name for r in config.replicas] == ["replica-0", "replica-1"]
-    assert config.routing.policy == "prefix_balanced"
+    assert config.routing.policy == "prefix"
     assert config.routing.params == RoutingParams(64, 1.5, 0.3)
     assert config.index == "memory" and config.tokenizer is None and not config.proxy.enabled
     first = config.replicas[0]

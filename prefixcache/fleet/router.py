@@ -96,7 +96,7 @@ class Router:
         self,
         index: FleetIndex,
         replicas: Iterable[ReplicaSpec],
-        policy: str = "prefix_balanced",
+        policy: str = "prefix",
         params: RoutingParams | None = None,
         *,
         hash_algo: str = "xxh3_128",

@@ -46,7 +46,7 @@ class ReplicaConfig:
 class RoutingConfig:
     """Policy name and thresholds (see ``prefixcache.fleet.routing``)."""
 
-    policy: str = "prefix_balanced"
+    policy: str = "prefix"
     params: RoutingParams = field(default_factory=RoutingParams)
 
 
@@ -244,7 +244,7 @@ def parse_config(
         seen.add(rep.name)
 
     rt = r.mapping(top.get("routing"), "routing", _ROUTING)
-    policy = rt.get("policy", "prefix_balanced")
+    policy = rt.get("policy", "prefix")
     if policy not in POLICIES:
         raise r.fail(
             "routing.policy",

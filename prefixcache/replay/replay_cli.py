@@ -81,7 +81,7 @@ def register(subparsers: Any) -> None:
         "--routing",
         type=_routing_list,
         metavar="POLICY",
-        help=f"routing policies: {', '.join(sorted(ROUTING_POLICIES))} (prefix_balanced)",
+        help=f"routing policies: {', '.join(sorted(ROUTING_POLICIES))} (prefix)",
     )
     _trace_args(rp)
     rp.set_defaults(func=_replay)

@@ -51,7 +51,7 @@ class ReplayConfig:
     @property
     def routing_policy(self) -> str:
         """The routing policy a fleet replay uses."""
-        return self.routing or "prefix_balanced"
+        return self.routing or "prefix"
 
     def resolve(self) -> ResolvedConfig:
         """Check every option and size the cache; raises ConfigError with what to change."""
