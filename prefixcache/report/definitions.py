@@ -194,6 +194,33 @@ _ALL = (
         "'no cache' prefills every prompt token. An estimate, not a measurement.",
     ),
     Definition(
+        "benchmark",
+        "Throughput and latency (estimate)",
+        "The figures of vLLM's and SGLang's serving benchmarks, simulated: request and token "
+        "throughput over the duration (first arrival to last finish); TTFT; TPOT = (end-to-end "
+        "− TTFT) / (output tokens − 1), which here equals the mean inter-token latency (ITL); "
+        "end-to-end latency from arrival to the last token. 'No cache' replays the same "
+        "requests with prefix caching off. 'Better by' is the ratio in the cache's favour.",
+    ),
+    Definition(
+        "offered_load",
+        "Offered load",
+        "GPU busy time (sum of simulated step times) / arrival span (first to last arrival). "
+        "Above 1 requests arrive faster than the GPU serves them: the queue grows for the "
+        "whole trace and TTFT measures queueing. 'Rate scale at full load' is about the "
+        "--rate-scale at which busy time equals the arrival span.",
+    ),
+    Definition(
+        "roofline",
+        "Serving cost model",
+        "Each step takes the slower of compute (2 × layer parameters per computed token, "
+        "2 × hidden × vocab per sampled position, attention per query-key pair; divided by "
+        "peak FLOPs × GPUs × compute efficiency) and memory (weights once plus the K/V read; "
+        "divided by bandwidth × GPUs × bandwidth efficiency), plus a fixed overhead. Tensor "
+        "parallelism splits weights and KV over the GPUs and multiplies compute and bandwidth; "
+        "its communication is not modelled.",
+    ),
+    Definition(
         "preemptions",
         "Preemptions",
         "Requests paused and restarted because the pool ran out of blocks.",

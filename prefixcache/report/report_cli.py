@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefixcache.atomic_files import write_text_atomic
 from prefixcache.errors import PrefixCacheError
 from prefixcache.report.compare import compare_document
 from prefixcache.report.html import render_html
@@ -18,7 +19,7 @@ from prefixcache.report.text_formats import render_markdown, render_terminal
 
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    write_text_atomic(path, text)
     print(f"wrote {path}", file=sys.stderr)
 
 
