@@ -185,3 +185,29 @@ def test_help_says_the_model_default(capsys: pytest.CaptureFixture[str]) -> None
     assert "llama-3.1-8b when not given" in text
     for flag in ("--rate-scale", "--time-scale", "--tp", "--strict"):
         assert flag in text
+
+
+def test_partial_copy_sources_do_not_inflate_peak_blocks(tmp_path: Path) -> None:
+    path = tmp_path / "rag.yaml"
+    path.write_text(
+        "seed: 2\nrequests: 200\narrivals: {process: poisson, rate: 10}\n"
+        "prompt:\n  - shared: {length: 512}\n"
+        "  - pool: {size: 6, pick: 2, length: 300}\n  - unique: {length: 50}\noutput: 4\n"
+    )
+    report = replay_path(path, ReplayConfig(capacity_blocks=2000, model="llama-3.1-8b"))
+    r = report.to_report_dict()
+    assert r["partial_copy_tokens"] > 0  # the case this covers
+    s = r["savings"]
+    assert s["physical_blocks_peak"] <= s["logical_blocks_peak"]
+    assert s["sharing_factor"] >= 1.0
+    longest = max(-(-int(t) // 16) for t in _prompt_lengths(report))
+    assert s["physical_blocks_peak"] <= longest + 1  # one request, plus one copy source
+    assert (
+        s["kv_bytes_saved_by_sharing"]
+        == (s["logical_blocks_peak"] - s["physical_blocks_peak"]) * r["config"]["bytes_per_block"]
+    )
+
+
+def _prompt_lengths(result: object) -> list[int]:
+    log = result.acc.log  # type: ignore[attr-defined]
+    return list(log.prompt_tokens)

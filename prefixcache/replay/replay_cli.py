@@ -133,9 +133,10 @@ def register(subparsers: Any) -> None:
 
     ap = subparsers.add_parser(
         "analyze",
-        help="trace or scenario statistics and the infinite-cache upper bound",
+        help="trace or scenario statistics and the infinite-cache whole-block hit rate",
         description="Stream a trace or scenario once: request, token and arrival statistics, "
-        "and the hit rate of an infinite cache per block size.",
+        "and the hit rate of an infinite cache per block size, counting whole blocks only (a "
+        "replay with partial-block copies can exceed it).",
     )
     ap.add_argument("source", metavar="TRACE_OR_SCENARIO")
     ap.add_argument(

@@ -23,7 +23,9 @@ _ALL = (
     Definition(
         "capacity",
         "Capacity",
-        "Physical KV blocks in the pool; bytes = blocks × bytes per block of the model.",
+        "Physical KV blocks in the pool; bytes = blocks × bytes per block of the model. While "
+        "a request's partial last block is in flight it holds one private block, so a cache "
+        "of N blocks keeps at most N − 1 reusable (shared, full) blocks for it.",
     ),
     Definition(
         "replay_speed",
@@ -52,8 +54,9 @@ _ALL = (
         "The hit rate of the same workload with an infinite cache and the same block size: "
         "every whole block whose prefix was seen before in the namespace, less the one token "
         "always computed; slots this run copied from partially matching blocks count too, so "
-        "the bound can move slightly with capacity when partial copies are on. The gap to it "
-        "is capacity misses.",
+        "the bound can move slightly with capacity when partial copies are on, and it can "
+        "exceed 'prefixcache analyze', whose infinite-cache figure counts whole blocks only. "
+        "The gap to it is capacity misses.",
     ),
     Definition(
         "achieved",
