@@ -21,10 +21,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prefix cache for LLM inference: demo, replay workloads, analyze traces, "
         "read hit-rate reports, and serve fleet routing.",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"prefixcache {_version()}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
+
+
+def _version() -> str:
+    import prefixcache
+
+    return str(prefixcache.__version__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,10 @@
-"""Trace statistics and the infinite-cache upper bound, in one streaming pass."""
+"""Trace statistics and the infinite-cache whole-block hit rate, in one streaming pass.
+
+The infinite-cache hit rate counts whole blocks only: every full block whose prefix was seen
+before. A replay with partial-block copies on (the default) also reuses the leading tokens of a
+partially matching block, so its hit rate can exceed this figure; the replay's own upper bound
+adds the copies it made.
+"""
 
 from __future__ import annotations
 
@@ -98,7 +104,7 @@ def format_analysis(a: dict[str, Any]) -> str:
         f"p90 {pt['p90']:,.0f}  p99 {pt['p99']:,.0f}  max {pt['max']:,}",
         f"  output tokens  total {ot['total']:,}  mean {ot['mean']:,.1f}  p50 {ot['p50']:,.0f}  "
         f"p99 {ot['p99']:,.0f}  max {ot['max']:,}",
-        "  infinite cache (upper bound on any cache's hit rate):",
+        "  infinite cache, whole blocks only (partial-block copies in a replay can add to it):",
         "    block  token hit  block hit  prompt blocks  unique blocks"
         + ("  working set" if a["model"] else ""),
     ]

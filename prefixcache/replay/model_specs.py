@@ -45,6 +45,9 @@ class ModelConfig:
     kv_dtype: str | None = None  # KV cache; the weights' dtype when None
     active_params: int | None = None  # per token, for mixture-of-experts models
     hf_id: str | None = None
+    vocab_size: int | None = None  # with hidden_size: the embedding and lm_head shapes
+    hidden_size: int | None = None
+    tie_word_embeddings: bool = False  # lm_head shares the embedding's weights
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -61,7 +64,28 @@ class ModelConfig:
 
     @property
     def flops_params(self) -> int:
+        """Parameters a token passes through, embedding and lm_head included."""
         return self.active_params or self.params
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the embedding table and lm_head (one table when tied); 0 if unknown."""
+        if self.vocab_size is None or self.hidden_size is None:
+            return 0
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def layer_flops_params(self) -> int:
+        """Parameters every computed token multiplies through: the transformer layers. The
+        embedding is a table lookup (no FLOPs); lm_head is counted per sampled position."""
+        return self.flops_params - self.embedding_params
+
+    @property
+    def lm_head_flops(self) -> int:
+        """FLOPs of the logits of one position (2 x hidden x vocab); 0 if the shapes are unknown."""
+        if self.vocab_size is None or self.hidden_size is None:
+            return 0
+        return 2 * self.vocab_size * self.hidden_size
 
     @property
     def attention_flops_per_pair(self) -> int:
@@ -72,8 +96,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class GpuConfig:
     name: str
-    peak_flops: float
+    peak_flops: float  # dense BF16, one GPU
     hbm_bytes_per_s: float
+    memory_bytes: int | None = None  # HBM capacity, one GPU
 
 
 @lru_cache(maxsize=1)
@@ -111,7 +136,13 @@ def get_gpu(name: str) -> GpuConfig:
     entry = _table()["gpus"].get(name.lower())
     if entry is None:
         raise ConfigError(f"unknown GPU {name!r}; choose one of {', '.join(gpu_names())}")
-    return GpuConfig(name.lower(), float(entry["peak_flops"]), float(entry["hbm_bytes_per_s"]))
+    memory = entry.get("memory_bytes")
+    return GpuConfig(
+        name.lower(),
+        float(entry["peak_flops"]),
+        float(entry["hbm_bytes_per_s"]),
+        int(memory) if memory is not None else None,
+    )
 
 
 def _model(name: str, entry: Any, origin: str) -> ModelConfig:
@@ -130,6 +161,13 @@ def _model(name: str, entry: Any, origin: str) -> ModelConfig:
             if entry.get("active_params") is None
             else _positive_int(entry["active_params"], "active_params", origin),
             hf_id=entry.get("hf_id"),
+            vocab_size=None
+            if entry.get("vocab_size") is None
+            else _positive_int(entry["vocab_size"], "vocab_size", origin),
+            hidden_size=None
+            if entry.get("hidden_size") is None
+            else _positive_int(entry["hidden_size"], "hidden_size", origin),
+            tie_word_embeddings=bool(entry.get("tie_word_embeddings", False)),
         )
     except TypeError as exc:
         raise ConfigError(f"{origin}: {exc}") from None
@@ -195,6 +233,9 @@ def _from_hf_config(c: dict[str, Any], path: Path) -> ModelConfig:
             "head_dim": head_dim,
             "dtype": dtype,
             "active_params": active if experts > 1 else None,
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "tie_word_embeddings": bool(c.get("tie_word_embeddings")),
         },
         f"model file {path}",
     )

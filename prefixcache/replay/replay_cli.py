@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,18 @@ def register(subparsers: Any) -> None:
     size.add_argument(
         "--kv-memory", type=_size_list, metavar="SIZE", help="KV memory, e.g. 40GiB (needs --model)"
     )
-    rp.add_argument("--block-size", type=_int_list, default=[16], help="tokens per block (16)")
+    rp.add_argument(
+        "--block-size",
+        type=_int_list,
+        default=None,
+        help="tokens per block (default: the trace's own block size for Mooncake traces, "
+        "see --trace-block-size; 16 otherwise)",
+    )
     rp.add_argument(
         "--model",
         help=f"for bytes and FLOPs: {', '.join(model_names())}, or a "
-        "JSON/YAML model file or Hugging Face config.json",
+        "JSON/YAML model file or Hugging Face config.json (serving mode: llama-3.1-8b "
+        "when not given, and the summary says so)",
     )
     rp.add_argument(
         "--policy",
@@ -44,8 +52,18 @@ def register(subparsers: Any) -> None:
         default=["lru"],
         help=f"eviction policy: {', '.join(sorted(POLICIES))} (lru)",
     )
-    rp.add_argument("--mode", choices=MODES, default="sequential")
-    rp.add_argument("--seed", type=int, help="override the scenario's seed / trace token seed")
+    rp.add_argument(
+        "--mode",
+        choices=MODES,
+        default="sequential",
+        help="sequential: one request at a time, hit rates only; serving: continuous batching "
+        "timed by a roofline model, with throughput and latency (sequential)",
+    )
+    rp.add_argument(
+        "--seed",
+        type=_seed,
+        help="override the scenario's seed / trace token seed (a non-negative integer)",
+    )
     rp.add_argument("--out", type=Path, help="run directory (default runs/NAME-TIMESTAMP)")
     rp.add_argument(
         "--format",
@@ -53,7 +71,13 @@ def register(subparsers: Any) -> None:
         default="text",
         help="stdout: a summary or report.json",
     )
-    rp.add_argument("--hash-algo", default="xxh3_128")
+    rp.add_argument("--hash-algo", default="xxh3_128", help="block digest function (xxh3_128)")
+    rp.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 3 when requests were rejected (larger than the whole cache) or the serving "
+        "simulation is overloaded",
+    )
     rp.add_argument(
         "--no-partial-copy",
         action="store_true",
@@ -67,9 +91,31 @@ def register(subparsers: Any) -> None:
         help="progress bar on stderr (default: when stderr is a terminal)",
     )
     serving = rp.add_argument_group("serving mode")
-    serving.add_argument("--gpu", default="h100-sxm", help=f"{', '.join(gpu_names())}")
+    serving.add_argument(
+        "--gpu", default="h100-sxm", help=f"GPU of the cost model: {', '.join(gpu_names())}"
+    )
+    serving.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel GPUs per replica: weights and KV split over them, compute and "
+        "bandwidth multiplied, communication not modelled (1)",
+    )
     serving.add_argument("--token-budget", type=int, default=8192, help="tokens per step (8192)")
     serving.add_argument("--max-seqs", type=int, default=256, help="running sequences (256)")
+    serving.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="replay arrivals this many times as fast (2: twice the request rate) to find the "
+        "load the GPU sustains (1)",
+    )
+    serving.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply every arrival time (2: the trace stretched to twice its span) (1)",
+    )
     fleet = rp.add_argument_group("fleet (serving mode)")
     fleet.add_argument(
         "--replicas",
@@ -88,9 +134,10 @@ def register(subparsers: Any) -> None:
 
     ap = subparsers.add_parser(
         "analyze",
-        help="trace or scenario statistics and the infinite-cache upper bound",
+        help="trace or scenario statistics and the infinite-cache whole-block hit rate",
         description="Stream a trace or scenario once: request, token and arrival statistics, "
-        "and the hit rate of an infinite cache per block size.",
+        "and the hit rate of an infinite cache per block size, counting whole blocks only (a "
+        "replay with partial-block copies can exceed it).",
     )
     ap.add_argument("source", metavar="TRACE_OR_SCENARIO")
     ap.add_argument(
@@ -103,6 +150,83 @@ def register(subparsers: Any) -> None:
     ap.add_argument("--format", choices=("text", "json"), default="text")
     _trace_args(ap)
     ap.set_defaults(func=_analyze)
+    _register_export(subparsers)
+
+
+def _register_export(subparsers: Any) -> None:
+    from prefixcache.replay.export import FORMATS as EXPORT_FORMATS
+
+    ep = subparsers.add_parser(
+        "export",
+        help="write a scenario's or trace's requests as a Mooncake trace or OpenAI batch JSONL",
+        description="Write the requests a replay would see in a format real serving benchmarks "
+        "read: a Mooncake trace (timestamp, input_length, output_length, hash_ids) for "
+        "trace-replay benchmarks, or OpenAI batch JSONL of /v1/completions requests with "
+        "token-id prompts (vLLM run_batch).",
+    )
+    ep.add_argument("source", metavar="SCENARIO_OR_TRACE")
+    ep.add_argument("--format", choices=EXPORT_FORMATS, required=True, help="output format")
+    ep.add_argument("--out", type=Path, help="output file (default: stdout)")
+    ep.add_argument("--seed", type=_seed, help="override the scenario's seed")
+    ep.add_argument(
+        "--block-size",
+        type=int,
+        default=512,
+        help="tokens per Mooncake hash id (512, as in the Mooncake traces)",
+    )
+    ep.add_argument(
+        "--model-name", default="default", help="the model field of OpenAI requests (default)"
+    )
+    ep.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        help="OpenAI requests: token ids are taken modulo this, the served model's vocabulary "
+        "size (32000)",
+    )
+    _trace_args(ep)
+    ep.set_defaults(func=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from prefixcache.atomic_files import atomic_open
+    from prefixcache.replay.export import mooncake_lines, openai_lines
+    from prefixcache.replay.sources import open_source
+
+    try:
+        if args.block_size < 1 or args.vocab_size < 1:
+            raise ConfigError("--block-size and --vocab-size must be positive integers")
+        config = ReplayConfig(
+            seed=args.seed,
+            trace_format=args.trace_format,
+            trace_block_size=args.trace_block_size,
+            tokenizer=args.tokenizer,
+            output_len=args.output_len,
+        )
+        source = open_source(args.source, config.with_(block_size=1))
+        if args.format == "mooncake":
+            lines = mooncake_lines(source, args.block_size)
+        else:
+            lines = openai_lines(source, args.model_name, args.vocab_size)
+        if args.out is None:
+            try:
+                for line in lines:
+                    print(line)
+                sys.stdout.flush()
+            except BrokenPipeError:  # the reader stopped early (| head): not an error
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        else:
+            with atomic_open(args.out) as f:
+                for line in lines:
+                    f.write(line + "\n")
+            print(f"wrote {args.out}", file=sys.stderr)
+    except PrefixCacheError as exc:
+        print(f"prefixcache export: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"prefixcache export: error: {args.out}: {exc.strerror}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +306,9 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         gpu=args.gpu,
         token_budget=args.token_budget,
         max_seqs=args.max_seqs,
+        tp=args.tp,
+        rate_scale=args.rate_scale,
+        time_scale=args.time_scale,
         trace_format=args.trace_format,
         trace_block_size=args.trace_block_size,
         tokenizer=args.tokenizer,
@@ -196,28 +323,70 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         raise ConfigError("--replicas and --routing need --mode serving")
     return [
         base.with_(block_size=bs, policy=pol, **size, **fleet)
-        for size, bs, pol, fleet in itertools.product(sizes, args.block_size, args.policy, fleets)
+        for size, bs, pol, fleet in itertools.product(
+            sizes, args.block_size or [default_block_size(args)], args.policy, fleets
+        )
     ]
 
 
+def default_block_size(args: argparse.Namespace) -> int:
+    """The trace's own block size for a Mooncake trace (its hash ids cover that many tokens),
+    16 for everything else."""
+    from prefixcache.replay.scenario import is_scenario_path
+    from prefixcache.replay.traces import detect_format
+
+    path = Path(args.source)
+    if not path.is_file() or is_scenario_path(path):
+        return 16
+    kind = args.trace_format or detect_format(path)
+    return int(args.trace_block_size) if kind == "mooncake" else 16
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer: {text!r}")
+    return value
+
+
+EXIT_STRICT = 3  # --strict: the run finished but some requests were rejected, or it overloaded
+EXIT_INTERRUPTED = 130
+
+
 def _replay(args: argparse.Namespace) -> int:
-    from prefixcache.replay.replay_result import default_run_dir, write_run
+    from prefixcache.replay.replay_result import check_run_dir, default_run_dir, write_run
     from prefixcache.replay.runner import replay_sweep
+    from prefixcache.report.run_warnings import run_warnings
     from prefixcache.report.text_formats import format_summary
 
     try:
+        if args.out is not None:
+            check_run_dir(args.out)  # before the replay, not after it
         result = replay_sweep(args.source, _configs(args), jobs=args.jobs, progress=args.progress)
         report = result.to_report_dict()
         out = write_run(result, args.out or default_run_dir(result.name), report)
+        _render_rich_report(out)
     except PrefixCacheError as exc:
         print(f"prefixcache replay: error: {exc}", file=sys.stderr)
         return 2
-    _render_rich_report(out)
+    except KeyboardInterrupt:
+        print("prefixcache replay: interrupted; no run written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.format == "json":
         print(json.dumps(report, indent=2))
         print(f"wrote {out}", file=sys.stderr)
+        for warning in run_warnings(report):
+            print(f"warning: {warning}", file=sys.stderr)
     else:
         print(format_summary(report, str(out)))
+    serving = report.get("serving") or {}
+    if args.strict and (
+        report["rejected_requests"] or (serving.get("load") or {}).get("overloaded")
+    ):
+        return EXIT_STRICT
     return 0
 
 

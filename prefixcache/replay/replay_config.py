@@ -30,6 +30,9 @@ class ReplayConfig:
     gpu: str = "h100-sxm"
     token_budget: int = 8192  # tokens per step (prefill chunks + decodes)
     max_seqs: int = 256  # running sequences
+    tp: int = 1  # tensor-parallel GPUs per replica: weights and KV split, compute multiplied
+    rate_scale: float = 1.0  # arrivals this many times as fast (timestamps divided)
+    time_scale: float = 1.0  # timestamps multiplied (2.0: the trace stretched to twice its span)
     # fleet (serving mode): replicas of this cache size each, routed by a fleet policy
     replicas: int = 1
     routing: str | None = None  # a fleet routing policy; None: prefix_balanced with replicas > 1
@@ -47,6 +50,11 @@ class ReplayConfig:
     def is_fleet(self) -> bool:
         """A fleet replay: several replicas, or a routing policy named."""
         return self.replicas > 1 or self.routing is not None
+
+    @property
+    def arrival_factor(self) -> float:
+        """What every arrival time is multiplied by: time_scale / rate_scale."""
+        return self.time_scale / self.rate_scale
 
     @property
     def routing_policy(self) -> str:
@@ -70,6 +78,22 @@ class ReplayConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"tp must be a positive integer, got {self.tp!r}")
+        for name in ("rate_scale", "time_scale"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value < float("inf")
+            ):
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        if self.mode != "serving" and (self.tp != 1 or self.arrival_factor != 1.0):
+            raise ConfigError("--tp, --rate-scale and --time-scale need --mode serving")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
             raise ConfigError(f"replicas must be a positive integer, got {self.replicas!r}")
         if self.replicas < 1:
@@ -110,7 +134,27 @@ class ReplayConfig:
             capacity_bytes = self.kv_memory
         else:
             raise ConfigError("give the cache size: --blocks N, or --kv-memory SIZE with --model")
+        if model is not None and gpu is not None and capacity_bytes is not None:
+            check_fits(model, gpu, capacity_bytes, self.tp)
         return ResolvedConfig(self, model, blocks, capacity_bytes, bytes_per_block, gpu)
+
+
+def check_fits(model: ModelConfig, gpu: GpuConfig, kv_bytes: int, tp: int) -> None:
+    """Raise ConfigError when the weights plus the KV cache, split over ``tp`` GPUs, exceed one
+    GPU's memory (activations and the runtime need more still)."""
+    if gpu.memory_bytes is None:
+        return
+    per_gpu = (model.weight_bytes + kv_bytes) / tp
+    if per_gpu <= gpu.memory_bytes:
+        return
+    gib = 2**30
+    need = -(-(model.weight_bytes + kv_bytes) // gpu.memory_bytes)
+    raise ConfigError(
+        f"{model.name} does not fit: {model.weight_bytes / gib:.1f} GiB of weights + "
+        f"{kv_bytes / gib:.1f} GiB of KV cache over {tp} GPU(s) is {per_gpu / gib:.1f} GiB per "
+        f"GPU, but one {gpu.name} holds {gpu.memory_bytes / gib:.1f} GiB; shrink --blocks / "
+        f"--kv-memory or use --tp {need} or more"
+    )
 
 
 @dataclass(frozen=True)
@@ -149,8 +193,12 @@ class ResolvedConfig:
             "model": self.model.name if self.model else None,
             "partial_copy": o.partial_copy,
         }
+        if o.mode == "serving" and o.model is None:
+            out["model_defaulted"] = True
         if o.mode == "serving":
-            out.update(gpu=o.gpu, token_budget=o.token_budget, max_seqs=o.max_seqs)
+            out.update(gpu=o.gpu, token_budget=o.token_budget, max_seqs=o.max_seqs, tp=o.tp)
+            if o.arrival_factor != 1.0:
+                out.update(rate_scale=o.rate_scale, time_scale=o.time_scale)
         if o.is_fleet:
             out.update(replicas=o.replicas, routing=o.routing_policy)
         return out

@@ -9,16 +9,21 @@ import csv
 import hashlib
 import json
 import math
+import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import prefixcache
+from prefixcache.atomic_files import atomic_open, write_text_atomic
+from prefixcache.errors import ConfigError
 from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.model_specs import ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
+from prefixcache.replay.serving_figures import BenchmarkFigures, Load
 from prefixcache.run_format import (
     MISS_CAUSES,
     PERCENTILES,
@@ -39,17 +44,31 @@ class ServingStats:
     steps: int
     simulated_seconds: float
     truncated: int = 0  # requests finished early: alone, they outgrew the cache
+    with_cache: BenchmarkFigures | None = None  # benchmark figures (single-cache replays)
+    without_cache: BenchmarkFigures | None = None
+    load: Load | None = None
+    assumptions: dict[str, Any] | None = None  # the roofline's efficiencies and overhead
 
     def report_dict(self) -> dict[str, Any]:
         served = [t for t in self.ttft if not math.isnan(t)]
         unserved = [t for t in self.ttft_nocache if not math.isnan(t)]
-        return {
+        out: dict[str, Any] = {
             **{f"ttft_p{q}_s": _percentile(served, q) for q in PERCENTILES},
             **{f"ttft_nocache_p{q}_s": _percentile(unserved, q) for q in PERCENTILES},
             "preemptions": self.preemptions,
             "steps": self.steps,
             "simulated_seconds": self.simulated_seconds,
         }
+        if self.with_cache is not None and self.without_cache is not None:
+            out["benchmark"] = {
+                "with_cache": self.with_cache.report_dict(),
+                "without_cache": self.without_cache.report_dict(),
+            }
+        if self.load is not None:
+            out["load"] = self.load.report_dict()
+        if self.assumptions is not None:
+            out["assumptions"] = self.assumptions
+        return out
 
 
 def _percentile(values: list[float], q: int) -> float:
@@ -197,15 +216,39 @@ def write_run(
     result: ReplayResult, out_dir: str | Path, report: dict[str, Any] | None = None
 ) -> Path:
     """Write the three files of a run into ``out_dir`` (created if needed); returns it.
-    ``report``: the result's report.json, when the caller has it already."""
+    ``report``: the result's report.json, when the caller has it already.
+
+    Each file is written atomically and report.json last, so a directory with a report.json
+    holds a complete run; a directory this call created is removed again if writing fails or
+    is interrupted."""
     out = Path(out_dir)
+    check_run_dir(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    if report is None:
-        report = result.to_report_dict()
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    _write_requests(result, out / "requests.csv")
-    _write_timeline(result, out / "timeline.csv")
+    try:
+        if report is None:
+            report = result.to_report_dict()
+        _write_requests(result, out / "requests.csv")
+        _write_timeline(result, out / "timeline.csv")
+        write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     return out
+
+
+def check_run_dir(out: Path) -> None:
+    """Raise ConfigError unless ``out`` is, or can become, a writable directory."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {parent} is not writable")
 
 
 def _num(x: float) -> str:
@@ -215,7 +258,7 @@ def _num(x: float) -> str:
 def _write_requests(result: ReplayResult, path: Path) -> None:
     log = result.acc.log
     labels = [ns.label() for ns in result.acc.namespaces]
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with atomic_open(path, newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(REQUEST_COLUMNS)
         if log is None:
@@ -246,7 +289,7 @@ def _write_requests(result: ReplayResult, path: Path) -> None:
 
 def _write_timeline(result: ReplayResult, path: Path) -> None:
     rows = result.acc.timeline.rows if result.acc.timeline is not None else []
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with atomic_open(path, newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(TIMELINE_COLUMNS)
         for row in rows:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prefixcache.replay.accounting import Accountant
+from prefixcache.replay.arrivals import ScaledArrivals
 from prefixcache.replay.replay_config import ReplayConfig, ResolvedConfig
 from prefixcache.replay.replay_result import ReplayResult
 from prefixcache.replay.request import Request
@@ -47,7 +48,8 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     acc = Accountant(
         config.block_size, mgr.hasher, track_isolation=source.multi_namespace, record=config.record
     )
-    requests = with_progress(source, source.total, f"replay {source.name}", progress)
+    arrivals = ScaledArrivals(source, config.arrival_factor)
+    requests = with_progress(arrivals, source.total, f"replay {source.name}", progress)
     start = time.perf_counter()
     serving = None
     extra: dict[str, Any] = {}
@@ -58,7 +60,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
 
             fleet = run_fleet(
                 requests,
-                lambda: iter(source),
+                lambda: iter(arrivals),
                 acc,
                 resolved,
                 source.multi_namespace,
@@ -71,7 +73,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
         else:
             from prefixcache.replay.serving import run_serving
 
-            serving = run_serving(requests, source, mgr, acc, resolved)
+            serving = run_serving(requests, arrivals, mgr, acc, resolved)
             truncated = serving.truncated
     elapsed = time.perf_counter() - start
     info = {

@@ -36,6 +36,7 @@ from prefixcache.replay.scenario_values import (
     string,
 )
 from prefixcache.replay.synth import FULL_VOCAB
+from prefixcache.replay.text_input import read_utf8
 from prefixcache.replay.workload_errors import ScenarioError
 
 SCENARIO_SUFFIXES = (".yaml", ".yml", ".toml")
@@ -124,7 +125,7 @@ def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file; a problem raises ScenarioError naming the field."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_utf8(p)
     except OSError as exc:
         raise ScenarioError(str(p), "", "a readable file", exc.strerror) from None
     return parse_scenario(_load_document(text, str(p)), str(p), default_name=p.stem)

@@ -42,13 +42,14 @@ def run_sequential(requests: Iterable[Request], mgr: CacheManager, acc: Accounta
         t = len(tokens)
         due = timeline is not None and timeline.due(i)
         if req.n == 1 and req.output_tokens is None:
-            logical = len(adm.block_table)
-            # Alone in the cache, a request holds exactly its table's blocks, plus the source
-            # of a copy (a partial match, or a fully cached prompt's last block).
-            used = counts() if adm.copies or due else None
-            active = used.active if used is not None else logical
+            # Alone in the cache, a request uses exactly its table's blocks plus the source of
+            # each copy (a partial match, or a fully cached prompt's last block), which it reads
+            # as it would a shared block: both counts include the sources. (The manager pins the
+            # whole radix node around a source, so its active count would overstate them.)
+            logical = active = len(adm.block_table) + len(adm.copies)
+            used = counts() if due else None
             if active > acc.physical_peak or logical > acc.logical_peak:
-                note_usage(active, logical, logical * p - t)
+                note_usage(active, logical, len(adm.block_table) * p - t)
             if due and timeline is not None and used is not None:
                 timeline.add(i, _row(i, used, acc, stats.evicted_blocks))
             release(i)

@@ -12,10 +12,13 @@ the first write after a fork, so block allocation, commits and copies happen exa
 would with one call per token.
 
 A step lasts as long as a roofline says: the slower of compute and memory traffic, plus a fixed
-overhead. Compute: 2 x (active) params per token through the weights, plus attention (4 x layers x
-heads x head_dim per query-key pair). Memory: the weights once per step, plus the K/V each token
-attends. Deliberately simple: enough to turn saved prefill tokens into time-to-first-token
-estimates.
+overhead. Compute: 2 x (active) layer params per computed token (the embedding is a lookup, no
+FLOPs), 2 x hidden x vocab for each position whose logits are sampled (a prefill's last token and
+every decode token, not every prompt token), plus attention (4 x layers x heads x head_dim per
+query-key pair). Memory: the weights once per step, plus the K/V each token attends. Tensor
+parallelism over ``tp`` GPUs multiplies peak FLOPs and bandwidth by ``tp`` (communication is not
+modelled). Deliberately simple: enough to turn saved prefill tokens into time-to-first-token
+estimates; the efficiencies below are assumptions, shown in every report.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +39,7 @@ from prefixcache.replay.model_specs import GpuConfig, ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
-from prefixcache.replay.sources import Source
+from prefixcache.replay.serving_figures import BenchmarkFigures, Load, benchmark_figures
 from prefixcache.replay.synth import TokenTape, stream_key
 
 
@@ -46,16 +50,38 @@ class Roofline:
     compute_efficiency: float = 0.5  # achieved fraction of peak FLOPs
     memory_efficiency: float = 0.8  # achieved fraction of HBM bandwidth
     step_overhead_s: float = 2e-3  # scheduling, sampling, launch
+    tp: int = 1  # tensor-parallel GPUs: compute and bandwidth multiplied
 
-    def step_seconds(self, tokens: int, attention_pairs: int, kv_tokens_read: int) -> float:
+    def step_seconds(
+        self, tokens: int, attention_pairs: int, kv_tokens_read: int, logits: int
+    ) -> float:
         """``tokens`` computed this step, ``attention_pairs`` query-key pairs over all of them,
-        ``kv_tokens_read`` context tokens whose K/V the step reads."""
+        ``kv_tokens_read`` context tokens whose K/V the step reads, ``logits`` positions whose
+        next-token logits are computed (one per decoding sequence and finished prefill)."""
         m = self.model
-        flops = 2.0 * m.flops_params * tokens + m.attention_flops_per_pair * attention_pairs
+        flops = (
+            2.0 * m.layer_flops_params * tokens
+            + m.lm_head_flops * logits
+            + m.attention_flops_per_pair * attention_pairs
+        )
         traffic = m.weight_bytes + m.kv_bytes_per_token * kv_tokens_read
-        compute = flops / (self.gpu.peak_flops * self.compute_efficiency)
-        memory = traffic / (self.gpu.hbm_bytes_per_s * self.memory_efficiency)
+        compute = flops / (self.gpu.peak_flops * self.tp * self.compute_efficiency)
+        memory = traffic / (self.gpu.hbm_bytes_per_s * self.tp * self.memory_efficiency)
         return max(compute, memory) + self.step_overhead_s
+
+    def assumptions(self) -> dict[str, Any]:
+        """What the step times rest on, for the report."""
+        return {
+            "gpu": self.gpu.name,
+            "tp": self.tp,
+            "peak_flops_per_gpu": self.gpu.peak_flops,
+            "hbm_bytes_per_s_per_gpu": self.gpu.hbm_bytes_per_s,
+            "gpu_memory_bytes": self.gpu.memory_bytes,
+            "compute_efficiency": self.compute_efficiency,
+            "memory_efficiency": self.memory_efficiency,
+            "step_overhead_s": self.step_overhead_s,
+            "weight_bytes": self.model.weight_bytes,
+        }
 
 
 def prefill_pairs(context: int, new: int) -> int:
@@ -70,11 +96,13 @@ class StepWork:
     tokens: int = 0
     attention_pairs: int = 0
     kv_tokens_read: int = 0
+    logits: int = 0
 
-    def add(self, tokens: int, attention_pairs: int, kv_tokens_read: int) -> None:
+    def add(self, tokens: int, attention_pairs: int, kv_tokens_read: int, logits: int) -> None:
         self.tokens += tokens
         self.attention_pairs += attention_pairs
         self.kv_tokens_read += kv_tokens_read
+        self.logits += logits
 
 
 class _DecodingSample:
@@ -126,12 +154,17 @@ class Simulator:
         o = cfg.options
         assert cfg.model is not None and cfg.gpu is not None, "resolve a serving-mode config"
         self.mgr, self.acc, self.p = mgr, acc, o.block_size
-        self.roof = Roofline(cfg.model, cfg.gpu)
+        self.roof = Roofline(cfg.model, cfg.gpu, tp=o.tp)
         self.budget, self.max_seqs = o.token_budget, o.max_seqs
         self.tape = TokenTape(stream_key("serving-samples"))
         self.clock = 0.0
         self.steps = self.preemptions = self.truncated = 0
         self.ttft: list[float] = []
+        self.finish: list[float] = []  # when the request's last sample finished
+        self.arrival: list[float] = []
+        self.prompt_len: list[int] = []
+        self.output_len: list[int] = []  # tokens generated over all samples
+        self.busy = 0.0  # seconds spent in steps
         self.running: list[_Live] = []
         self.waiting: deque[_Live] = deque()
         self.live_seqs = 0
@@ -147,6 +180,10 @@ class Simulator:
             while nxt is not None and nxt.arrival_s <= self.clock:
                 self.waiting.append(_Live(idx, nxt))
                 self.ttft.append(math.nan)
+                self.finish.append(math.nan)
+                self.arrival.append(nxt.arrival_s)
+                self.prompt_len.append(len(nxt.tokens))
+                self.output_len.append(nxt.output_len * nxt.n)
                 idx += 1
                 nxt = next(it, None)
             if not self.running and not self.waiting:
@@ -170,7 +207,7 @@ class Simulator:
                     k = min(r.prefill_left, budget)
                     budget -= k
                     prefills.append((r, k))
-                    work.add(k, prefill_pairs(r.kv, k), r.kv + k)
+                    work.add(k, prefill_pairs(r.kv, k), r.kv + k, int(k == r.prefill_left))
                 i += 1
                 continue
             mine: list[_DecodingSample] = []
@@ -192,12 +229,16 @@ class Simulator:
                 continue  # r left self.running; index i now holds the next request
             decodes.extend(mine)
             for s in mine:
-                work.add(1, s.kv_len, s.kv_len)
+                work.add(1, s.kv_len, s.kv_len, 1)
             i += 1
         self._admit(budget, prefills, work)
         if not prefills and not decodes:
             return  # everything in flight was preempted; admit again next round
-        self.clock += self.roof.step_seconds(work.tokens, work.attention_pairs, work.kv_tokens_read)
+        seconds = self.roof.step_seconds(
+            work.tokens, work.attention_pairs, work.kv_tokens_read, work.logits
+        )
+        self.clock += seconds
+        self.busy += seconds
         self.steps += 1
         for r, k in prefills:
             r.prefill_left -= k
@@ -249,7 +290,7 @@ class Simulator:
             k = min(r.prefill_left, budget)
             budget -= k
             prefills.append((r, k))
-            work.add(k, prefill_pairs(r.kv, k), r.kv + k)
+            work.add(k, prefill_pairs(r.kv, k), r.kv + k, int(k == r.prefill_left))
 
     # ---- sequences --------------------------------------------------------------------------
     def _start_decode(self, r: _Live) -> None:
@@ -340,6 +381,8 @@ class Simulator:
             r.seqs = live
             if live:
                 keep.append(r)
+            elif r.idx < len(self.finish):  # a fleet's replicas keep no per-request rows
+                self.finish[r.idx] = self.clock
         self.running = keep
 
     # ---- measurements -----------------------------------------------------------------------
@@ -370,6 +413,12 @@ class Simulator:
         else:
             timeline.add(self.steps, row)
 
+    def figures(self) -> BenchmarkFigures:
+        """Throughput and latency of the requests simulated so far."""
+        return benchmark_figures(
+            self.arrival, self.ttft, self.finish, self.prompt_len, self.output_len, self.busy
+        )
+
     def usage(self) -> tuple[int, int]:
         """Logical blocks of the running requests and the unused slots of their last blocks."""
         p = self.p
@@ -395,17 +444,18 @@ class Simulator:
 
 def run_serving(
     requests: Iterable[Request],
-    source: Source,
+    again: Iterable[Request],
     mgr: CacheManager,
     acc: Accountant,
     cfg: ResolvedConfig,
 ) -> ServingStats:
-    """Simulate with the cache, then without it (same capacity) for the no-cache TTFTs."""
+    """Simulate ``requests`` with the cache, then ``again`` (the same requests, iterated anew)
+    without it, at the same capacity, for the no-cache figures."""
     sim = Simulator(mgr, cfg, acc)
     sim.run(requests)
     plain = cfg.cache_manager(caching=False)
     base = Simulator(plain, cfg, None)
-    base.run(source)
+    base.run(again)
     if acc.log is not None:
         # rows are in admission order; request_id maps them back to arrival order
         ids = acc.log.request_id
@@ -413,4 +463,17 @@ def run_serving(
         acc.log.ttft_nocache_s = array(
             "d", (base.ttft[i] if i < len(base.ttft) else math.nan for i in ids)
         )
-    return ServingStats(sim.ttft, base.ttft, sim.preemptions, sim.steps, sim.clock, sim.truncated)
+    arrivals = sim.arrival
+    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    return ServingStats(
+        sim.ttft,
+        base.ttft,
+        sim.preemptions,
+        sim.steps,
+        sim.clock,
+        sim.truncated,
+        with_cache=sim.figures(),
+        without_cache=base.figures(),
+        load=Load(span, sim.busy, base.busy, cfg.options.rate_scale / cfg.options.time_scale),
+        assumptions=sim.roof.assumptions(),
+    )

@@ -32,6 +32,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.replay.request import Request
 from prefixcache.replay.synth import FULL_VOCAB, blocks_tokens, mix64, stream_key
+from prefixcache.replay.text_input import utf8_lines
 from prefixcache.replay.workload_errors import TraceFormatError
 from prefixcache.tokens import MAX_TOKEN_ID
 
@@ -57,22 +58,21 @@ def detect_format(path: str | Path) -> str:
     p = Path(path)
     if p.suffix.lower() == ".txt":
         return "text"
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                obj = _parse(line, str(p), lineno)
-                if "hash_ids" in obj:
-                    return "mooncake"
-                if any(k in obj for k in TOKEN_KEYS):
-                    return "tokens"
-                if any(k in obj for k in PROMPT_KEYS):
-                    return "prompts"
-                raise TraceFormatError(
-                    str(p),
-                    lineno,
-                    "unrecognized record: expected hash_ids (Mooncake), one of "
-                    f"{', '.join(TOKEN_KEYS)} (token ids) or {', '.join(PROMPT_KEYS)} (text)",
-                )
+    for lineno, line in utf8_lines(p):
+        if line.strip():
+            obj = _parse(line, str(p), lineno)
+            if "hash_ids" in obj:
+                return "mooncake"
+            if any(k in obj for k in TOKEN_KEYS):
+                return "tokens"
+            if any(k in obj for k in PROMPT_KEYS):
+                return "prompts"
+            raise TraceFormatError(
+                str(p),
+                lineno,
+                "unrecognized record: expected hash_ids (Mooncake), one of "
+                f"{', '.join(TOKEN_KEYS)} (token ids) or {', '.join(PROMPT_KEYS)} (text)",
+            )
     raise TraceFormatError(str(p), 0, "the trace is empty")
 
 
@@ -93,18 +93,16 @@ def trace_namespaces(path: str | Path, options: TraceOptions) -> bool:
     fmt = options.format or detect_format(path)
     if fmt in ("mooncake", "text"):
         return False
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                return any(k in _parse(line, str(path), lineno) for k in NAMESPACE_KEYS)
+    for lineno, line in utf8_lines(path):
+        if line.strip():
+            return any(k in _parse(line, str(path), lineno) for k in NAMESPACE_KEYS)
     return False
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield lineno, line
+    for lineno, line in utf8_lines(path):
+        if line.strip():
+            yield lineno, line
 
 
 def _parse(line: str, path: str, lineno: int) -> dict[str, Any]:

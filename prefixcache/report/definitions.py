@@ -23,7 +23,9 @@ _ALL = (
     Definition(
         "capacity",
         "Capacity",
-        "Physical KV blocks in the pool; bytes = blocks × bytes per block of the model.",
+        "Physical KV blocks in the pool; bytes = blocks × bytes per block of the model. While "
+        "a request's partial last block is in flight it holds one private block, so a cache "
+        "of N blocks keeps at most N − 1 reusable (shared, full) blocks for it.",
     ),
     Definition(
         "replay_speed",
@@ -52,8 +54,9 @@ _ALL = (
         "The hit rate of the same workload with an infinite cache and the same block size: "
         "every whole block whose prefix was seen before in the namespace, less the one token "
         "always computed; slots this run copied from partially matching blocks count too, so "
-        "the bound can move slightly with capacity when partial copies are on. The gap to it "
-        "is capacity misses.",
+        "the bound can move slightly with capacity when partial copies are on, and it can "
+        "exceed 'prefixcache analyze', whose infinite-cache figure counts whole blocks only. "
+        "The gap to it is capacity misses.",
     ),
     Definition(
         "achieved",
@@ -192,6 +195,33 @@ _ALL = (
         "Time to first token (estimate)",
         "Simulated queueing plus prefill of the missed tokens under the replay's cost model; "
         "'no cache' prefills every prompt token. An estimate, not a measurement.",
+    ),
+    Definition(
+        "benchmark",
+        "Throughput and latency (estimate)",
+        "The figures of vLLM's and SGLang's serving benchmarks, simulated: request and token "
+        "throughput over the duration (first arrival to last finish); TTFT; TPOT = (end-to-end "
+        "− TTFT) / (output tokens − 1), which here equals the mean inter-token latency (ITL); "
+        "end-to-end latency from arrival to the last token. 'No cache' replays the same "
+        "requests with prefix caching off. 'Better by' is the ratio in the cache's favour.",
+    ),
+    Definition(
+        "offered_load",
+        "Offered load",
+        "GPU busy time (sum of simulated step times) / arrival span (first to last arrival). "
+        "Above 1 requests arrive faster than the GPU serves them: the queue grows for the "
+        "whole trace and TTFT measures queueing. 'Rate scale at full load' is about the "
+        "--rate-scale at which busy time equals the arrival span.",
+    ),
+    Definition(
+        "roofline",
+        "Serving cost model",
+        "Each step takes the slower of compute (2 × layer parameters per computed token, "
+        "2 × hidden × vocab per sampled position, attention per query-key pair; divided by "
+        "peak FLOPs × GPUs × compute efficiency) and memory (weights once plus the K/V read; "
+        "divided by bandwidth × GPUs × bandwidth efficiency), plus a fixed overhead. Tensor "
+        "parallelism splits weights and KV over the GPUs and multiplies compute and bandwidth; "
+        "its communication is not modelled.",
     ),
     Definition(
         "preemptions",

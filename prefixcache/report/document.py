@@ -52,6 +52,7 @@ class Document:
     title: str
     subtitle: str
     sections: list[Section]
+    warnings: list[str] = field(default_factory=list)  # shown above everything else
 
     def definitions(self) -> list[Definition]:
         """Definitions of the figures the document shows, in order of first use."""

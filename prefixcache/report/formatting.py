@@ -17,6 +17,11 @@ def count(n: float | None) -> str:
     return f"{int(n):,}"
 
 
+def count_f(x: float | None) -> str:
+    """A rate or other real number rounded to a whole count, with thousands separators."""
+    return NA if x is None else f"{x:,.0f}"
+
+
 def pct(x: float | None) -> str:
     if x is None or math.isnan(x):
         return NA

@@ -11,6 +11,7 @@ from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prefixcache.atomic_files import write_text_atomic
 from prefixcache.errors import PrefixCacheError
 from prefixcache.report.definitions import DEFINITIONS
 from prefixcache.report.document import Document, Field, Section, Table
@@ -146,6 +147,10 @@ def render_html(doc: Document, run: Run) -> str:
     plotters = _plotters()
     nav = "".join(f'<a href="#{s.id}">{escape(s.title.split(":")[0])}</a>' for s in doc.sections)
     body = "".join(_section(s, run, plotters) for s in doc.sections)
+    warnings = "".join(
+        f'<p class="warning" role="alert"><strong>Warning:</strong> {escape(w)}</p>'
+        for w in doc.warnings
+    )
     glossary = "".join(
         f"<dt>{escape(d.term)}</dt><dd>{escape(d.text)}</dd>" for d in doc.definitions()
     )
@@ -154,7 +159,7 @@ def render_html(doc: Document, run: Run) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(doc.title)}: {escape(doc.subtitle)}</title><style>{CSS}</style></head>"
         f'<body><main><h1>{escape(doc.title)}</h1><p class="sub">{escape(doc.subtitle)}</p>'
-        f'<nav>{nav}<a href="#definitions">Definitions</a></nav>{_tiles(doc)}{body}'
+        f'<nav>{nav}<a href="#definitions">Definitions</a></nav>{warnings}{_tiles(doc)}{body}'
         f'<section id="definitions"><h2>Definitions</h2><dl>{glossary}</dl></section>'
         "</main></body></html>\n"
     )
@@ -175,10 +180,10 @@ def render_all(run_dir: str | Path, html: bool = True) -> dict[str, Path]:
     run = load_run(run_dir)
     doc = build_document(run)
     paths = {"md": run.path / "report.md"}
-    paths["md"].write_text(render_markdown(doc), encoding="utf-8")
+    write_text_atomic(paths["md"], render_markdown(doc))
     if html:
         paths["html"] = run.path / "report.html"
-        paths["html"].write_text(render_html(doc, run), encoding="utf-8")
+        write_text_atomic(paths["html"], render_html(doc, run))
     return paths
 
 
@@ -225,6 +230,8 @@ figure { margin: 0; }
 figure img { display: block; width: 100%; height: auto; }
 figure.wide { margin-top: 8px; }
 .failed td { color: var(--bad); }
+.warning { background: #fef3f2; border: 2px solid var(--bad); border-radius: 8px; color: var(--bad);
+  padding: 10px 14px; margin: 0 0 14px; font-size: 15px; }
 .digest { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; }
 dl { margin: 0; display: grid; grid-template-columns: minmax(140px, 220px) 1fr; gap: 6px 16px;
   font-size: 14px; }

@@ -8,17 +8,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefixcache.atomic_files import write_text_atomic
 from prefixcache.errors import PrefixCacheError
+from prefixcache.report.checks import consistency_checks
 from prefixcache.report.compare import compare_document
 from prefixcache.report.html import render_html
 from prefixcache.report.run_dir import load_run
 from prefixcache.report.sections import build_document
 from prefixcache.report.text_formats import render_markdown, render_terminal
 
+EXIT_INCONSISTENT = 1  # the report was printed, but report.json disagrees with its CSV files
+
 
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    write_text_atomic(path, text)
     print(f"wrote {path}", file=sys.stderr)
 
 
@@ -41,6 +45,14 @@ def report_command(args: argparse.Namespace) -> int:
             _write(args.html, render_html(doc, run))
     except (PrefixCacheError, OSError) as exc:
         return _fail("report", exc)
+    failed = [c for c in consistency_checks(run) if not c.ok]
+    if failed:
+        print(
+            f"prefixcache report: error: {len(failed)} consistency check(s) failed, first: "
+            f"{failed[0].name} ({failed[0].detail})",
+            file=sys.stderr,
+        )
+        return EXIT_INCONSISTENT
     return 0
 
 

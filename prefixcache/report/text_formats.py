@@ -8,6 +8,7 @@ from typing import Any
 
 from prefixcache.report import formatting as fmt
 from prefixcache.report.document import Document, Field, Section, Table
+from prefixcache.report.run_warnings import run_warnings
 
 WIDTH = 88
 
@@ -62,6 +63,12 @@ def section_lines(section: Section) -> list[str]:
 
 def render_terminal(doc: Document, definitions: bool = True) -> str:
     lines = [_rule(doc.title, "═"), f"  {doc.subtitle}", ""]
+    for warning in doc.warnings:
+        lines += textwrap.wrap(
+            f"WARNING: {warning}", WIDTH, initial_indent="  ", subsequent_indent="           "
+        )
+    if doc.warnings:
+        lines.append("")
     for section in doc.sections:
         lines += [*section_lines(section), ""]
     if definitions:
@@ -110,6 +117,7 @@ def section_markdown(section: Section) -> list[str]:
 
 def render_markdown(doc: Document) -> str:
     lines = [f"# {doc.title}", "", doc.subtitle, ""]
+    lines += [f"> **Warning:** {_escape(w)}\n" for w in doc.warnings]
     for section in doc.sections:
         lines += section_markdown(section)
     lines += ["## Definitions", ""]
@@ -148,7 +156,9 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
     if r.get("rejected_requests"):
         lines.append(f"  rejected        {r['rejected_requests']:,} requests larger than the cache")
     sv = r.get("serving")
-    if sv:
+    if sv and sv.get("benchmark"):
+        lines += _serving_lines(c, sv)
+    elif sv:
         lines.append(
             f"  TTFT            p50 {sv['ttft_p50_s']:.3f} s  p90 {sv['ttft_p90_s']:.3f} s  "
             f"p99 {sv['ttft_p99_s']:.3f} s"
@@ -157,6 +167,7 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
             f"  TTFT no cache   p50 {sv['ttft_nocache_p50_s']:.3f} s  p90 "
             f"{sv['ttft_nocache_p90_s']:.3f} s  p99 {sv['ttft_nocache_p99_s']:.3f} s"
         )
+    if sv:
         lines.append(
             f"  simulated       {sv['simulated_seconds']:.1f} s in {sv['steps']:,} steps, "
             f"{sv['preemptions']:,} preemptions"
@@ -211,4 +222,48 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
         )
     if run_dir:
         lines.append(f"  wrote           {run_dir}")
+    for warning in run_warnings(r):
+        lines += textwrap.wrap(
+            f"WARNING: {warning}", WIDTH, initial_indent="  ", subsequent_indent="           "
+        )
     return "\n".join(lines)
+
+
+def _serving_lines(c: dict[str, Any], sv: dict[str, Any]) -> list[str]:
+    """Benchmark figures with and without the cache, the load and the assumptions."""
+    a, b = sv["benchmark"]["with_cache"], sv["benchmark"]["without_cache"]
+
+    def lat(d: dict[str, Any], name: str) -> str:
+        return "  ".join(f"{s} {_dur(d[f'{name}_{s}_s'])}" for s in ("mean", "p50", "p90", "p99"))
+
+    model = f"{c['model']}{' (default)' if c.get('model_defaulted') else ''}"
+    gpu = f"{c.get('tp', 1)} x {c['gpu']}" if c.get("tp", 1) > 1 else c["gpu"]
+    assume = sv.get("assumptions") or {}
+    lines = [
+        f"  serving setup   {model} on {gpu}, token budget {c['token_budget']:,}, "
+        f"max seqs {c['max_seqs']:,}, MFU {assume.get('compute_efficiency', 0):.0%}, "
+        f"bandwidth eff. {assume.get('memory_efficiency', 0):.0%}",
+    ]
+    if c.get("rate_scale") is not None:
+        lines.append(f"  arrivals        rate x{c['rate_scale']:g}, time x{c['time_scale']:g}")
+    load = sv.get("load") or {}
+    if load.get("offered_load") is not None:
+        lines.append(
+            f"  offered load    {load['offered_load']:.2f}x with cache, "
+            f"{load['offered_load_nocache']:.2f}x without (GPU busy "
+            f"{load['busy_s']:,.1f} s / arrivals over {load['arrival_span_s']:,.1f} s)"
+        )
+    for label, d in (("with cache", a), ("no cache", b)):
+        lines += [
+            f"  {label:<15} {d['request_throughput_rps']:,.2f} req/s, "
+            f"{d['output_token_throughput_tps']:,.0f} output tok/s, "
+            f"{d['total_token_throughput_tps']:,.0f} total tok/s",
+            f"    TTFT          {lat(d, 'ttft')}",
+            f"    TPOT          {lat(d, 'tpot')}",
+            f"    E2E           {lat(d, 'e2e')}",
+        ]
+    return lines
+
+
+def _dur(x: float) -> str:
+    return f"{1000 * x:.1f} ms" if x < 10 else f"{x:,.1f} s"

@@ -1,0 +1,176 @@
+"""Benchmark figures of a serving simulation, as vLLM's and SGLang's serving benchmarks print
+them: request and token throughput, TTFT, TPOT and end-to-end latency, and the offered load.
+
+TPOT (time per output token) is ``(end-to-end - TTFT) / (output tokens - 1)`` per request, over
+requests with more than one output token. In this simulation every decode step emits one token per
+sequence, so the mean inter-token latency (ITL) equals the mean TPOT.
+
+Offered load is the GPU's busy time (the sum of step times) over the arrival span (first to last
+arrival). Above 1 the GPU needs more time than the trace lasts: requests arrive faster than they
+are served and the queue, and with it TTFT, grows for as long as the trace runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixcache.run_format import nearest_rank
+
+OVERLOAD = 1.0  # offered load above which the queue grows without bound
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Mean and nearest-rank percentiles of a latency, in seconds (0.0 when empty)."""
+
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Distribution:
+        """The distribution of ``values`` (NaNs left out)."""
+        xs = [v for v in values if not math.isnan(v)]
+        if not xs:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        return cls(
+            sum(xs) / len(xs), nearest_rank(xs, 50), nearest_rank(xs, 90), nearest_rank(xs, 99)
+        )
+
+    def report_dict(self, name: str) -> dict[str, float]:
+        return {
+            f"{name}_mean_s": self.mean,
+            f"{name}_p50_s": self.p50,
+            f"{name}_p90_s": self.p90,
+            f"{name}_p99_s": self.p99,
+        }
+
+
+@dataclass(frozen=True)
+class BenchmarkFigures:
+    """One simulation (with or without the cache) summarized like a serving benchmark."""
+
+    completed: int
+    duration_s: float  # first arrival to last finish
+    busy_s: float  # GPU time in steps
+    input_tokens: int
+    output_tokens: int
+    ttft: Distribution
+    tpot: Distribution
+    e2e: Distribution
+
+    @property
+    def request_throughput(self) -> float:
+        """Completed requests per second of the duration."""
+        return self.completed / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def output_token_throughput(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def total_token_throughput(self) -> float:
+        """Prompt plus output tokens per second."""
+        total = self.input_tokens + self.output_tokens
+        return total / self.duration_s if self.duration_s > 0 else 0.0
+
+    def report_dict(self) -> dict[str, Any]:
+        return {
+            "completed": self.completed,
+            "duration_s": self.duration_s,
+            "busy_s": self.busy_s,
+            "request_throughput_rps": self.request_throughput,
+            "output_token_throughput_tps": self.output_token_throughput,
+            "total_token_throughput_tps": self.total_token_throughput,
+            **self.ttft.report_dict("ttft"),
+            **self.tpot.report_dict("tpot"),
+            **self.e2e.report_dict("e2e"),
+        }
+
+
+def benchmark_figures(
+    arrival: Sequence[float],
+    ttft: Sequence[float],
+    finish: Sequence[float],
+    prompt_len: Sequence[int],
+    output_len: Sequence[int],
+    busy_s: float,
+) -> BenchmarkFigures:
+    """Figures over the requests that finished (``finish`` not NaN)."""
+    done = [i for i, f in enumerate(finish) if not math.isnan(f)]
+    start = min(arrival, default=0.0)
+    end = max((finish[i] for i in done), default=start)
+    e2e = [finish[i] - arrival[i] for i in done]
+    tpot = [
+        (finish[i] - arrival[i] - ttft[i]) / (output_len[i] - 1) for i in done if output_len[i] > 1
+    ]
+    return BenchmarkFigures(
+        completed=len(done),
+        duration_s=end - start,
+        busy_s=busy_s,
+        input_tokens=sum(prompt_len[i] for i in done),
+        output_tokens=sum(output_len[i] for i in done),
+        ttft=Distribution.of([ttft[i] for i in done]),
+        tpot=Distribution.of(tpot),
+        e2e=Distribution.of(e2e),
+    )
+
+
+@dataclass(frozen=True)
+class Load:
+    """How hard the arrivals push the GPU."""
+
+    arrival_span_s: float  # first to last arrival
+    busy_s: float  # GPU time in steps, with the cache
+    busy_nocache_s: float
+    rate_scale: float  # arrivals were this many times as fast as the source's
+
+    @property
+    def offered_load(self) -> float | None:
+        """Busy time over arrival span; None when every request arrives at once."""
+        return self.busy_s / self.arrival_span_s if self.arrival_span_s > 0 else None
+
+    @property
+    def offered_load_nocache(self) -> float | None:
+        return self.busy_nocache_s / self.arrival_span_s if self.arrival_span_s > 0 else None
+
+    @property
+    def overloaded(self) -> bool:
+        load = self.offered_load
+        return load is not None and load > OVERLOAD
+
+    @property
+    def sustainable_rate_scale(self) -> float | None:
+        """About the --rate-scale at which the busy time equals the arrival span (an estimate:
+        batching changes with the rate)."""
+        load = self.offered_load
+        return self.rate_scale / load if load else None
+
+    def report_dict(self) -> dict[str, Any]:
+        return {
+            "arrival_span_s": self.arrival_span_s,
+            "busy_s": self.busy_s,
+            "busy_nocache_s": self.busy_nocache_s,
+            "offered_load": self.offered_load,
+            "offered_load_nocache": self.offered_load_nocache,
+            "overloaded": self.overloaded,
+            "sustainable_rate_scale_estimate": self.sustainable_rate_scale,
+        }
+
+
+def overload_warning(serving: dict[str, Any]) -> str | None:
+    """The warning a report prints for a report.json ``serving`` section, or None."""
+    load = serving.get("load") or {}
+    if not load.get("overloaded"):
+        return None
+    scale = load.get("sustainable_rate_scale_estimate")
+    hint = f"; try --rate-scale {scale:.2g} or less" if scale else ""
+    return (
+        f"OVERLOADED: the GPU needs {load['busy_s']:,.0f} s of work for "
+        f"{load['arrival_span_s']:,.0f} s of arrivals (offered load {load['offered_load']:.2f}x); "
+        f"the queue grows without bound, so TTFT reflects queueing, not prefill{hint}"
+    )

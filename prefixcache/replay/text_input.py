@@ -1,0 +1,34 @@
+"""Reading text input as UTF-8, naming the line of the first byte that is not."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from prefixcache.replay.workload_errors import TraceFormatError
+
+
+def _not_utf8(path: str, line: int, exc: UnicodeDecodeError) -> TraceFormatError:
+    return TraceFormatError(
+        path, line, f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); save the file as UTF-8"
+    )
+
+
+def utf8_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """Every line of a file with its 1-based number; a line that is not UTF-8 raises
+    TraceFormatError naming it."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(str(path), lineno, exc) from None
+
+
+def read_utf8(path: str | Path) -> str:
+    """A whole file as text; bytes that are not UTF-8 raise TraceFormatError naming the line."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(str(path), data.count(b"\n", 0, exc.start) + 1, exc) from None

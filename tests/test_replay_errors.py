@@ -1,0 +1,127 @@
+"""Bad input and interruptions end in one clear line and a known exit code, never a traceback or a
+half-written run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import prefixcache
+from prefixcache.cli import main
+from prefixcache.replay import replay_result
+
+SCENARIO = "scenarios/shared_system_prompt.yaml"
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> None:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("prefixcache replay: error:")]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_non_utf8_trace_names_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    good = json.dumps({"timestamp": 0, "input_length": 20, "output_length": 2, "hash_ids": [1]})
+    trace.write_bytes((good + "\n").encode() * 3 + b'{"bad": "\xff"}\n')
+    assert main(["replay", str(trace), "--blocks", "10", "--no-progress"]) == 2
+    one_error_line(capsys, "t.jsonl:4:", "not UTF-8")
+
+
+def test_non_utf8_scenario_names_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"seed: 1\nrequests: 3\n# caf\xe9\n")
+    assert main(["replay", str(path), "--blocks", "10", "--no-progress"]) == 2
+    one_error_line(capsys, "s.yaml:3:", "not UTF-8")
+
+
+def test_out_pointing_at_a_file_fails_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the replay ran")
+
+    monkeypatch.setattr("prefixcache.replay.runner.replay_sweep", never)
+    assert main(["replay", SCENARIO, "--blocks", "10", "--out", str(target)]) == 2
+    one_error_line(capsys, "not a directory")
+    assert main(["replay", SCENARIO, "--blocks", "10", "--out", str(target / "sub")]) == 2
+    one_error_line(capsys, "is a file")
+
+
+def test_negative_seed_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", SCENARIO, "--blocks", "10", "--seed", "-1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "non-negative integer" in err and "Traceback" not in err
+
+
+def test_ctrl_c_during_the_replay_exits_130(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("prefixcache.replay.runner.replay_sweep", interrupted)
+    out = tmp_path / "run"
+    assert main(["replay", SCENARIO, "--blocks", "10", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "prefixcache replay: interrupted; no run written"
+    assert not out.exists()
+
+
+def test_ctrl_c_while_writing_leaves_no_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_result, "_write_timeline", interrupted)
+    out = tmp_path / "run"
+    assert main(["replay", SCENARIO, "--blocks", "10", "--out", str(out), "--seed", "1"]) == 130
+    assert not out.exists()
+
+
+def test_a_rewritten_run_is_never_half_old(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    assert main(["replay", SCENARIO, "--blocks", "10", "--out", str(out), "--seed", "1"]) == 0
+    before = (out / "report.json").read_text()
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_result, "_write_timeline", interrupted)
+    assert main(["replay", SCENARIO, "--blocks", "20", "--out", str(out), "--seed", "1"]) == 130
+    assert (out / "report.json").read_text() == before  # the old run, complete
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files
+
+
+def test_report_exits_non_zero_when_checks_fail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(["replay", SCENARIO, "--blocks", "10", "--out", str(out), "--seed", "1"]) == 0
+    assert main(["report", str(out), "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    report["hit_tokens"] += 1
+    (out / "report.json").write_text(json.dumps(report))
+    capsys.readouterr()
+    assert main(["report", str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "consistency check(s) failed" in err and "Traceback" not in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"prefixcache {prefixcache.__version__}"
