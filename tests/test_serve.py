@@ -277,7 +277,8 @@ def test_proxy_releases_on_client_disconnect(fleet: dict[str, Any]) -> None:
     client = fleet["client"]
     body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 400, "delay": 0.02}
     with client.stream("POST", "/v1/completions", json=body) as response:
-        first = next(response.iter_lines())
+        lines = response.iter_lines()  # held: dropping the iterator would close the stream
+        first = next(lines)
         assert first.startswith("data: ")
         assert _in_flight(client) == 1
     wait_until(lambda: _in_flight(client) == 0, "the load of the dropped stream to be released")
