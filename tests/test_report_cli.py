@@ -6,7 +6,9 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_report_figures import markdown_rows, shown, terminal_rows
@@ -154,3 +156,59 @@ def test_run_without_requests_still_renders(
     assert "The timeline is empty." in out and "No prefix was shared." in out
     passed, total = re.findall(r"\d+", terminal_rows(out)["Consistency checks"][0][0])
     assert passed == total
+
+
+def _edit_sweep(run: Path, edit: Callable[[list[dict[str, Any]]], None]) -> Path:
+    report = json.loads((run / "report.json").read_text())
+    edit(report["sweep"])
+    (run / "report.json").write_text(json.dumps(report))
+    return run
+
+
+def test_compare_sweeps_point_by_point(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def with_misses(points: list[dict[str, Any]], capacity_miss: int) -> None:
+        for p in points:
+            p["prompt_tokens"] = 10_000
+            p["misses"] = {"cold": 500, "capacity": capacity_miss, "isolation": 0}
+            p["misses"] |= {"tail": 0, "routing": 0}
+
+    def edit_b(points: list[dict[str, Any]]) -> None:
+        with_misses(points, 1_000)
+        points[:] = [p for p in points if p["capacity_blocks"] != 4096]
+        points.append(dict(points[-1], capacity_blocks=8192))
+        next(p for p in points if p["capacity_blocks"] == 256)["token_hit_rate"] = 0.5
+
+    a = _edit_sweep(write_run(tmp_path / "a", n=40, seed=1), lambda ps: with_misses(ps, 2_000))
+    b = _edit_sweep(write_run(tmp_path / "b", n=40, seed=2), edit_b)
+    md = tmp_path / "cmp.md"
+    assert main(["compare", str(a), str(b), "--no-definitions", "--md", str(md)]) == 0
+    out = capsys.readouterr().out
+    assert "── Sweep points: 7 of A's 8 match B's 8" in out
+    rows = markdown_rows(md.read_text())
+    point_a = next(
+        p
+        for p in json.loads((a / "report.json").read_text())["sweep"]
+        if p["capacity_blocks"] == 256
+    )
+    cells = rows["256"][0]  # block size, policy, then A, B, Δ per figure
+    assert shown(cells[2], point_a["token_hit_rate"]) and shown(cells[3], 0.5)
+    assert shown(cells[4], 0.5 - point_a["token_hit_rate"])
+    assert cells[5:8] == ["20.00%", "10.00%", "-10.00 pp"]  # capacity misses
+    assert cells[8:11] == ["5.00%", "5.00%", "+0.00 pp"]  # cold misses
+    assert "4,096" not in rows and "8,192" not in rows
+    assert "Only in A (1): 4,096 blocks" in out and "Only in B (1): 8,192 blocks" in out
+
+
+def test_compare_sweep_with_a_single_run(
+    runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep_run = write_run(tmp_path / "sweep", n=40, seed=1)
+    single, _ = runs
+    md = tmp_path / "cmp.md"
+    assert main(["compare", str(sweep_run), str(single), "--no-definitions", "--md", str(md)]) == 0
+    out = capsys.readouterr().out
+    assert "── Sweep points: 1 of A's 8 match B's 1" in out
+    rb = json.loads((single / "report.json").read_text())
+    assert shown(markdown_rows(md.read_text())["512"][0][3], rb["token_hit_rate"])
+    assert "Only in A (7): 32 blocks" in out and "Only in B" not in out
+    assert "the sweep points are compared below" in md.read_text()

@@ -6,10 +6,14 @@ these tests fail rather than skip, since the page is only known to work once a b
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import re
 import shutil
 import subprocess
+from html import unescape
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,7 @@ import pytest
 from matplotlib.image import imread
 from test_report_runs import write_run
 
+from prefixcache.cli import main
 from prefixcache.report import render_all
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
@@ -24,6 +29,25 @@ PLOT_COLORS = (
     np.array([[0x1F, 0x77, 0xB4], [0xFF, 0x7F, 0x0E], [0x2C, 0xA0, 0x2C], [0xD6, 0x27, 0x28]]) / 255
 )
 _CONSOLE = re.compile(r"CONSOLE|Uncaught|Failed to load resource")
+CHAT = Path(__file__).resolve().parent / "golden" / "chat_small.yaml"
+# replays whose pages are opened: an overloaded serving run (TTFT of seconds, capacity above
+# the blocks in use) and a capacity sweep with more points than labelled ticks
+REPLAYS = {
+    "serving": [
+        *("--mode", "serving", "--model", "llama-3.1-8b", "--blocks", "2000"),
+        *("--rate-scale", "4"),
+    ],
+    "sweep": ["--blocks", "40,80,160,320,640,1280,2560,5120,10240", "--jobs", "1"],
+}
+EXPECTED_PLOTS = {
+    "serving": {"headline", "hit ratio histogram", "misses", "timeline", "ttft"},
+    "sweep": {"headline", "hit ratio histogram", "misses", "timeline", "sweep capacity"},
+}
+_SIZES = (
+    "<script>window.addEventListener('load', () => document.body.setAttribute('data-images', "
+    "JSON.stringify([...document.images].map(i => [i.alt, i.naturalWidth, i.naturalHeight, "
+    "i.complete]))));</script>"
+)
 
 
 def browser() -> str:
@@ -62,6 +86,32 @@ def open_page(page: Path, tmp_path: Path, height: int = 2000) -> tuple[np.ndarra
     )
     assert shot.is_file(), f"browser wrote no screenshot:\n{result.stderr[-2000:]}"
     return imread(shot), [line for line in result.stderr.splitlines() if _CONSOLE.search(line)]
+
+
+def image_sizes(page: Path, tmp_path: Path) -> list[tuple[str, int, int, bool]]:
+    """Each image of ``page`` as the browser loaded it: alt, natural width and height, complete.
+
+    Measured on a copy with a script that records them once the page has loaded."""
+    probe = tmp_path / f"{page.stem}-probe.html"
+    probe.write_text(page.read_text().replace("</body>", _SIZES + "</body>"))
+    result = subprocess.run(
+        [
+            browser(),
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            probe.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    found = re.search(r'data-images="([^"]*)"', result.stdout)
+    assert found, f"the page did not finish loading:\n{result.stderr[-2000:]}"
+    return [tuple(row) for row in json.loads(unescape(found.group(1)))]
 
 
 def plot_pixels(image: np.ndarray) -> int:
@@ -109,3 +159,29 @@ def test_console_errors_are_detected(tmp_path: Path) -> None:
     _, console = open_page(broken, tmp_path, height=200)
     assert any("boom" in line for line in console)
     assert any("Uncaught" in line for line in console)
+
+
+@pytest.fixture(scope="module", params=sorted(REPLAYS))
+def replayed_page(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path]:
+    kind: str = request.param
+    out = tmp_path_factory.mktemp(kind) / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["replay", str(CHAT), *REPLAYS[kind], "--out", str(out), "--no-progress"])
+    assert code == 0
+    return kind, out / "report.html"
+
+
+def test_replayed_pages_load_and_draw_every_figure(
+    replayed_page: tuple[str, Path], tmp_path: Path
+) -> None:
+    kind, page = replayed_page
+    image, console = open_page(page, tmp_path, height=3000)
+    assert console == []
+    assert image[..., :3].std() > 0.05, "screenshot is blank"
+    assert plot_pixels(image) > 20_000
+    sizes = image_sizes(page, tmp_path)
+    assert {alt for alt, *_ in sizes} == EXPECTED_PLOTS[kind]
+    for alt, width, height, complete in sizes:
+        assert complete and width > 300 and height > 200, (alt, width, height)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
 from test_report_figures import markdown_rows, shown
 from test_report_runs import write_run
 
-from prefixcache.report import build_document, load_run, render_markdown
+from prefixcache.cli import main
+from prefixcache.report import build_document, html_report, load_run, render_markdown
+from prefixcache.report import formatting as fmt
 from prefixcache.report.sweep_curves import (
     capacity_knees,
     extra_keys,
@@ -16,6 +20,10 @@ from prefixcache.report.sweep_curves import (
     series,
     use_log_x,
 )
+from prefixcache.report.text_formats import render_terminal
+from prefixcache.run_format import MISS_CAUSES
+
+GOLDEN_CHAT = Path(__file__).resolve().parent / "golden" / "chat_small.yaml"
 
 
 def test_knee_of_a_saturating_curve() -> None:
@@ -91,3 +99,58 @@ def test_sweep_plots_are_drawn(full_sweep: Path) -> None:
     page = html_report(full_sweep)
     for name in ("sweep capacity", "sweep block size", "sweep policy"):
         assert f'alt="{name}"' in page
+
+
+@pytest.fixture(scope="module")
+def replayed_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("replayed") / "run"
+    args = [str(GOLDEN_CHAT), "--blocks", "120,1000", "--policy", "lru,lfu", "--jobs", "1"]
+    with contextlib.redirect_stdout(io.StringIO()) as summary:
+        assert main(["replay", *args, "--out", str(out), "--no-progress"]) == 0
+    (out / "summary.txt").write_text(summary.getvalue())
+    return out
+
+
+def test_sweep_points_split_their_misses_by_cause(replayed_sweep: Path) -> None:
+    run = load_run(replayed_sweep)
+    report, points = run.report, run.report["sweep"]
+    assert len(points) == 4
+    for p in points:
+        assert set(p["misses"]) == set(MISS_CAUSES)
+        missed = p["prompt_tokens"] * (1 - p["token_hit_rate"])
+        assert sum(p["misses"].values()) == pytest.approx(missed, abs=0.5)
+    # the primary point is the run itself
+    assert points[0]["misses"] == report["misses"]
+    small, large = (
+        next(p for p in points if (p["capacity_blocks"], p["policy"]) == (c, "lru"))
+        for c in (120, 1000)
+    )
+    assert small["misses"]["capacity"] > large["misses"]["capacity"]
+    assert small["misses"]["cold"] == pytest.approx(large["misses"]["cold"], rel=0.01)
+
+
+def test_sweep_misses_in_every_format(replayed_sweep: Path) -> None:
+    run = load_run(replayed_sweep)
+    point = next(
+        p for p in run.report["sweep"] if p["policy"] == "lfu" and p["capacity_blocks"] == 120
+    )
+    share = point["misses"]["capacity"] / point["prompt_tokens"]
+    doc = build_document(run)
+    md = render_markdown(doc)
+    header = next(line for line in md.splitlines() if line.startswith("| Capacity (blocks)"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert "Cold miss" in columns and "Capacity miss" in columns
+    row = next(r for r in markdown_rows(md)["120"] if "lfu" in r)
+    assert shown(row[columns.index("Capacity miss") - 1], share)
+    terminal = render_terminal(doc, definitions=False)
+    assert "Capacity miss" in terminal
+    html = html_report(run)
+    assert "<th>Capacity miss</th>" in html and "<th>Cold miss</th>" in html
+    summary = (replayed_sweep / "summary.txt").read_text()
+    assert "capacity miss" in summary and fmt.pct(share) in summary
+
+
+def test_sweeps_without_misses_still_render(full_sweep: Path) -> None:
+    md = render_markdown(build_document(load_run(full_sweep)))
+    header = next(line for line in md.splitlines() if line.startswith("| Capacity (blocks)"))
+    assert "miss" not in header

@@ -27,7 +27,11 @@ def register(subparsers: Any) -> None:
         "--block-size or --policy values run a sweep in parallel processes; the first value of "
         "each is the primary run, written in full.",
     )
-    rp.add_argument("source", metavar="SCENARIO_OR_TRACE")
+    rp.add_argument(
+        "source",
+        metavar="SCENARIO_OR_TRACE",
+        help="scenario file (YAML/TOML) or trace (Mooncake JSONL, token or prompt JSONL, text)",
+    )
     size = rp.add_argument_group("cache size (one of)")
     size.add_argument("--blocks", type=_int_list, help="capacity in blocks, e.g. 1000,5859,10000")
     size.add_argument(
@@ -139,15 +143,22 @@ def register(subparsers: Any) -> None:
         "and the hit rate of an infinite cache per block size, counting whole blocks only (a "
         "replay with partial-block copies can exceed it).",
     )
-    ap.add_argument("source", metavar="TRACE_OR_SCENARIO")
+    ap.add_argument(
+        "source", metavar="TRACE_OR_SCENARIO", help="trace or scenario file to read once"
+    )
     ap.add_argument(
         "--block-size",
         type=_int_list,
         help="block sizes (default 16, plus the trace block size for Mooncake)",
     )
     ap.add_argument("--model", help="to size the working set in bytes")
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--format", choices=("text", "json"), default="text")
+    ap.add_argument("--seed", type=int, help="override the scenario's seed")
+    ap.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="print the statistics as text (default) or JSON",
+    )
     _trace_args(ap)
     ap.set_defaults(func=_analyze)
     _register_export(subparsers)
@@ -164,7 +175,7 @@ def _register_export(subparsers: Any) -> None:
         "trace-replay benchmarks, or OpenAI batch JSONL of /v1/completions requests with "
         "token-id prompts (vLLM run_batch).",
     )
-    ep.add_argument("source", metavar="SCENARIO_OR_TRACE")
+    ep.add_argument("source", metavar="SCENARIO_OR_TRACE", help="scenario or trace file to export")
     ep.add_argument("--format", choices=EXPORT_FORMATS, required=True, help="output format")
     ep.add_argument("--out", type=Path, help="output file (default: stdout)")
     ep.add_argument("--seed", type=_seed, help="override the scenario's seed")

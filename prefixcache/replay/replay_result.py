@@ -106,8 +106,22 @@ class ReplayResult:
             "block_hit_rate": rate(tot.hit_blocks, tot.prompt_blocks),
             "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
             "evicted_blocks": self.stats.evicted_blocks,
+            "prompt_tokens": tot.prompt_tokens,
+            "misses": self._missed(),
             **self._fleet_row(),
         }
+
+    def _missed(self) -> dict[str, int]:
+        """Missed prompt tokens by cause, keyed as in report.json ``misses``."""
+        tot = self.acc.totals
+        by_cause = {
+            "cold": tot.cold,
+            "capacity": tot.capacity,
+            "isolation": tot.isolation,
+            "tail": tot.tail,
+            "routing": tot.routing,
+        }
+        return {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}
 
     def _fleet_row(self) -> dict[str, Any]:
         """Fleet columns of a sweep line (none for a single-cache replay)."""
@@ -130,14 +144,7 @@ class ReplayResult:
     def to_report_dict(self) -> dict[str, Any]:
         tot, acc = self.acc.totals, self.acc
         config = self.config_dict()
-        by_cause = {
-            "cold": tot.cold,
-            "capacity": tot.capacity,
-            "isolation": tot.isolation,
-            "tail": tot.tail,
-            "routing": tot.routing,
-        }
-        missed = {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}
+        missed = self._missed()
         return {
             "schema_version": SCHEMA_VERSION,
             "library_version": prefixcache.__version__,

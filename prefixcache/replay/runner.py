@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
-import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -24,6 +23,8 @@ from typing import Any, TypeVar
 
 from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.arrivals import ScaledArrivals
+from prefixcache.replay.progress import LINE_TRACE_KINDS, Progress, count_lines, counted
+from prefixcache.replay.progress import enabled as progress_enabled
 from prefixcache.replay.replay_config import ReplayConfig, ResolvedConfig
 from prefixcache.replay.replay_result import ReplayResult
 from prefixcache.replay.request import Request
@@ -31,7 +32,6 @@ from prefixcache.replay.sequential import run_sequential
 from prefixcache.replay.sources import Source, open_source
 
 T = TypeVar("T")
-_PROGRESS_EVERY = 4096
 
 
 def replay_source(
@@ -49,7 +49,12 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
         config.block_size, mgr.hasher, track_isolation=source.multi_namespace, record=config.record
     )
     arrivals = ScaledArrivals(source, config.arrival_factor)
-    requests = with_progress(arrivals, source.total, f"replay {source.name}", progress)
+    bar = _serving_progress(source, resolved, progress)
+    requests: Iterable[Request] = arrivals
+    if bar is None:
+        requests = with_progress(
+            arrivals, _total(source, progress), f"replay {source.name}", progress
+        )
     start = time.perf_counter()
     serving = None
     extra: dict[str, Any] = {}
@@ -73,7 +78,15 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
         else:
             from prefixcache.replay.serving import run_serving
 
-            serving = run_serving(requests, arrivals, mgr, acc, resolved)
+            finished = False
+            try:
+                serving = run_serving(
+                    requests, arrivals, mgr, acc, resolved, bar.update if bar else None
+                )
+                finished = True
+            finally:
+                if bar is not None:
+                    bar.close(finished)
             truncated = serving.truncated
     elapsed = time.perf_counter() - start
     info = {
@@ -161,48 +174,34 @@ def replay_sweep(
 # ---- progress ----------------------------------------------------------------------------------
 
 
+def _total(source: Source, progress: bool | None) -> int | None:
+    """Requests the source holds: known up front, or counted from a trace's lines when a bar is
+    shown (a read of the file without parsing it)."""
+    if source.total is not None or not progress_enabled(progress):
+        return source.total
+    return count_lines(source.path) if source.kind in LINE_TRACE_KINDS else None
+
+
+def _serving_progress(
+    source: Source, resolved: ResolvedConfig, progress: bool | None
+) -> Progress | None:
+    """A serving replay's bar, counting completed requests: each request completes twice,
+    with the cache and in the no-cache simulation."""
+    options = resolved.options
+    if options.mode != "serving" or options.is_fleet or not progress_enabled(progress):
+        return None
+    total = _total(source, progress)
+    return Progress(
+        2 * total if total is not None else None,
+        f"replay {source.name} (with and without cache)",
+    )
+
+
 def with_progress(
     items: Iterable[T], total: int | None, label: str, enabled: bool | None = None
 ) -> Iterator[T]:
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
+    """``items`` with a progress bar on stderr counting them; None: when it is a terminal."""
+    if not progress_enabled(enabled):
         yield from items
         return
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None:
-        bar = tqdm(
-            total=total, desc=label, unit="req", unit_scale=True, file=sys.stderr, mininterval=0.5
-        )
-        try:
-            pending = 0
-            for item in items:
-                yield item
-                pending += 1
-                if pending == _PROGRESS_EVERY:
-                    bar.update(pending)
-                    pending = 0
-            bar.update(pending)
-        finally:
-            bar.close()
-        return
-    start, count = time.monotonic(), 0
-    try:
-        for item in items:
-            yield item
-            count += 1
-            if count % _PROGRESS_EVERY == 0:
-                _line(label, count, total, time.monotonic() - start)
-    finally:
-        _line(label, count, total, time.monotonic() - start)
-        sys.stderr.write("\n")
-
-
-def _line(label: str, count: int, total: int | None, elapsed: float) -> None:
-    rate = count / elapsed if elapsed > 0 else 0.0
-    done = f"{count:,}/{total:,} ({100 * count / total:.0f}%)" if total else f"{count:,}"
-    sys.stderr.write(f"\r{label}: {done} requests, {rate:,.0f} req/s")
-    sys.stderr.flush()
+    yield from counted(items, Progress(total, label))

@@ -170,6 +170,8 @@ class Simulator:
         self.live_seqs = 0
         # a fleet's hook: leading full prompt blocks another replica holds (routing misses)
         self.elsewhere: Callable[[Request], int] | None = None
+        # told how many requests finished in each step (a progress bar)
+        self.on_finish: Callable[[int], None] | None = None
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self, requests: Iterable[Request]) -> None:
@@ -364,6 +366,7 @@ class Simulator:
 
     def _finish_done(self) -> None:
         keep: list[_Live] = []
+        done = 0
         for r in self.running:
             if r.prefill_left or not r.seqs:
                 keep.append(r)
@@ -381,9 +384,13 @@ class Simulator:
             r.seqs = live
             if live:
                 keep.append(r)
-            elif r.idx < len(self.finish):  # a fleet's replicas keep no per-request rows
+                continue
+            done += 1
+            if r.idx < len(self.finish):  # a fleet's replicas keep no per-request rows
                 self.finish[r.idx] = self.clock
         self.running = keep
+        if done and self.on_finish is not None:
+            self.on_finish(done)
 
     # ---- measurements -----------------------------------------------------------------------
     def _measure(self, final: bool = False) -> None:
@@ -448,13 +455,17 @@ def run_serving(
     mgr: CacheManager,
     acc: Accountant,
     cfg: ResolvedConfig,
+    on_finish: Callable[[int], None] | None = None,
 ) -> ServingStats:
     """Simulate ``requests`` with the cache, then ``again`` (the same requests, iterated anew)
-    without it, at the same capacity, for the no-cache figures."""
+    without it, at the same capacity, for the no-cache figures. ``on_finish`` is told how many
+    requests completed, step by step, in both simulations."""
     sim = Simulator(mgr, cfg, acc)
+    sim.on_finish = on_finish
     sim.run(requests)
     plain = cfg.cache_manager(caching=False)
     base = Simulator(plain, cfg, None)
+    base.on_finish = on_finish
     base.run(again)
     if acc.log is not None:
         # rows are in admission order; request_id maps them back to arrival order

@@ -9,9 +9,13 @@ from prefixcache.report import formatting as fmt
 from prefixcache.report.document import Document, Section, Table
 from prefixcache.report.figures import ratio_percentiles, request_hit_ratios
 from prefixcache.report.run_dir import Run
+from prefixcache.report.sweep_curves import miss_share, sort_key
 from prefixcache.run_format import MISS_CAUSES, PERCENTILES
 
 Value = float | int | None
+Point = dict[str, Any]
+# What identifies a sweep point: its cache setup (the rest of a point are its measurements)
+POINT_KEYS = ("capacity_blocks", "block_size", "policy", "replicas", "routing")
 
 
 class Metric(NamedTuple):
@@ -155,4 +159,99 @@ def compare_document(a: Run, b: Run) -> Document:
             )
         ],
     )
-    return Document("prefixcache compare", f"A: {a.path}   B: {b.path}", [setup, figures])
+    sections = [setup, figures]
+    if a.report["sweep"] or b.report["sweep"]:
+        figures.notes.append(
+            "These figures compare the primary runs (the first sweep point of a sweep); "
+            "the sweep points are compared below."
+        )
+        sections.append(sweep_section(a, b))
+    return Document("prefixcache compare", f"A: {a.path}   B: {b.path}", sections)
+
+
+def run_points(run: Run) -> list[Point]:
+    """A run's sweep points; a run without a sweep is its one point."""
+    r = run.report
+    cfg, fleet = r["config"], r.get("fleet")
+    setup: Point = {"block_size": cfg["block_size"], "policy": cfg["policy"]}
+    if fleet:
+        setup |= {"replicas": fleet["replicas"], "routing": fleet["routing"]}
+    if r["sweep"]:  # a point leaves out what it shares with the run's configuration
+        return [setup | p for p in r["sweep"]]
+    point: Point = {
+        **setup,
+        "capacity_blocks": cfg["capacity_blocks"],
+        "token_hit_rate": r["token_hit_rate"],
+        "block_hit_rate": r["block_hit_rate"],
+        "evicted_blocks": r["evicted_blocks"],
+        "prompt_tokens": r["prompt_tokens"],
+        "misses": r["misses"],
+    }
+    return [point]
+
+
+def _point_key(point: Point, keys: list[str]) -> tuple[Any, ...]:
+    return tuple(point.get(k) for k in keys)
+
+
+def _point_label(point: Point, keys: list[str]) -> str:
+    return ", ".join(
+        f"{fmt.count(point[k])} blocks"
+        if k == "capacity_blocks"
+        else f"{k.replace('_', ' ')} {point.get(k)}"
+        for k in keys
+    )
+
+
+def sweep_section(a: Run, b: Run) -> Section:
+    """The sweep points of A and B matched by their setup, each compared; unmatched ones named."""
+    pa, pb = run_points(a), run_points(b)
+    keys = [k for k in POINT_KEYS if any(k in p for p in [*pa, *pb])]
+    by_b = {_point_key(p, keys): p for p in pb}
+    matched = [(p, by_b[_point_key(p, keys)]) for p in pa if _point_key(p, keys) in by_b]
+    matched.sort(key=lambda pair: [sort_key(v) for v in _point_key(pair[0], keys)])
+    in_a = {_point_key(p, keys) for p in pa}
+    only_a = [p for p in pa if _point_key(p, keys) not in by_b]
+    only_b = [p for p in pb if _point_key(p, keys) not in in_a]
+    section = Section("sweep", f"Sweep points: {len(matched)} of A's {len(pa)} match B's {len(pb)}")
+    if matched:
+        rows = []
+        for pt_a, pt_b in matched:
+            row = [_cell(pt_a.get(k)) for k in keys]
+            for get in (
+                lambda p: p["token_hit_rate"],
+                lambda p: miss_share(p, "capacity"),
+                lambda p: miss_share(p, "cold"),
+            ):
+                va, vb = get(pt_a), get(pt_b)
+                delta = _pp(vb - va) if va is not None and vb is not None else fmt.NA
+                row += [fmt.pct(va), fmt.pct(vb), delta]
+            rows.append(row)
+        columns = [k.replace("_", " ").capitalize() for k in keys]
+        columns[0] = "Capacity (blocks)"
+        columns += [
+            f"{name} {side}"
+            for name in ("Token hit rate", "Capacity miss", "Cold miss")
+            for side in ("A", "B", "Δ")
+        ]
+        section.tables.append(
+            Table(
+                columns,
+                rows,
+                key="miss_ratio_curve",
+                caption="Misses: share of the prompt tokens; Δ is B − A in percentage points.",
+            )
+        )
+    else:
+        section.notes.append("No sweep point of A has the same setup as a point of B.")
+    for name, points in (("A", only_a), ("B", only_b)):
+        if points:
+            shown = "; ".join(_point_label(p, keys) for p in points)
+            section.notes.append(f"Only in {name} ({len(points)}): {shown}.")
+    return section
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return fmt.NA
+    return fmt.count(value) if isinstance(value, int) else str(value)

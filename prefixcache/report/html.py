@@ -219,7 +219,7 @@ th, td { padding: 4px 8px; border-bottom: 1px solid var(--rule); text-align: rig
   vertical-align: top; white-space: nowrap; }
 td.digest, table.fields td:last-child { white-space: normal; }
 th:first-child, td:first-child { text-align: left; }
-th { color: var(--muted); font-weight: 600; }
+th { color: var(--muted); font-weight: 600; white-space: normal; }
 td.text { text-align: left; }
 table.fields td:last-child { font-variant-numeric: tabular-nums; overflow-wrap: anywhere; }
 td { font-variant-numeric: tabular-nums; }

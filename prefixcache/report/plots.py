@@ -12,7 +12,13 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import PercentFormatter
+from matplotlib.ticker import (
+    FixedLocator,
+    FuncFormatter,
+    MaxNLocator,
+    NullLocator,
+    PercentFormatter,
+)
 from numpy.typing import ArrayLike
 
 from prefixcache.report.figures import (
@@ -42,6 +48,8 @@ BLUE, ORANGE, GREEN, RED, PURPLE, GREY = (
 )
 MISS_COLORS = dict(zip(MISS_CAUSES, (BLUE, ORANGE, GREEN, RED, PURPLE), strict=True))
 MAX_POINTS = 4000  # timeline samples drawn; longer timelines are thinned evenly
+MAX_CAPACITY_TICKS = 8  # labelled capacities on a sweep's x axis; the others are unlabelled ticks
+HEADROOM = 1.15  # the block axis of the timeline extends this far above the blocks in use
 WIDE, NARROW = (11.0, 3.4), (6.4, 3.4)
 
 
@@ -126,17 +134,18 @@ def timeline(run: Run) -> Figure:
     idx = _thin(len(tl["t"]))
     t = tl["t"][idx]
     fig, (blocks, evictions, rate) = new_figure((11.0, 6.6), rows=3)
-    blocks.stackplot(
-        t,
-        tl["blocks_active"][idx],
-        tl["blocks_cached"][idx],
-        tl["blocks_free"][idx],
-        labels=["active", "cached", "free"],
-        colors=[BLUE, ORANGE, "#e8e8e8"],
+    active, cached = tl["blocks_active"][idx], tl["blocks_cached"][idx]
+    blocks.stackplot(t, active, cached, labels=["active", "cached"], colors=[BLUE, ORANGE])
+    _capacity_line(
+        blocks, int(r["config"]["capacity_blocks"]), int((active + cached).max(initial=0))
     )
     blocks.set_ylabel("blocks")
+    blocks.yaxis.set_major_formatter(FuncFormatter(_thousands))
     blocks.legend(loc="upper left", ncols=3, fontsize="small")
     evictions.plot(t, tl["evicted_blocks_cum"][idx], color=RED)
+    evictions.set_ylim(bottom=0)
+    evictions.yaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+    evictions.yaxis.set_major_formatter(FuncFormatter(_thousands))
     evictions.set_ylabel("evicted blocks\n(cumulative)")
     cumulative = tl["hit_tokens_cum"] / np.maximum(tl["prompt_tokens_cum"], 1)
     rate.plot(t, cumulative[idx], color=GREEN, linewidth=2.5, alpha=0.6, label="cumulative")
@@ -152,16 +161,53 @@ def timeline(run: Run) -> Figure:
     return fig
 
 
+def _capacity_line(ax: Axes, capacity: int, used: int) -> None:
+    """Scale the block axis to the blocks in use; mark the capacity as a line when it fits
+    there, otherwise name it above the axis."""
+    top = max(used * HEADROOM, 1.0)
+    if capacity <= top:
+        top = capacity * 1.05
+        ax.axhline(capacity, color=GREY, linestyle="--", linewidth=1, label="capacity")
+    else:
+        ax.set_title(
+            f"capacity {capacity:,} blocks, above this scale (peak in use {used:,})",
+            fontsize="small",
+            loc="right",
+            color=GREY,
+        )
+    ax.set_ylim(0, top)
+
+
+def _thousands(value: float, _pos: object = None) -> str:
+    return f"{value:,.0f}" if value == round(value) else f"{value:,.2g}"
+
+
+def ttft_unit(seconds: np.ndarray) -> tuple[str, float]:
+    """Milliseconds for sub-second latencies, seconds otherwise: (unit, factor from seconds)."""
+    top = float(np.max(seconds, initial=0.0))
+    return ("ms", 1000.0) if top < 1.0 else ("s", 1.0)
+
+
+def _plain(value: float, _pos: object = None) -> str:
+    """A tick label without offset or scientific notation: 1,250 or 0.25."""
+    if value == round(value):
+        return f"{value:,.0f}"
+    return f"{value:,.3f}".rstrip("0").rstrip(".")
+
+
 def ttft(run: Run) -> Figure:
     cached, nocache = ttft_samples(run)
     fig, (ax,) = new_figure()
+    unit, factor = ttft_unit(np.concatenate([cached, nocache]))
     for values, label, color in ((nocache, "no cache", GREY), (cached, "with cache", BLUE)):
-        xs = np.sort(values) * 1000
+        xs = np.sort(values) * factor
         ax.step(
             xs, np.arange(1, len(xs) + 1) / max(len(xs), 1), where="post", label=label, color=color
         )
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.set_xlabel("estimated time to first token (ms)")
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+    ax.xaxis.set_major_formatter(FuncFormatter(_plain))
+    ax.set_xlabel(f"estimated time to first token ({unit})")
     ax.set_ylabel("requests at or below")
     ax.legend(fontsize="small", loc="lower right")
     return fig
@@ -216,6 +262,7 @@ def capacity(run: Run) -> Figure:
                     xytext=(10, -18),
                     textcoords="offset points",
                     color=RED,
+                    gid="knee_label",
                 )
     if not varying(points, "block_size"):
         ax.axhline(
@@ -239,13 +286,7 @@ def capacity(run: Run) -> Figure:
         linestyle="none",
         label="knee",
     )
-    capacities = sorted({p["capacity_blocks"] for p in points})
-    if use_log_x(capacities):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(capacities, [f"{c:,}" for c in capacities], minor=False)
-        ax.tick_params(axis="x", which="minor", bottom=False)
-        if len(capacities) > 6:
-            ax.tick_params(axis="x", labelrotation=45)
+    _capacity_axis(ax, sorted({p["capacity_blocks"] for p in points}))
     ax.set_ylim(0, 1)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel("capacity (blocks)")
@@ -255,9 +296,40 @@ def capacity(run: Run) -> Figure:
     miss.set_ylabel("miss ratio")
     if by:  # one curve per variant: the legend goes beside, right of the miss-ratio axis
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.1, 1.0))
-    else:
-        ax.legend(fontsize="small", loc="lower right")
+    else:  # below the axes, clear of the curve and the knee's label
+        fig.legend(fontsize="small", loc="outside lower center", ncols=2, frameon=False)
     return fig
+
+
+def compact_count(value: float, _pos: object = None) -> str:
+    """A capacity as a short tick label: 512, 4,096, 16k, 1.5M."""
+    if value < 10_000:
+        return f"{value:,.0f}"
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:,.0f}"  # pragma: no cover - every value reaches the k branch
+
+
+def _capacity_axis(ax: Axes, capacities: list[int]) -> None:
+    """Ticks at the swept capacities, at most MAX_CAPACITY_TICKS of them labelled (evenly
+    spread, first and last included), in a compact format; other capacities get unlabelled
+    ticks."""
+    if use_log_x(capacities):
+        ax.set_xscale("log", base=2)
+        step = -(-len(capacities) // MAX_CAPACITY_TICKS)
+        labelled = capacities[::step]
+        if labelled[-1] != capacities[-1]:
+            labelled[-1] = capacities[-1]
+        ax.xaxis.set_major_locator(FixedLocator(labelled))
+        ax.xaxis.set_minor_locator(FixedLocator([c for c in capacities if c not in labelled]))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda _v, _p: ""))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=MAX_CAPACITY_TICKS, integer=True))
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(compact_count))
+    if len(ax.get_xticks()) > 6:
+        ax.tick_params(axis="x", labelrotation=30)
 
 
 def block_size(run: Run) -> Figure:
@@ -315,7 +387,12 @@ def policy(run: Run) -> Figure:
             width,
             label=str(pol),
         )
-    ax.set_xticks(x, [f"{c:,}" for c in capacities], rotation=45 if len(capacities) > 6 else 0)
+    step = -(-len(capacities) // MAX_CAPACITY_TICKS)
+    ax.set_xticks(
+        x[::step],
+        [compact_count(c) for c in capacities[::step]],
+        rotation=30 if len(x[::step]) > 6 else 0,
+    )
     ax.set_ylim(0, 1)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel("capacity (blocks)")

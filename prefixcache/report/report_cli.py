@@ -74,7 +74,12 @@ def register(subparsers: Any) -> None:
         description="Read a run directory written by 'prefixcache replay' (report.json, "
         "requests.csv, timeline.csv), check it, and print its report.",
     )
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.add_argument(
+        "run_dir",
+        type=Path,
+        metavar="RUN_DIR",
+        help="run directory written by 'prefixcache replay'",
+    )
     report.add_argument(
         "--html",
         type=Path,
@@ -99,8 +104,10 @@ def register(subparsers: Any) -> None:
         description="Show what differs between two run directories and how each figure moved "
         "from RUN_A to RUN_B.",
     )
-    compare.add_argument("run_a", type=Path, metavar="RUN_A")
-    compare.add_argument("run_b", type=Path, metavar="RUN_B")
+    compare.add_argument("run_a", type=Path, metavar="RUN_A", help="the run compared against")
+    compare.add_argument(
+        "run_b", type=Path, metavar="RUN_B", help="the run whose changes are shown"
+    )
     compare.add_argument("--md", type=Path, metavar="FILE", help="also write it as Markdown")
     compare.add_argument("--no-definitions", action="store_true", help="leave the definitions out")
     compare.set_defaults(func=compare_command)

@@ -31,6 +31,8 @@ from prefixcache.report.sweep_curves import (
     VARIANT_KEYS,
     capacity_knees,
     extra_keys,
+    miss_causes,
+    miss_share,
     sort_key,
     varying,
 )
@@ -532,6 +534,7 @@ def sweep(run: Run) -> Section:
         return section
     variants = [k for k in VARIANT_KEYS if any(k in p for p in points)]
     extras = extra_keys(points)
+    causes = miss_causes(points)
     bytes_per_block = run.report["config"]["bytes_per_block"]
     with_bytes = bytes_per_block is not None and not varying(points, "block_size")
     knees = capacity_knees(points)
@@ -543,6 +546,7 @@ def sweep(run: Run) -> Section:
         "Token hit rate",
         "Block hit rate",
         "Evicted blocks",
+        *(f"{c.capitalize()} miss" for c in causes),
         *(k.replace("_", " ").capitalize() for k in extras),
         "Knee",
     ]
@@ -557,12 +561,14 @@ def sweep(run: Run) -> Section:
             fmt.pct(p["token_hit_rate"]),
             fmt.pct(p["block_hit_rate"]),
             fmt.count(p["evicted_blocks"]),
+            *(fmt.pct(miss_share(p, c)) for c in causes),
             *(_cell(k, p.get(k)) for k in extras),
             KNEE_MARK if id(p) in knee_ids else "",
         ]
         for p in ordered
     ]
-    section.tables.append(Table(columns, rows, key="miss_ratio_curve"))
+    caption = "Misses: share of the prompt tokens missed, by cause" if causes else ""
+    section.tables.append(Table(columns, rows, key="miss_ratio_curve", caption=caption))
     for label, p in knees.items():
         where = f" ({label})" if label else ""
         section.fields.append(

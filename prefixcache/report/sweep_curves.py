@@ -7,9 +7,12 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache.run_format import MISS_CAUSES
+
 # Keys that identify a sweep point besides its capacity; others are measurements.
 VARIANT_KEYS = ("block_size", "policy")
 BASE_KEYS = ("capacity_blocks", "token_hit_rate", "block_hit_rate", "evicted_blocks")
+MISS_KEYS = ("misses", "prompt_tokens")  # shown as one column per miss cause
 LOG_X_SPAN = 16  # capacities spanning this factor or more are read on a log axis
 
 Point = dict[str, Any]
@@ -21,8 +24,28 @@ def varying(points: Sequence[Point], key: str) -> bool:
 
 
 def extra_keys(points: Sequence[Point]) -> list[str]:
-    known = set(BASE_KEYS) | set(VARIANT_KEYS)
+    known = set(BASE_KEYS) | set(VARIANT_KEYS) | set(MISS_KEYS)
     return sorted({k for p in points for k in p if k not in known})
+
+
+def miss_causes(points: Sequence[Point]) -> list[str]:
+    """The miss causes a sweep table shows: cold and capacity whenever the points carry their
+    misses, the other causes where some point has them."""
+    if not any(isinstance(p.get("misses"), dict) for p in points):
+        return []
+    return [
+        c
+        for c in MISS_CAUSES
+        if c in ("cold", "capacity") or any((p.get("misses") or {}).get(c) for p in points)
+    ]
+
+
+def miss_share(point: Point, cause: str) -> float | None:
+    """Missed tokens of ``cause`` as a share of the point's prompt tokens (None when unknown)."""
+    misses, prompt = point.get("misses"), point.get("prompt_tokens")
+    if not isinstance(misses, dict) or cause not in misses or not prompt:
+        return None
+    return float(misses[cause]) / float(prompt)
 
 
 def _label(point: Point, keys: Sequence[str]) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from prefixcache.report import formatting as fmt
 from prefixcache.report.document import Document, Field, Section, Table
 from prefixcache.report.run_warnings import run_warnings
+from prefixcache.report.sweep_curves import miss_causes, miss_share
 
 WIDTH = 88
 
@@ -207,12 +208,17 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
                 f"{row.get('ttft_p50_s') or 0.0:>6.3f} s"
             )
     elif r.get("sweep"):
-        lines.append("  sweep           capacity  block  policy  token hit  block hit  evicted")
+        causes = miss_causes(r["sweep"])
+        lines.append(
+            "  sweep           capacity  block  policy  token hit  block hit  evicted"
+            + "".join(f"  {c + ' miss':>13}" for c in causes)
+        )
         for row in r["sweep"]:
             lines.append(
                 f"                  {row['capacity_blocks']:>8,}  {row['block_size']:>5}  "
                 f"{row['policy']:>6}  {fmt.pct(row['token_hit_rate']):>9}  "
                 f"{fmt.pct(row['block_hit_rate']):>9}  {row['evicted_blocks']:>7,}"
+                + "".join(f"  {fmt.pct(miss_share(row, c)):>13}" for c in causes)
             )
     if r["top_prefixes"]:
         top = r["top_prefixes"][0]
