@@ -24,6 +24,7 @@ from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.model_specs import ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.serving_figures import BenchmarkFigures, Load
+from prefixcache.replay.tier_report import tiers_row
 from prefixcache.run_format import (
     MISS_CAUSES,
     PERCENTILES,
@@ -107,6 +108,7 @@ class ReplayResult:
             "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
             "evicted_blocks": self.stats.evicted_blocks,
             **self._fleet_row(),
+            **(tiers_row(self.extra["tiers"]) if "tiers" in self.extra else {}),
         }
 
     def _fleet_row(self) -> dict[str, Any]:
