@@ -83,6 +83,8 @@ class Totals:
     ub_blocks: int = 0
     ub_tokens: int = 0
     zero_hit: int = 0
+    host_hit_tokens: int = 0  # of hit_tokens: loaded from the host tier
+    pool_hit_tokens: int = 0  # of hit_tokens: loaded from the shared pool
 
 
 class Accountant:
@@ -118,13 +120,16 @@ class Accountant:
         *,
         rejected: bool = False,
         elsewhere: int = 0,
+        host_tokens: int = 0,
+        pool_tokens: int = 0,
     ) -> None:
         """Account one admission (or a rejection: nothing hit). ``cow``: the whole prompt was
         cached and its last token is recomputed in a copy; ``partial_tokens``: slots copied from
         a partially matching block (they are part of ``cached_len``); ``elsewhere``: leading
         full blocks of the prompt another replica of a fleet holds (0 for one cache). Blocks
         seen before that another replica holds and this cache missed are routing misses, taken
-        out of the capacity misses."""
+        out of the capacity misses. ``host_tokens`` / ``pool_tokens``: the part of
+        ``cached_len`` loaded from the host tier / the pool (the rest matched on the GPU)."""
         p = self.p
         t = len(req.tokens)
         f = t // p
@@ -162,6 +167,8 @@ class Accountant:
         tot.ub_tokens += ub if ub > cached_len else cached_len
         tot.ub_blocks += u
         tot.zero_hit += cached_len == 0
+        tot.host_hit_tokens += host_tokens
+        tot.pool_hit_tokens += pool_tokens
         tot.cold += cold
         tot.capacity += capacity
         tot.isolation += isolation

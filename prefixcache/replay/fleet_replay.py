@@ -42,6 +42,7 @@ from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
 from prefixcache.replay.serving import Simulator, _Live
+from prefixcache.replay.tier_admission import Tiers, build_tiers
 from prefixcache.run_format import nearest_rank, rate
 from prefixcache.stats import CacheStats
 
@@ -211,6 +212,11 @@ class FleetSimulator:
         ]
         for k, rep in enumerate(self.replicas):
             rep.elsewhere = self._elsewhere_of(k)
+        # host tiers per replica, one pool shared by all of them
+        self.tiers = build_tiers(cfg, [r.mgr for r in self.replicas]) if caching else None
+        if self.tiers is not None:
+            for rep, admitter in zip(self.replicas, self.tiers.admitters, strict=True):
+                rep.tiers = admitter
         self.assignment: list[int] = []
         self.rules: dict[str, int] = {}
         self.steps = 0
@@ -389,6 +395,7 @@ class FleetRun(NamedTuple):
     fleet: FleetStats
     stats: CacheStats
     simulator: FleetSimulator
+    tiers: Tiers | None = None
 
 
 def run_fleet(
@@ -436,7 +443,7 @@ def run_fleet(
         pooled,
         sum(sim.index.num_blocks(r.name) for r in sim.replicas),
     )
-    return FleetRun(serving, fleet, sim.cache_stats(), sim)
+    return FleetRun(serving, fleet, sim.cache_stats(), sim, sim.tiers)
 
 
 def _column(values: Iterable[float]) -> array[float]:

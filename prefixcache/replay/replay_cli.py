@@ -15,6 +15,7 @@ from prefixcache.eviction import POLICIES
 from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
 from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
 from prefixcache.replay.replay_config import MODES, ReplayConfig
+from prefixcache.replay.tier_settings import DEFAULT_HOST_BANDWIDTH, DEFAULT_POOL_BANDWIDTH
 from prefixcache.replay.traces import FORMATS
 
 
@@ -133,6 +134,7 @@ def register(subparsers: Any) -> None:
         metavar="POLICY",
         help=f"routing policies: {', '.join(sorted(ROUTING_POLICIES))} (prefix)",
     )
+    _tier_args(rp)
     _trace_args(rp)
     rp.set_defaults(func=_replay)
 
@@ -240,6 +242,53 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tier_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "memory tiers (need --model)",
+        "Below the GPU cache: a host-memory tier per replica and one pool shared by all "
+        "replicas; blocks are loaded back when copying them beats recomputing them. A comma "
+        "list sweeps the tier's size (0: no such tier).",
+    )
+    g.add_argument(
+        "--host-memory",
+        type=_size_list,
+        metavar="SIZE",
+        help="host memory for KV per replica, e.g. 64GiB or 0,64GiB,256GiB (none)",
+    )
+    g.add_argument(
+        "--host-bw",
+        type=_bandwidth,
+        default=DEFAULT_HOST_BANDWIDTH,
+        metavar="BYTES_PER_S",
+        help="host <-> GPU bytes per second, per direction (55GB: PCIe Gen5 x16)",
+    )
+    g.add_argument(
+        "--pool-memory",
+        type=_size_list,
+        metavar="SIZE",
+        help="one KV pool shared by all replicas (a disaggregated store), e.g. 1TiB (none)",
+    )
+    g.add_argument(
+        "--pool-bw",
+        type=_bandwidth,
+        default=DEFAULT_POOL_BANDWIDTH,
+        metavar="BYTES_PER_S",
+        help="pool <-> GPU bytes per second (25GB: one 200 Gb/s RDMA NIC)",
+    )
+
+
+def _bandwidth(text: str) -> float:
+    try:
+        value = parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot read bandwidth {text!r}; write bytes per second, e.g. 55GB or 25GB"
+        ) from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"bandwidth must be positive, got {text!r}")
+    return float(value)
+
+
 def _trace_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("traces")
     g.add_argument("--trace-format", choices=FORMATS, help="default: detected from the file")
@@ -324,7 +373,14 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         trace_block_size=args.trace_block_size,
         tokenizer=args.tokenizer,
         output_len=args.output_len,
+        host_bw=args.host_bw,
+        pool_bw=args.pool_bw,
     )
+    tiers: list[dict[str, Any]] = [
+        {"host_memory": host, "pool_memory": pool}
+        for host in (args.host_memory or [None])
+        for pool in (args.pool_memory or [None])
+    ]
     fleets: list[dict[str, Any]] = [
         {"replicas": n, "routing": routing}
         for n in (args.replicas or [1])
@@ -333,9 +389,9 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
     if (args.replicas or args.routing) and args.mode != "serving":
         raise ConfigError("--replicas and --routing need --mode serving")
     return [
-        base.with_(block_size=bs, policy=pol, **size, **fleet)
-        for size, bs, pol, fleet in itertools.product(
-            sizes, args.block_size or [default_block_size(args)], args.policy, fleets
+        base.with_(block_size=bs, policy=pol, **size, **fleet, **tier)
+        for size, bs, pol, fleet, tier in itertools.product(
+            sizes, args.block_size or [default_block_size(args)], args.policy, fleets, tiers
         )
     ]
 

@@ -10,6 +10,12 @@ from prefixcache.eviction import POLICIES
 from prefixcache.hashing import HASH_FUNCTIONS
 from prefixcache.manager import CacheManager
 from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu, get_model
+from prefixcache.replay.tier_settings import (
+    DEFAULT_HOST_BANDWIDTH,
+    DEFAULT_POOL_BANDWIDTH,
+    TierSettings,
+    resolve_tiers,
+)
 
 MODES = ("sequential", "serving")
 DEFAULT_SERVING_MODEL = "llama-3.1-8b"
@@ -42,6 +48,11 @@ class ReplayConfig:
     tokenizer: str | None = None
     output_len: int = 128  # for trace lines without an output length
     record: bool = True  # per-request rows and timeline (off in sweep workers)
+    # memory tiers below the GPU cache (prefixcache.replay.tier_settings)
+    host_memory: int | None = None  # host-memory tier per replica, bytes (needs model)
+    pool_memory: int | None = None  # one pool shared by all replicas, bytes (needs model)
+    host_bw: float = DEFAULT_HOST_BANDWIDTH  # host <-> GPU bytes/s
+    pool_bw: float = DEFAULT_POOL_BANDWIDTH  # pool <-> GPU bytes/s
 
     def with_(self, **changes: Any) -> ReplayConfig:
         return replace(self, **changes)
@@ -136,7 +147,18 @@ class ReplayConfig:
             raise ConfigError("give the cache size: --blocks N, or --kv-memory SIZE with --model")
         if model is not None and gpu is not None and capacity_bytes is not None:
             check_fits(model, gpu, capacity_bytes, self.tp)
-        return ResolvedConfig(self, model, blocks, capacity_bytes, bytes_per_block, gpu)
+        tiers = resolve_tiers(
+            self.host_memory,
+            self.pool_memory,
+            self.host_bw,
+            self.pool_bw,
+            model,
+            gpu,
+            self.gpu,
+            self.block_size,
+            self.tp,
+        )
+        return ResolvedConfig(self, model, blocks, capacity_bytes, bytes_per_block, gpu, tiers)
 
 
 def check_fits(model: ModelConfig, gpu: GpuConfig, kv_bytes: int, tp: int) -> None:
@@ -165,6 +187,7 @@ class ResolvedConfig:
     capacity_bytes: int | None
     bytes_per_block: int | None
     gpu: GpuConfig | None = None  # serving mode only
+    tiers: TierSettings | None = None  # host / pool tiers, when asked for
 
     def cache_manager(self, *, caching: bool = True) -> CacheManager:
         """A fresh, empty cache of this size and policy (``caching=False``: the no-cache
@@ -177,7 +200,15 @@ class ResolvedConfig:
             policy=o.policy,
             partial_copy=o.partial_copy,
             enable_caching=caching,
+            **self._host_tier(caching),
         )
+
+    def _host_tier(self, caching: bool) -> dict[str, Any]:
+        """The manager's host-tier arguments (none without a host tier or without caching)."""
+        tiers = self.tiers
+        if tiers is None or not tiers.host_blocks or not caching:
+            return {}
+        return {"host_blocks": tiers.host_blocks, "transfer_model": tiers.host_transfer}
 
     def report_dict(self, seed: int | None) -> dict[str, Any]:
         o = self.options
@@ -201,4 +232,6 @@ class ResolvedConfig:
                 out.update(rate_scale=o.rate_scale, time_scale=o.time_scale)
         if o.is_fleet:
             out.update(replicas=o.replicas, routing=o.routing_policy)
+        if self.tiers is not None:
+            out["tiers"] = self.tiers.report_dict()
         return out

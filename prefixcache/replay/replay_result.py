@@ -24,6 +24,7 @@ from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.model_specs import ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.serving_figures import BenchmarkFigures, Load
+from prefixcache.replay.tier_report import tiers_row
 from prefixcache.run_format import (
     MISS_CAUSES,
     PERCENTILES,
@@ -109,6 +110,7 @@ class ReplayResult:
             "prompt_tokens": tot.prompt_tokens,
             "misses": self._missed(),
             **self._fleet_row(),
+            **(tiers_row(self.extra["tiers"]) if "tiers" in self.extra else {}),
         }
 
     def _missed(self) -> dict[str, int]:

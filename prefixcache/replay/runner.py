@@ -30,6 +30,8 @@ from prefixcache.replay.replay_result import ReplayResult
 from prefixcache.replay.request import Request
 from prefixcache.replay.sequential import run_sequential
 from prefixcache.replay.sources import Source, open_source
+from prefixcache.replay.tier_admission import Tiers, build_tiers
+from prefixcache.replay.tier_report import tiers_report
 
 T = TypeVar("T")
 
@@ -57,6 +59,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
         )
     start = time.perf_counter()
     serving = None
+    tiers: Tiers | None = None
     extra: dict[str, Any] = {}
     stats = mgr.stats
     with _no_automatic_gc():
@@ -70,18 +73,27 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
                 resolved,
                 source.multi_namespace,
             )
-            serving, stats = fleet.serving, fleet.stats
+            serving, stats, tiers = fleet.serving, fleet.stats, fleet.tiers
             truncated = serving.truncated
             extra["fleet"] = fleet.fleet.report_dict()
         elif config.mode == "sequential":
-            truncated = run_sequential(requests, mgr, acc)
+            tiers = build_tiers(resolved, [mgr])
+            truncated = run_sequential(requests, mgr, acc, tiers.admitters[0] if tiers else None)
         else:
             from prefixcache.replay.serving import run_serving
 
+            tiers = build_tiers(resolved, [mgr])
+            admitter = tiers.admitters[0] if tiers else None
             finished = False
             try:
                 serving = run_serving(
-                    requests, arrivals, mgr, acc, resolved, bar.update if bar else None
+                    requests,
+                    arrivals,
+                    mgr,
+                    acc,
+                    resolved,
+                    bar.update if bar else None,
+                    admitter,
                 )
                 finished = True
             finally:
@@ -89,6 +101,8 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
                     bar.close(finished)
             truncated = serving.truncated
     elapsed = time.perf_counter() - start
+    if tiers is not None:
+        extra["tiers"] = tiers_report(tiers, acc.totals, stats)
     info = {
         "path": source.path,
         "kind": source.kind,

@@ -8,23 +8,34 @@ token is sampled but never written. Everything else is admit, release.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import NamedTuple
 
 import numpy as np
 
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager import CacheManager
+from prefixcache.namespace import Namespace
 from prefixcache.replay.accounting import Accountant, TimelineRow
 from prefixcache.replay.request import Request
 from prefixcache.replay.synth import TokenTape, stream_key
+from prefixcache.replay.tier_admission import TierAdmitter
+from prefixcache.results import Admission
 from prefixcache.stats import BlockCounts
 
 
-def run_sequential(requests: Iterable[Request], mgr: CacheManager, acc: Accountant) -> int:
-    """Replay ``requests``; returns how many sample outputs were cut short for lack of blocks."""
+def run_sequential(
+    requests: Iterable[Request],
+    mgr: CacheManager,
+    acc: Accountant,
+    tiers: TierAdmitter | None = None,
+) -> int:
+    """Replay ``requests``; returns how many sample outputs were cut short for lack of blocks.
+    ``tiers``: admit through the host tier and pool it manages."""
     p = mgr.block_size
-    admit, release, stats, counts = mgr.admit, mgr.release, mgr.stats, mgr.block_counts
+    release, stats, counts = mgr.release, mgr.stats, mgr.block_counts
+    admit: Callable[[Hashable, np.ndarray, Namespace], Admission]
+    admit = mgr.admit if tiers is None else tiers.admit
     states = mgr.states
     record, note_usage, timeline = acc.record, acc.note_usage, acc.timeline
     samples = TokenTape(stream_key("sequential-samples"))
@@ -38,7 +49,20 @@ def run_sequential(requests: Iterable[Request], mgr: CacheManager, acc: Accounta
             record(i, req, tokens.tobytes(), 0, False, 0, rejected=True)
             continue
         buf = bytes(states[i].tokens)  # the manager's copy of the token bytes, not a second one
-        record(i, req, buf, adm.cached_len, adm.cow, adm.partial_tokens)
+        if tiers is None:
+            record(i, req, buf, adm.cached_len, adm.cow, adm.partial_tokens)
+        else:
+            hit = tiers.split(buf, req.namespace, adm)
+            record(
+                i,
+                req,
+                buf,
+                hit.cached_len,
+                adm.cow,
+                hit.partial_tokens,
+                host_tokens=hit.host_tokens,
+                pool_tokens=hit.pool_tokens,
+            )
         t = len(tokens)
         due = timeline is not None and timeline.due(i)
         if req.n == 1 and req.output_tokens is None:

@@ -41,6 +41,7 @@ from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
 from prefixcache.replay.serving_figures import BenchmarkFigures, Load, benchmark_figures
 from prefixcache.replay.synth import TokenTape, stream_key
+from prefixcache.replay.tier_admission import TierAdmitter
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class StepWork:
     attention_pairs: int = 0
     kv_tokens_read: int = 0
     logits: int = 0
+    transfer_s: float = 0.0  # host and pool loads of the step's admissions
 
     def add(self, tokens: int, attention_pairs: int, kv_tokens_read: int, logits: int) -> None:
         self.tokens += tokens
@@ -172,6 +174,7 @@ class Simulator:
         self.elsewhere: Callable[[Request], int] | None = None
         # told how many requests finished in each step (a progress bar)
         self.on_finish: Callable[[int], None] | None = None
+        self.tiers: TierAdmitter | None = None  # host tier and pool, when the replay has them
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self, requests: Iterable[Request]) -> None:
@@ -239,6 +242,7 @@ class Simulator:
         seconds = self.roof.step_seconds(
             work.tokens, work.attention_pairs, work.kv_tokens_read, work.logits
         )
+        seconds += work.transfer_s  # loads finish before the forward pass reads them
         self.clock += seconds
         self.busy += seconds
         self.steps += 1
@@ -253,13 +257,14 @@ class Simulator:
         self._measure()
 
     def _admit(self, budget: int, prefills: list[tuple[_Live, int]], work: StepWork) -> None:
-        mgr, acc = self.mgr, self.acc
+        mgr, acc, tiers = self.mgr, self.acc, self.tiers
+        admit = mgr.admit if tiers is None else tiers.admit
         while self.waiting and budget:
             r = self.waiting[0]
             if self.live_seqs + r.req.n > self.max_seqs and self.running:
                 break
             try:
-                adm = mgr.admit(r.idx, r.tokens, r.req.namespace)
+                adm = admit(r.idx, r.tokens, r.req.namespace)
             except OutOfBlocksError:
                 break
             except RequestTooLargeError:
@@ -272,6 +277,12 @@ class Simulator:
                         acc.record(r.idx, r.req, r.tokens.tobytes(), 0, False, 0, rejected=True)
                 continue
             self.waiting.popleft()
+            cached_len, partial, host_tokens, pool_tokens = adm.cached_len, adm.partial_tokens, 0, 0
+            if tiers is not None:
+                hit = tiers.split(bytes(mgr.states[r.idx].tokens), r.req.namespace, adm)
+                cached_len, partial = hit.cached_len, hit.partial_tokens
+                host_tokens, pool_tokens = hit.host_tokens, hit.pool_tokens
+                work.transfer_s += tiers.settings.load_seconds(hit.host_blocks, hit.pool_blocks)
             if not r.recorded:
                 r.recorded = True
                 if acc is not None:
@@ -280,13 +291,15 @@ class Simulator:
                         r.idx,
                         r.req,
                         r.prompt_bytes,
-                        adm.cached_len,
+                        cached_len,
                         adm.cow,
-                        adm.partial_tokens,
+                        partial,
                         elsewhere=self.elsewhere(r.req) if self.elsewhere is not None else 0,
+                        host_tokens=host_tokens,
+                        pool_tokens=pool_tokens,
                     )
-            r.kv = adm.cached_len
-            r.prefill_left = len(r.tokens) - adm.cached_len
+            r.kv = cached_len
+            r.prefill_left = len(r.tokens) - cached_len
             self.running.append(r)
             self.live_seqs += r.req.n
             k = min(r.prefill_left, budget)
@@ -456,12 +469,15 @@ def run_serving(
     acc: Accountant,
     cfg: ResolvedConfig,
     on_finish: Callable[[int], None] | None = None,
+    tiers: TierAdmitter | None = None,
 ) -> ServingStats:
     """Simulate ``requests`` with the cache, then ``again`` (the same requests, iterated anew)
     without it, at the same capacity, for the no-cache figures. ``on_finish`` is told how many
-    requests completed, step by step, in both simulations."""
+    requests completed, step by step, in both simulations. ``tiers``: admit through the host
+    tier and pool it manages (their loads add to the step times)."""
     sim = Simulator(mgr, cfg, acc)
     sim.on_finish = on_finish
+    sim.tiers = tiers
     sim.run(requests)
     plain = cfg.cache_manager(caching=False)
     base = Simulator(plain, cfg, None)

@@ -250,6 +250,26 @@ _ALL = (
         "Consistency checks",
         "Totals of requests.csv and timeline.csv recomputed and compared with report.json.",
     ),
+    Definition(
+        "tier_hits",
+        "Hit tokens by tier",
+        "Where each prompt token's K/V came from: matched in the GPU cache, loaded from the "
+        "host-memory tier, loaded from the pool shared by all replicas, or computed. A block a "
+        "lower tier served counts as a hit of that tier, not as a miss; the four add up to the "
+        "prompt tokens.",
+    ),
+    Definition(
+        "tier_transfer",
+        "Transfer time",
+        "Seconds to load the host blocks at the host bandwidth and the pooled blocks at the "
+        "pool bandwidth (K and V of every layer).",
+    ),
+    Definition(
+        "tier_net_saved",
+        "Prefill time saved net of transfers",
+        "Hit tokens × the prefill compute time of one token (2 × layer parameters at the "
+        "recompute MFU of peak FLOPs), minus the transfer time.",
+    ),
 )
 
 DEFINITIONS: dict[str, Definition] = {d.key: d for d in _ALL}

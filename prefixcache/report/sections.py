@@ -36,6 +36,7 @@ from prefixcache.report.sweep_curves import (
     sort_key,
     varying,
 )
+from prefixcache.report.tier_section import tiers_section
 from prefixcache.run_format import MISS_CAUSES, PERCENTILES
 
 MAX_NAMESPACES_SHOWN = 8
@@ -59,6 +60,7 @@ def build_document(run: Run) -> Document:
             headline(run),
             requests(run),
             misses(run),
+            *([tiers_section(r)] if r.get("tiers") else []),
             savings(run),
             over_time(run),
             serving(run),

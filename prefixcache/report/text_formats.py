@@ -154,6 +154,14 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
     if s["flops_saved_estimate"] is not None:
         saved += f", {s['flops_saved_estimate']:.3g} FLOPs"
     lines.append(saved)
+    tiers = r.get("tiers")
+    if tiers:
+        lines.append(
+            f"  hits by tier    GPU {fmt.pct(tiers['gpu_token_hit_rate'])}, host "
+            f"{fmt.pct(tiers['host_token_hit_rate'])}, pool {fmt.pct(tiers['pool_token_hit_rate'])}"
+            f"; {tiers['net_prefill_seconds_saved']:.3g} s prefill saved net of "
+            f"{tiers['transfer_seconds']:.3g} s of transfers"
+        )
     if r.get("rejected_requests"):
         lines.append(f"  rejected        {r['rejected_requests']:,} requests larger than the cache")
     sv = r.get("serving")

@@ -1,0 +1,155 @@
+"""Replays with a host tier and a shared pool: exact miss breakdown, pool, serving, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixcache.events import BlockRemoved, BlockStored
+from prefixcache.namespace import Namespace
+from prefixcache.replay import ReplayConfig
+from prefixcache.replay.pool_tier import PoolFeed, PoolTier
+from prefixcache.replay.runner import replay_path
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "scenarios" / "traces" / "mooncake_sample.jsonl"
+GIB = 2**30
+
+
+def _config(**changes: object) -> ReplayConfig:
+    base = ReplayConfig(capacity_blocks=200, model="llama-3.1-8b", block_size=512)
+    return base.with_(**changes)
+
+
+def _check_exact(report: dict) -> None:
+    tiers = report["tiers"]
+    hit = tiers["gpu_hit_tokens"] + tiers["host_hit_tokens"] + tiers["pool_hit_tokens"]
+    assert hit == report["hit_tokens"]
+    assert hit + tiers["computed_tokens"] == report["prompt_tokens"]
+    assert sum(report["misses"].values()) == tiers["computed_tokens"]
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        {"host_memory": 8 * GIB},
+        {"pool_memory": 64 * GIB},
+        {"host_memory": 8 * GIB, "pool_memory": 64 * GIB},
+    ],
+)
+def test_tier_hits_are_not_misses_and_the_breakdown_sums(tiers: dict) -> None:
+    plain = replay_path(SAMPLE, _config()).to_report_dict()
+    report = replay_path(SAMPLE, _config(**tiers)).to_report_dict()
+    _check_exact(report)
+    lower = report["tiers"]["host_hit_tokens"] + report["tiers"]["pool_hit_tokens"]
+    assert lower > 0
+    # the GPU tier behaves as without tiers; what the lower tiers served were capacity misses
+    assert report["tiers"]["gpu_hit_tokens"] == plain["hit_tokens"]
+    assert report["misses"]["cold"] == plain["misses"]["cold"]
+    assert report["misses"]["capacity"] == plain["misses"]["capacity"] - lower
+
+
+def test_tiers_off_reports_no_tiers() -> None:
+    report = replay_path(SAMPLE, _config()).to_report_dict()
+    assert "tiers" not in report and "tiers" not in report["config"]
+
+
+def test_pool_is_lru_and_chains() -> None:
+    pool = PoolTier(2)
+    for d in (b"a", b"b", b"c"):
+        pool.put(d)
+    assert b"a" not in pool and pool.evicted_blocks == 1
+    assert pool.match([b"b", b"c", b"x"]) == 2
+    assert pool.match([b"x", b"b"]) == 0  # only a continuation of the chain is found
+    pool.touch([b"b"])
+    pool.put(b"d")
+    assert b"c" not in pool and b"b" in pool
+
+
+def test_pool_feed_pools_only_blocks_that_leave_the_replica() -> None:
+    pool = PoolTier(10)
+    feed = PoolFeed(pool)
+    ns = Namespace("default")
+    feed(BlockStored([b"a", b"b"], None, [], 1, ns))
+    feed(BlockRemoved([b"b"], ns))  # offloaded: on host next
+    feed(BlockStored([b"b"], b"a", [], 1, ns, "CPU"))
+    feed.flush()
+    assert len(pool) == 0
+    feed(BlockRemoved([b"b"], ns, "CPU"))  # loaded back to the GPU
+    feed(BlockStored([b"b"], b"a", [], 1, ns))
+    feed(BlockRemoved([b"a"], ns))  # evicted with no host room: leaves the replica
+    feed.flush()
+    assert b"b" not in pool and b"a" in pool
+
+
+def test_pool_is_shared_by_replicas() -> None:
+    config = _config(mode="serving", capacity_blocks=100, replicas=2, pool_memory=64 * GIB)
+    report = replay_path(SAMPLE, config).to_report_dict()
+    _check_exact(report)
+    assert report["tiers"]["pool_hit_tokens"] > 0
+
+
+def test_serving_ttft_pays_for_transfers() -> None:
+    # 6 GB/s: still faster than recomputing a block of llama-3.1-8b on an H100, much slower
+    # than the default link
+    slow = replay_path(SAMPLE, _config(mode="serving", pool_memory=64 * GIB, pool_bw=6e9))
+    fast = replay_path(SAMPLE, _config(mode="serving", pool_memory=64 * GIB))
+    s, f = slow.to_report_dict()["tiers"], fast.to_report_dict()["tiers"]
+    assert s["pool_hit_tokens"] > 0 and f["pool_hit_tokens"] > 0
+    per_block = [t["transfer_seconds"] / t["pool"]["loaded_blocks"] for t in (s, f)]
+    assert per_block[0] == pytest.approx(per_block[1] * 25 / 6)
+    assert slow.serving is not None and fast.serving is not None
+    assert slow.serving.simulated_seconds > fast.serving.simulated_seconds
+    assert f["net_prefill_seconds_saved"] == f["prefill_seconds_saved"] - f["transfer_seconds"]
+
+
+def test_loads_slower_than_recompute_are_recomputed() -> None:
+    report = replay_path(SAMPLE, _config(pool_memory=64 * GIB, pool_bw=1e6)).to_report_dict()
+    assert report["tiers"]["pool_hit_tokens"] == 0
+    assert report["tiers"]["pool"]["found_blocks"] > 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefixcache", "replay", str(SAMPLE), *args],
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--blocks", "100", "--pool-memory", "8GiB"], "need --model"),
+        (["--blocks", "100", "--model", "llama-3.1-8b", "--host-memory", "1MiB"], "hold no block"),
+    ],
+)
+def test_cli_errors(args: list[str], message: str, tmp_path: Path) -> None:
+    done = _cli(*args, "--out", str(tmp_path / "run"))
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_cli_bad_size_exits_2(tmp_path: Path) -> None:
+    done = _cli("--blocks", "100", "--host-memory", "lots", "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_cli_sweep_per_tier(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = _cli(
+        "--blocks", "200", "--model", "llama-3.1-8b", "--host-memory", "0,8GiB",
+        "--pool-memory", "0,64GiB", "--jobs", "1", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    sweep = json.loads((out / "report.json").read_text())["sweep"]
+    assert [(r["host_blocks"], r["pool_blocks"]) for r in sweep] == [
+        (0, 0), (0, 1024), (128, 0), (128, 1024),
+    ]  # fmt: skip
+    assert sweep[0]["host_token_hit_rate"] == sweep[0]["pool_token_hit_rate"] == 0
+    assert sweep[3]["token_hit_rate"] > sweep[0]["token_hit_rate"]
