@@ -341,12 +341,14 @@ class CacheManager:
         ``(t-1)//p`` blocks in all, so one prompt token is computed): the digests to load, and
         how many were found (more than loaded when the transfer model prefers recomputing)."""
         assert self.host is not None
-        entries = self.host.entries
+        entries, children = self.host.entries, self.host.children
         bb = self.index.block_bytes
         hash_block = self.hasher.hash_block
         run: list[bytes] = []
         prev = digest
         for i in range(n, (t - 1) // self.block_size):
+            if prev not in children:  # nothing on host continues this chain: no hash needed
+                break
             block = buf[i * bb : (i + 1) * bb]
             d = hash_block(prev, i, block)
             entry = entries.get(d)
@@ -959,7 +961,8 @@ class CacheManager:
             seq.pending.extend(ids)  # type: ignore[union-attr]
         self.stats.stored_blocks += len(ids)
         host = self.host
-        if host is not None and host.entries:  # computed again: the GPU copy replaces the host's
+        if host is not None and host.entries and not host.entries.keys().isdisjoint(digests):
+            # computed again: the GPU copy replaces the host's
             twins = [d for d in digests if d in host.entries]
             if twins:
                 replaced = [(d, host.remove(d, defer=False)) for d in twins]
