@@ -139,3 +139,18 @@ def test_timeline_marks_a_capacity_within_reach(serving_run: Run) -> None:
     lines = [line for line in blocks.get_lines() if line.get_label() == "capacity"]
     assert len(lines) == 1 and lines[0].get_ydata()[0] == capacity
     assert capacity < blocks.get_ylim()[1] < 1.2 * capacity
+
+
+def test_miss_axis_has_no_offset_and_hit_axis_stops_at_100_percent(serving_run: Run) -> None:
+    serving_run.report["misses"] = {**serving_run.report["misses"], "cold": 2_540_544}
+    fig = plots.misses(serving_run)
+    rendered(fig)
+    (ax,) = fig.axes
+    assert ax.xaxis.get_offset_text().get_text() == ""
+    labels = [t.get_text() for t in visible_labels(ax.get_xticklabels())]
+    assert any(t.endswith("M") for t in labels), labels
+    fig = plots.headline(serving_run)
+    rendered(fig)
+    (ax,) = fig.axes
+    labels = [t.get_text() for t in visible_labels(ax.get_xticklabels())]
+    assert labels[-1] == "100%", labels

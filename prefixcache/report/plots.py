@@ -78,7 +78,8 @@ def headline(run: Run) -> Figure:
     ax.barh(names, rates, color=BLUE, height=0.5, label="achieved")
     for y, (rate, bound) in enumerate(zip(rates, bounds, strict=True)):
         ax.text(max(bound, rate) + 0.01, y, f"{rate:.1%} of {bound:.1%}", va="center")
-    ax.set_xlim(0, 1.2)
+    ax.set_xlim(0, 1.2)  # room for the labels right of the bars
+    ax.set_xticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])  # no tick past 100%
     ax.xaxis.set_major_formatter(PercentFormatter(1.0))
     ax.legend(
         loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=2, fontsize="small", frameon=False
@@ -121,6 +122,7 @@ def misses(run: Run) -> Figure:
     for y, c in enumerate(reversed(MISS_CAUSES)):
         ax.text(m[c], y, f" {m[c]:,} ({m[c] / total:.1%})", va="center", fontsize="small")
     ax.set_xlim(0, max(m.values(), default=0) * 1.35 or 1)
+    ax.xaxis.set_major_formatter(FuncFormatter(compact_count))  # 2.5M, not an x1e6 offset
     ax.set_xlabel("missed prompt tokens")
     return fig
 
