@@ -10,6 +10,7 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "prefixcache.demo",
     "prefixcache.replay.replay_cli",
+    "prefixcache.replay.calibrate_cli",
     "prefixcache.report.report_cli",
     "prefixcache.fleet.serve_cli",
 )

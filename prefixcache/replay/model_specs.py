@@ -48,6 +48,7 @@ class ModelConfig:
     vocab_size: int | None = None  # with hidden_size: the embedding and lm_head shapes
     hidden_size: int | None = None
     tie_word_embeddings: bool = False  # lm_head shares the embedding's weights
+    intermediate_size: int | None = None  # MLP width (what ``prefixcache calibrate`` builds)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -95,10 +96,31 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class GpuConfig:
+    """A GPU's datasheet figures and, when measured, the roofline's efficiencies on it (None:
+    the roofline's defaults)."""
+
     name: str
     peak_flops: float  # dense BF16, one GPU
     hbm_bytes_per_s: float
     memory_bytes: int | None = None  # HBM capacity, one GPU
+    compute_efficiency: float | None = None  # achieved fraction of peak FLOPs (MFU)
+    memory_efficiency: float | None = None  # achieved fraction of HBM bandwidth
+    step_overhead_s: float | None = None  # fixed seconds per step
+    attention_efficiency: float | None = None  # MFU of attention among a step's new tokens
+    context_attention_efficiency: float | None = None  # MFU of attention over cached K/V
+
+    def efficiencies(self) -> dict[str, float]:
+        """The efficiencies and overhead this GPU sets (the rest stay the roofline's)."""
+        return {f: v for f in EFFICIENCY_FIELDS if (v := getattr(self, f)) is not None}
+
+
+EFFICIENCY_FIELDS = (
+    "compute_efficiency",
+    "memory_efficiency",
+    "step_overhead_s",
+    "attention_efficiency",
+    "context_attention_efficiency",
+)
 
 
 @lru_cache(maxsize=1)
@@ -142,6 +164,7 @@ def get_gpu(name: str) -> GpuConfig:
         float(entry["peak_flops"]),
         float(entry["hbm_bytes_per_s"]),
         int(memory) if memory is not None else None,
+        **{f: float(entry[f]) for f in EFFICIENCY_FIELDS if entry.get(f) is not None},
     )
 
 
@@ -168,6 +191,9 @@ def _model(name: str, entry: Any, origin: str) -> ModelConfig:
             if entry.get("hidden_size") is None
             else _positive_int(entry["hidden_size"], "hidden_size", origin),
             tie_word_embeddings=bool(entry.get("tie_word_embeddings", False)),
+            intermediate_size=None
+            if entry.get("intermediate_size") is None
+            else _positive_int(entry["intermediate_size"], "intermediate_size", origin),
         )
     except TypeError as exc:
         raise ConfigError(f"{origin}: {exc}") from None
@@ -236,6 +262,7 @@ def _from_hf_config(c: dict[str, Any], path: Path) -> ModelConfig:
             "vocab_size": vocab,
             "hidden_size": hidden,
             "tie_word_embeddings": bool(c.get("tie_word_embeddings")),
+            "intermediate_size": inter,
         },
         f"model file {path}",
     )

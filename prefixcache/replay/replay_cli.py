@@ -100,6 +100,12 @@ def register(subparsers: Any) -> None:
         "--gpu", default="h100-sxm", help=f"GPU of the cost model: {', '.join(gpu_names())}"
     )
     serving.add_argument(
+        "--gpu-profile",
+        metavar="FILE",
+        help="GPU profile JSON (written by prefixcache calibrate): its peak figures and fitted "
+        "efficiencies replace --gpu's",
+    )
+    serving.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -364,6 +370,7 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         hash_algo=args.hash_algo,
         partial_copy=not args.no_partial_copy,
         gpu=args.gpu,
+        gpu_profile=args.gpu_profile,
         token_budget=args.token_budget,
         max_seqs=args.max_seqs,
         tp=args.tp,

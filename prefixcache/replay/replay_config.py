@@ -34,6 +34,7 @@ class ReplayConfig:
     partial_copy: bool = True
     # serving simulation
     gpu: str = "h100-sxm"
+    gpu_profile: str | None = None  # a GPU profile file (prefixcache calibrate): replaces gpu
     token_budget: int = 8192  # tokens per step (prefill chunks + decodes)
     max_seqs: int = 256  # running sequences
     tp: int = 1  # tensor-parallel GPUs per replica: weights and KV split, compute multiplied
@@ -121,7 +122,7 @@ class ReplayConfig:
             raise ConfigError("--replicas and --routing need --mode serving")
         model_name = self.model or (DEFAULT_SERVING_MODEL if self.mode == "serving" else None)
         model = get_model(model_name) if model_name else None
-        gpu = get_gpu(self.gpu) if self.mode == "serving" else None
+        gpu = self._serving_gpu()
         bytes_per_block = model.bytes_per_block(self.block_size) if model else None
         if self.capacity_blocks is not None:
             if self.kv_memory is not None:
@@ -159,6 +160,18 @@ class ReplayConfig:
             self.tp,
         )
         return ResolvedConfig(self, model, blocks, capacity_bytes, bytes_per_block, gpu, tiers)
+
+    def _serving_gpu(self) -> GpuConfig | None:
+        """The roofline's GPU: the profile file when given, else the table's entry."""
+        if self.gpu_profile is not None and self.mode != "serving":
+            raise ConfigError("--gpu-profile needs --mode serving")
+        if self.mode != "serving":
+            return None
+        if self.gpu_profile is None:
+            return get_gpu(self.gpu)
+        from prefixcache.replay.gpu_profile import load_profile
+
+        return load_profile(self.gpu_profile).gpu_config()
 
 
 def check_fits(model: ModelConfig, gpu: GpuConfig, kv_bytes: int, tp: int) -> None:
@@ -227,7 +240,10 @@ class ResolvedConfig:
         if o.mode == "serving" and o.model is None:
             out["model_defaulted"] = True
         if o.mode == "serving":
-            out.update(gpu=o.gpu, token_budget=o.token_budget, max_seqs=o.max_seqs, tp=o.tp)
+            gpu = self.gpu.name if self.gpu is not None else o.gpu
+            out.update(gpu=gpu, token_budget=o.token_budget, max_seqs=o.max_seqs, tp=o.tp)
+            if o.gpu_profile is not None:
+                out["gpu_profile"] = str(o.gpu_profile)
             if o.arrival_factor != 1.0:
                 out.update(rate_scale=o.rate_scale, time_scale=o.time_scale)
         if o.is_fleet:

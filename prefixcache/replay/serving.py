@@ -52,27 +52,51 @@ class Roofline:
     memory_efficiency: float = 0.8  # achieved fraction of HBM bandwidth
     step_overhead_s: float = 2e-3  # scheduling, sampling, launch
     tp: int = 1  # tensor-parallel GPUs: compute and bandwidth multiplied
+    # attention among a step's new tokens, and over K/V already cached (extend and decode);
+    # None: compute_efficiency
+    attention_efficiency: float | None = None
+    context_attention_efficiency: float | None = None
+
+    @classmethod
+    def for_gpu(cls, model: ModelConfig, gpu: GpuConfig, tp: int = 1) -> Roofline:
+        """The roofline with the efficiencies ``gpu`` sets (a fitted profile), else defaults."""
+        return cls(model, gpu, tp=tp, **gpu.efficiencies())
 
     def step_seconds(
-        self, tokens: int, attention_pairs: int, kv_tokens_read: int, logits: int
+        self,
+        tokens: int,
+        attention_pairs: int,
+        kv_tokens_read: int,
+        logits: int,
+        context_pairs: int = 0,
     ) -> float:
         """``tokens`` computed this step, ``attention_pairs`` query-key pairs over all of them,
         ``kv_tokens_read`` context tokens whose K/V the step reads, ``logits`` positions whose
-        next-token logits are computed (one per decoding sequence and finished prefill)."""
+        next-token logits are computed (one per decoding sequence and finished prefill);
+        ``context_pairs``: the part of ``attention_pairs`` whose key was cached before the step
+        (timed at the context attention efficiency when one is set)."""
         m = self.model
-        flops = (
-            2.0 * m.layer_flops_params * tokens
-            + m.lm_head_flops * logits
-            + m.attention_flops_per_pair * attention_pairs
-        )
+        peak = self.gpu.peak_flops * self.tp
+        dense = 2.0 * m.layer_flops_params * tokens + m.lm_head_flops * logits
+        if self.attention_efficiency is None and self.context_attention_efficiency is None:
+            flops = dense + m.attention_flops_per_pair * attention_pairs
+            compute = flops / (peak * self.compute_efficiency)
+        else:
+            fresh_eff = self.attention_efficiency or self.compute_efficiency
+            context_eff = self.context_attention_efficiency or fresh_eff
+            pair = m.attention_flops_per_pair
+            compute = (
+                dense / (peak * self.compute_efficiency)
+                + pair * (attention_pairs - context_pairs) / (peak * fresh_eff)
+                + pair * context_pairs / (peak * context_eff)
+            )
         traffic = m.weight_bytes + m.kv_bytes_per_token * kv_tokens_read
-        compute = flops / (self.gpu.peak_flops * self.tp * self.compute_efficiency)
         memory = traffic / (self.gpu.hbm_bytes_per_s * self.tp * self.memory_efficiency)
         return max(compute, memory) + self.step_overhead_s
 
     def assumptions(self) -> dict[str, Any]:
         """What the step times rest on, for the report."""
-        return {
+        out: dict[str, Any] = {
             "gpu": self.gpu.name,
             "tp": self.tp,
             "peak_flops_per_gpu": self.gpu.peak_flops,
@@ -83,11 +107,22 @@ class Roofline:
             "step_overhead_s": self.step_overhead_s,
             "weight_bytes": self.model.weight_bytes,
         }
+        if self.attention_efficiency is not None:
+            out["attention_efficiency"] = self.attention_efficiency
+        if self.context_attention_efficiency is not None:
+            out["context_attention_efficiency"] = self.context_attention_efficiency
+        return out
 
 
 def prefill_pairs(context: int, new: int) -> int:
     """Query-key pairs of ``new`` tokens after ``context`` cached ones (causal)."""
     return new * context + new * (new + 1) // 2
+
+
+def context_pairs(context: int, new: int) -> int:
+    """The query-key pairs of ``prefill_pairs`` whose key was cached before (``new`` x
+    ``context``)."""
+    return new * context
 
 
 @dataclass(slots=True)
@@ -99,12 +134,16 @@ class StepWork:
     kv_tokens_read: int = 0
     logits: int = 0
     transfer_s: float = 0.0  # host and pool loads of the step's admissions
+    context_pairs: int = 0  # of attention_pairs: keys cached before the step
 
-    def add(self, tokens: int, attention_pairs: int, kv_tokens_read: int, logits: int) -> None:
+    def add(
+        self, tokens: int, attention_pairs: int, kv_tokens_read: int, logits: int, context: int
+    ) -> None:
         self.tokens += tokens
         self.attention_pairs += attention_pairs
         self.kv_tokens_read += kv_tokens_read
         self.logits += logits
+        self.context_pairs += context
 
 
 class _DecodingSample:
@@ -156,7 +195,7 @@ class Simulator:
         o = cfg.options
         assert cfg.model is not None and cfg.gpu is not None, "resolve a serving-mode config"
         self.mgr, self.acc, self.p = mgr, acc, o.block_size
-        self.roof = Roofline(cfg.model, cfg.gpu, tp=o.tp)
+        self.roof = Roofline.for_gpu(cfg.model, cfg.gpu, o.tp)
         self.budget, self.max_seqs = o.token_budget, o.max_seqs
         self.tape = TokenTape(stream_key("serving-samples"))
         self.clock = 0.0
@@ -212,7 +251,13 @@ class Simulator:
                     k = min(r.prefill_left, budget)
                     budget -= k
                     prefills.append((r, k))
-                    work.add(k, prefill_pairs(r.kv, k), r.kv + k, int(k == r.prefill_left))
+                    work.add(
+                        k,
+                        prefill_pairs(r.kv, k),
+                        r.kv + k,
+                        int(k == r.prefill_left),
+                        context_pairs(r.kv, k),
+                    )
                 i += 1
                 continue
             mine: list[_DecodingSample] = []
@@ -234,13 +279,13 @@ class Simulator:
                 continue  # r left self.running; index i now holds the next request
             decodes.extend(mine)
             for s in mine:
-                work.add(1, s.kv_len, s.kv_len, 1)
+                work.add(1, s.kv_len, s.kv_len, 1, s.kv_len - 1)
             i += 1
         self._admit(budget, prefills, work)
         if not prefills and not decodes:
             return  # everything in flight was preempted; admit again next round
         seconds = self.roof.step_seconds(
-            work.tokens, work.attention_pairs, work.kv_tokens_read, work.logits
+            work.tokens, work.attention_pairs, work.kv_tokens_read, work.logits, work.context_pairs
         )
         seconds += work.transfer_s  # loads finish before the forward pass reads them
         self.clock += seconds
@@ -305,7 +350,8 @@ class Simulator:
             k = min(r.prefill_left, budget)
             budget -= k
             prefills.append((r, k))
-            work.add(k, prefill_pairs(r.kv, k), r.kv + k, int(k == r.prefill_left))
+            last = int(k == r.prefill_left)
+            work.add(k, prefill_pairs(r.kv, k), r.kv + k, last, context_pairs(r.kv, k))
 
     # ---- sequences --------------------------------------------------------------------------
     def _start_decode(self, r: _Live) -> None:

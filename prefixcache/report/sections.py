@@ -446,6 +446,14 @@ def assumption_fields(cfg: dict[str, Any], assumptions: dict[str, Any] | None) -
             Field("Bandwidth efficiency", fmt.pct(assumptions["memory_efficiency"])),
             Field("Step overhead", _ms(assumptions["step_overhead_s"])),
         ]
+        for key, label in (
+            ("attention_efficiency", "Attention efficiency (new tokens)"),
+            ("context_attention_efficiency", "Attention efficiency (cached K/V)"),
+        ):
+            if assumptions.get(key) is not None:
+                out.append(Field(label, fmt.pct(assumptions[key])))
+        if cfg.get("gpu_profile"):
+            out.append(Field("GPU profile", str(cfg["gpu_profile"]), note="calibrated"))
     elif cfg.get("gpu"):
         out.append(Field("GPU", str(cfg["gpu"]), "roofline"))
     if cfg.get("token_budget") is not None:

@@ -252,6 +252,8 @@ def _serving_lines(c: dict[str, Any], sv: dict[str, Any]) -> list[str]:
 
     model = f"{c['model']}{' (default)' if c.get('model_defaulted') else ''}"
     gpu = f"{c.get('tp', 1)} x {c['gpu']}" if c.get("tp", 1) > 1 else c["gpu"]
+    if c.get("gpu_profile"):
+        gpu += f" (profile {c['gpu_profile']})"
     assume = sv.get("assumptions") or {}
     lines = [
         f"  serving setup   {model} on {gpu}, token budget {c['token_budget']:,}, "
