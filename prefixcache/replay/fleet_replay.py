@@ -24,7 +24,6 @@ and no route to get wrong, its hit rate is what routing aims for.
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -415,12 +414,6 @@ def run_fleet(
     plain = FleetSimulator(cfg, None, namespace, caching=False)
     plain.run(reopen())
     pooled = run_pooled(reopen(), cfg, multi_namespace)
-    if acc.log is not None:
-        ids = acc.log.request_id
-        acc.log.ttft_s = _column(sim.ttft[i] for i in ids)
-        acc.log.ttft_nocache_s = _column(
-            plain.ttft[i] if i < len(plain.ttft) else math.nan for i in ids
-        )
     serving = ServingStats(
         sim.ttft,
         plain.ttft,
@@ -437,7 +430,3 @@ def run_fleet(
         sum(sim.index.num_blocks(r.name) for r in sim.replicas),
     )
     return FleetRun(serving, fleet, sim.cache_stats(), sim)
-
-
-def _column(values: Iterable[float]) -> array[float]:
-    return array("d", values)

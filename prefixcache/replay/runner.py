@@ -45,7 +45,11 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     config = resolved.options
     mgr = resolved.cache_manager()
     acc = Accountant(
-        config.block_size, mgr.hasher, track_isolation=source.multi_namespace, record=config.record
+        config.block_size,
+        mgr.hasher,
+        track_isolation=source.multi_namespace,
+        record=config.record,
+        upper_bound=config.upper_bound,
     )
     requests = with_progress(source, source.total, f"replay {source.name}", progress)
     start = time.perf_counter()

@@ -21,7 +21,6 @@ estimates.
 from __future__ import annotations
 
 import math
-from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -406,11 +405,4 @@ def run_serving(
     plain = cfg.cache_manager(caching=False)
     base = Simulator(plain, cfg, None)
     base.run(source)
-    if acc.log is not None:
-        # rows are in admission order; request_id maps them back to arrival order
-        ids = acc.log.request_id
-        acc.log.ttft_s = array("d", (sim.ttft[i] for i in ids))
-        acc.log.ttft_nocache_s = array(
-            "d", (base.ttft[i] if i < len(base.ttft) else math.nan for i in ids)
-        )
     return ServingStats(sim.ttft, base.ttft, sim.preemptions, sim.steps, sim.clock, sim.truncated)
