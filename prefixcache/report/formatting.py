@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prefixcache.pool import UNBOUNDED
+
 NA = "n/a"
 
 
@@ -15,6 +17,11 @@ def count(n: float | None) -> str:
     if n is None or math.isnan(n):
         return NA
     return f"{int(n):,}"
+
+
+def capacity(blocks: int) -> str:
+    """A cache size in blocks; "unbounded" for a cache that never runs out."""
+    return "unbounded" if blocks >= UNBOUNDED else f"{blocks:,}"
 
 
 def pct(x: float | None) -> str:

@@ -123,7 +123,7 @@ def render_markdown(doc: Document) -> str:
 def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
     """A report.json in a dozen lines: setup, hit rates, misses, savings, latency, sweep."""
     c, m, s = r["config"], r["misses"], r["savings"]
-    size = f"{c['capacity_blocks']:,} blocks"
+    size = f"{fmt.capacity(c['capacity_blocks'])} blocks"
     if c["capacity_bytes"] is not None:
         size += f" ({fmt.nbytes(c['capacity_bytes'], digits=1)} of {c['model']} KV)"
     prompt = r["prompt_tokens"] or 1
