@@ -12,9 +12,10 @@ from typing import Any
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.eviction import POLICIES
 from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
+from prefixcache.pool import UNBOUNDED
 from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
 from prefixcache.replay.replay_config import MODES, ReplayConfig
-from prefixcache.replay.traces import FORMATS
+from prefixcache.replay.traces import FORMATS, MAX_LINE_BYTES, MAX_PROMPT_TOKENS
 
 
 def register(subparsers: Any) -> None:
@@ -28,7 +29,11 @@ def register(subparsers: Any) -> None:
     )
     rp.add_argument("source", metavar="SCENARIO_OR_TRACE")
     size = rp.add_argument_group("cache size (one of)")
-    size.add_argument("--blocks", type=_int_list, help="capacity in blocks, e.g. 1000,5859,10000")
+    size.add_argument(
+        "--blocks",
+        type=_blocks_list,
+        help="capacity in blocks, e.g. 1000,5859,10000; inf: a cache that never evicts",
+    )
     size.add_argument(
         "--kv-memory", type=_size_list, metavar="SIZE", help="KV memory, e.g. 40GiB (needs --model)"
     )
@@ -60,6 +65,12 @@ def register(subparsers: Any) -> None:
         help="recompute partially matching blocks instead of copying them",
     )
     rp.add_argument("--jobs", type=int, help="processes for a sweep (default: CPUs)")
+    rp.add_argument(
+        "--no-upper-bound",
+        action="store_true",
+        help="skip the infinite-cache upper bound, whose memory grows with the trace's unique "
+        "blocks (misses are then not split into cold and capacity)",
+    )
     rp.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -115,6 +126,28 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--output-len", type=int, default=128, help="output tokens for lines that give none (128)"
     )
+    g.add_argument(
+        "--max-line-bytes",
+        type=_positive,
+        default=MAX_LINE_BYTES,
+        help=f"reject longer trace lines ({MAX_LINE_BYTES:,})",
+    )
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=_positive,
+        default=MAX_PROMPT_TOKENS,
+        help=f"reject longer trace prompts ({MAX_PROMPT_TOKENS:,})",
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer: {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -127,6 +160,14 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
     return values
+
+
+def _blocks_list(text: str) -> list[int]:
+    """Capacities in blocks; ``inf`` is an unbounded cache."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    finite = ",".join(x for x in parts if x.lower() != "inf")
+    values = _int_list(finite) if finite else []
+    return [UNBOUNDED if x.lower() == "inf" else values.pop(0) for x in parts] or _int_list(text)
 
 
 def _replica_list(text: str) -> list[int]:
@@ -186,6 +227,9 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         trace_block_size=args.trace_block_size,
         tokenizer=args.tokenizer,
         output_len=args.output_len,
+        max_line_bytes=args.max_line_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        upper_bound=not args.no_upper_bound,
     )
     fleets: list[dict[str, Any]] = [
         {"replicas": n, "routing": routing}
@@ -246,6 +290,8 @@ def _analyze(args: argparse.Namespace) -> int:
             trace_block_size=args.trace_block_size,
             tokenizer=args.tokenizer,
             output_len=args.output_len,
+            max_line_bytes=args.max_line_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
         )
         sizes = args.block_size
         if sizes is None:
