@@ -15,6 +15,7 @@ from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
 from prefixcache.pool import UNBOUNDED
 from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
 from prefixcache.replay.replay_config import MODES, ReplayConfig
+from prefixcache.replay.sweep_executors import EXECUTORS
 from prefixcache.replay.traces import FORMATS, MAX_LINE_BYTES, MAX_PROMPT_TOKENS
 
 
@@ -65,6 +66,17 @@ def register(subparsers: Any) -> None:
         help="recompute partially matching blocks instead of copying them",
     )
     rp.add_argument("--jobs", type=int, help="processes for a sweep (default: CPUs)")
+    rp.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="local",
+        help="where a sweep's points run: local processes (default) or Ray tasks",
+    )
+    rp.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="Ray cluster for --executor ray: auto, ray://host:port (default: a local instance)",
+    )
     rp.add_argument(
         "--no-upper-bound",
         action="store_true",
@@ -250,7 +262,14 @@ def _replay(args: argparse.Namespace) -> int:
     from prefixcache.report.text_formats import format_summary
 
     try:
-        result = replay_sweep(args.source, _configs(args), jobs=args.jobs, progress=args.progress)
+        result = replay_sweep(
+            args.source,
+            _configs(args),
+            jobs=args.jobs,
+            progress=args.progress,
+            executor=args.executor,
+            ray_address=args.ray_address,
+        )
         report = result.to_report_dict()
         out = write_run(result, args.out or default_run_dir(result.name), report)
     except PrefixCacheError as exc:
