@@ -132,23 +132,15 @@ def read_requests(path: Path) -> tuple[RequestTotals, Columns]:
     add_up = True
     misses = [f"miss_{c}" for c in MISS_CAUSES]
     with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
+        header = next(csv.reader([f.readline()]), None)
         if header is None:
             raise RunDirError(f"{path} is empty (no header)")
         missing = [c for c in REQUEST_COLUMNS if c not in header]
         if missing:
             raise RunDirError(f"{path} lacks column(s) {', '.join(missing)}")
-        where = {name: k for k, name in enumerate(header)}
-        while chunk := list(itertools.islice(reader, _CHUNK_ROWS)):
-            bad = next((i for i, r in enumerate(chunk) if len(r) != len(header)), None)
-            if bad is not None:
-                raise RunDirError(
-                    f"{path} row {rows + bad + 2} has {len(chunk[bad])} cells, "
-                    f"header has {len(header)}"
-                )
-            cells = list(zip(*chunk, strict=True))
-            counts = {c: _int_cells(c, cells[where[c]], path) for c in sums}
+        chunks = _Chunks(path, header)
+        while lines := list(itertools.islice(f, _CHUNK_ROWS)):
+            counts, floats = chunks.parse(lines, rows)
             for c, values in counts.items():
                 sums[c] += int(values.sum())
             hit = counts["hit_tokens"]
@@ -156,9 +148,8 @@ def read_requests(path: Path) -> tuple[RequestTotals, Columns]:
             missed = sum(counts[c] for c in misses)
             add_up = add_up and bool(np.all(missed == counts["prompt_tokens"] - hit))
             for c in KEPT_REQUEST_COLUMNS:
-                known = counts.get(c)
-                kept[c].append(known if known is not None else _floats(c, cells[where[c]], path))
-            rows += len(chunk)
+                kept[c].append(counts[c] if c in counts else floats[c])
+            rows += len(lines)
     columns = {
         c: np.concatenate(parts) if parts else np.zeros(0, dtype=np.float64)
         for c, parts in kept.items()
@@ -166,8 +157,61 @@ def read_requests(path: Path) -> tuple[RequestTotals, Columns]:
     return RequestTotals(rows, sums, zero_hit, add_up), columns
 
 
-def _floats(name: str, cells: tuple[str, ...], source: Path) -> np.ndarray:
-    return _numeric(name, cells, source).astype(np.float64)
+class _Chunks:
+    """Parses chunks of requests.csv lines: numpy's C reader when every line is plain (no
+    quotes, the header's number of cells), the csv module otherwise, which also names a bad row."""
+
+    def __init__(self, path: Path, header: list[str]) -> None:
+        self.path, self.header = path, header
+        self.where = {name: k for k, name in enumerate(header)}
+        self.int_cols = [self.where[c] for c in SUMMED_REQUEST_COLUMNS]
+        self.float_names = [c for c in KEPT_REQUEST_COLUMNS if c not in SUMMED_REQUEST_COLUMNS]
+        self.float_cols = [self.where[c] for c in self.float_names]
+        n = len(header)
+        self.floats_last = sorted(self.float_cols) == [n - 2, n - 1]  # as replay writes them
+
+    def parse(self, lines: list[str], before: int) -> tuple[Columns, Columns]:
+        """Count and float columns of ``lines``; ``before``: rows read before them."""
+        commas = len(self.header) - 1
+        if all(line.count(",") == commas and '"' not in line for line in lines):
+            try:
+                return self._fast(lines)
+            except ValueError:
+                pass  # a malformed cell: the csv path says which
+        return self._slow(lines, before)
+
+    def _fast(self, lines: list[str]) -> tuple[Columns, Columns]:
+        ints = np.loadtxt(lines, delimiter=",", usecols=self.int_cols, dtype=np.int64, ndmin=2)
+        counts = {c: ints[:, k] for k, c in enumerate(SUMMED_REQUEST_COLUMNS)}
+        if self.floats_last and all(line.endswith(",,\n") for line in lines):
+            # the serving columns are empty: not a serving run
+            nan = np.full(len(lines), np.nan)
+            return counts, {c: nan for c in self.float_names}
+        floats = np.loadtxt(
+            lines,
+            delimiter=",",
+            usecols=self.float_cols,
+            dtype=np.float64,
+            ndmin=2,
+            converters=lambda cell: float(cell) if cell.strip() else np.nan,
+        )
+        return counts, {c: floats[:, k] for k, c in enumerate(self.float_names)}
+
+    def _slow(self, lines: list[str], before: int) -> tuple[Columns, Columns]:
+        chunk = list(csv.reader(lines))
+        header, path = self.header, self.path
+        bad = next((i for i, r in enumerate(chunk) if len(r) != len(header)), None)
+        if bad is not None:
+            raise RunDirError(
+                f"{path} row {before + bad + 2} has {len(chunk[bad])} cells, "
+                f"header has {len(header)}"
+            )
+        cells = list(zip(*chunk, strict=True))
+        counts = {c: _int_cells(c, cells[self.where[c]], path) for c in SUMMED_REQUEST_COLUMNS}
+        floats = {
+            c: _numeric(c, cells[self.where[c]], path).astype(np.float64) for c in self.float_names
+        }
+        return counts, floats
 
 
 def load_run(run_dir: str | Path) -> Run:
