@@ -39,7 +39,7 @@ def test_keyset_agrees_with_a_python_set_through_growth() -> None:
     assert len(ks) == len(ref)
     assert all(k in ks for k in ref)
     assert not any(int(k) in ks for k in rng.integers(2**63, 2**64, 2000, dtype=np.uint64))
-    assert ks.nbytes <= 32 * len(ks)  # 8-byte slots at a load of at least a quarter
+    assert ks.nbytes <= 22 * len(ks)  # 8-byte slots at a load of at least three eighths
 
 
 def test_rows_reach_disk_while_the_replay_runs() -> None:

@@ -15,7 +15,7 @@ of blocks 0..k, seed)`` with the seed from the namespace, or a fixed neutral see
 namespace-free keys. A streaming hash state yields the keys block after block, and starting it at
 block ``k`` costs one bulk update, so a prefix the cache already matched is never hashed block by
 block. A 64-bit collision (about 2**-64 per pair) could only shift the upper bound or a miss
-cause by one block; the cache itself never sees these keys. The keys live in a ``KeySet`` (16-32
+cause by one block; the cache itself never sees these keys. The keys live in a ``KeySet`` (11-21
 bytes a unique block), the one part of a replay's memory that grows with the trace; a replay
 without the upper bound keeps none.
 """

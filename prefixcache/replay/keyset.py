@@ -1,9 +1,10 @@
 """A compact, growable set of 64-bit keys: open addressing over one numpy array.
 
 The infinite-cache shadow remembers every full-block prefix a replay has seen; a Python set of
-ints costs about 60 bytes a key, this table 8 bytes a slot at a load of at most one half, so
-16-32 bytes a key. Keys are hash digests, already uniform, so a key's home slot is its low bits;
-collisions probe linearly. Slot value 0 means empty; the key 0 itself is kept in a flag.
+ints costs about 60 bytes a key, this table 8 bytes a slot at a load of at most three quarters
+(it doubles past that), so 11-21 bytes a key. Keys are hash digests, already uniform, so a key's
+home slot is its low bits; collisions probe linearly. Slot value 0 means empty; the key 0 itself
+is kept in a flag.
 
 Single keys are added from Python through a memoryview of the array (no numpy scalar per access);
 growing the table re-inserts every key with vectorized numpy, in rounds of linear probing.
@@ -23,7 +24,7 @@ class KeySet:
 
     def __init__(self, capacity: int = 0) -> None:
         slots = _MIN_SLOTS
-        while slots < 2 * capacity:
+        while slots * 3 < 4 * capacity:
             slots *= 2
         self._has_zero = False
         self._size = 0
@@ -33,7 +34,7 @@ class KeySet:
         self._table = np.zeros(slots, dtype=np.uint64)
         self._slots = self._table.data  # a memoryview: plain ints, no numpy scalars
         self._mask = slots - 1
-        self._limit = slots // 2
+        self._limit = slots * 3 // 4
 
     def __len__(self) -> int:
         return self._size
