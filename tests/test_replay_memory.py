@@ -45,14 +45,14 @@ def test_keyset_agrees_with_a_python_set_through_growth() -> None:
 def test_rows_reach_disk_while_the_replay_runs() -> None:
     rows = RequestRows()
     for i in range(20_000):
-        rows.add(i, float(i), "default", 100, i % 100, (6, 1, 0, 0, 0, 4, 0, 8))
-    on_disk = rows.path.read_text().count("\n")
-    assert on_disk >= 20_000 - 4096  # at most one small buffer is held back
+        rows.add(float(i), (i, 0, 100, i % 100, 6, 1, 0, 0, 0, 4, 0, 8))
+    ints, arrivals = rows._paths
+    assert ints.stat().st_size >= (20_000 - 4096) * 12 * 8  # at most one small buffer held back
+    assert arrivals.stat().st_size >= (20_000 - 4096) * 8
     assert rows.rolling_hit_rate() == pytest.approx(sum(range(100)) * 2 / 20_000)
-    assert len(rows.column("hit_tokens")) == 20_000
-    path = rows.path
+    assert rows.column("hit_tokens").tolist() == [i % 100 for i in range(20_000)]
     del rows
-    assert not path.exists()  # the spool goes with its rows
+    assert not ints.exists() and not arrivals.exists()  # the spool goes with its rows
 
 
 def test_written_rows_are_the_replayed_requests(tmp_path: Path) -> None:

@@ -83,7 +83,6 @@ class Accountant:
         self.log = RequestRows() if record else None
         self.timeline = Timeline() if record else None
         self.namespaces: dict[Namespace, int] = {}
-        self._labels: list[str] = []
         self.prefixes = TopPrefixes(hasher, TOP_PREFIXES)
         # peaks: physical blocks in use (and fragmentation then), logical blocks
         self.physical_peak = 0
@@ -114,7 +113,6 @@ class Accountant:
         ns_index = self.namespaces.get(req.namespace)
         if ns_index is None:
             ns_index = self.namespaces[req.namespace] = len(self.namespaces)
-            self._labels.append(req.namespace.label())
         if cow:
             n, m = f, 0
         else:
@@ -160,14 +158,20 @@ class Accountant:
 
         log = self.log
         if log is not None:
-            log.add(
+            row = (
                 request_id,
-                req.arrival_s,
-                self._labels[ns_index],
+                ns_index,
                 t,
                 cached_len,
-                (f, n, cold, capacity, isolation, tail, routing, outputs),
+                f,
+                n,
+                cold,
+                capacity,
+                isolation,
+                tail,
+                routing,
             )
+            log.add(req.arrival_s, (*row, outputs))
 
     def note_output(self, req: Request, full_tokens_buf: bytes) -> None:
         """A sequence grew by its output, which a later request may reuse: the infinite cache

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 _MIN_SLOTS = 1 << 12
+_GROW_SLICE = 1 << 20
 
 
 class KeySet:
@@ -79,11 +80,13 @@ class KeySet:
             i = (i + 1) & mask
 
     def _grow(self) -> None:
+        """Double the table, moving the keys over a slice of the old one at a time, so growing
+        needs the two tables and little else."""
         old = self._table
-        keys = old[old != 0]
-        del old
-        self._alloc(2 * len(self._table))
-        _insert_distinct(self._table, keys)
+        self._alloc(2 * len(old))
+        for start in range(0, len(old), _GROW_SLICE):
+            part = old[start : start + _GROW_SLICE]
+            _insert_distinct(self._table, part[part != 0])
 
 
 def _insert_distinct(table: np.ndarray, keys: np.ndarray) -> None:

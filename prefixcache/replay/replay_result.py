@@ -213,11 +213,12 @@ def write_run(
 
 
 def _write_requests(result: ReplayResult, path: Path) -> None:
+    labels = [ns.label() for ns in result.acc.namespaces]
     serving = result.serving
     if serving is None:
-        write_requests_csv(result.acc.log, path)
+        write_requests_csv(result.acc.log, labels, path)
     else:
-        write_requests_csv(result.acc.log, path, serving.ttft, serving.ttft_nocache)
+        write_requests_csv(result.acc.log, labels, path, serving.ttft, serving.ttft_nocache)
 
 
 def _write_timeline(result: ReplayResult, path: Path) -> None:
