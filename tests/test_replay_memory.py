@@ -40,6 +40,10 @@ def test_keyset_agrees_with_a_python_set_through_growth() -> None:
     assert all(k in ks for k in ref)
     assert not any(int(k) in ks for k in rng.integers(2**63, 2**64, 2000, dtype=np.uint64))
     assert ks.nbytes <= 22 * len(ks)  # 8-byte slots at a load of at least three eighths
+    more = [int(k) for k in rng.integers(0, 2**64, 40_000, dtype=np.uint64)] + [0, *ref]
+    ks.update(more)
+    ref.update(more)
+    assert len(ks) == len(ref) and all(k in ks for k in more)
 
 
 def test_rows_reach_disk_while_the_replay_runs() -> None:

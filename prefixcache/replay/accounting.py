@@ -23,7 +23,6 @@ without the upper bound keeps none.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -249,30 +248,30 @@ class Shadow:
         anchor = state.intdigest() if known else None
         if not self.enabled:
             return ShadowMatch(anchor, known, known)
-        u = _extend(state, buf, bb, known, num_blocks, self.seen.add)
+        u = _extend(state, buf, bb, known, num_blocks, self.seen)
         v = u
         if self.track_isolation and u < num_blocks:
             neutral = xxh3_64(buf[: u * bb], NEUTRAL_SEED)
-            v = _extend(neutral, buf, bb, u, num_blocks, self.seen_neutral.add)
+            v = _extend(neutral, buf, bb, u, num_blocks, self.seen_neutral)
         return ShadowMatch(anchor, u, v)
 
 
-def _extend(
-    state: xxh3_64, buf: bytes, bb: int, start: int, end: int, add: Callable[[int], bool]
-) -> int:
+def _extend(state: xxh3_64, buf: bytes, bb: int, start: int, end: int, seen: KeySet) -> int:
     """Walk blocks ``start .. end-1`` with a hash state holding the blocks before ``start``:
-    count the leading keys already seen (``add`` returns False for them), adding the others (a
-    chain past an unseen block is unseen)."""
-    update, digest = state.update, state.intdigest
+    count the leading keys already seen, adding the others (a chain past an unseen block is
+    unseen)."""
+    update, digest, add = state.update, state.intdigest, seen.add
     k = start
     offset = start * bb
     while k < end:
         update(buf[offset : offset + bb])
         offset += bb
         if add(digest()):
+            rest = []
             for o in range(offset, end * bb, bb):
                 update(buf[o : o + bb])
-                add(digest())
+                rest.append(digest())
+            seen.update(rest)
             return k
         k += 1
     return end

@@ -79,6 +79,26 @@ class KeySet:
                 return True
             i = (i + 1) & mask
 
+    def update(self, keys: list[int]) -> None:
+        """Insert every key of ``keys`` (as ``add`` does, one call for all of them)."""
+        for key in keys:
+            if key == 0:
+                self.add(0)
+                continue
+            slots, mask = self._slots, self._mask
+            i = key & mask
+            while True:
+                v = slots[i]
+                if v == key:
+                    break
+                if v == 0:
+                    slots[i] = key
+                    self._size += 1
+                    if self._size > self._limit:
+                        self._grow()
+                    break
+                i = (i + 1) & mask
+
     def _grow(self) -> None:
         """Double the table, moving the keys over a slice of the old one at a time, so growing
         needs the two tables and little else."""
