@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from prefixcache.cli import main
+from prefixcache.replay import ReplayConfig
+from prefixcache.replay.replay_config import ResolvedConfig
+from prefixcache.replay.sweep_executors import ProcessExecutor, SweepExecutor, open_executor
 
 CHAT = Path(__file__).resolve().parent / "golden" / "chat_small.yaml"
 
@@ -38,3 +42,17 @@ def test_the_ray_executor_without_ray_says_what_to_install(
     )
     assert code == 2 and err.count("\n") == 1
     assert "pip install 'prefixcache[ray]'" in err
+
+
+def _where(path: str, config: ResolvedConfig) -> dict:
+    return {"pid": os.getpid(), "blocks": config.capacity_blocks}
+
+
+def test_local_points_run_in_other_processes_as_soon_as_there_is_one_job_to_spare() -> None:
+    configs = [ReplayConfig(capacity_blocks=b).resolve() for b in (10, 20, 30)]
+    assert type(open_executor("local", 0)) is SweepExecutor  # --jobs 1: all in this process
+    with open_executor("local", 1) as executor:  # --jobs 2: this process and one worker
+        assert isinstance(executor, ProcessExecutor)
+        rows = dict(executor.start(_where, str(CHAT), configs))
+    assert [rows[i]["blocks"] for i in range(3)] == [10, 20, 30]
+    assert all(row["pid"] != os.getpid() for row in rows.values())

@@ -115,8 +115,8 @@ def check_executor(kind: str, address: str | None) -> None:
 
 
 def open_executor(kind: str, workers: int, address: str | None = None) -> SweepExecutor:
-    """The executor for ``kind`` (``local``: processes, or this process for one worker)."""
+    """The executor for ``kind`` (``local``: ``workers`` processes, or this process for none)."""
     check_executor(kind, address)
     if kind == "ray":
         return RayExecutor(address)
-    return ProcessExecutor(workers) if workers > 1 else SweepExecutor()
+    return ProcessExecutor(workers) if workers > 0 else SweepExecutor()
