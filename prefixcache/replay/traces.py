@@ -13,7 +13,7 @@ Optional on the token and prompt formats: ``arrival_s`` (or ``timestamp`` in sec
 
 Two guards stop a malformed or hostile line before it costs memory: a line longer than
 ``max_line_bytes`` is rejected while it is read (never held whole), and a prompt longer than
-``max_prompt_tokens`` (for Mooncake, hash ids x trace block size) before its tokens are built.
+``max_prompt_tokens`` (for Mooncake, its ``input_length``) before its tokens are built.
 
 Mooncake traces give only a hash id per trace block: each id's block is synthesized once
 (counter-based, so it depends only on the id and the seed) and kept in a bounded cache; a request's
