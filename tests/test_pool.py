@@ -95,3 +95,15 @@ def test_a_bad_block_count_is_one_error_line(tmp_path: Path) -> None:
             assert exc.code == 2
     assert "expected integers separated by commas: 'infinite'" in err.getvalue()
     assert "Traceback" not in err.getvalue()
+
+
+def test_unbounded_replicas_pool_to_one_unbounded_cache(tmp_path: Path) -> None:
+    chat = ROOT / "tests" / "golden" / "chat_small.yaml"
+    argv = ["replay", str(chat), "--mode", "serving", "--blocks", "inf", "--replicas", "2"]
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([*argv, "--out", str(tmp_path / "r")])
+    assert code == 0, err.getvalue()
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["fleet"]["pooled"]["capacity_blocks"] == UNBOUNDED
+    assert "(one replica, unbounded blocks, 2x compute)" in out.getvalue()

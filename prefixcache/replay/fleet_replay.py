@@ -36,6 +36,7 @@ from prefixcache.fleet.memory_index import MemoryFleetIndex
 from prefixcache.fleet.router import ReplicaSpec, Router
 from prefixcache.manager import CacheManager
 from prefixcache.namespace import Namespace
+from prefixcache.pool import UNBOUNDED
 from prefixcache.replay.accounting import Accountant, TimelineRow
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
@@ -343,18 +344,19 @@ def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
     gpu = cfg.gpu
     if gpu is not None:
         gpu = replace(gpu, peak_flops=gpu.peak_flops * n, hbm_bytes_per_s=gpu.hbm_bytes_per_s * n)
+    blocks = min(cfg.capacity_blocks * n, UNBOUNDED)  # n unbounded caches pool to one
     return replace(
         cfg,
         options=o.with_(
             replicas=1,
             routing=None,
             record=False,
-            capacity_blocks=cfg.capacity_blocks * n,
+            capacity_blocks=blocks,
             kv_memory=None,
             token_budget=o.token_budget * n,
             max_seqs=o.max_seqs * n,
         ),
-        capacity_blocks=cfg.capacity_blocks * n,
+        capacity_blocks=blocks,
         capacity_bytes=cfg.capacity_bytes * n if cfg.capacity_bytes is not None else None,
         gpu=gpu,
     )

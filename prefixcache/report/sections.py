@@ -376,7 +376,7 @@ def fleet(run: Run) -> Section:
     if pooled is not None:
         rows.append(
             [
-                f"pooled ({fmt.count(pooled['capacity_blocks'])} blocks)",
+                f"pooled ({fmt.capacity(pooled['capacity_blocks'])} blocks)",
                 fmt.count(run.report["requests"]),
                 fmt.NA,
                 fmt.pct(pooled["token_hit_rate"]),

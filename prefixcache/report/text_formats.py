@@ -178,7 +178,8 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
         if pooled:
             lines.append(
                 f"  pooled cache    hit {fmt.pct(pooled['token_hit_rate'])} "
-                f"(one replica, {pooled['capacity_blocks']:,} blocks, {fl['replicas']}x compute)"
+                f"(one replica, {fmt.capacity(pooled['capacity_blocks'])} blocks, "
+                f"{fl['replicas']}x compute)"
             )
     if r.get("sweep") and any("replicas" in row for row in r["sweep"]):
         lines.append(
