@@ -16,6 +16,8 @@ from prefixcache import CacheManager
 from prefixcache.cli import main
 from prefixcache.pool import UNBOUNDED, BlockPool
 from prefixcache.replay import ReplayConfig, replay_path
+from prefixcache.report.checks import consistency_checks
+from prefixcache.report.run_dir import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "scenarios" / "traces" / "mooncake_sample.jsonl"
@@ -84,6 +86,7 @@ def test_an_unbounded_replay_reaches_its_upper_bound(tmp_path: Path) -> None:
     finite = replay_path(SAMPLE, ReplayConfig(capacity_blocks=2_000_000)).to_report_dict()
     assert report["hit_tokens"] == finite["hit_tokens"]
     assert report["token_hit_rate"] == report["upper_bound_token_hit_rate"]
+    assert all(check.ok for check in consistency_checks(load_run(tmp_path / "r")))
 
 
 def test_a_bad_block_count_is_one_error_line(tmp_path: Path) -> None:

@@ -82,12 +82,13 @@ def _numeric(name: str, cells: tuple[str, ...], source: Path) -> np.ndarray:
         except ValueError as exc:
             raise RunDirError(f"{source}: column {name!r} is not numeric ({exc})") from None
     finite = values[np.isfinite(values)]
-    if (
-        len(finite) == len(values)
-        and np.all(finite == np.round(finite))
-        and np.all(np.abs(finite) < 2.0**63)  # free blocks of unbounded caches exceed int64
-    ):
-        return values.astype(np.int64)  # counters stay exact integers
+    if len(finite) == len(values) and np.all(finite == np.round(finite)):
+        if np.all(np.abs(finite) < 2.0**53):  # exact in float64
+            return values.astype(np.int64)  # counters stay exact integers
+        try:  # larger (free blocks of unbounded caches): exact Python ints
+            return np.array([int(c) for c in cells], dtype=object)
+        except ValueError:
+            pass
     return values
 
 
