@@ -116,19 +116,22 @@ def _check_gpu(mgr: CacheManager) -> None:
     for seq in states.values():
         private_refs.update(seq.private)
     private_refs.update(step_refs)
-    free = pool.free_ids()
-    private = [b for b in range(pool.num_blocks) if pool.refcount[b] > 0]
+    free = pool.returned_ids()  # the never-used blocks, handed_out and up, are not listed
+    private = list(pool.refcount)
+    used = pool.handed_out
+    _require(0 <= used <= pool.num_blocks, f"{used} blocks handed out of {pool.num_blocks}")
     _require(len(set(free)) == len(free), "free list holds a block twice")
     _require(len(set(tree_blocks)) == len(tree_blocks), "a block is in the index twice")
     everything = set(free) | set(tree_blocks) | set(private)
     _require(
-        len(free) + len(tree_blocks) + len(private) == pool.num_blocks == len(everything),
+        len(free) + len(tree_blocks) + len(private) == used == len(everything),
         "blocks are leaked or in two states",
     )
+    _require(all(0 <= b < used for b in everything), "a block id was never handed out")
     for b in private:
+        _require(pool.refcount[b] > 0, f"private block {b} has no owner")
         _require(pool.refcount[b] == private_refs[b], f"private block {b} refcount is wrong")
     _require(set(private_refs) == set(private), "a request lists a block it does not own")
-    _require(len(private) == pool.num_private, "private block count is wrong")
     counts = mgr.block_counts()
     _require(counts.total == pool.num_blocks, "block states do not add up")
 

@@ -3,34 +3,64 @@
 Blocks inside the radix index are counted per node (``Node.ref``); this pool only tracks FREE
 blocks and *private* ones (a sequence's partial last block, copy-on-write targets, duplicates),
 which may be shared by forks.
+
+Bookkeeping grows with the blocks in use, not with the pool's size: ids never handed out are not
+listed (the free list holds returned ids; fresh ids are counted out in order), and refcounts are
+kept for private blocks only. A pool of ``UNBOUNDED`` blocks costs no more than a small one.
+Blocks are handed out in the same order as a stack of every id would give them: the most
+recently returned first, then fresh ids 0, 1, 2, ...
 """
 
 from __future__ import annotations
+
+UNBOUNDED = 2**63 - 1  # the capacity of a cache that never runs out of blocks
+
+
+class Refcounts(dict[int, int]):
+    """Owners of each private block; any other block has none."""
+
+    def __missing__(self, block: int) -> int:
+        return 0
 
 
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
-        self.refcount = [0] * num_blocks  # of private blocks only
-        self.num_private = 0
+        self._free: list[int] = []  # returned blocks, a stack
+        self._fresh = 0  # blocks below this id have been handed out at least once
+        self.refcount = Refcounts()  # of private blocks only
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
+
+    @property
+    def num_private(self) -> int:
+        return len(self.refcount)
+
+    @property
+    def handed_out(self) -> int:
+        """Blocks ``0 .. handed_out-1`` have been used; the others were never taken."""
+        return self._fresh
 
     def take(self, k: int) -> list[int]:
         """Take ``k`` free blocks as private blocks with refcount 1 (caller checked capacity)."""
         if k == 0:
             return []
         free = self._free
-        ids = free[-k:]
-        del free[-k:]
-        ids.reverse()
+        if k <= len(free):
+            ids = free[-k:]
+            del free[-k:]
+            ids.reverse()
+        else:
+            ids = free[::-1]
+            free.clear()
+            start = self._fresh
+            self._fresh = start + k - len(ids)
+            ids.extend(range(start, self._fresh))
         rc = self.refcount
         for b in ids:
             rc[b] = 1
-        self.num_private += k
         return ids
 
     def share(self, ids: list[int]) -> None:
@@ -43,27 +73,33 @@ class BlockPool:
         """One owner fewer for each private block; blocks nobody owns become free."""
         rc, free = self.refcount, self._free
         for b in ids:
-            rc[b] -= 1
-            if rc[b] == 0:
+            n = rc[b] - 1
+            if n:
+                rc[b] = n
+            else:
+                del rc[b]
                 free.append(b)
-                self.num_private -= 1
 
     def to_index(self, ids: list[int]) -> None:
         """Private blocks (refcount 1) that the index now owns."""
         rc = self.refcount
         for b in ids:
-            rc[b] = 0
-        self.num_private -= len(ids)
+            del rc[b]
 
     def give_back(self, ids: list[int]) -> None:
         """Blocks evicted from the index become free."""
         self._free.extend(ids)
 
-    def free_ids(self) -> list[int]:
+    def returned_ids(self) -> list[int]:
+        """Free blocks that were used before (every free block below ``handed_out``)."""
         return list(self._free)
+
+    def free_ids(self) -> list[int]:
+        """Every free block (for small pools: lists the never-used ones too)."""
+        return [*self._free, *range(self._fresh, self.num_blocks)]
 
     def reset(self) -> None:
         """Every block free again."""
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-        self.refcount = [0] * self.num_blocks
-        self.num_private = 0
+        self._free = []
+        self._fresh = 0
+        self.refcount = Refcounts()

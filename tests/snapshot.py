@@ -44,7 +44,7 @@ def snapshot(mgr: CacheManager) -> dict[str, Any]:
         "trees": sorted((repr(ns), _node(root)) for ns, root in mgr.index.roots.items()),
         "counts": (mgr.index.num_blocks, mgr.index.active_blocks, mgr.index.num_nodes),
         "free": mgr.pool.free_ids(),
-        "refcount": list(mgr.pool.refcount),
+        "refcount": sorted(mgr.pool.refcount.items()),
         "seqs": seqs,
         "pins": {h: mgr.index.path_blocks(n) for h, n in mgr.pins.items()},
         "pending": sorted(mgr.pending_blocks),

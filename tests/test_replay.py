@@ -151,11 +151,10 @@ def test_miss_causes_cold_capacity_isolation_tail() -> None:
     assert log is not None
     rows = list(
         zip(
-            log.hit_tokens,
-            log.miss_cold,
-            log.miss_capacity,
-            log.miss_isolation,
-            log.miss_tail,
+            *(
+                log.column(c).astype(int).tolist()
+                for c in ("hit_tokens", "miss_cold", "miss_capacity", "miss_isolation", "miss_tail")
+            ),
             strict=True,
         )
     )
@@ -213,10 +212,20 @@ def test_any_workload_accounts_every_token(
     report = result.to_report_dict()
     log = result.acc.log
     assert log is not None
-    for i in range(len(log)):
-        missed = log.miss_cold[i] + log.miss_capacity[i] + log.miss_isolation[i] + log.miss_tail[i]
-        assert missed == log.prompt_tokens[i] - log.hit_tokens[i]
-        assert min(log.miss_cold[i], log.miss_capacity[i], log.miss_isolation[i]) >= 0
+    cold, capacity, isolation, tail, prompt, hit = (
+        log.column(c)
+        for c in (
+            "miss_cold",
+            "miss_capacity",
+            "miss_isolation",
+            "miss_tail",
+            "prompt_tokens",
+            "hit_tokens",
+        )
+    )
+    assert len(prompt) == len(log) == len(reqs)
+    assert np.array_equal(cold + capacity + isolation + tail, prompt - hit)
+    assert min(cold.min(), capacity.min(), isolation.min()) >= 0
     assert report["hit_tokens"] == result.stats.hit_tokens
     assert report["token_hit_rate"] <= report["upper_bound_token_hit_rate"]
     # the infinite cache, by brute force over token tuples

@@ -92,7 +92,7 @@ def test_sessions_reuse_decoded_output(tmp_path: Path) -> None:
     log = result.acc.log
     assert log is not None
     # 64 prompt tokens and 47 written outputs are cached: 111 tokens, 6 full blocks
-    assert list(log.hit_tokens) == [0, 6 * p]
+    assert log.column("hit_tokens").tolist() == [0, 6 * p]
     assert result.to_report_dict()["upper_bound_token_hit_rate"] == 6 * p / (64 + 122)
 
 

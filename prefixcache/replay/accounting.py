@@ -15,13 +15,14 @@ of blocks 0..k, seed)`` with the seed from the namespace, or a fixed neutral see
 namespace-free keys. A streaming hash state yields the keys block after block, and starting it at
 block ``k`` costs one bulk update, so a prefix the cache already matched is never hashed block by
 block. A 64-bit collision (about 2**-64 per pair) could only shift the upper bound or a miss
-cause by one block; the cache itself never sees these keys.
+cause by one block; the cache itself never sees these keys. The keys live in a ``KeySet`` (11-21
+bytes a unique block), the one part of a replay's memory that grows with the trace; a replay
+without the upper bound keeps none.
 """
 
 from __future__ import annotations
 
 import heapq
-from array import array
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,35 +32,14 @@ from xxhash import xxh3_64
 
 from prefixcache.hashing import BlockHasher
 from prefixcache.namespace import Namespace
+from prefixcache.replay.keyset import KeySet
 from prefixcache.replay.request import Request
+from prefixcache.replay.request_rows import RequestRows
 
 TOP_PREFIXES = 10
 NEUTRAL_SEED = 0x5EED
 _h64 = xxhash.xxh3_64_intdigest
 _TABLE_LIMIT = 100_000  # distinct prefixes kept; beyond it the half that saved least is dropped
-
-
-class RequestLog:
-    """One compact column per field of requests.csv (typed arrays, not Python objects)."""
-
-    def __init__(self) -> None:
-        self.request_id = array("q")
-        self.arrival_s = array("d")
-        self.namespace = array("i")
-        self.prompt_tokens = array("q")
-        self.hit_tokens = array("q")
-        self.hit_blocks = array("q")
-        self.miss_cold = array("q")
-        self.miss_capacity = array("q")
-        self.miss_isolation = array("q")
-        self.miss_tail = array("q")
-        self.miss_routing = array("q")
-        self.output_tokens = array("q")
-        self.ttft_s = array("d")  # serving mode only, filled in at the end
-        self.ttft_nocache_s = array("d")
-
-    def __len__(self) -> int:
-        return len(self.request_id)
 
 
 @dataclass(slots=True)
@@ -95,12 +75,13 @@ class Accountant:
         *,
         track_isolation: bool,
         record: bool = True,
+        upper_bound: bool = True,
     ) -> None:
         self.p = block_size
         self.hasher = hasher
-        self.shadow = Shadow(block_size, track_isolation)
+        self.shadow = Shadow(block_size, track_isolation, enabled=upper_bound)
         self.totals = Totals()
-        self.log = RequestLog() if record else None
+        self.log = RequestRows() if record else None
         self.timeline = Timeline() if record else None
         self.namespaces: dict[Namespace, int] = {}
         self.prefixes = TopPrefixes(hasher, TOP_PREFIXES)
@@ -183,18 +164,20 @@ class Accountant:
 
         log = self.log
         if log is not None:
-            log.request_id.append(request_id)
-            log.arrival_s.append(req.arrival_s)
-            log.namespace.append(ns_index)
-            log.prompt_tokens.append(t)
-            log.hit_tokens.append(cached_len)
-            log.hit_blocks.append(n)
-            log.miss_cold.append(cold)
-            log.miss_capacity.append(capacity)
-            log.miss_isolation.append(isolation)
-            log.miss_tail.append(tail)
-            log.miss_routing.append(routing)
-            log.output_tokens.append(outputs)
+            row = (
+                request_id,
+                ns_index,
+                t,
+                cached_len,
+                f,
+                n,
+                cold,
+                capacity,
+                isolation,
+                tail,
+                routing,
+            )
+            log.add(req.arrival_s, (*row, outputs))
 
     def note_output(self, req: Request, full_tokens_buf: bytes) -> None:
         """A sequence grew by its output, which a later request may reuse: the infinite cache
@@ -212,12 +195,9 @@ class Accountant:
     def top_prefixes(self) -> list[dict[str, object]]:
         return self.prefixes.top()
 
-    def rolling_hit_rate(self, window: int = 200) -> float:
-        log = self.log
-        if log is None or not len(log):
-            return 0.0
-        prompt = sum(log.prompt_tokens[-window:])
-        return sum(log.hit_tokens[-window:]) / prompt if prompt else 0.0
+    def rolling_hit_rate(self) -> float:
+        """Token hit rate of the latest requests (0 when rows are not recorded)."""
+        return self.log.rolling_hit_rate() if self.log is not None else 0.0
 
 
 # ---- the infinite cache next to the real one --------------------------------------------------
@@ -246,13 +226,18 @@ class ShadowMatch(NamedTuple):
 
 
 class Shadow:
-    """The full-block prefixes a replay has seen so far, per namespace and namespace-free."""
+    """The full-block prefixes a replay has seen so far, per namespace and namespace-free.
 
-    def __init__(self, block_size: int, track_isolation: bool) -> None:
+    ``enabled=False`` keeps nothing: every sequence is reported as seen exactly as far as the
+    real cache matched it (no upper bound, no capacity or isolation misses), in constant memory.
+    """
+
+    def __init__(self, block_size: int, track_isolation: bool, *, enabled: bool = True) -> None:
         self.block_bytes = 4 * block_size
-        self.track_isolation = track_isolation
-        self.seen: set[int] = set()  # prefix keys seen, namespace in the key
-        self.seen_neutral: set[int] = set()  # the same prefixes without the namespace
+        self.track_isolation = track_isolation and enabled
+        self.enabled = enabled
+        self.seen = KeySet()  # prefix keys seen, namespace in the key
+        self.seen_neutral = KeySet()  # the same prefixes without the namespace
         self.seed = NamespaceSeeds()
 
     @property
@@ -268,6 +253,8 @@ class Shadow:
         bb = self.block_bytes
         state = xxh3_64(buf[: known * bb], self.seed(namespace))
         anchor = state.intdigest() if known else None
+        if not self.enabled:
+            return ShadowMatch(anchor, known, known)
         u = _extend(state, buf, bb, known, num_blocks, self.seen)
         v = u
         if self.track_isolation and u < num_blocks:
@@ -276,22 +263,22 @@ class Shadow:
         return ShadowMatch(anchor, u, v)
 
 
-def _extend(state: xxh3_64, buf: bytes, bb: int, start: int, end: int, seen: set[int]) -> int:
+def _extend(state: xxh3_64, buf: bytes, bb: int, start: int, end: int, seen: KeySet) -> int:
     """Walk blocks ``start .. end-1`` with a hash state holding the blocks before ``start``:
-    count the leading keys in ``seen``, add the others (a chain past an unseen block is unseen)."""
-    update, digest = state.update, state.intdigest
+    count the leading keys already seen, adding the others (a chain past an unseen block is
+    unseen)."""
+    update, digest, add = state.update, state.intdigest, seen.add
     k = start
     offset = start * bb
     while k < end:
         update(buf[offset : offset + bb])
         offset += bb
-        key = digest()
-        if key not in seen:
-            seen.add(key)
-            add = seen.add
+        if add(digest()):
+            rest = []
             for o in range(offset, end * bb, bb):
                 update(buf[o : o + bb])
-                add(digest())
+                rest.append(digest())
+            seen.update(rest)
             return k
         k += 1
     return end

@@ -24,7 +24,6 @@ and no route to get wrong, its hit rate is what routing aims for.
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -37,6 +36,7 @@ from prefixcache.fleet.memory_index import MemoryFleetIndex
 from prefixcache.fleet.router import ReplicaSpec, Router
 from prefixcache.manager import CacheManager
 from prefixcache.namespace import Namespace
+from prefixcache.pool import UNBOUNDED
 from prefixcache.replay.accounting import Accountant, TimelineRow
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
@@ -350,18 +350,19 @@ def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
     gpu = cfg.gpu
     if gpu is not None:
         gpu = replace(gpu, peak_flops=gpu.peak_flops * n, hbm_bytes_per_s=gpu.hbm_bytes_per_s * n)
+    blocks = min(cfg.capacity_blocks * n, UNBOUNDED)  # n unbounded caches pool to one
     return replace(
         cfg,
         options=o.with_(
             replicas=1,
             routing=None,
             record=False,
-            capacity_blocks=cfg.capacity_blocks * n,
+            capacity_blocks=blocks,
             kv_memory=None,
             token_budget=o.token_budget * n,
             max_seqs=o.max_seqs * n,
         ),
-        capacity_blocks=cfg.capacity_blocks * n,
+        capacity_blocks=blocks,
         capacity_bytes=cfg.capacity_bytes * n if cfg.capacity_bytes is not None else None,
         gpu=gpu,
     )
@@ -422,12 +423,6 @@ def run_fleet(
     plain = FleetSimulator(cfg, None, namespace, caching=False)
     plain.run(reopen())
     pooled = run_pooled(reopen(), cfg, multi_namespace)
-    if acc.log is not None:
-        ids = acc.log.request_id
-        acc.log.ttft_s = _column(sim.ttft[i] for i in ids)
-        acc.log.ttft_nocache_s = _column(
-            plain.ttft[i] if i < len(plain.ttft) else math.nan for i in ids
-        )
     serving = ServingStats(
         sim.ttft,
         plain.ttft,
@@ -444,7 +439,3 @@ def run_fleet(
         sum(sim.index.num_blocks(r.name) for r in sim.replicas),
     )
     return FleetRun(serving, fleet, sim.cache_stats(), sim, sim.tiers)
-
-
-def _column(values: Iterable[float]) -> array[float]:
-    return array("d", values)

@@ -13,10 +13,12 @@ from typing import Any
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.eviction import POLICIES
 from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
+from prefixcache.pool import UNBOUNDED
 from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
 from prefixcache.replay.replay_config import MODES, ReplayConfig
+from prefixcache.replay.sweep_executors import EXECUTORS
 from prefixcache.replay.tier_settings import DEFAULT_HOST_BANDWIDTH, DEFAULT_POOL_BANDWIDTH
-from prefixcache.replay.traces import FORMATS
+from prefixcache.replay.traces import FORMATS, MAX_LINE_BYTES, MAX_PROMPT_TOKENS
 
 
 def register(subparsers: Any) -> None:
@@ -34,7 +36,11 @@ def register(subparsers: Any) -> None:
         help="scenario file (YAML/TOML) or trace (Mooncake JSONL, token or prompt JSONL, text)",
     )
     size = rp.add_argument_group("cache size (one of)")
-    size.add_argument("--blocks", type=_int_list, help="capacity in blocks, e.g. 1000,5859,10000")
+    size.add_argument(
+        "--blocks",
+        type=_blocks_list,
+        help="capacity in blocks, e.g. 1000,5859,10000; inf: a cache that never evicts",
+    )
     size.add_argument(
         "--kv-memory", type=_size_list, metavar="SIZE", help="KV memory, e.g. 40GiB (needs --model)"
     )
@@ -89,6 +95,23 @@ def register(subparsers: Any) -> None:
         help="recompute partially matching blocks instead of copying them",
     )
     rp.add_argument("--jobs", type=int, help="processes for a sweep (default: CPUs)")
+    rp.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="local",
+        help="where a sweep's points run: local processes (default) or Ray tasks",
+    )
+    rp.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="Ray cluster for --executor ray: auto, ray://host:port (default: a local instance)",
+    )
+    rp.add_argument(
+        "--no-upper-bound",
+        action="store_true",
+        help="skip the infinite-cache upper bound, whose memory grows with the trace's unique "
+        "blocks (misses are then not split into cold and capacity)",
+    )
     rp.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -305,6 +328,28 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--output-len", type=int, default=128, help="output tokens for lines that give none (128)"
     )
+    g.add_argument(
+        "--max-line-bytes",
+        type=_positive,
+        default=MAX_LINE_BYTES,
+        help=f"reject longer trace lines ({MAX_LINE_BYTES:,})",
+    )
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=_positive,
+        default=MAX_PROMPT_TOKENS,
+        help=f"reject longer trace prompts ({MAX_PROMPT_TOKENS:,})",
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer: {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -317,6 +362,14 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
     return values
+
+
+def _blocks_list(text: str) -> list[int]:
+    """Capacities in blocks; ``inf`` is an unbounded cache."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    finite = ",".join(x for x in parts if x.lower() != "inf")
+    values = _int_list(finite) if finite else []
+    return [UNBOUNDED if x.lower() == "inf" else values.pop(0) for x in parts] or _int_list(text)
 
 
 def _replica_list(text: str) -> list[int]:
@@ -382,6 +435,9 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         output_len=args.output_len,
         host_bw=args.host_bw,
         pool_bw=args.pool_bw,
+        max_line_bytes=args.max_line_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        upper_bound=not args.no_upper_bound,
     )
     tiers: list[dict[str, Any]] = [
         {"host_memory": host, "pool_memory": pool}
@@ -439,7 +495,14 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         if args.out is not None:
             check_run_dir(args.out)  # before the replay, not after it
-        result = replay_sweep(args.source, _configs(args), jobs=args.jobs, progress=args.progress)
+        result = replay_sweep(
+            args.source,
+            _configs(args),
+            jobs=args.jobs,
+            progress=args.progress,
+            executor=args.executor,
+            ray_address=args.ray_address,
+        )
         report = result.to_report_dict()
         out = write_run(result, args.out or default_run_dir(result.name), report)
         _render_rich_report(out)
@@ -489,6 +552,8 @@ def _analyze(args: argparse.Namespace) -> int:
             trace_block_size=args.trace_block_size,
             tokenizer=args.tokenizer,
             output_len=args.output_len,
+            max_line_bytes=args.max_line_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
         )
         sizes = args.block_size
         if sizes is None:

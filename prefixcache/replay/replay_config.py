@@ -9,6 +9,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.eviction import POLICIES
 from prefixcache.hashing import HASH_FUNCTIONS
 from prefixcache.manager import CacheManager
+from prefixcache.pool import UNBOUNDED
 from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu, get_model
 from prefixcache.replay.tier_settings import (
     DEFAULT_HOST_BANDWIDTH,
@@ -16,6 +17,7 @@ from prefixcache.replay.tier_settings import (
     TierSettings,
     resolve_tiers,
 )
+from prefixcache.replay.traces import MAX_LINE_BYTES, MAX_PROMPT_TOKENS
 
 MODES = ("sequential", "serving")
 DEFAULT_SERVING_MODEL = "llama-3.1-8b"
@@ -23,7 +25,7 @@ DEFAULT_SERVING_MODEL = "llama-3.1-8b"
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    capacity_blocks: int | None = None  # cache size in blocks, or
+    capacity_blocks: int | None = None  # cache size in blocks (UNBOUNDED: never full), or
     kv_memory: int | None = None  # cache size in bytes (needs model)
     block_size: int = 16
     model: str | None = None  # table name or model file; serving defaults to 8B
@@ -48,12 +50,15 @@ class ReplayConfig:
     trace_block_size: int = 512  # Mooncake tokens per hash id
     tokenizer: str | None = None
     output_len: int = 128  # for trace lines without an output length
+    max_line_bytes: int = MAX_LINE_BYTES  # longer trace lines are rejected
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS  # longer trace prompts are rejected
     record: bool = True  # per-request rows and timeline (off in sweep workers)
     # memory tiers below the GPU cache (prefixcache.replay.tier_settings)
     host_memory: int | None = None  # host-memory tier per replica, bytes (needs model)
     pool_memory: int | None = None  # one pool shared by all replicas, bytes (needs model)
     host_bw: float = DEFAULT_HOST_BANDWIDTH  # host <-> GPU bytes/s
     pool_bw: float = DEFAULT_POOL_BANDWIDTH  # pool <-> GPU bytes/s
+    upper_bound: bool = True  # the infinite-cache shadow (memory grows with unique blocks)
 
     def with_(self, **changes: Any) -> ReplayConfig:
         return replace(self, **changes)
@@ -86,7 +91,14 @@ class ReplayConfig:
                 f"unknown hash {self.hash_algo!r}; choose one of "
                 f"{', '.join(sorted(HASH_FUNCTIONS))}"
             )
-        for name in ("block_size", "token_budget", "max_seqs", "trace_block_size"):
+        for name in (
+            "block_size",
+            "token_budget",
+            "max_seqs",
+            "trace_block_size",
+            "max_line_bytes",
+            "max_prompt_tokens",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -130,7 +142,8 @@ class ReplayConfig:
             blocks = self.capacity_blocks
             if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
                 raise ConfigError(f"capacity must be a positive number of blocks, got {blocks!r}")
-            capacity_bytes = blocks * bytes_per_block if bytes_per_block else None
+            unbounded = blocks >= UNBOUNDED
+            capacity_bytes = blocks * bytes_per_block if bytes_per_block and not unbounded else None
         elif self.kv_memory is not None:
             if bytes_per_block is None:
                 raise ConfigError(
@@ -239,6 +252,8 @@ class ResolvedConfig:
         }
         if o.mode == "serving" and o.model is None:
             out["model_defaulted"] = True
+        if not o.upper_bound:
+            out["upper_bound"] = False
         if o.mode == "serving":
             gpu = self.gpu.name if self.gpu is not None else o.gpu
             out.update(gpu=gpu, token_budget=o.token_budget, max_seqs=o.max_seqs, tp=o.tp)

@@ -23,12 +23,12 @@ from prefixcache.errors import ConfigError
 from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.model_specs import ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
+from prefixcache.replay.request_rows import format_number, write_requests_csv
 from prefixcache.replay.serving_figures import BenchmarkFigures, Load
 from prefixcache.replay.tier_report import tiers_row
 from prefixcache.run_format import (
     MISS_CAUSES,
     PERCENTILES,
-    REQUEST_COLUMNS,
     SCHEMA_VERSION,
     TIMELINE_COLUMNS,
     nearest_rank,
@@ -105,7 +105,7 @@ class ReplayResult:
             "policy": self.config.options.policy,
             "token_hit_rate": rate(tot.hit_tokens, tot.prompt_tokens),
             "block_hit_rate": rate(tot.hit_blocks, tot.prompt_blocks),
-            "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
+            "upper_bound_token_hit_rate": self._bound(tot.ub_tokens, tot.prompt_tokens),
             "evicted_blocks": self.stats.evicted_blocks,
             "prompt_tokens": tot.prompt_tokens,
             "misses": self._missed(),
@@ -124,6 +124,10 @@ class ReplayResult:
             "routing": tot.routing,
         }
         return {cause: by_cause.get(cause, 0) for cause in MISS_CAUSES}
+
+    def _bound(self, hits: int, total: int) -> float | None:
+        """An upper-bound rate; None when the replay ran without the upper bound."""
+        return rate(hits, total) if self.acc.shadow.enabled else None
 
     def _fleet_row(self) -> dict[str, Any]:
         """Fleet columns of a sweep line (none for a single-cache replay)."""
@@ -167,8 +171,8 @@ class ReplayResult:
             "prompt_blocks": tot.prompt_blocks,
             "hit_blocks": tot.hit_blocks,
             "block_hit_rate": rate(tot.hit_blocks, tot.prompt_blocks),
-            "upper_bound_token_hit_rate": rate(tot.ub_tokens, tot.prompt_tokens),
-            "upper_bound_block_hit_rate": rate(tot.ub_blocks, tot.prompt_blocks),
+            "upper_bound_token_hit_rate": self._bound(tot.ub_tokens, tot.prompt_tokens),
+            "upper_bound_block_hit_rate": self._bound(tot.ub_blocks, tot.prompt_blocks),
             "zero_hit_requests": tot.zero_hit,
             "rejected_requests": tot.rejected,
             "truncated_outputs": self.truncated_outputs,
@@ -260,40 +264,13 @@ def check_run_dir(out: Path) -> None:
         raise ConfigError(f"--out {out}: {parent} is not writable")
 
 
-def _num(x: float) -> str:
-    return "" if math.isnan(x) else repr(round(x, 9))
-
-
 def _write_requests(result: ReplayResult, path: Path) -> None:
-    log = result.acc.log
     labels = [ns.label() for ns in result.acc.namespaces]
-    with atomic_open(path, newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(REQUEST_COLUMNS)
-        if log is None:
-            return
-        n = len(log)
-        blocks = [t // result.config.options.block_size for t in log.prompt_tokens]
-        nan = [math.nan] * n
-        w.writerows(
-            zip(  # noqa: B905 - equal-length columns
-                log.request_id,
-                map(_num, log.arrival_s),
-                (labels[i] for i in log.namespace),
-                log.prompt_tokens,
-                log.hit_tokens,
-                blocks,
-                log.hit_blocks,
-                log.miss_cold,
-                log.miss_capacity,
-                log.miss_isolation,
-                log.miss_tail,
-                log.miss_routing,
-                log.output_tokens,
-                map(_num, log.ttft_s or nan),
-                map(_num, log.ttft_nocache_s or nan),
-            )
-        )
+    serving = result.serving
+    if serving is None:
+        write_requests_csv(result.acc.log, labels, path)
+    else:
+        write_requests_csv(result.acc.log, labels, path, serving.ttft, serving.ttft_nocache)
 
 
 def _write_timeline(result: ReplayResult, path: Path) -> None:
@@ -304,8 +281,8 @@ def _write_timeline(result: ReplayResult, path: Path) -> None:
         for row in rows:
             w.writerow(
                 (
-                    _num(float(row[0])) if isinstance(row[0], float) else row[0],
+                    format_number(float(row[0])) if isinstance(row[0], float) else row[0],
                     *row[1:7],
-                    _num(row[7]),
+                    format_number(row[7]),
                 )
             )

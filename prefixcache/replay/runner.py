@@ -1,8 +1,9 @@
 """Run replays: open the source, build the cache manager, drive it, collect the result.
 
-A sweep runs several cache configurations over one workload, in parallel processes. The first
-configuration is the primary run (full per-request rows); the others report one line each.
-Workers re-open the source themselves, so nothing large crosses process boundaries.
+A sweep runs several cache configurations over one workload, in parallel processes or Ray tasks
+(``sweep_executors``). The first configuration is the primary run (full per-request rows); the
+others report one line each. Workers re-open the source themselves, so nothing large crosses
+process boundaries.
 
 Long replays show a progress bar on stderr when it is a terminal: tqdm when installed, otherwise
 a single self-rewriting line; either way updated every few thousand requests, so it costs nothing
@@ -12,11 +13,9 @@ per request.
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +29,7 @@ from prefixcache.replay.replay_result import ReplayResult
 from prefixcache.replay.request import Request
 from prefixcache.replay.sequential import run_sequential
 from prefixcache.replay.sources import Source, open_source
+from prefixcache.replay.sweep_executors import check_executor, open_executor
 from prefixcache.replay.tier_admission import Tiers, build_tiers
 from prefixcache.replay.tier_report import tiers_report
 
@@ -48,7 +48,11 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     config = resolved.options
     mgr = resolved.cache_manager()
     acc = Accountant(
-        config.block_size, mgr.hasher, track_isolation=source.multi_namespace, record=config.record
+        config.block_size,
+        mgr.hasher,
+        track_isolation=source.multi_namespace,
+        record=config.record,
+        upper_bound=config.upper_bound,
     )
     arrivals = ScaledArrivals(source, config.arrival_factor)
     bar = _serving_progress(source, resolved, progress)
@@ -156,10 +160,15 @@ def replay_sweep(
     *,
     jobs: int | None = None,
     progress: bool | None = False,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> ReplayResult:
-    """Replay ``configs[0]`` in full and every config's summary; ``result.sweep`` lists them."""
+    """Replay ``configs[0]`` in full and every config's summary; ``result.sweep`` lists them.
+    ``executor``: where the other points run, ``local`` processes (``jobs`` of them, this one
+    included) or ``ray`` tasks (on the cluster at ``ray_address``)."""
     if not configs:
         raise ValueError("replay_sweep needs at least one configuration")
+    check_executor(executor, ray_address)
     # resolve and open everything first: a bad configuration fails before any process starts
     points = [configs[0], *(c.with_(record=False) for c in configs[1:])]
     resolved = [c.resolve() for c in points]
@@ -167,20 +176,13 @@ def replay_sweep(
     jobs = max(1, jobs or min(len(configs), os.cpu_count() or 1))
     if len(points) == 1:
         return _replay(sources[0], resolved[0], progress)
-    if jobs == 1:
+    rest = resolved[1:]
+    rows: list[dict[str, Any]] = [{} for _ in rest]
+    with open_executor(executor, min(jobs - 1, len(rest)), ray_address) as workers:
+        finished = workers.start(_summary_row, str(path), rest)
         primary = _replay(sources[0], resolved[0], progress)
-        rows = [
-            _replay(s, r, False).summary_row()
-            for s, r in zip(sources[1:], resolved[1:], strict=True)
-        ]
-    else:
-        methods = mp.get_all_start_methods()
-        ctx = mp.get_context("fork" if "fork" in methods else "spawn")
-        rest = resolved[1:]
-        with ProcessPoolExecutor(max_workers=min(jobs - 1, len(rest)) or 1, mp_context=ctx) as pool:
-            futures = [pool.submit(_summary_row, str(path), r) for r in rest]
-            primary = _replay(sources[0], resolved[0], progress)
-            rows = [f.result() for f in futures]
+        for i, row in finished:
+            rows[i] = row
     primary.sweep = [primary.summary_row(), *rows]
     return primary
 

@@ -24,7 +24,6 @@ estimates; the efficiencies below are assumptions, shown in every report.
 from __future__ import annotations
 
 import math
-from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -529,13 +528,6 @@ def run_serving(
     base = Simulator(plain, cfg, None)
     base.on_finish = on_finish
     base.run(again)
-    if acc.log is not None:
-        # rows are in admission order; request_id maps them back to arrival order
-        ids = acc.log.request_id
-        acc.log.ttft_s = array("d", (sim.ttft[i] for i in ids))
-        acc.log.ttft_nocache_s = array(
-            "d", (base.ttft[i] if i < len(base.ttft) else math.nan for i in ids)
-        )
     arrivals = sim.arrival
     span = max(arrivals) - min(arrivals) if arrivals else 0.0
     return ServingStats(

@@ -76,7 +76,7 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
             total,
             workload.__iter__,
         )
-    fmt = config.trace_format or detect_format(p)
+    fmt = config.trace_format or detect_format(p, config.max_line_bytes)
     check_block_size(fmt, config.trace_block_size, config.block_size)
     seed = config.seed if config.seed is not None else 0
     options = TraceOptions(
@@ -85,6 +85,8 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
         seed=seed,
         tokenizer=config.tokenizer,
         output_len=config.output_len,
+        max_line_bytes=config.max_line_bytes,
+        max_prompt_tokens=config.max_prompt_tokens,
     )
     return Source(
         str(p),

@@ -8,7 +8,8 @@ from pathlib import Path
 from prefixcache.replay.workload_errors import TraceFormatError
 
 
-def _not_utf8(path: str, line: int, exc: UnicodeDecodeError) -> TraceFormatError:
+def not_utf8_error(path: str, line: int, exc: UnicodeDecodeError) -> TraceFormatError:
+    """The error for a line that is not UTF-8, naming the file, the line and the byte."""
     return TraceFormatError(
         path, line, f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); save the file as UTF-8"
     )
@@ -22,7 +23,7 @@ def utf8_lines(path: str | Path) -> Iterator[tuple[int, str]]:
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise _not_utf8(str(path), lineno, exc) from None
+                raise not_utf8_error(str(path), lineno, exc) from None
 
 
 def read_utf8(path: str | Path) -> str:
@@ -31,4 +32,4 @@ def read_utf8(path: str | Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _not_utf8(str(path), data.count(b"\n", 0, exc.start) + 1, exc) from None
+        raise not_utf8_error(str(path), data.count(b"\n", 0, exc.start) + 1, exc) from None

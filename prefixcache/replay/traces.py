@@ -11,6 +11,10 @@ Optional on the token and prompt formats: ``arrival_s`` (or ``timestamp`` in sec
 ``output_length``, ``n``, and namespace fields ``model``, ``adapter``, ``adapter_version``,
 ``salt``. A bad line raises TraceFormatError with its line number.
 
+Two guards stop a malformed or hostile line before it costs memory: a line longer than
+``max_line_bytes`` is rejected while it is read (never held whole), and a prompt longer than
+``max_prompt_tokens`` (for Mooncake, its ``input_length``) before its tokens are built.
+
 Mooncake traces give only a hash id per trace block: each id's block is synthesized once
 (counter-based, so it depends only on the id and the seed) and kept in a bounded cache; a request's
 tokens are the concatenation of its blocks, the last one cut to the input length. Text prompts go
@@ -32,7 +36,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.replay.request import Request
 from prefixcache.replay.synth import FULL_VOCAB, blocks_tokens, mix64, stream_key
-from prefixcache.replay.text_input import utf8_lines
+from prefixcache.replay.text_input import not_utf8_error
 from prefixcache.replay.workload_errors import TraceFormatError
 from prefixcache.tokens import MAX_TOKEN_ID
 
@@ -40,6 +44,8 @@ FORMATS = ("mooncake", "tokens", "prompts", "text")
 TOKEN_KEYS = ("token_ids", "input_ids", "tokens")
 PROMPT_KEYS = ("prompt", "text", "messages")
 NAMESPACE_KEYS = ("model", "adapter", "adapter_version", "salt")
+MAX_LINE_BYTES = 16 << 20  # a 2M-token prompt as token ids fits
+MAX_PROMPT_TOKENS = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -51,34 +57,35 @@ class TraceOptions:
     tokenizer: str | None = None  # prompts/text: tokenizer.json path, None = bytes
     output_len: int = 128  # when a line gives none
     namespace: Namespace = DEFAULT_NAMESPACE
+    max_line_bytes: int = MAX_LINE_BYTES  # longest line read
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS  # longest prompt built
 
 
-def detect_format(path: str | Path) -> str:
+def detect_format(path: str | Path, limit: int = MAX_LINE_BYTES) -> str:
     """The format of a trace from its first non-empty line (and ``.txt`` for text)."""
     p = Path(path)
     if p.suffix.lower() == ".txt":
         return "text"
-    for lineno, line in utf8_lines(p):
-        if line.strip():
-            obj = _parse(line, str(p), lineno)
-            if "hash_ids" in obj:
-                return "mooncake"
-            if any(k in obj for k in TOKEN_KEYS):
-                return "tokens"
-            if any(k in obj for k in PROMPT_KEYS):
-                return "prompts"
-            raise TraceFormatError(
-                str(p),
-                lineno,
-                "unrecognized record: expected hash_ids (Mooncake), one of "
-                f"{', '.join(TOKEN_KEYS)} (token ids) or {', '.join(PROMPT_KEYS)} (text)",
-            )
+    for lineno, line in _lines(str(p), limit):
+        obj = _parse(line, str(p), lineno)
+        if "hash_ids" in obj:
+            return "mooncake"
+        if any(k in obj for k in TOKEN_KEYS):
+            return "tokens"
+        if any(k in obj for k in PROMPT_KEYS):
+            return "prompts"
+        raise TraceFormatError(
+            str(p),
+            lineno,
+            "unrecognized record: expected hash_ids (Mooncake), one of "
+            f"{', '.join(TOKEN_KEYS)} (token ids) or {', '.join(PROMPT_KEYS)} (text)",
+        )
     raise TraceFormatError(str(p), 0, "the trace is empty")
 
 
 def read_trace(path: str | Path, options: TraceOptions | None = None) -> Iterator[Request]:
     options = options or TraceOptions()
-    fmt = options.format or detect_format(path)
+    fmt = options.format or detect_format(path, options.max_line_bytes)
     if fmt == "mooncake":
         return _mooncake(str(path), options)
     if fmt == "tokens":
@@ -90,19 +97,42 @@ def read_trace(path: str | Path, options: TraceOptions | None = None) -> Iterato
 
 def trace_namespaces(path: str | Path, options: TraceOptions) -> bool:
     """Whether the trace may hold several namespaces (its first record names one)."""
-    fmt = options.format or detect_format(path)
+    fmt = options.format or detect_format(path, options.max_line_bytes)
     if fmt in ("mooncake", "text"):
         return False
-    for lineno, line in utf8_lines(path):
-        if line.strip():
-            return any(k in _parse(line, str(path), lineno) for k in NAMESPACE_KEYS)
+    for lineno, line in _lines(str(path), options.max_line_bytes):
+        return any(k in _parse(line, str(path), lineno) for k in NAMESPACE_KEYS)
     return False
 
 
-def _lines(path: str) -> Iterator[tuple[int, str]]:
-    for lineno, line in utf8_lines(path):
-        if line.strip():
-            yield lineno, line
+def _lines(path: str, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[int, str]]:
+    """Non-empty lines with their numbers; a line over ``limit`` bytes is an error."""
+    with open(path, "rb") as f:
+        lineno = 0
+        while raw := f.readline(limit + 1):
+            lineno += 1
+            if len(raw) > limit and not (len(raw) == limit + 1 and raw.endswith(b"\n")):
+                raise TraceFormatError(
+                    path,
+                    lineno,
+                    f"line longer than {limit:,} bytes (raise the limit with --max-line-bytes)",
+                )
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise not_utf8_error(path, lineno, exc) from None
+            if line.strip():
+                yield lineno, line
+
+
+def _check_prompt(tokens: int, opt: TraceOptions, path: str, lineno: int) -> None:
+    if tokens > opt.max_prompt_tokens:
+        raise TraceFormatError(
+            path,
+            lineno,
+            f"prompt of {tokens:,} tokens, over the limit of {opt.max_prompt_tokens:,} "
+            "(raise it with --max-prompt-tokens)",
+        )
 
 
 def _parse(line: str, path: str, lineno: int) -> dict[str, Any]:
@@ -146,9 +176,10 @@ def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
     block = opt.trace_block_size
     synth = MooncakeTokens(block, opt.seed, opt.vocab_size)
     ns = opt.namespace
-    for lineno, line in _lines(path):
+    for lineno, line in _lines(path, opt.max_line_bytes):
         obj = _parse(line, path, lineno)
         length = _int(obj, "input_length", path, lineno, 1)
+        _check_prompt(length, opt, path, lineno)
         output = _int(obj, "output_length", path, lineno, 0, default=0)
         ids = obj.get("hash_ids")
         if not isinstance(ids, list):
@@ -187,13 +218,14 @@ def _namespace(obj: dict[str, Any], base: Namespace, path: str, lineno: int) -> 
 
 def _tokens(path: str, opt: TraceOptions) -> Iterator[Request]:
     cache: dict[tuple, Namespace] = {}
-    for lineno, line in _lines(path):
+    for lineno, line in _lines(path, opt.max_line_bytes):
         obj = _parse(line, path, lineno)
         ids = next((obj[k] for k in TOKEN_KEYS if k in obj), None)
         if not isinstance(ids, list) or not ids:
             raise TraceFormatError(
                 path, lineno, f"expected a non-empty list in one of {', '.join(TOKEN_KEYS)}"
             )
+        _check_prompt(len(ids), opt, path, lineno)
         try:
             arr = np.asarray(ids, dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
@@ -206,13 +238,14 @@ def _tokens(path: str, opt: TraceOptions) -> Iterator[Request]:
 def _prompts(path: str, opt: TraceOptions, tok: Tokenizer, *, text: bool) -> Iterator[Request]:
     cache: dict[tuple, Namespace] = {}
     if text:
-        for lineno, line in _lines(path):
+        for lineno, line in _lines(path, opt.max_line_bytes):
             tokens = tok.encode(line.rstrip("\r\n"))
             if len(tokens) == 0:
                 raise TraceFormatError(path, lineno, "the prompt encodes to no tokens")
+            _check_prompt(len(tokens), opt, path, lineno)
             yield Request(0.0, tokens, opt.output_len, opt.namespace)
         return
-    for lineno, line in _lines(path):
+    for lineno, line in _lines(path, opt.max_line_bytes):
         obj = _parse(line, path, lineno)
         if "messages" in obj:
             msgs = obj["messages"]
@@ -236,6 +269,7 @@ def _prompts(path: str, opt: TraceOptions, tok: Tokenizer, *, text: bool) -> Ite
         tokens = tok.encode(prompt)
         if len(tokens) == 0:
             raise TraceFormatError(path, lineno, "the prompt encodes to no tokens")
+        _check_prompt(len(tokens), opt, path, lineno)
         yield _request(obj, tokens, opt, path, lineno, cache)
 
 

@@ -82,9 +82,9 @@ def timeline_summary(run: Run) -> TimelineSummary | None:
     )
 
 
-def achieved(rate: float, bound: float) -> float | None:
-    """Hit rate as a fraction of its upper bound; None when the bound is zero."""
-    return rate / bound if bound > 0 else None
+def achieved(rate: float, bound: float | None) -> float | None:
+    """Hit rate as a fraction of its upper bound; None when the bound is zero or unknown."""
+    return rate / bound if bound is not None and bound > 0 else None
 
 
 def ttft_samples(run: Run) -> tuple[np.ndarray, np.ndarray]:

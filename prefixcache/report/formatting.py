@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prefixcache.pool import UNBOUNDED
+
 NA = "n/a"
 
 
@@ -20,6 +22,11 @@ def count(n: float | None) -> str:
 def count_f(x: float | None) -> str:
     """A rate or other real number rounded to a whole count, with thousands separators."""
     return NA if x is None else f"{x:,.0f}"
+
+
+def capacity(blocks: int) -> str:
+    """A cache size in blocks; "unbounded" for a cache that never runs out."""
+    return "unbounded" if blocks >= UNBOUNDED else f"{blocks:,}"
 
 
 def pct(x: float | None) -> str:

@@ -21,6 +21,7 @@ from matplotlib.ticker import (
 )
 from numpy.typing import ArrayLike
 
+from prefixcache.pool import UNBOUNDED
 from prefixcache.report.figures import (
     hit_ratio_histogram,
     ratio_percentiles,
@@ -72,12 +73,16 @@ def headline(run: Run) -> Figure:
     r = run.report
     fig, (ax,) = new_figure((6.4, 2.2))
     names = ["Block hit rate", "Token hit rate"]
-    bounds = [r["upper_bound_block_hit_rate"], r["upper_bound_token_hit_rate"]]
     rates = [r["block_hit_rate"], r["token_hit_rate"]]
-    ax.barh(names, bounds, color="#d9e6f2", edgecolor=BLUE, label="upper bound (infinite cache)")
+    bounds = [r["upper_bound_block_hit_rate"], r["upper_bound_token_hit_rate"]]
+    if None not in bounds:
+        ax.barh(
+            names, bounds, color="#d9e6f2", edgecolor=BLUE, label="upper bound (infinite cache)"
+        )
     ax.barh(names, rates, color=BLUE, height=0.5, label="achieved")
     for y, (rate, bound) in enumerate(zip(rates, bounds, strict=True)):
-        ax.text(max(bound, rate) + 0.01, y, f"{rate:.1%} of {bound:.1%}", va="center")
+        of = f" of {bound:.1%}" if bound is not None else ""
+        ax.text(max(bound or 0.0, rate) + 0.01, y, f"{rate:.1%}{of}", va="center")
     ax.set_xlim(0, 1.2)  # room for the labels right of the bars
     ax.set_xticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])  # no tick past 100%
     ax.xaxis.set_major_formatter(PercentFormatter(1.0))
@@ -138,9 +143,9 @@ def timeline(run: Run) -> Figure:
     fig, (blocks, evictions, rate) = new_figure((11.0, 6.6), rows=3)
     active, cached = tl["blocks_active"][idx], tl["blocks_cached"][idx]
     blocks.stackplot(t, active, cached, labels=["active", "cached"], colors=[BLUE, ORANGE])
-    _capacity_line(
-        blocks, int(r["config"]["capacity_blocks"]), int((active + cached).max(initial=0))
-    )
+    capacity = int(r["config"]["capacity_blocks"])
+    if capacity < UNBOUNDED:  # an unbounded cache has no capacity to mark
+        _capacity_line(blocks, capacity, int((active + cached).max(initial=0)))
     blocks.set_ylabel("blocks")
     blocks.yaxis.set_major_formatter(FuncFormatter(_thousands))
     blocks.legend(loc="upper left", ncols=3, fontsize="small")
@@ -152,9 +157,13 @@ def timeline(run: Run) -> Figure:
     cumulative = tl["hit_tokens_cum"] / np.maximum(tl["prompt_tokens_cum"], 1)
     rate.plot(t, cumulative[idx], color=GREEN, linewidth=2.5, alpha=0.6, label="cumulative")
     rate.plot(t, tl["rolling_token_hit_rate"][idx], color=BLUE, linewidth=1, label="rolling")
-    rate.axhline(
-        r["upper_bound_token_hit_rate"], color=GREY, linestyle="--", label="upper bound (whole run)"
-    )
+    if r["upper_bound_token_hit_rate"] is not None:
+        rate.axhline(
+            r["upper_bound_token_hit_rate"],
+            color=GREY,
+            linestyle="--",
+            label="upper bound (whole run)",
+        )
     rate.set_ylim(0, 1)
     rate.yaxis.set_major_formatter(PercentFormatter(1.0))
     rate.set_ylabel("token hit rate")
@@ -266,7 +275,7 @@ def capacity(run: Run) -> Figure:
                     color=RED,
                     gid="knee_label",
                 )
-    if not varying(points, "block_size"):
+    if not varying(points, "block_size") and run.report["upper_bound_token_hit_rate"] is not None:
         ax.axhline(
             run.report["upper_bound_token_hit_rate"],
             color=GREY,

@@ -1,5 +1,9 @@
 """A replay's run directory, loaded: report.json plus the per-request and timeline CSV files.
 
+requests.csv grows with the trace (a row per request), so it is read in one streaming pass, a
+chunk of rows at a time: the sums the cross-checks need are added up as the chunks go by, and
+only the columns the figures need are kept, as numpy arrays (prompt and hit tokens, TTFTs).
+
 report.json is validated against ``schema.json`` by a small validator for the part of JSON Schema
 the file uses (type, required, properties, items, enum, minimum, maximum, pattern), so reading a
 report needs no extra dependency.
@@ -8,6 +12,7 @@ report needs no extra dependency.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import re
@@ -20,9 +25,23 @@ from typing import Any
 import numpy as np
 
 from prefixcache.errors import PrefixCacheError
-from prefixcache.run_format import REQUEST_COLUMNS, SCHEMA_VERSION, TIMELINE_COLUMNS
+from prefixcache.run_format import MISS_CAUSES, REQUEST_COLUMNS, SCHEMA_VERSION, TIMELINE_COLUMNS
 
 _TEXT_COLUMNS = frozenset({"request_id", "namespace"})
+KEPT_REQUEST_COLUMNS = ("prompt_tokens", "hit_tokens", "ttft_s", "ttft_nocache_s")
+SUMMED_REQUEST_COLUMNS = (
+    "prompt_tokens",
+    "hit_tokens",
+    "prompt_blocks",
+    "hit_blocks",
+    "miss_cold",
+    "miss_capacity",
+    "miss_isolation",
+    "miss_tail",
+    "miss_routing",
+    "output_tokens",
+)
+_CHUNK_ROWS = 16_384
 
 Columns = dict[str, np.ndarray]
 
@@ -32,15 +51,26 @@ class RunDirError(PrefixCacheError, ValueError):
 
 
 @dataclass(frozen=True)
+class RequestTotals:
+    """What requests.csv adds up to, gathered in the streaming pass."""
+
+    rows: int
+    sums: dict[str, int]  # per SUMMED_REQUEST_COLUMNS
+    zero_hit_rows: int  # rows with no hit token
+    rows_add_up: bool  # every row's misses add up to its prompt minus hit tokens
+
+
+@dataclass(frozen=True)
 class Run:
     path: Path
     report: dict[str, Any]  # report.json, validated
-    requests: Columns  # requests.csv by column; empty cells of numeric columns are NaN
+    requests: Columns  # KEPT_REQUEST_COLUMNS of requests.csv; empty numeric cells are NaN
+    request_totals: RequestTotals
     timeline: Columns  # timeline.csv by column
 
     @property
     def num_requests(self) -> int:
-        return len(self.requests["prompt_tokens"])
+        return self.request_totals.rows
 
 
 def _numeric(name: str, cells: tuple[str, ...], source: Path) -> np.ndarray:
@@ -53,7 +83,12 @@ def _numeric(name: str, cells: tuple[str, ...], source: Path) -> np.ndarray:
             raise RunDirError(f"{source}: column {name!r} is not numeric ({exc})") from None
     finite = values[np.isfinite(values)]
     if len(finite) == len(values) and np.all(finite == np.round(finite)):
-        return values.astype(np.int64)  # counters stay exact integers
+        if np.all(np.abs(finite) < 2.0**53):  # exact in float64
+            return values.astype(np.int64)  # counters stay exact integers
+        try:  # larger (free blocks of unbounded caches): exact Python ints
+            return np.array([int(c) for c in cells], dtype=object)
+        except ValueError:
+            pass
     return values
 
 
@@ -82,6 +117,108 @@ def read_columns(path: Path, required: tuple[str, ...]) -> Columns:
     }
 
 
+def _int_cells(name: str, cells: tuple[str, ...], source: Path) -> np.ndarray:
+    try:
+        return np.array(cells).astype(np.int64)
+    except ValueError:
+        values = _numeric(name, cells, source)
+        if values.dtype != np.int64:
+            raise RunDirError(f"{source}: column {name!r} holds a non-integer count") from None
+        return values
+
+
+def read_requests(path: Path) -> tuple[RequestTotals, Columns]:
+    """Stream requests.csv once: its totals, and the columns the figures need."""
+    if not path.is_file():
+        raise RunDirError(f"{path} not found")
+    sums = dict.fromkeys(SUMMED_REQUEST_COLUMNS, 0)
+    kept: dict[str, list[np.ndarray]] = {c: [] for c in KEPT_REQUEST_COLUMNS}
+    rows = zero_hit = 0
+    add_up = True
+    misses = [f"miss_{c}" for c in MISS_CAUSES]
+    with path.open(newline="", encoding="utf-8") as f:
+        header = next(csv.reader([f.readline()]), None)
+        if header is None:
+            raise RunDirError(f"{path} is empty (no header)")
+        missing = [c for c in REQUEST_COLUMNS if c not in header]
+        if missing:
+            raise RunDirError(f"{path} lacks column(s) {', '.join(missing)}")
+        chunks = _Chunks(path, header)
+        while lines := list(itertools.islice(f, _CHUNK_ROWS)):
+            counts, floats = chunks.parse(lines, rows)
+            for c, values in counts.items():
+                sums[c] += int(values.sum())
+            hit = counts["hit_tokens"]
+            zero_hit += int(np.count_nonzero(hit == 0))
+            missed = sum(counts[c] for c in misses)
+            add_up = add_up and bool(np.all(missed == counts["prompt_tokens"] - hit))
+            for c in KEPT_REQUEST_COLUMNS:
+                kept[c].append(counts[c] if c in counts else floats[c])
+            rows += len(lines)
+    columns = {
+        c: np.concatenate(parts) if parts else np.zeros(0, dtype=np.float64)
+        for c, parts in kept.items()
+    }
+    return RequestTotals(rows, sums, zero_hit, add_up), columns
+
+
+class _Chunks:
+    """Parses chunks of requests.csv lines: numpy's C reader when every line is plain (no
+    quotes, the header's number of cells), the csv module otherwise, which also names a bad row."""
+
+    def __init__(self, path: Path, header: list[str]) -> None:
+        self.path, self.header = path, header
+        self.where = {name: k for k, name in enumerate(header)}
+        self.int_cols = [self.where[c] for c in SUMMED_REQUEST_COLUMNS]
+        self.float_names = [c for c in KEPT_REQUEST_COLUMNS if c not in SUMMED_REQUEST_COLUMNS]
+        self.float_cols = [self.where[c] for c in self.float_names]
+        n = len(header)
+        self.floats_last = sorted(self.float_cols) == [n - 2, n - 1]  # as replay writes them
+
+    def parse(self, lines: list[str], before: int) -> tuple[Columns, Columns]:
+        """Count and float columns of ``lines``; ``before``: rows read before them."""
+        commas = len(self.header) - 1
+        if all(line.count(",") == commas and '"' not in line for line in lines):
+            try:
+                return self._fast(lines)
+            except ValueError:
+                pass  # a malformed cell: the csv path says which
+        return self._slow(lines, before)
+
+    def _fast(self, lines: list[str]) -> tuple[Columns, Columns]:
+        ints = np.loadtxt(lines, delimiter=",", usecols=self.int_cols, dtype=np.int64, ndmin=2)
+        counts = {c: ints[:, k] for k, c in enumerate(SUMMED_REQUEST_COLUMNS)}
+        if self.floats_last and all(line.endswith(",,\n") for line in lines):
+            # the serving columns are empty: not a serving run
+            nan = np.full(len(lines), np.nan)
+            return counts, {c: nan for c in self.float_names}
+        floats = np.loadtxt(
+            lines,
+            delimiter=",",
+            usecols=self.float_cols,
+            dtype=np.float64,
+            ndmin=2,
+            converters=lambda cell: float(cell) if cell.strip() else np.nan,
+        )
+        return counts, {c: floats[:, k] for k, c in enumerate(self.float_names)}
+
+    def _slow(self, lines: list[str], before: int) -> tuple[Columns, Columns]:
+        chunk = list(csv.reader(lines))
+        header, path = self.header, self.path
+        bad = next((i for i, r in enumerate(chunk) if len(r) != len(header)), None)
+        if bad is not None:
+            raise RunDirError(
+                f"{path} row {before + bad + 2} has {len(chunk[bad])} cells, "
+                f"header has {len(header)}"
+            )
+        cells = list(zip(*chunk, strict=True))
+        counts = {c: _int_cells(c, cells[self.where[c]], path) for c in SUMMED_REQUEST_COLUMNS}
+        floats = {
+            c: _numeric(c, cells[self.where[c]], path).astype(np.float64) for c in self.float_names
+        }
+        return counts, floats
+
+
 def load_run(run_dir: str | Path) -> Run:
     """Load and validate a run directory written by ``prefixcache replay``."""
     path = Path(run_dir)
@@ -93,9 +230,11 @@ def load_run(run_dir: str | Path) -> Run:
     except json.JSONDecodeError as exc:
         raise RunDirError(f"{report_path} is not valid JSON: {exc}") from None
     validate_report(report)
-    requests = read_columns(path / "requests.csv", REQUEST_COLUMNS)
+    totals, requests = read_requests(path / "requests.csv")
     timeline = read_columns(path / "timeline.csv", TIMELINE_COLUMNS)
-    return Run(path=path, report=report, requests=requests, timeline=timeline)
+    return Run(
+        path=path, report=report, requests=requests, request_totals=totals, timeline=timeline
+    )
 
 
 # ---- report.json against its schema -----------------------------------------------------------

@@ -48,7 +48,7 @@ def build_document(run: Run) -> Document:
     r = run.report
     subtitle = (
         f"{Path(r['source']['path']).name}: {r['requests']:,} requests, block size "
-        f"{r['config']['block_size']}, {r['config']['capacity_blocks']:,} blocks, "
+        f"{r['config']['block_size']}, {fmt.capacity(r['config']['capacity_blocks'])} blocks, "
         f"{r['config']['policy']}, {r['config']['mode']}"
     )
     return Document(
@@ -88,7 +88,7 @@ def header(run: Run) -> Section:
     ns = r["namespaces"]
     shown = ", ".join(ns[:MAX_NAMESPACES_SHOWN])
     more = f" (+{len(ns) - MAX_NAMESPACES_SHOWN} more)" if len(ns) > MAX_NAMESPACES_SHOWN else ""
-    capacity = f"{fmt.count(cfg['capacity_blocks'])} blocks"
+    capacity = f"{fmt.capacity(cfg['capacity_blocks'])} blocks"
     if cfg["capacity_bytes"] is not None:
         capacity += f" ({fmt.nbytes(cfg['capacity_bytes'])})"
     fields = [
@@ -488,7 +488,7 @@ def fleet(run: Run) -> Section:
     if pooled is not None:
         rows.append(
             [
-                f"pooled ({fmt.count(pooled['capacity_blocks'])} blocks)",
+                f"pooled ({fmt.capacity(pooled['capacity_blocks'])} blocks)",
                 fmt.count(run.report["requests"]),
                 fmt.NA,
                 fmt.pct(pooled["token_hit_rate"]),

@@ -132,7 +132,7 @@ def render_markdown(doc: Document) -> str:
 def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
     """A report.json in a dozen lines: setup, hit rates, misses, savings, latency, sweep."""
     c, m, s = r["config"], r["misses"], r["savings"]
-    size = f"{c['capacity_blocks']:,} blocks"
+    size = f"{fmt.capacity(c['capacity_blocks'])} blocks"
     if c["capacity_bytes"] is not None:
         size += f" ({fmt.nbytes(c['capacity_bytes'], digits=1)} of {c['model']} KV)"
     prompt = r["prompt_tokens"] or 1
@@ -198,7 +198,8 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
         if pooled:
             lines.append(
                 f"  pooled cache    hit {fmt.pct(pooled['token_hit_rate'])} "
-                f"(one replica, {pooled['capacity_blocks']:,} blocks, {fl['replicas']}x compute)"
+                f"(one replica, {fmt.capacity(pooled['capacity_blocks'])} blocks, "
+                f"{fl['replicas']}x compute)"
             )
     if r.get("sweep") and any("replicas" in row for row in r["sweep"]):
         lines.append(
