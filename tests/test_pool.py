@@ -83,7 +83,9 @@ def test_an_unbounded_replay_reaches_its_upper_bound(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["evicted_blocks"] == 0 and report["misses"]["capacity"] == 0
     assert report["config"]["capacity_blocks"] == UNBOUNDED
-    finite = replay_path(SAMPLE, ReplayConfig(capacity_blocks=2_000_000)).to_report_dict()
+    finite = replay_path(  # the CLI takes a Mooncake trace's own block size (512)
+        SAMPLE, ReplayConfig(capacity_blocks=2_000_000, block_size=512)
+    ).to_report_dict()
     assert report["hit_tokens"] == finite["hit_tokens"]
     assert report["token_hit_rate"] == report["upper_bound_token_hit_rate"]
     assert all(check.ok for check in consistency_checks(load_run(tmp_path / "r")))
