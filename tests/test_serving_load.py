@@ -210,4 +210,4 @@ def test_partial_copy_sources_do_not_inflate_peak_blocks(tmp_path: Path) -> None
 
 def _prompt_lengths(result: object) -> list[int]:
     log = result.acc.log  # type: ignore[attr-defined]
-    return list(log.prompt_tokens)
+    return [int(t) for t in log.column("prompt_tokens")]
