@@ -188,3 +188,16 @@ def test_cli_sweeps_replicas_and_policies(
         (2, "prefix"),
     ]
     assert all(r["pooled_token_hit_rate"] >= r["token_hit_rate"] for r in rows)
+
+
+def test_fleet_run_passes_its_consistency_checks(small: Path, tmp_path: Path) -> None:
+    """The fleet timeline adds up every replica's blocks: it is checked against the fleet's
+    total capacity, not one replica's."""
+    from prefixcache.report import load_run
+    from prefixcache.report.checks import consistency_checks
+
+    out = tmp_path / "fleet"
+    argv = ["replay", str(small), "--mode", "serving", "--blocks", str(BLOCKS)]
+    assert main([*argv, "--replicas", "3", "--routing", "prefix", "--out", str(out)]) == 0
+    failed = [c.name for c in consistency_checks(load_run(out)) if not c.ok]
+    assert failed == []

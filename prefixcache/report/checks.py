@@ -79,12 +79,13 @@ def consistency_checks(run: Run) -> list[Check]:
     checks += _savings_checks(r)
     if len(tl["t"]):
         states = tl["blocks_active"] + tl["blocks_cached"] + tl["blocks_free"]
-        capacity = r["config"]["capacity_blocks"]
+        replicas = int(r["config"].get("replicas") or 1)  # a fleet's timeline adds its replicas
+        capacity = r["config"]["capacity_blocks"] * replicas
         checks += [
             Check(
                 "active + cached + free = capacity at every sample",
                 bool(np.all(states == capacity)),
-                f"capacity {capacity}",
+                f"capacity {capacity}" + (f" ({replicas} replicas)" if replicas > 1 else ""),
             ),
             _equal(
                 "timeline ends at all prompt tokens",
