@@ -39,7 +39,7 @@ from prefixcache.replay.sources import open_source
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "scenarios" / "traces" / "mooncake_sample.jsonl"
-FULL = Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl")
+FULL = ROOT.parent / "shared" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 MODEL = "llama-3.1-8b"
 
 
