@@ -230,7 +230,7 @@ class CacheManager:
                 node = digest = None
         if host_run:  # off the host tier before any offload of ours can evict them
             host_slots = self._unload(host_run, namespace)
-        fresh = self._take(need)
+        fresh = self._take(need, owned=False)  # what stays private is owned after the commit
         if host_run:
             self._loads += map(Load, host_slots, fresh)
             if not self.stepped:  # the caller runs this call's loads before its next call
@@ -262,7 +262,8 @@ class CacheManager:
                 partial_tokens = 0
         seq.unconfirmed = True
         if self.enable_caching:
-            self._commit(seq, arr, buf, t // p, digest, now)
+            self._commit(seq, arr, buf, t // p, digest, now, owned=False)
+        self.pool.own(seq.private)  # usually just the partial last block
         if priority:
             self._set_priority(seq.deepest, priority, retention, now)
         self._seqs[request_id] = seq
@@ -767,12 +768,13 @@ class CacheManager:
             self.evictor.push(leaf, now)
             self.evictor.compact(self.index.num_nodes)
 
-    def _take(self, k: int) -> list[int]:
-        """``k`` private blocks, evicting exactly the deficit (capacity was checked)."""
+    def _take(self, k: int, *, owned: bool = True) -> list[int]:
+        """``k`` private blocks, evicting exactly the deficit (capacity was checked). Not
+        ``owned``: no refcounts yet (see ``BlockPool.take_unowned``)."""
         deficit = k - self.pool.num_free
         if deficit > 0:
             self._evict(deficit)
-        return self.pool.take(k)
+        return self.pool.take(k) if owned else self.pool.take_unowned(k)
 
     def _evict(self, count: int) -> None:
         now = self._now()
@@ -876,10 +878,13 @@ class CacheManager:
         upto: int,
         digest: bytes | None,
         now: float,
+        *,
+        owned: bool = True,
     ) -> None:
         """Enter the sequence's full blocks up to ``upto`` into the index, in order; they are
         pending until confirmed. A block already cached by another sequence stays private here
-        (a duplicate) and the path moves onto the cached one; a digest collision stops."""
+        (a duplicate) and the path moves onto the cached one; a digest collision stops.
+        ``owned``: the blocks carry refcounts to drop (not so for a fresh admission's)."""
         if seq.blocked:
             return
         parent = seq.deepest
@@ -899,7 +904,7 @@ class CacheManager:
         i = parent.end if parent.parent is not None else 0
         if i < upto:
             prev = digests[i - start - 1] if i > start else (digest if i > 0 else None)
-            self._store(seq, parent, digests[i - start :], buf, i, upto, prev, now)
+            self._store(seq, parent, digests[i - start :], buf, i, upto, prev, now, owned)
 
     def _follow_cached(
         self,
@@ -940,14 +945,17 @@ class CacheManager:
         upto: int,
         prev: bytes | None,
         now: float,
+        owned: bool,
     ) -> None:
         """Index the sequence's own blocks ``i .. upto-1`` (``digests``) after ``parent``; they
-        are pending. ``prev`` is the digest before them, for the event."""
+        are pending. ``prev`` is the digest before them, for the event; ``owned``: they carry
+        refcounts to drop."""
         bb = self.index.block_bytes
         ids = seq.table[i:upto]
         run = buf[i * bb : upto * bb]
         node = self.index.add(parent, digests, run, ids, now)
-        self.pool.to_index(ids)
+        if owned:
+            self.pool.to_index(ids)
         private = seq.private
         if private[: len(ids)] == ids:  # the usual case: the oldest private blocks
             del private[: len(ids)]

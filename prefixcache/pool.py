@@ -45,6 +45,14 @@ class BlockPool:
 
     def take(self, k: int) -> list[int]:
         """Take ``k`` free blocks as private blocks with refcount 1 (caller checked capacity)."""
+        ids = self.take_unowned(k)
+        self.own(ids)
+        return ids
+
+    def take_unowned(self, k: int) -> list[int]:
+        """Take ``k`` free blocks without owners yet: within the same call the caller hands each
+        to the index or ``own``s it (an admission indexes most of its blocks at once, so they
+        never need a refcount)."""
         if k == 0:
             return []
         free = self._free
@@ -58,10 +66,13 @@ class BlockPool:
             start = self._fresh
             self._fresh = start + k - len(ids)
             ids.extend(range(start, self._fresh))
+        return ids
+
+    def own(self, ids: list[int]) -> None:
+        """Blocks from ``take_unowned`` that stay private: refcount 1."""
         rc = self.refcount
         for b in ids:
             rc[b] = 1
-        return ids
 
     def share(self, ids: list[int]) -> None:
         """One more owner for each private block (a fork)."""
