@@ -277,8 +277,9 @@ class CacheManager:
         if plan.host_found:
             st.host_hit_blocks += plan.host_found
             st.loaded_blocks += len(host_run)
-        return Admission(
-            cached_len, list(table), copies, t, p, n, partial_tokens, cow, len(host_run)
+        return _new(
+            Admission,
+            (cached_len, list(table), copies, t, p, n, partial_tokens, cow, len(host_run)),
         )
 
     def _plan(
@@ -297,7 +298,8 @@ class CacheManager:
             if root is None and self.host is not None and self.host.entries:
                 on_host, found = self._host_run(buf, t, 0, self.hasher.seed(namespace))
                 cached_len = len(on_host) * p
-                return _Plan(num_logical, 0, None, 0, False, None, cached_len, on_host, found)
+                plan = (num_logical, 0, None, 0, False, None, cached_len, on_host, found)
+                return _new(_Plan, plan)
             return _Plan(num_logical, 0, None, 0, False, None, 0, [], 0)
         match = self.index.match(root, buf, t // p)
         host = self.host
@@ -322,7 +324,7 @@ class CacheManager:
             cached = self.index.num_blocks - self.index.active_blocks
             free = self.pool.num_free + cached
             if need <= free - n:  # fits even if every matched block were unheld now
-                return _Plan(need, n, match, shared, cow, partial, cached_len, run, found)
+                return _new(_Plan, (need, n, match, shared, cow, partial, cached_len, run, found))
             held_cached = 0
             cur: Node | None = node
             count = j
@@ -1005,6 +1007,8 @@ def _under(node: Node | None, region: set[int]) -> bool:
         node = node.parent
     return False
 
+
+_new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
 
 _UNHASHABLE = "request ids must be hashable (a str, an int, a tuple of them), got {}"
 

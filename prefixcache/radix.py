@@ -19,6 +19,8 @@ from prefixcache.hashing import DIGEST_SIZE, BlockHasher
 from prefixcache.namespace import Namespace
 
 D = DIGEST_SIZE
+# builds a NamedTuple from a tuple in C (the generated __new__ is a Python call): hot paths only
+_new = tuple.__new__
 MAX_GROW_BLOCKS = 256  # a node grows in place up to this many blocks, then a child takes over
 
 
@@ -203,7 +205,7 @@ class RadixIndex:
             digest = bytes(child.digests[(m - 1) * D : m * D])
             if m < len(child.blocks):
                 break
-        return MatchResult(node, j, n, digest)
+        return _new(MatchResult, (node, j, n, digest))
 
     def common_blocks(self, node: Node, buf: bytes | bytearray, start: int, k: int) -> int:
         """How many of the node's first ``k`` blocks equal the sequence's from block ``start``."""
@@ -237,14 +239,14 @@ class RadixIndex:
         if j < len(node.blocks):  # the match ended inside the node
             bb = self.block_bytes
             m = common_tokens(node.tokens[j * bb : j * bb + 4 * limit], query)
-            return PartialMatch(node, m) if m > 0 else None
+            return _new(PartialMatch, (node, m)) if m > 0 else None
         group = node.by_token.get(int.from_bytes(query[:4], "little")) if node.by_token else None
         if group is None:  # no child starts with the same token
             return None
         width = len(query)
         if not isinstance(group, TokenGroup):
             m = common_tokens(group.tokens[:width], query)
-            return PartialMatch(group, m) if m > 0 else None
+            return _new(PartialMatch, (group, m)) if m > 0 else None
         # the two neighbours of the query in token order share the most with it
         keys, nodes = group.keys, group.nodes
         i = bisect_left(keys, query)
@@ -254,7 +256,7 @@ class RadixIndex:
             m = common_tokens(keys[i][:width], query)
             if m > best_m or (m == best_m and nodes[i].last_access > best.last_access):
                 best, best_m = nodes[i], m  # the longer match; on a tie the more recent block
-        return PartialMatch(best, best_m) if best_m > 0 else None
+        return _new(PartialMatch, (best, best_m)) if best_m > 0 else None
 
     # ---- structure ------------------------------------------------------------------------
     def split(self, node: Node, j: int) -> Node:
