@@ -154,3 +154,12 @@ def test_miss_axis_has_no_offset_and_hit_axis_stops_at_100_percent(serving_run: 
     (ax,) = fig.axes
     labels = [t.get_text() for t in visible_labels(ax.get_xticklabels())]
     assert labels[-1] == "100%", labels
+
+
+def test_fleet_timeline_marks_the_fleet_capacity(serving_run: Run) -> None:
+    """A fleet's timeline adds up its replicas' blocks, so its capacity is all of theirs."""
+    _set_capacity(serving_run, 1_000_000)
+    serving_run.report["config"]["replicas"] = 3
+    fig = plots.timeline(serving_run)
+    rendered(fig)
+    assert "capacity 3,000,000 blocks" in fig.axes[0].get_title(loc="right")

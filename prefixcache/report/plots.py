@@ -145,6 +145,8 @@ def timeline(run: Run) -> Figure:
     blocks.stackplot(t, active, cached, labels=["active", "cached"], colors=[BLUE, ORANGE])
     capacity = int(r["config"]["capacity_blocks"])
     if capacity < UNBOUNDED:  # an unbounded cache has no capacity to mark
+        # a fleet's timeline adds up its replicas, and so does its capacity
+        capacity *= int(r["config"].get("replicas") or 1)
         _capacity_line(blocks, capacity, int((active + cached).max(initial=0)))
     blocks.set_ylabel("blocks")
     blocks.yaxis.set_major_formatter(FuncFormatter(_thousands))
