@@ -352,36 +352,28 @@ def _positive(text: str) -> int:
     return value
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, what: str = "integers") -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers separated by commas: {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected {what} separated by commas: {text!r}") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive {what}: {text!r}")
     return values
 
 
 def _blocks_list(text: str) -> list[int]:
     """Capacities in blocks; ``inf`` is an unbounded cache."""
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    finite = ",".join(x for x in parts if x.lower() != "inf")
-    values = _int_list(finite) if finite else []
-    return [UNBOUNDED if x.lower() == "inf" else values.pop(0) for x in parts] or _int_list(text)
+    parts = _str_list(text)
+    if not parts:
+        return _int_list(text)  # raises: nothing given
+    numbers = [x for x in parts if x.lower() != "inf"]
+    finite = iter(_int_list(",".join(numbers)) if numbers else [])
+    return [UNBOUNDED if x.lower() == "inf" else next(finite) for x in parts]
 
 
 def _replica_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected replica counts separated by commas: {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive replica counts: {text!r}")
-    return values
+    return _int_list(text, "replica counts")
 
 
 def _routing_list(text: str) -> list[str]:

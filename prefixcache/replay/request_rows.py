@@ -26,19 +26,8 @@ from prefixcache.run_format import REQUEST_COLUMNS
 ROLLING_WINDOW = 200  # requests behind the rolling hit rate
 _FLUSH_ROWS = 4096
 # the integer columns of a spooled row, in order; arrival_s is spooled apart as a float
-INT_COLUMNS = (
-    "request_id",
-    "namespace",
-    "prompt_tokens",
-    "hit_tokens",
-    "prompt_blocks",
-    "hit_blocks",
-    "miss_cold",
-    "miss_capacity",
-    "miss_isolation",
-    "miss_tail",
-    "miss_routing",
-    "output_tokens",
+INT_COLUMNS = tuple(
+    c for c in REQUEST_COLUMNS if c not in ("arrival_s", "ttft_s", "ttft_nocache_s")
 )
 _WIDTH = len(INT_COLUMNS)
 

@@ -29,17 +29,11 @@ from prefixcache.run_format import MISS_CAUSES, REQUEST_COLUMNS, SCHEMA_VERSION,
 
 _TEXT_COLUMNS = frozenset({"request_id", "namespace"})
 KEPT_REQUEST_COLUMNS = ("prompt_tokens", "hit_tokens", "ttft_s", "ttft_nocache_s")
-SUMMED_REQUEST_COLUMNS = (
-    "prompt_tokens",
-    "hit_tokens",
-    "prompt_blocks",
-    "hit_blocks",
-    "miss_cold",
-    "miss_capacity",
-    "miss_isolation",
-    "miss_tail",
-    "miss_routing",
-    "output_tokens",
+# every count column of requests.csv (not the ids, times or namespace)
+SUMMED_REQUEST_COLUMNS = tuple(
+    c
+    for c in REQUEST_COLUMNS
+    if c not in ("request_id", "arrival_s", "namespace", "ttft_s", "ttft_nocache_s")
 )
 _CHUNK_ROWS = 16_384
 
