@@ -35,6 +35,7 @@ from prefixcache.namespace import Namespace
 from prefixcache.replay.keyset import KeySet
 from prefixcache.replay.request import Request
 from prefixcache.replay.request_rows import RequestRows
+from prefixcache.stats import BlockCounts
 
 TOP_PREFIXES = 10
 NEUTRAL_SEED = 0x5EED
@@ -191,6 +192,30 @@ class Accountant:
             self.fragmentation_at_peak = fragmentation
         if logical > self.logical_peak:
             self.logical_peak = logical
+
+    def sample_timeline(
+        self, steps: int, clock: float, counts: BlockCounts, evicted: int, final: bool
+    ) -> None:
+        """A timeline row (blocks per state, evictions and hits so far) when one is due, and
+        always for the ``final`` one."""
+        timeline = self.timeline
+        if timeline is None or not (final or timeline.due(steps)):
+            return
+        tot = self.totals
+        row = TimelineRow(
+            round(clock, 9),
+            counts.active,
+            counts.cached,
+            counts.free,
+            evicted,
+            tot.prompt_tokens,
+            tot.hit_tokens,
+            self.rolling_hit_rate(),
+        )
+        if final:
+            timeline.finish(steps, row)
+        else:
+            timeline.add(steps, row)
 
     def top_prefixes(self) -> list[dict[str, object]]:
         return self.prefixes.top()

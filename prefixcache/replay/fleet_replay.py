@@ -37,14 +37,14 @@ from prefixcache.fleet.router import ReplicaSpec, Router
 from prefixcache.manager import CacheManager
 from prefixcache.namespace import Namespace
 from prefixcache.pool import UNBOUNDED
-from prefixcache.replay.accounting import Accountant, TimelineRow
+from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
 from prefixcache.replay.serving import Simulator, _Live
 from prefixcache.replay.tier_admission import Tiers, build_tiers
 from prefixcache.run_format import nearest_rank, rate
-from prefixcache.stats import CacheStats
+from prefixcache.stats import BlockCounts, CacheStats
 
 
 class ReplicaStats(NamedTuple):
@@ -279,25 +279,18 @@ class FleetSimulator:
             return
         physical = sum(u[0] for u in self._usage)
         acc.note_usage(physical, sum(u[1] for u in self._usage), sum(u[2] for u in self._usage))
-        timeline = acc.timeline
-        if timeline is None or not (final or timeline.due(self.steps)):
+        if acc.timeline is None or not (final or acc.timeline.due(self.steps)):
             return
         counts = [r.mgr.block_counts() for r in self.replicas]
-        tot = acc.totals
-        row = TimelineRow(
-            round(clock if clock is not None else self.clock, 9),
+        total = BlockCounts(
+            sum(c.free for c in counts),
             sum(c.active for c in counts),
             sum(c.cached for c in counts),
-            sum(c.free for c in counts),
-            sum(r.mgr.stats.evicted_blocks for r in self.replicas),
-            tot.prompt_tokens,
-            tot.hit_tokens,
-            acc.rolling_hit_rate(),
         )
-        if final:
-            timeline.finish(self.steps, row)
-        else:
-            timeline.add(self.steps, row)
+        evicted = sum(r.mgr.stats.evicted_blocks for r in self.replicas)
+        acc.sample_timeline(
+            self.steps, clock if clock is not None else self.clock, total, evicted, final
+        )
 
     @property
     def clock(self) -> float:

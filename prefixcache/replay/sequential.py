@@ -16,12 +16,11 @@ import numpy as np
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager import CacheManager
 from prefixcache.namespace import Namespace
-from prefixcache.replay.accounting import Accountant, TimelineRow
+from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.request import Request
 from prefixcache.replay.synth import TokenTape, stream_key
 from prefixcache.replay.tier_admission import TierAdmitter
 from prefixcache.results import Admission
-from prefixcache.stats import BlockCounts
 
 
 def run_sequential(
@@ -74,20 +73,20 @@ def run_sequential(
             used = counts() if due else None
             if active > acc.physical_peak or logical > acc.logical_peak:
                 note_usage(active, logical, len(adm.block_table) * p - t)
-            if due and timeline is not None and used is not None:
-                timeline.add(i, _row(i, used, acc, stats.evicted_blocks))
+            if due and used is not None:
+                acc.sample_timeline(i, i, used, stats.evicted_blocks, final=False)
             release(i)
             continue
         written = _write_outputs(mgr, i, req, buf, acc, samples)
         truncated += written.truncated
         used = counts()
         note_usage(used.active, written.logical_blocks, written.free_slots)
-        if due and timeline is not None:
-            timeline.add(i, _row(i, used, acc, stats.evicted_blocks))
+        if due:
+            acc.sample_timeline(i, i, used, stats.evicted_blocks, final=False)
         for rid in written.ids:
             release(rid)
     if timeline is not None and i >= 0:
-        timeline.finish(i, _row(i, counts(), acc, stats.evicted_blocks))
+        acc.sample_timeline(i, i, counts(), stats.evicted_blocks, final=True)
     return truncated
 
 
@@ -129,17 +128,3 @@ def _write_outputs(
     shared = arr == t
     frag = int((blocks * p - arr)[~shared].sum()) + (int(-(-t // p) * p - t) if shared.any() else 0)
     return _WrittenOutputs(ids, logical, frag, cut)
-
-
-def _row(i: int, used: BlockCounts, acc: Accountant, evicted: int) -> TimelineRow:
-    tot = acc.totals
-    return TimelineRow(
-        i,
-        used.active,
-        used.cached,
-        used.free,
-        evicted,
-        tot.prompt_tokens,
-        tot.hit_tokens,
-        acc.rolling_hit_rate(),
-    )

@@ -33,7 +33,7 @@ import numpy as np
 
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager import CacheManager
-from prefixcache.replay.accounting import Accountant, TimelineRow
+from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.model_specs import GpuConfig, ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
@@ -459,24 +459,7 @@ class Simulator:
         used = self.mgr.block_counts()
         logical, frag = self.usage()
         acc.note_usage(used.active, logical, frag)
-        timeline = acc.timeline
-        if timeline is None or not (final or timeline.due(self.steps)):
-            return
-        tot = acc.totals
-        row = TimelineRow(
-            round(self.clock, 9),
-            used.active,
-            used.cached,
-            used.free,
-            self.mgr.stats.evicted_blocks,
-            tot.prompt_tokens,
-            tot.hit_tokens,
-            acc.rolling_hit_rate(),
-        )
-        if final:
-            timeline.finish(self.steps, row)
-        else:
-            timeline.add(self.steps, row)
+        acc.sample_timeline(self.steps, self.clock, used, self.mgr.stats.evicted_blocks, final)
 
     def figures(self) -> BenchmarkFigures:
         """Throughput and latency of the requests simulated so far."""
