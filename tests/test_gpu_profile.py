@@ -83,6 +83,17 @@ def test_fit_rejects_what_it_cannot_fit() -> None:
         fit_profile(H200_MEASUREMENTS, model, slow)
 
 
+def test_a_measured_reference_is_raised_to_what_the_shapes_reached() -> None:
+    """A measured peak or bandwidth is only a lower bound: beaten, it is raised, not refused."""
+    model = get_model("llama-3.1-8b")
+    slow = GpuConfig("measured", 1e12, 1e11)
+    profile = fit_profile(H200_MEASUREMENTS, model, slow, reference_is_lower_bound=True)
+    assert profile.peak_flops > slow.peak_flops and profile.hbm_bytes_per_s > slow.hbm_bytes_per_s
+    assert 0 < profile.compute_efficiency <= 1 and 0 < profile.memory_efficiency <= 1
+    assert profile.calibration["raised_peak_flops"] == pytest.approx(profile.peak_flops, 1e-3)
+    assert "raised_bytes_per_s" in profile.calibration
+
+
 def test_profile_round_trip(tmp_path: Path) -> None:
     profile = _fit_h200()
     path = tmp_path / "h200.json"

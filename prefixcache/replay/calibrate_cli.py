@@ -79,6 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         run_bench,
     )
     from prefixcache.replay.gpu_profile import write_profile
+    from prefixcache.replay.profile_fit import fit_profile
 
     if args.warmup < 0 or args.repeats < 1:
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
@@ -111,7 +112,14 @@ def _run(args: argparse.Namespace) -> int:
         "measured_copy_bytes_per_s": float(f"{bench.copy_bytes_per_s:.4g}"),
         "reference": "datasheet" if args.gpu else "measured",
     }
-    profile = _fit(bench.measurements, model, reference, overhead, calibration, args.gpu is None)
+    profile = fit_profile(
+        bench.measurements,
+        model,
+        reference,
+        step_overhead_s=overhead,
+        calibration=calibration,
+        reference_is_lower_bound=args.gpu is None,
+    )
     out = args.out or Path(f"gpu-profile-{profile.name}.json")
     write_profile(profile, out)
     for row in profile.calibration["measurements"]:
@@ -128,40 +136,6 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out}")
     return 0
-
-
-def _fit(
-    measurements: Any,
-    model: ModelConfig,
-    reference: GpuConfig,
-    overhead: float,
-    calibration: dict[str, Any],
-    measured: bool,
-) -> Any:
-    """``fit_profile``; a *measured* peak or bandwidth is only a lower bound of the device's
-    (one matmul, one copy), so when a shape beat it, it is raised by a quarter until the shapes
-    fit (noted in the profile). A datasheet reference is never changed."""
-    from dataclasses import replace
-
-    from prefixcache.replay.profile_fit import fit_profile
-
-    for _ in range(12):
-        try:
-            return fit_profile(
-                measurements, model, reference, step_overhead_s=overhead, calibration=calibration
-            )
-        except ConfigError as exc:
-            if not measured or "too low" not in str(exc):
-                raise
-            if "TFLOP/s" in str(exc):
-                reference = replace(reference, peak_flops=reference.peak_flops * 1.25)
-                calibration["raised_peak_flops"] = float(f"{reference.peak_flops:.4g}")
-            else:
-                reference = replace(reference, hbm_bytes_per_s=reference.hbm_bytes_per_s * 1.25)
-                calibration["raised_bytes_per_s"] = float(f"{reference.hbm_bytes_per_s:.4g}")
-    return fit_profile(
-        measurements, model, reference, step_overhead_s=overhead, calibration=calibration
-    )
 
 
 def _buildable(model: ModelConfig) -> ModelConfig:

@@ -86,20 +86,35 @@ def fit_profile(
     *,
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
     calibration: dict[str, Any] | None = None,
+    reference_is_lower_bound: bool = False,
 ) -> GpuProfile:
     """Efficiencies relative to ``reference``'s peak FLOP/s and bandwidth that make the roofline
     reproduce ``measurements`` of ``model`` (see the module docstring); ConfigError when the
     measurements cannot be fitted. ``calibration`` is stored in the profile along with the fit's
-    residuals."""
+    residuals.
+
+    ``reference_is_lower_bound``: the reference figures were measured (one matmul, one copy),
+    so a shape that beat them raises them to what it achieved (noted in ``calibration``)
+    instead of failing; a datasheet reference is never changed."""
     _check(measurements, step_overhead_s)
     compute = [m for m in measurements if m.kind != "decode"]
     decode = [m for m in measurements if m.kind == "decode"]
     if not compute or not decode:
         raise ConfigError("fitting a profile needs prefill (or extend) and decode measurements")
-    effs = _fit_compute(compute, model, reference.peak_flops, step_overhead_s)
+    cal = dict(calibration or {})
+    effs, peak = _fit_compute(
+        compute, model, reference.peak_flops, step_overhead_s, reference_is_lower_bound
+    )
+    if peak != reference.peak_flops:
+        cal["raised_peak_flops"] = _round(peak)
     traffic = {m: model.weight_bytes + model.kv_bytes_per_token * _work(m).kv_read for m in decode}
     widest = max(decode, key=lambda m: traffic[m])
-    memory_eff = traffic[widest] / (reference.hbm_bytes_per_s * (widest.seconds - step_overhead_s))
+    bandwidth = reference.hbm_bytes_per_s
+    memory_eff = traffic[widest] / (bandwidth * (widest.seconds - step_overhead_s))
+    if memory_eff > 1 and reference_is_lower_bound:
+        bandwidth *= memory_eff
+        memory_eff = 1.0
+        cal["raised_bytes_per_s"] = _round(bandwidth)
     if memory_eff > 1:
         raise ConfigError(
             f"decode moved {traffic[widest] / 1e9:.1f} GB faster than {reference.name}'s "
@@ -107,8 +122,8 @@ def fit_profile(
         )
     profile = GpuProfile(
         name=reference.name,
-        peak_flops=reference.peak_flops,
-        hbm_bytes_per_s=reference.hbm_bytes_per_s,
+        peak_flops=peak,
+        hbm_bytes_per_s=bandwidth,
         memory_bytes=reference.memory_bytes,
         memory_efficiency=_round(memory_eff),
         step_overhead_s=step_overhead_s,
@@ -120,8 +135,7 @@ def fit_profile(
         {**r.measurement._asdict(), "predicted_s": _round(r.predicted_s), "ratio": _round(r.ratio)}
         for r in residuals(profile, model, measurements)
     ]
-    cal = {**(calibration or {}), "model": model.name, "measurements": fit}
-    return replace(profile, calibration=cal)
+    return replace(profile, calibration={**cal, "model": model.name, "measurements": fit})
 
 
 def _check(measurements: Sequence[Measurement], overhead: float) -> None:
@@ -142,9 +156,14 @@ def _check(measurements: Sequence[Measurement], overhead: float) -> None:
 
 
 def _fit_compute(
-    measurements: Sequence[Measurement], model: ModelConfig, peak: float, overhead: float
-) -> dict[str, float]:
-    """Least squares on relative error for the compute-bound efficiencies."""
+    measurements: Sequence[Measurement],
+    model: ModelConfig,
+    peak: float,
+    overhead: float,
+    raise_peak: bool,
+) -> tuple[dict[str, float], float]:
+    """Least squares on relative error for the compute-bound efficiencies, and the peak they
+    are fractions of (``peak``, or with ``raise_peak`` the rate a shape reached above it)."""
     pair = model.attention_flops_per_pair
     dense, fresh, ctx = [], [], []
     for m in measurements:
@@ -160,6 +179,7 @@ def _fit_compute(
         candidates.append(([d, f, c], names))
     candidates.append(([d, f + c], names[:2]))
     candidates.append(([d + f + c], names[:1]))
+    fallback = None
     for columns, keys in candidates:
         if len(measurements) < len(columns):
             continue
@@ -169,7 +189,12 @@ def _fit_compute(
             continue
         effs = 1.0 / (peak * coef)
         if (effs <= 1).all():
-            return {k: _round(float(e)) for k, e in zip(keys, effs, strict=True)}
+            return {k: _round(float(e)) for k, e in zip(keys, effs, strict=True)}, peak
+        fallback = fallback or (keys, effs)
+    if raise_peak and fallback is not None:  # the measured peak was beaten: it is at least this
+        keys, effs = fallback
+        top = float(effs.max())
+        return {k: _round(float(e) / top) for k, e in zip(keys, effs, strict=True)}, peak * top
     raise ConfigError(
         f"prefill ran faster than {peak / 1e12:.0f} TFLOP/s allows; the reference peak is too low"
     )
