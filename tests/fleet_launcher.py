@@ -16,12 +16,12 @@ from pathlib import Path
 import uvicorn
 
 from prefixcache.fleet.ingest import CallableIngest, IngestCounts
+from prefixcache.fleet.memory_index import MemoryFleetIndex
 from prefixcache.fleet.router import Router
 from prefixcache.fleet.server import create_app
 from prefixcache.fleet.service_config import load_config
 from prefixcache.hashing import BlockHasher
 from prefixcache.replay.traces import load_tokenizer
-from tests.fleet_doubles import DictFleetIndex
 
 INGEST_COUNTS = {
     "replica-a": IngestCounts(5, 40, 2, 1, 0),
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--markers")
     args = parser.parse_args()
     config = load_config(args.config)
-    index = DictFleetIndex()
+    index = MemoryFleetIndex()
     tokenizer = load_tokenizer(config.tokenizer)
     for row in json.loads(Path(args.seed).read_text()) if args.seed else []:
         replica = config.replica(row["replica"])

@@ -20,6 +20,7 @@ from prefixcache.errors import (
     UnknownRequestError,
 )
 from prefixcache.fleet.fleet_index import CPU
+from prefixcache.fleet.memory_index import MemoryFleetIndex
 from prefixcache.fleet.router import ReplicaLoad, ReplicaSpec, Router
 from prefixcache.fleet.routing import (
     POLICIES,
@@ -35,7 +36,6 @@ from prefixcache.fleet.routing import (
 )
 from prefixcache.hashing import BlockHasher
 from prefixcache.namespace import Namespace
-from tests.fleet_doubles import DictFleetIndex
 
 NS = Namespace("m")
 
@@ -154,8 +154,8 @@ def test_policy_properties(scores: list[ReplicaScore], prompt: int, turn: int) -
 # ---- router -------------------------------------------------------------------------------------
 
 
-def seeded(policy: str = "prefix", **kw: object) -> tuple[Router, DictFleetIndex, np.ndarray]:
-    index = DictFleetIndex()
+def seeded(policy: str = "prefix", **kw: object) -> tuple[Router, MemoryFleetIndex, np.ndarray]:
+    index = MemoryFleetIndex()
     tokens = np.arange(1, 129, dtype="<i4")  # 8 blocks of 16
     digests = BlockHasher(16).hash_prompt(tokens, NS)
     index.store("a", digests[:2])
@@ -174,7 +174,7 @@ def test_lookup_scores_every_eligible_replica() -> None:
     assert got == {"a": (32, 32, 2), "b": (128, 96, 8), "c": (0, 0, 0)}
     assert router.lookup(NS, tokens.tolist()) == result
     assert router.lookup(NS, tokens[:20]).scores[1].cached_tokens == 16
-    other = Router(DictFleetIndex(), [ReplicaSpec("x", Namespace("m", salt="t"), 16)])
+    other = Router(MemoryFleetIndex(), [ReplicaSpec("x", Namespace("m", salt="t"), 16)])
     assert other.lookup(Namespace("m", salt="t"), tokens).scores[0].cached_tokens == 0
 
 
@@ -230,7 +230,7 @@ def test_rejected_routes_change_nothing() -> None:
 
 
 def test_namespaces_and_block_sizes_are_kept_apart() -> None:
-    index = DictFleetIndex()
+    index = MemoryFleetIndex()
     tokens = list(range(64))
     lora = Namespace("m", adapter="sql")
     index.store("a", BlockHasher(16).hash_prompt(tokens, NS))
@@ -269,11 +269,11 @@ def test_replicas_added_and_removed() -> None:
 
 def test_bad_router_options() -> None:
     with pytest.raises(ConfigError, match="unknown routing policy"):
-        Router(DictFleetIndex(), [], "nearest")
+        Router(MemoryFleetIndex(), [], "nearest")
     with pytest.raises(ConfigError, match="balance_rel_threshold"):
-        Router(DictFleetIndex(), [], params=RoutingParams(64, 0.5, 0.3))
+        Router(MemoryFleetIndex(), [], params=RoutingParams(64, 0.5, 0.3))
     with pytest.raises(ConfigError, match="unknown hash"):
-        Router(DictFleetIndex(), [], hash_algo="md5")
+        Router(MemoryFleetIndex(), [], hash_algo="md5")
 
 
 def test_concurrent_routes_releases_and_index_writes() -> None:
