@@ -1,4 +1,4 @@
-"""Runs the fleet service for the tests: a config file, the in-memory test index seeded from a
+"""Runs the fleet service for the tests: a config file, the in-memory fleet index seeded from a
 JSON file, and an ingest source that leaves marker files when started and stopped.
 
     python -m tests.fleet_launcher --config fleet.yaml --port 8123 --seed seed.json --markers DIR
