@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,6 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 START_DEADLINE_S = 30.0
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -62,12 +54,3 @@ def running(module_args: Sequence[str], port: int, log: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-
-
-def wait_until(check, what: str, deadline_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    """Poll ``check()`` until it is true; fail with ``what`` past the deadline."""
-    deadline = time.monotonic() + deadline_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)

@@ -20,7 +20,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+def wait_until(check: Callable[[], bool], what: str = "condition", timeout: float = 10.0) -> None:
+    """Poll ``check()`` until it is true; fail naming ``what`` past ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fleet_processes import ROOT, free_port, running, wait_until
+from tests.fleet_processes import ROOT, running
+from tests.fleet_support import free_port, wait_until
 
 PROMPT = list(range(1, 33))  # 8 blocks of 4 tokens
 TEXT = "hello fleet, this prompt is shared"

@@ -15,7 +15,8 @@ import yaml
 
 from prefixcache import CacheManager, Namespace
 from prefixcache.fleet.kv_publisher import KVEventPublisher
-from tests.fleet_processes import free_port, running, wait_until
+from tests.fleet_processes import running
+from tests.fleet_support import free_port, wait_until
 
 MODEL = "tiny-model"
 BLOCK = 4
