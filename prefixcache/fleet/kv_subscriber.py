@@ -185,13 +185,13 @@ class KVEventSubscriber:
         with self._lock:
             return {
                 name: IngestCounts(
-                    events=c.batches,
-                    blocks_stored=c.blocks_stored,
-                    blocks_removed=c.blocks_removed,
-                    sequence_gaps=c.gaps,
-                    errors=c.malformed,
+                    events=rep.counts.batches,
+                    blocks_stored=rep.counts.blocks_stored,
+                    blocks_removed=rep.counts.blocks_removed,
+                    sequence_gaps=rep.counts.gaps,
+                    errors=rep.counts.malformed,
                 )
-                for name, c in ((name, rep.counts) for name, rep in sorted(self._replicas.items()))
+                for name, rep in sorted(self._replicas.items())
             }
 
     # ---- ingestion ------------------------------------------------------------------------
