@@ -41,7 +41,7 @@ from prefixcache.replay.accounting import Accountant
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
-from prefixcache.replay.serving import Simulator, _Live
+from prefixcache.replay.serving import LiveRequest, Simulator
 from prefixcache.replay.tier_admission import Tiers, build_tiers
 from prefixcache.run_format import nearest_rank, rate
 from prefixcache.stats import BlockCounts, CacheStats
@@ -128,7 +128,7 @@ class _Replica(Simulator):
         self.pending: list[WireEvent] = []
         self.seq = 0
         self.busy = 0.0
-        self.live: dict[int, _Live] = {}
+        self.live: dict[int, LiveRequest] = {}
         self.routed = self.prompt_tokens = self.hit_tokens = 0
         mgr.add_listener(lambda event: self.pending.append(to_wire(event)))
 
@@ -137,7 +137,7 @@ class _Replica(Simulator):
         """Something is waiting or running."""
         return bool(self.running or self.waiting)
 
-    def take(self, live: _Live) -> None:
+    def take(self, live: LiveRequest) -> None:
         """Queue a request routed here."""
         if not self.busy_now and self.clock < live.req.arrival_s:
             self.clock = live.req.arrival_s
@@ -247,7 +247,7 @@ class FleetSimulator:
             k = int(decision.replica.rsplit("-", 1)[1])
             self.ttft.append(math.nan)
             self.assignment.append(k)
-            self.replicas[k].take(_Live(idx, req))
+            self.replicas[k].take(LiveRequest(idx, req))
         self._advance(math.inf)
         self._measure(final=True)
         self.truncated = sum(r.truncated for r in self.replicas)

@@ -159,7 +159,7 @@ class _DecodingSample:
         self.must_flush = True  # the first write may copy a block shared with a fork
 
 
-class _Live:
+class LiveRequest:
     """A request between arrival and finish: waiting, prefilling or decoding its samples."""
 
     __slots__ = (
@@ -205,8 +205,8 @@ class Simulator:
         self.prompt_len: list[int] = []
         self.output_len: list[int] = []  # tokens generated over all samples
         self.busy = 0.0  # seconds spent in steps
-        self.running: list[_Live] = []
-        self.waiting: deque[_Live] = deque()
+        self.running: list[LiveRequest] = []
+        self.waiting: deque[LiveRequest] = deque()
         self.live_seqs = 0
         # a fleet's hook: leading full prompt blocks another replica holds (routing misses)
         self.elsewhere: Callable[[Request], int] | None = None
@@ -221,7 +221,7 @@ class Simulator:
         idx = 0
         while True:
             while nxt is not None and nxt.arrival_s <= self.clock:
-                self.waiting.append(_Live(idx, nxt))
+                self.waiting.append(LiveRequest(idx, nxt))
                 self.ttft.append(math.nan)
                 self.finish.append(math.nan)
                 self.arrival.append(nxt.arrival_s)
@@ -239,7 +239,7 @@ class Simulator:
 
     def _step(self) -> None:
         budget = self.budget
-        prefills: list[tuple[_Live, int]] = []
+        prefills: list[tuple[LiveRequest, int]] = []
         decodes: list[_DecodingSample] = []
         work = StepWork()
         i = 0
@@ -300,7 +300,7 @@ class Simulator:
         self._finish_done()
         self._measure()
 
-    def _admit(self, budget: int, prefills: list[tuple[_Live, int]], work: StepWork) -> None:
+    def _admit(self, budget: int, prefills: list[tuple[LiveRequest, int]], work: StepWork) -> None:
         mgr, acc, tiers = self.mgr, self.acc, self.tiers
         admit = mgr.admit if tiers is None else tiers.admit
         while self.waiting and budget:
@@ -353,7 +353,7 @@ class Simulator:
             work.add(k, prefill_pairs(r.kv, k), r.kv + k, last, context_pairs(r.kv, k))
 
     # ---- sequences --------------------------------------------------------------------------
-    def _start_decode(self, r: _Live) -> None:
+    def _start_decode(self, r: LiveRequest) -> None:
         if not r.first_done:
             r.first_done = True
             self.ttft[r.idx] = self.clock - r.req.arrival_s
@@ -381,7 +381,7 @@ class Simulator:
         s.must_flush = False
         return True
 
-    def _make_room(self, r: _Live, s: _DecodingSample) -> bool:
+    def _make_room(self, r: LiveRequest, s: _DecodingSample) -> bool:
         """Write ``s``'s token, preempting the latest admitted requests while no block is free.
         False when ``r`` itself had to go."""
         while not self._write(s):
@@ -395,7 +395,7 @@ class Simulator:
                 return False
         return True
 
-    def _release_all(self, r: _Live) -> None:
+    def _release_all(self, r: LiveRequest) -> None:
         for s in r.seqs:
             self.mgr.release(s.rid)
         if not r.seqs:  # still prefilling
@@ -403,11 +403,11 @@ class Simulator:
         self.live_seqs -= len(r.seqs) or r.req.n
         self.running.remove(r)
 
-    def _drop(self, r: _Live) -> None:
+    def _drop(self, r: LiveRequest) -> None:
         self._release_all(r)
         r.seqs = []
 
-    def _preempt(self, r: _Live) -> None:
+    def _preempt(self, r: LiveRequest) -> None:
         """Release ``r`` and queue it first, to be recomputed (by preemption, as in vLLM)."""
         self.preemptions += 1
         self._release_all(r)
@@ -423,7 +423,7 @@ class Simulator:
         self.waiting.appendleft(r)
 
     def _finish_done(self) -> None:
-        keep: list[_Live] = []
+        keep: list[LiveRequest] = []
         done = 0
         for r in self.running:
             if r.prefill_left or not r.seqs:
