@@ -7,7 +7,7 @@ share a digest. Digests are deterministic across processes and machines (no rand
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import xxhash
@@ -20,6 +20,7 @@ DIGEST_SIZE = 16
 _SEED_PREFIX = b"prefixcache/ns/v2\x00"
 _SEED_CACHE = 4096  # namespaces whose seed is kept; older ones are recomputed on demand
 _STARTS_CACHED = 1 << 16  # block positions whose 8-byte encoding is kept (512 KiB at most)
+_RECORDS_FROM = 32  # blocks from which one numpy record buffer beats per-block slices
 
 
 def _sha256_128(data: bytes) -> bytes:
@@ -30,6 +31,16 @@ HASH_FUNCTIONS: dict[str, Callable[[bytes], bytes]] = {
     "xxh3_128": xxhash.xxh3_128_digest,
     "sha256": _sha256_128,
 }
+
+
+class _Starts:
+    """Block start positions computed on demand (sequences beyond the kept ones)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def __getitem__(self, i: int) -> bytes:
+        return (i * self.block_size).to_bytes(8, "little")
 
 
 class BlockHasher:
@@ -74,35 +85,74 @@ class BlockHasher:
         n = end_block - first_block
         if n <= 0:
             return []
+        if n >= _RECORDS_FROM:
+            return self._hash_records(tokens, parent, first_block, end_block)
         p = self.block_size
+        body = tokens[first_block * p : end_block * p].tobytes()
+        return self._hash_slices(body, -first_block * 4 * p, parent, first_block, end_block)
+
+    def hash_buffer(
+        self, buf: bytes | bytearray, parent: bytes, first_block: int, end_block: int
+    ) -> list[bytes]:
+        """``hash_blocks`` over the sequence's int32 LE token bytes (from position 0)."""
+        n = end_block - first_block
+        if n <= 0:
+            return []
+        if n >= _RECORDS_FROM:
+            tokens = np.frombuffer(buf, dtype="<i4")
+            return self._hash_records(tokens, parent, first_block, end_block)
+        return self._hash_slices(buf, 0, parent, first_block, end_block)
+
+    def block_starts(self, end_block: int) -> Sequence[bytes]:
+        """The start positions the chain mixes in (8 bytes LE), indexed by block, for blocks
+        ``0 .. end_block-1``: a list kept for the first 65,536 blocks, computed beyond."""
+        starts = self._starts
+        if len(starts) < end_block:
+            p = self.block_size
+            if end_block > _STARTS_CACHED:
+                return _Starts(p)
+            starts.extend((i * p).to_bytes(8, "little") for i in range(len(starts), end_block))
+        return starts
+
+    def _hash_slices(
+        self, body: bytes | bytearray, base: int, parent: bytes, first_block: int, end_block: int
+    ) -> list[bytes]:
+        """Few blocks: one hash of (parent, position, block slice) each; block ``i`` starts at
+        byte ``base + i * block_bytes`` of ``body``."""
+        width = 4 * self.block_size
+        starts = self.block_starts(end_block)
+        if isinstance(starts, list):
+            positions = starts[first_block:end_block]
+        else:
+            positions = [starts[i] for i in range(first_block, end_block)]
         digest = self.digest
         out: list[bytes] = []
         append = out.append
         prev = parent
-        if n < 32:  # few blocks: building the record buffer would cost more than it saves
-            width = 4 * p
-            body = tokens[first_block * p : end_block * p].tobytes()
-            starts = self._starts
-            if len(starts) < end_block <= _STARTS_CACHED:
-                starts.extend((i * p).to_bytes(8, "little") for i in range(len(starts), end_block))
-            if end_block <= len(starts):
-                positions = starts[first_block:end_block]
-            else:
-                positions = [(i * p).to_bytes(8, "little") for i in range(first_block, end_block)]
-            offset = 0
-            for start in positions:
-                prev = digest(prev + start + body[offset : offset + width])
-                append(prev)
-                offset += width
-            return out
-        # One record per block, [start position as int64 | token ids], in one buffer: the loop
-        # then does a single concatenation and a single hash call per block.
+        offset = base + first_block * width
+        for start in positions:
+            prev = digest(prev + start + body[offset : offset + width])
+            append(prev)
+            offset += width
+        return out
+
+    def _hash_records(
+        self, tokens: np.ndarray, parent: bytes, first_block: int, end_block: int
+    ) -> list[bytes]:
+        """Many blocks: one record per block, [start position as int64 | token ids], in one
+        buffer, so the loop does a single concatenation and a single hash call per block."""
+        p = self.block_size
+        n = end_block - first_block
         records = np.empty((n, p + 2), dtype="<i4")
         records[:, 2:] = tokens[first_block * p : end_block * p].reshape(n, p)
         start_ids = np.arange(first_block, end_block, dtype="<i8") * p
         records[:, :2] = start_ids.view("<i4").reshape(n, 2)
         buf = records.tobytes()
         width = (p + 2) * 4
+        digest = self.digest
+        out: list[bytes] = []
+        append = out.append
+        prev = parent
         for offset in range(0, n * width, width):
             prev = digest(prev + buf[offset : offset + width])
             append(prev)

@@ -897,7 +897,7 @@ class CacheManager:
             parent = self.index.root(seq.namespace)
         if digest is None:
             digest = parent.last_digest()
-        digests = self.hasher.hash_blocks(tokens, digest, start, upto)
+        digests = self.hasher.hash_buffer(buf, digest, start, upto)
         if parent.children and digests[0] in parent.children:  # blocks someone cached already
             followed = self._follow_cached(seq, parent, digests, buf, now)
             if followed is None:

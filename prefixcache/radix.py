@@ -184,21 +184,22 @@ class RadixIndex:
     def match(self, root: Node, buf: bytes, num_full: int) -> MatchResult:
         """Longest cached prefix of the first ``num_full`` blocks of ``buf``. Read-only."""
         bb = self.block_bytes
-        hash_block = self.hasher.hash_block
+        hash_digest = self.hasher.digest
+        starts = self.hasher.block_starts(num_full)
         node, j, n = root, 0, 0
         digest = bytes(root.digests)
         while n < num_full:
             children = node.children
             if not children:
                 break
-            child = children.get(hash_block(digest, n, buf[n * bb : (n + 1) * bb]))
+            child = children.get(hash_digest(digest + starts[n] + buf[n * bb : (n + 1) * bb]))
             if child is None:
                 break
-            k = min(len(child.blocks), num_full - n)
-            if child.tokens.startswith(buf[n * bb : (n + k) * bb]):  # no copy of the node
+            k = len(child.blocks)
+            if k <= num_full - n and buf.startswith(child.tokens, n * bb):  # the whole node
                 m = k
             else:
-                m = self.common_blocks(child, buf, n, k)
+                m = self.common_blocks(child, buf, n, min(k, num_full - n))
             if m == 0:  # digest collision on the first block: not a hit
                 break
             node, j, n = child, m, n + m

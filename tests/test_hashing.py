@@ -151,3 +151,33 @@ def test_long_and_short_runs_hash_alike():
         prev = h.hash_block(prev, i, tokens[i * 16 : (i + 1) * 16].tobytes())
         one_by_one.append(prev)
     assert long_run == one_by_one
+
+
+@pytest.mark.parametrize(
+    ("first", "end"),
+    [(0, 5), (3, 20), (0, 40), (7, 90), (2, 2), (65_530, 65_545), (65_540, 65_600)],
+)
+def test_buffer_and_array_hash_alike(first, end):
+    # token bytes (what the manager holds) and arrays, on both sides of the kept positions
+    h = BlockHasher(1)
+    tokens = np.arange(70_000, dtype="<i4") % 977
+    want = [h.hash_block(b"\x05" * 16, first, tokens[first : first + 1].tobytes())]
+    for i in range(first + 1, end):
+        want.append(h.hash_block(want[-1], i, tokens[i : i + 1].tobytes()))
+    want = want[: end - first]
+    got = h.hash_blocks(tokens, b"\x05" * 16, first, end)
+    assert got == want
+    assert h.hash_buffer(tokens.tobytes(), b"\x05" * 16, first, end) == want
+    assert h.hash_buffer(bytearray(tokens.tobytes()), b"\x05" * 16, first, end) == want
+
+
+def test_matches_beyond_the_kept_positions():
+    # a prompt of more blocks than the hasher keeps positions for is matched in full
+    from prefixcache import CacheManager
+
+    m = CacheManager(140_000, 1, partial_copy=False)
+    prompt = np.arange(70_000, dtype="<i4") % 977
+    m.admit("a", prompt[:66_000])
+    m.release("a")
+    assert m.admit("b", prompt).cached_len == 66_000
+    m.check_integrity()
