@@ -7,7 +7,7 @@ share a digest. Digests are deterministic across processes and machines (no rand
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
@@ -103,7 +103,7 @@ class BlockHasher:
             return self._hash_records(tokens, parent, first_block, end_block)
         return self._hash_slices(buf, 0, parent, first_block, end_block)
 
-    def block_starts(self, end_block: int) -> Sequence[bytes]:
+    def block_starts(self, end_block: int) -> list[bytes] | _Starts:
         """The start positions the chain mixes in (8 bytes LE), indexed by block, for blocks
         ``0 .. end_block-1``: a list kept for the first 65,536 blocks, computed beyond."""
         starts = self._starts
