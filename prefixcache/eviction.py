@@ -1,18 +1,23 @@
-"""Eviction order: a policy is one key function over a cached leaf; the smallest key goes first."""
+"""Eviction order: a policy is one key function over a cached leaf; the smallest key goes first.
+
+A key is any orderable value: a float for ``lru`` (so the heap compares floats, not tuples), a
+tuple where a policy orders by several things.
+"""
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from typing import Any
 
 from prefixcache.errors import ConfigError
 from prefixcache.radix import Node
 
-PolicyKey = Callable[[Node, float], tuple]
+PolicyKey = Callable[[Node, float], Any]
 
 POLICIES: dict[str, PolicyKey] = {
     # least recently used first
-    "lru": lambda n, now: (n.last_access,),
+    "lru": lambda n, now: n.last_access,
     # least often hit first, then least recently used
     "lfu": lambda n, now: (n.hits, n.last_access),
     # lowest priority first while its retention lasts (then it counts as priority 0), then LRU
@@ -38,7 +43,7 @@ class Evictor:
 
     def __init__(self, policy: str | PolicyKey) -> None:
         self.key = get_policy(policy)
-        self._heap: list[tuple[tuple, int, int, Node]] = []
+        self._heap: list[tuple[Any, int, int, Node]] = []
         self._expiring: list[tuple[float, int, int, Node]] = []
         self._counter = 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixcache.errors import InvalidArgumentError
 
@@ -36,6 +36,15 @@ class Namespace:
     adapter_version: str | None = None
     salt: str | None = None
     extra: tuple[str, ...] = ()
+    # computed once: a namespace is looked up on every admission
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[Namespace], tuple[object, ...]]:
+        # rebuilt through __init__: str hashes differ between processes
+        return Namespace, (self.model, self.adapter, self.adapter_version, self.salt, self.extra)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -59,6 +68,8 @@ class Namespace:
                         f"Namespace fields must be valid Unicode text, got {value!r} "
                         "(a lone surrogate)"
                     ) from None
+        key = (self.model, self.adapter, self.adapter_version, self.salt, self.extra)
+        object.__setattr__(self, "_hash", hash(key))
 
     def canonical_bytes(self) -> bytes:
         """The encoding that seeds the hash chain: the same on every process and machine, and

@@ -1,3 +1,5 @@
+import os
+import pickle
 import subprocess
 import sys
 
@@ -181,3 +183,18 @@ def test_matches_beyond_the_kept_positions():
     m.release("a")
     assert m.admit("b", prompt).cached_len == 66_000
     m.check_integrity()
+
+
+def test_namespace_keys_survive_pickling_across_processes():
+    # a namespace keeps its hash; another process (another str hash seed) must rehash it
+    ns = Namespace("m", adapter="a", salt="tenant", extra=("img",))
+    script = (
+        "import pickle, sys\n"
+        "from prefixcache import Namespace\n"
+        "sys.stdout.buffer.write(pickle.dumps({Namespace('m', adapter='a', salt='tenant',"
+        " extra=('img',)): 7}))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True)
+    assert pickle.loads(out.stdout)[ns] == 7
+    assert hash(pickle.loads(pickle.dumps(ns))) == hash(ns)
