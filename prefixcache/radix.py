@@ -45,7 +45,7 @@ class TokenGroup:
         self.keys.insert(i, key)
         self.nodes.insert(i, node)
 
-    def position(self, node: Node, key: bytes) -> int:
+    def position(self, node: Node, key: bytes | bytearray) -> int:
         i = bisect_left(self.keys, key)
         assert self.nodes[i] is node
         return i
@@ -158,11 +158,11 @@ class RadixIndex:
         bb = self.block_bytes
         return bytes(node.tokens[i * bb : (i + 1) * bb])
 
-    def _group_add(self, parent: Node, node: Node, token: int) -> None:
-        """File ``node`` under its first token next to siblings that start with it too."""
+    def _group_add(self, parent: Node, node: Node, token: int, key: bytes) -> None:
+        """File ``node`` (first block's tokens ``key``) under its first token next to siblings
+        that start with it too."""
         assert parent.by_token is not None
         group = parent.by_token[token]
-        key = bytes(node.tokens[: self.block_bytes])
         if isinstance(group, TokenGroup):
             group.add(key, node)
         else:
@@ -328,7 +328,7 @@ class RadixIndex:
             parent.children[digests[0]] = node
             token = int.from_bytes(tokens[:4], "little")
             if token in parent.by_token:
-                self._group_add(parent, node, token)
+                self._group_add(parent, node, token, bytes(tokens[: self.block_bytes]))
             else:  # the usual case: the first child with this first token
                 parent.by_token[token] = node
             self.num_nodes += 1
@@ -413,7 +413,7 @@ class RadixIndex:
             del parent.by_token[token]
         else:
             assert isinstance(group, TokenGroup)
-            i = group.position(node, bytes(node.tokens[: self.block_bytes]))
+            i = group.position(node, node.tokens[: self.block_bytes])  # bytes compare alike
             del group.keys[i], group.nodes[i]
             if len(group.nodes) == 1:
                 parent.by_token[token] = group.nodes[0]
