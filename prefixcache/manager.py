@@ -232,7 +232,7 @@ class CacheManager:
             host_slots = self._unload(host_run, namespace)
         fresh = self._take(need, owned=False)  # what stays private is owned after the commit
         if host_run:
-            self._loads += map(Load, host_slots, fresh)
+            self._loads += [_new(Load, pair) for pair in zip(host_slots, fresh, strict=False)]
             if not self.stepped:  # the caller runs this call's loads before its next call
                 self.host.release_deferred()  # type: ignore[union-attr]
         table = self.index.path_blocks(node)
@@ -346,14 +346,16 @@ class CacheManager:
         assert self.host is not None
         entries, children = self.host.entries, self.host.children
         bb = self.index.block_bytes
-        hash_block = self.hasher.hash_block
+        hash_digest = self.hasher.digest
+        end = (t - 1) // self.block_size
+        starts = self.hasher.block_starts(end)
         run: list[bytes] = []
         prev = digest
-        for i in range(n, (t - 1) // self.block_size):
+        for i in range(n, end):
             if prev not in children:  # nothing on host continues this chain: no hash needed
                 break
             block = buf[i * bb : (i + 1) * bb]
-            d = hash_block(prev, i, block)
+            d = hash_digest(prev + starts[i] + block)
             entry = entries.get(d)
             if entry is None or entry.tokens != block or entry.parent != prev:
                 break
@@ -830,7 +832,7 @@ class CacheManager:
             self.stats.host_evicted_blocks += len(evicted)
             self._emit_host_removed(evicted)
         stored = len(slots)
-        self._offloads += map(Offload, ids[:stored], slots)
+        self._offloads += [_new(Offload, pair) for pair in zip(ids, slots, strict=False)]
         for gone in digests[stored:]:  # no room: they leave the cache, with what is below them
             self._drop_host_below(gone)
         self.stats.offloaded_blocks += stored

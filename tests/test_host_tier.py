@@ -233,8 +233,9 @@ def test_integrity_sees_a_broken_host_tier() -> None:
     mgr, rt = manager()
     run(rt, "a", A)
     run(rt, "b", B)
-    entry = next(iter(mgr.host.entries.values()))
-    entry.slot = next(e.slot for e in mgr.host.entries.values() if e is not entry)
+    digest, entry = next(iter(mgr.host.entries.items()))
+    other = next(e.slot for e in mgr.host.entries.values() if e is not entry)
+    mgr.host.entries[digest] = entry._replace(slot=other)  # two entries claim one slot
     with pytest.raises(IntegrityError):
         mgr.check_integrity()
 
