@@ -17,9 +17,8 @@ import uvicorn
 
 from prefixcache.fleet.ingest import CallableIngest, IngestCounts
 from prefixcache.fleet.memory_index import MemoryFleetIndex
-from prefixcache.fleet.router import Router
 from prefixcache.fleet.server import create_app
-from prefixcache.fleet.service_config import load_config
+from prefixcache.fleet.service_config import build_router, load_config
 from prefixcache.hashing import BlockHasher
 from prefixcache.replay.traces import load_tokenizer
 
@@ -48,13 +47,7 @@ def main() -> None:
     for replica in config.replicas:
         if replica.name not in index.replicas():
             index.store(replica.name, [])
-    router = Router(
-        index,
-        [r.spec() for r in config.replicas],
-        config.routing.policy,
-        config.routing.params,
-        max_prompt_tokens=config.limits.max_prompt_tokens,
-    )
+    router = build_router(config, index)
     markers = Path(args.markers) if args.markers else None
 
     def mark(name: str) -> None:

@@ -193,6 +193,52 @@ def test_route_counts_load_until_release() -> None:
     assert router.in_flight() == 0
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_unreleased_routes_expire() -> None:
+    # a client that dies after routing must not hold load on its replica for good
+    clock = FakeClock()
+    router, _, tokens = seeded("least_loaded", in_flight_timeout=30.0, clock=clock)
+    router.route(NS, tokens, request_id="old")  # -> a
+    clock.now += 20
+    router.route(NS, tokens, request_id="kept")  # -> b
+    router.route(NS, tokens, request_id="again")  # -> c
+    router.release("again")
+    router.route(NS, tokens, request_id="again")  # -> c again; its first deadline is stale
+    assert [load.in_flight for load in router.loads()] == [1, 1, 1]
+    clock.now += 10  # "old" reaches its deadline
+    assert [load.in_flight for load in router.loads()] == [0, 1, 1]
+    assert router.in_flight() == 2 and router.expired() == 1
+    with pytest.raises(UnknownRequestError, match="ended after 30 s"):
+        router.release("old")
+    assert router.route(NS, tokens, request_id="old").replica == "a"  # the id is free again
+    clock.now += 20  # "kept" and the second "again" end too
+    assert router.expired() == 3
+    assert [load.in_flight for load in router.loads()] == [1, 0, 0]
+    assert router.release("old") == ("old", "a", 128)
+    assert router.in_flight() == 0 and router.expired() == 3
+
+
+def test_routes_never_expire_without_a_timeout() -> None:
+    clock = FakeClock()
+    router, _, tokens = seeded("prefix", clock=clock)
+    router.route(NS, tokens, request_id="r")
+    clock.now += 1e9
+    assert router.in_flight() == 1 and router.expired() == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "60"])
+def test_bad_in_flight_timeout(bad: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="in_flight_timeout"):
+        Router(MemoryFleetIndex(), [], in_flight_timeout=bad)  # type: ignore[arg-type]
+
+
 def test_least_loaded_spreads_tracked_routes() -> None:
     router, _, tokens = seeded("least_loaded")
     picks = [router.route(NS, tokens, request_id=f"r{i}").replica for i in range(6)]

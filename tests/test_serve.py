@@ -131,6 +131,33 @@ def test_route_and_release(fleet: dict[str, Any]) -> None:
     assert client.get("/v1/replicas").json()["replicas"][0]["in_flight"] == 0
 
 
+def test_unreleased_route_load_expires(tmp_path: Path) -> None:
+    # a client that routes with an id and never releases: its load ends after the timeout
+    port = free_port()
+    (tmp_path / "fleet.yaml").write_text(
+        "routing: {policy: least_loaded, in_flight_timeout_s: 0.5}\n"
+        "replicas:\n  - {name: only, model: m, block_size: 4}\n"
+    )
+    service_args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
+    service_args += ["--port", str(port)]
+    with (
+        running(service_args, port, tmp_path / "service.log") as base,
+        httpx.Client(base_url=base, timeout=10.0) as client,
+    ):
+        body = {"model": "m", "tokens": PROMPT, "request_id": "gone"}
+        assert client.post("/v1/route", json=body).status_code == 200
+
+        def in_flight() -> int:
+            return int(client.get("/v1/replicas").json()["replicas"][0]["in_flight"])
+
+        assert in_flight() == 1
+        wait_until(lambda: in_flight() == 0, "the route's load to expire")
+        late = client.post("/v1/release", json={"request_id": "gone"})
+        assert late.status_code == 404 and "ended after 0.5 s" in late.json()["error"]["message"]
+        assert _metrics(client)["prefixcache_route_expired_total"][()] == 1
+        assert client.post("/v1/route", json=body).status_code == 200  # the id is free again
+
+
 BAD_REQUESTS = [
     ("/v1/lookup", {"model": "m", "tokens": [1, -2]}, 422, ">= 0"),
     ("/v1/lookup", {"model": "m", "tokens": [1, 2.5]}, 422, "got `float`"),
@@ -221,6 +248,7 @@ def test_metrics(fleet: dict[str, Any]) -> None:
     assert blocks[(("replica", "replica-a"),)] == 8
     assert blocks[(("replica", "replica-dead"),)] == 0
     assert after["prefixcache_replica_in_flight"][(("replica", "replica-a"),)] == 0
+    assert after["prefixcache_route_expired_total"][()] == 0  # 600 s by default
     assert after["prefixcache_ingest_blocks_stored_total"][(("replica", "replica-a"),)] == 40
     assert after["prefixcache_ingest_sequence_gaps_total"][(("replica", "replica-a"),)] == 1
     assert after["prefixcache_ingest_errors_total"][(("replica", "replica-b"),)] == 2

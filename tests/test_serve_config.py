@@ -21,6 +21,7 @@ def test_example_config_loads() -> None:
     assert [r.name for r in config.replicas] == ["replica-0", "replica-1"]
     assert config.routing.policy == "prefix"
     assert config.routing.params == RoutingParams(64, 1.5, 0.3)
+    assert config.routing.in_flight_timeout_s == 600.0
     assert config.index == "memory" and config.tokenizer is None and not config.proxy.enabled
     first = config.replicas[0]
     assert first.namespace == Namespace("meta-llama/Llama-3.1-8B-Instruct")
@@ -70,6 +71,9 @@ def rep(**fields: object) -> dict[str, object]:
         ({"routing": {"policy": "random"}}, "routing.policy: unknown policy 'random'"),
         ({"routing": {"balance_rel_threshold": 0.5}}, "balance_rel_threshold must be a number"),
         ({"routing": {"cache_threshold": 2}}, "cache_threshold"),
+        ({"routing": {"in_flight_timeout_s": 0}}, "routing.in_flight_timeout_s: expected a pos"),
+        ({"routing": {"in_flight_timeout_s": float("inf")}}, "positive finite number"),
+        ({"routing": {"in_flight_timeout_s": "1m"}}, "routing.in_flight_timeout_s"),
         ({"proxy": {"enabled": "yes"}}, "proxy.enabled: expected true or false"),
         ({"index": "redis://h:6379/x"}, "expected 'memory' or 'redis://host:port/db'"),
         ({"tokenizer": "missing.json"}, "tokenizer: file"),
@@ -81,6 +85,13 @@ def test_config_errors_say_what_and_where(change: dict, message: str, tmp_path: 
     with pytest.raises(ConfigError) as info:
         parse_config({**BASE, **change}, "fleet.yaml", tmp_path)
     assert str(info.value).startswith("fleet.yaml: ") and message in str(info.value)
+
+
+def test_in_flight_timeout_can_be_switched_off(tmp_path: Path) -> None:
+    config = parse_config({**BASE, "routing": {"in_flight_timeout_s": None}}, "f.yaml", tmp_path)
+    assert config.routing.in_flight_timeout_s is None
+    config = parse_config({**BASE, "routing": {"in_flight_timeout_s": 5}}, "f.yaml", tmp_path)
+    assert config.routing.in_flight_timeout_s == 5.0
 
 
 def test_unreadable_files(tmp_path: Path) -> None:

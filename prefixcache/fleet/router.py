@@ -8,8 +8,11 @@ bookkeeping run under it, so two concurrent routes always see each other's load.
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from prefixcache.errors import (
@@ -86,11 +89,17 @@ class _InFlight(NamedTuple):
     replica: str
     tokens: int
     generation: int  # of the replica when routed: a removed and re-added replica starts afresh
+    deadline: float  # on the router's clock: the load ends then if nobody released it
 
 
 class Router:
     """Scores prompts against a ``FleetIndex`` and routes them with a policy from
-    ``routing.POLICIES``, keeping the in-flight load of every replica."""
+    ``routing.POLICIES``, keeping the in-flight load of every replica.
+
+    ``in_flight_timeout`` (seconds on ``clock``; None: never) ends the load of a routed request
+    that was never released, e.g. because its client died: without it such loads would skew
+    every later choice for good. Expired requests are counted (``expired()``).
+    """
 
     def __init__(
         self,
@@ -101,7 +110,21 @@ class Router:
         *,
         hash_algo: str = "xxh3_128",
         max_prompt_tokens: int | None = None,
+        in_flight_timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if in_flight_timeout is not None and (
+            isinstance(in_flight_timeout, bool)
+            or not isinstance(in_flight_timeout, int | float)
+            or not in_flight_timeout > 0
+            or math.isinf(in_flight_timeout)
+        ):
+            raise InvalidArgumentError(
+                "in_flight_timeout must be a positive number of seconds or None, got "
+                f"{in_flight_timeout!r}"
+            )
+        self._timeout = in_flight_timeout
+        self._clock = clock
         self._index = index
         self._policy_name = policy
         self._policy: Policy = get_policy(policy)
@@ -119,6 +142,8 @@ class Router:
         self._generation: dict[str, int] = {}
         self._next_generation = 0
         self._in_flight: dict[str, _InFlight] = {}
+        self._deadlines: deque[tuple[str, _InFlight]] = deque()  # in route order (and deadline)
+        self._expired = 0
         self._turns: dict[Namespace, int] = {}
         self._hashers: dict[int, BlockHasher] = {}
         for spec in replicas:
@@ -187,12 +212,40 @@ class Router:
     def loads(self) -> list[ReplicaLoad]:
         """In-flight requests and tokens per replica, in fleet order."""
         with self._lock:
+            self._expire()
             return [ReplicaLoad(name, *self._load[name]) for name in self._specs]
 
     def in_flight(self) -> int:
         """Requests routed with an id and not yet released (also those of removed replicas)."""
         with self._lock:
+            self._expire()
             return len(self._in_flight)
+
+    def expired(self) -> int:
+        """Routed requests whose load ended by the timeout, never released."""
+        with self._lock:
+            self._expire()
+            return self._expired
+
+    def _expire(self) -> None:
+        """End the loads whose deadline has passed; call with the lock held."""
+        deadlines = self._deadlines
+        if not deadlines:
+            return
+        now = self._clock()
+        while deadlines and deadlines[0][1].deadline <= now:
+            request_id, entry = deadlines.popleft()
+            if self._in_flight.get(request_id) is not entry:  # released (or routed anew)
+                continue
+            del self._in_flight[request_id]
+            self._drop_load(entry)
+            self._expired += 1
+
+    def _drop_load(self, entry: _InFlight) -> None:
+        if self._generation.get(entry.replica) == entry.generation:
+            load = self._load[entry.replica]
+            load[0] -= 1
+            load[1] -= entry.tokens
 
     # ---- lookups and routes -------------------------------------------------------------------
 
@@ -269,6 +322,7 @@ class Router:
         """
         n, eligible, found = self._matches(namespace, tokens)
         with self._lock:
+            self._expire()
             scores = self._scores(eligible, found)
         if not scores:
             raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
@@ -280,9 +334,9 @@ class Router:
         """Choose the replica for a prompt with the router's policy.
 
         With a ``request_id`` the route counts as load on the chosen replica until
-        ``release(request_id)``; without one it is a pure decision. Raises InvalidTokensError,
-        PayloadTooLargeError, UnknownNamespaceError, InvalidArgumentError (a bad id) or
-        DuplicateRequestError, each before anything changes.
+        ``release(request_id)`` (or the in-flight timeout); without one it is a pure decision.
+        Raises InvalidTokensError, PayloadTooLargeError, UnknownNamespaceError,
+        InvalidArgumentError (a bad id) or DuplicateRequestError, each before anything changes.
         """
         if request_id is not None and (
             not isinstance(request_id, str)
@@ -295,6 +349,7 @@ class Router:
             )
         n, eligible, found = self._matches(namespace, tokens)
         with self._lock:
+            self._expire()
             if request_id is not None and request_id in self._in_flight:
                 raise DuplicateRequestError(f"request {request_id!r} is already in flight")
             scores = self._scores(eligible, found)
@@ -307,9 +362,11 @@ class Router:
                 load = self._load[choice.replica]
                 load[0] += 1
                 load[1] += n
-                self._in_flight[request_id] = _InFlight(
-                    choice.replica, n, self._generation[choice.replica]
-                )
+                deadline = math.inf if self._timeout is None else self._clock() + self._timeout
+                entry = _InFlight(choice.replica, n, self._generation[choice.replica], deadline)
+                self._in_flight[request_id] = entry
+                if self._timeout is not None:
+                    self._deadlines.append((request_id, entry))
         chosen = next(s for s in scores if s.name == choice.replica)
         return RouteDecision(
             choice.replica,
@@ -326,11 +383,10 @@ class Router:
         """End an in-flight request: its replica's load drops. UnknownRequestError if the id is
         not in flight (never routed with an id, or released already)."""
         with self._lock:
+            self._expire()
             entry = self._in_flight.pop(request_id, None) if isinstance(request_id, str) else None
             if entry is None:
-                raise UnknownRequestError(f"request {request_id!r} is not in flight")
-            if self._generation.get(entry.replica) == entry.generation:
-                load = self._load[entry.replica]
-                load[0] -= 1
-                load[1] -= entry.tokens
+                ended = f" (or its load ended after {self._timeout:g} s)" if self._timeout else ""
+                raise UnknownRequestError(f"request {request_id!r} is not in flight{ended}")
+            self._drop_load(entry)
         return Released(request_id, entry.replica, entry.tokens)

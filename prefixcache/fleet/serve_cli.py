@@ -43,9 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
         from prefixcache.fleet.open_index import open_index
-        from prefixcache.fleet.router import Router
         from prefixcache.fleet.server import create_app
-        from prefixcache.fleet.service_config import check_index_url, load_config
+        from prefixcache.fleet.service_config import build_router, check_index_url, load_config
     except ImportError as exc:
         print(
             f"prefixcache serve: error: needs the service extra (pip install "
@@ -59,14 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         index_url = check_index_url(args.index, "--index") if args.index else config.index
         index = open_index(index_url)
-        router = Router(
-            index,
-            [r.spec() for r in config.replicas],
-            config.routing.policy,
-            config.routing.params,
-            hash_algo=config.hash_algo,
-            max_prompt_tokens=config.limits.max_prompt_tokens,
-        )
+        router = build_router(config, index)
         # every replica with an event endpoint is followed from the app's start to its stop
         subscriber = KVEventSubscriber(
             index,

@@ -7,6 +7,7 @@ is expected; unknown keys are mistakes too, so a misspelt option never passes si
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from prefixcache.errors import ConfigError, PrefixCacheError
-from prefixcache.fleet.router import ReplicaSpec
+from prefixcache.fleet.fleet_index import FleetIndex
+from prefixcache.fleet.router import ReplicaSpec, Router
 from prefixcache.fleet.routing import POLICIES, RoutingParams, check_params
 from prefixcache.hashing import HASH_FUNCTIONS
 from prefixcache.namespace import Namespace
@@ -48,6 +50,7 @@ class RoutingConfig:
 
     policy: str = "prefix"
     params: RoutingParams = field(default_factory=RoutingParams)
+    in_flight_timeout_s: float | None = 600.0  # a routed request's load ends then (None: never)
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,10 @@ _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
     "block_size", "capacity_blocks",
 )  # fmt: skip
-_ROUTING = ("policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold")
+_ROUTING = (
+    "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
+    "in_flight_timeout_s",
+)  # fmt: skip
 _LIMITS = ("max_body_bytes", "max_prompt_tokens", "max_replicas")
 _PROXY = ("enabled", "timeout_s")
 
@@ -129,8 +135,12 @@ class _Reader:
         return value
 
     def number(self, value: Any, where: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise self.fail(where, f"expected a positive number, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < math.inf
+        ):
+            raise self.fail(where, f"expected a positive finite number, got {value!r}")
         return float(value)
 
     def url(self, value: Any, where: str) -> str | None:
@@ -261,6 +271,9 @@ def parse_config(
         )
     except ConfigError as exc:
         raise r.fail("routing", str(exc)) from None
+    timeout = rt.get("in_flight_timeout_s", RoutingConfig.in_flight_timeout_s)
+    if timeout is not None:  # null: loads end only when released
+        timeout = r.number(timeout, "routing.in_flight_timeout_s")
 
     px = r.mapping(top.get("proxy"), "proxy", _PROXY)
     enabled = px.get("enabled", False)
@@ -289,7 +302,27 @@ def parse_config(
             "hash_algo", f"unknown hash {hash_algo!r}; choose one of {', '.join(HASH_FUNCTIONS)}"
         )
     return ServiceConfig(
-        replicas, RoutingConfig(policy, params), limits, proxy, tokenizer, index, hash_algo, source
+        replicas,
+        RoutingConfig(policy, params, timeout),
+        limits,
+        proxy,
+        tokenizer,
+        index,
+        hash_algo,
+        source,
+    )
+
+
+def build_router(config: ServiceConfig, index: FleetIndex) -> Router:
+    """The router ``config`` describes (replicas, policy, limits, timeout), over ``index``."""
+    return Router(
+        index,
+        [r.spec() for r in config.replicas],
+        config.routing.policy,
+        config.routing.params,
+        hash_algo=config.hash_algo,
+        max_prompt_tokens=config.limits.max_prompt_tokens,
+        in_flight_timeout=config.routing.in_flight_timeout_s,
     )
 
 

@@ -2,8 +2,8 @@
 
 Counted as they happen: route decisions (policy, replica, rule), the cached fraction of routed
 prompts, route latency, error responses. Read at each scrape: the index's blocks and the in-flight
-load per replica, the health of a shared (Redis) index, and the counters of an ``IngestStats``
-source when one is plugged in.
+load per replica, the loads ended by the in-flight timeout, the health of a shared (Redis) index,
+and the counters of an ``IngestStats`` source when one is plugged in.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class _FleetCollector(Collector):
         yield blocks
         yield in_flight
         yield tokens
+        yield CounterMetricFamily(
+            "prefixcache_route_expired",
+            "Routed requests whose load ended by the in-flight timeout, never released",
+            value=self._router.expired(),
+        )
         stats = getattr(index, "stats", None)  # a shared (Redis) index reports its health
         if callable(stats):
             health = stats()
