@@ -23,9 +23,25 @@ MAX_BODY = 16384
 MAX_TOKENS = 256
 
 
+# ChatML, the template of Qwen and others; the replica-b seed holds a conversation rendered by it
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SYSTEM = {"role": "system", "content": "You answer questions about the fleet, briefly."}
+FIRST = {"role": "user", "content": "Which replica holds this conversation?"}
+SEEN = (  # the first turn as the engine rendered it
+    f"<|im_start|>system\n{SYSTEM['content']}<|im_end|>\n"
+    f"<|im_start|>user\n{FIRST['content']}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
 def _config(upstream: str, dead_port: int) -> str:
     return f"""
 index: memory
+chat_template: chatml.jinja
 routing: {{policy: prefix}}
 proxy: {{enabled: true, timeout_s: 30}}
 limits: {{max_body_bytes: {MAX_BODY}, max_prompt_tokens: {MAX_TOKENS}, max_replicas: 8}}
@@ -43,10 +59,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     up_port, port, dead_port = free_port(), free_port(), free_port()
     upstream_base = f"http://127.0.0.1:{up_port}"
     (tmp / "fleet.yaml").write_text(_config(upstream_base, dead_port))
+    (tmp / "chatml.jinja").write_text(CHATML)
     seed = [
         {"replica": "replica-a", "tokens": PROMPT},
         {"replica": "replica-b", "tokens": PROMPT[:8]},
         {"replica": "replica-b", "text": TEXT},
+        {"replica": "replica-b", "text": SEEN},
     ]
     (tmp / "seed.json").write_text(json.dumps(seed))
     markers = tmp / "markers"
@@ -281,6 +299,24 @@ def test_proxy_completion_goes_to_the_prefix_holder(fleet: dict[str, Any]) -> No
         json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
     )
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion.chunk"
+    assert _in_flight(client) == 0
+
+
+def test_chat_routes_on_the_templated_conversation(fleet: dict[str, Any]) -> None:
+    # the next turn of a conversation goes where its first turn, as the engine rendered it, is
+    client = fleet["client"]
+    follow_up = [SYSTEM, FIRST, {"role": "assistant", "content": "replica-b"}]
+    follow_up.append({"role": "user", "content": [{"type": "text", "text": "Sure?"}]})
+    lookup = client.post("/v1/lookup", json={"model": "m", "messages": follow_up}).json()
+    assert _cached(lookup) == {"replica-a": 0, "replica-b": len(SEEN.encode()) // 4 * 4}
+    assert lookup["prompt_tokens"] > len(SEEN.encode())
+    chat = client.post("/v1/chat/completions", json={"model": "m", "messages": follow_up})
+    assert chat.status_code == 200 and chat.headers["x-prefixcache-replica"] == "replica-b"
+    both = client.post("/v1/lookup", json={"model": "m", "messages": follow_up, "text": "x"})
+    assert both.status_code == 422 and "exactly one of" in both.json()["error"]["message"]
+    bad = {"model": "m", "messages": follow_up, "add_generation_prompt": "yes"}
+    refused = client.post("/v1/chat/completions", json=bad)
+    assert refused.status_code == 422 and "add_generation_prompt" in refused.text
     assert _in_flight(client) == 0
 
 

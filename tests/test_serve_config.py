@@ -78,13 +78,23 @@ def rep(**fields: object) -> dict[str, object]:
         ({"index": "redis://h:6379/x"}, "expected 'memory' or 'redis://host:port/db'"),
         ({"tokenizer": "missing.json"}, "tokenizer: file"),
         ({"hash_algo": "md5"}, "unknown hash 'md5'"),
+        ({"chat_template": "missing.jinja"}, "chat_template: file"),
+        ({"chat_template": "broken.jinja"}, "chat_template: broken.jinja: chat template line 1"),
         ({"colour": 1}, "unknown key 'colour'"),
     ],
 )  # fmt: skip
 def test_config_errors_say_what_and_where(change: dict, message: str, tmp_path: Path) -> None:
+    (tmp_path / "broken.jinja").write_text("{% if messages %}")
     with pytest.raises(ConfigError) as info:
         parse_config({**BASE, **change}, "fleet.yaml", tmp_path)
     assert str(info.value).startswith("fleet.yaml: ") and message in str(info.value)
+
+
+def test_chat_template_path_is_taken_from_the_config_dir(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages[0].role }}"}')
+    config = parse_config({**BASE, "chat_template": "tokenizer_config.json"}, "f.yaml", tmp_path)
+    assert config.chat_template == str(tmp_path / "tokenizer_config.json")
+    assert load_config(EXAMPLE).chat_template is None
 
 
 def test_in_flight_timeout_can_be_switched_off(tmp_path: Path) -> None:

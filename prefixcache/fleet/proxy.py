@@ -2,9 +2,11 @@
 
 ``POST /v1/completions`` routes on the prompt (token ids when given, else the text through the
 service's tokenizer; with several prompts, the first); ``POST /v1/chat/completions`` routes on
-the messages rendered as ``<|role|>\\ncontent\\n`` and tokenized. Chat templates are engine side,
-so chat routing sees the conversation's shared prefix, not the engine's exact tokens: send
-``/v1/completions`` with token ids to route on exactly what the engine caches.
+the messages rendered with the model's chat template (``chat_template`` in the config; the
+request's ``add_generation_prompt``, ``continue_final_message``, ``tools``, ``documents`` and
+``chat_template_kwargs`` apply as in vLLM) and tokenized without added special tokens: the token
+ids the engine computes. Without a template the messages are rendered neutrally, which matches
+other routed conversations but not what the replicas cache.
 
 The body is forwarded unchanged and the answer streamed back as it arrives (server-sent events
 included). The request counts as load on its replica from the route until the answer ends, the
@@ -28,7 +30,6 @@ from starlette.types import Receive, Scope, Send
 
 from prefixcache.errors import InvalidArgumentError, InvalidRequestBodyError, UnknownNamespaceError
 from prefixcache.namespace import Namespace
-from prefixcache.replay.traces import render_chat
 from prefixcache.tokens import TokenIds
 
 if TYPE_CHECKING:
@@ -100,24 +101,21 @@ def _completion_tokens(service: FleetService, payload: dict[str, Any]) -> TokenI
 
 
 def _chat_tokens(service: FleetService, payload: dict[str, Any]) -> TokenIds:
-    messages = payload.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidArgumentError("'messages' must be a non-empty list")
-    flat = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidArgumentError(f"messages[{i}] must be an object with a string 'role'")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: the text parts count
-            content = "".join(
-                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-            )
-        elif content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise InvalidArgumentError(f"messages[{i}].content must be a string or a list of parts")
-        flat.append({"role": message["role"], "content": content})
-    return service.tokens_of(None, render_chat(flat))
+    options: dict[str, Any] = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = payload.get(name, default)
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"'{name}' must be true or false, got {value!r}")
+        options[name] = value
+    for name in ("tools", "documents"):
+        value = payload.get(name)
+        if value is not None and not isinstance(value, list):
+            raise InvalidArgumentError(f"'{name}' must be a list, got {type(value).__name__}")
+        options[name] = value
+    extra = payload.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise InvalidArgumentError("'chat_template_kwargs' must be an object")
+    return service.chat_tokens(payload.get("messages"), extra=extra, **options)
 
 
 async def _forward(

@@ -31,6 +31,7 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
+from prefixcache.fleet.chat_template import ChatTemplate, chat_messages
 from prefixcache.fleet.ingest import IngestSource, IngestStats
 from prefixcache.fleet.router import RouteDecision, Router
 from prefixcache.fleet.routing import ReplicaScore
@@ -43,7 +44,7 @@ from prefixcache.fleet.service_bodies import (
 from prefixcache.fleet.service_config import ServiceConfig
 from prefixcache.fleet.service_metrics import CONTENT_TYPE, ServiceMetrics
 from prefixcache.namespace import Namespace
-from prefixcache.replay.traces import Tokenizer, load_tokenizer
+from prefixcache.replay.traces import Tokenizer, load_tokenizer, render_chat
 from prefixcache.tokens import TokenIds
 
 _STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
@@ -81,7 +82,8 @@ def _score(score: ReplicaScore) -> dict[str, Any]:
 
 
 class FleetService:
-    """What the handlers share: router, config, tokenizer, metrics and the optional ingest."""
+    """What the handlers share: router, config, tokenizer, chat template, metrics and the
+    optional ingest."""
 
     def __init__(
         self,
@@ -89,10 +91,12 @@ class FleetService:
         config: ServiceConfig,
         tokenizer: Tokenizer,
         metrics: ServiceMetrics,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self.router = router
         self.config = config
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.metrics = metrics
         self.urls = {r.name: r.url for r in config.replicas}
         self.http_client: Any = None  # httpx.AsyncClient while proxying
@@ -121,7 +125,9 @@ class FleetService:
         """The prompt's token ids: given ones, else ``text`` through the tokenizer. Checks the
         prompt-token limit."""
         if (tokens is None) == (text is None):
-            raise InvalidArgumentError("give exactly one of 'tokens' (token ids) or 'text'")
+            raise InvalidArgumentError(
+                "give exactly one of 'tokens' (token ids), 'text' or 'messages'"
+            )
         ids: TokenIds = tokens if tokens is not None else self.tokenizer.encode(text or "")
         limit = self.config.limits.max_prompt_tokens
         if len(ids) > limit:
@@ -130,8 +136,40 @@ class FleetService:
             )
         return ids
 
+    def chat_tokens(
+        self,
+        messages: Any,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[Any] | None = None,
+        documents: list[Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> TokenIds:
+        """The token ids of a conversation: the chat template's text (a neutral rendering
+        without one) through the tokenizer."""
+        flat = chat_messages(messages)
+        if self.chat_template is None:
+            text = render_chat(flat)
+        else:
+            text = self.chat_template.render(
+                flat,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                documents=documents,
+                extra=extra,
+            )
+        return self.tokens_of(None, text)
+
     def prompt(self, body: PromptBody) -> tuple[Namespace, TokenIds]:
         """Namespace and token ids of a lookup or route body."""
+        if body.messages is not None:
+            if body.tokens is not None or body.text is not None:
+                raise InvalidArgumentError(
+                    "give exactly one of 'tokens' (token ids), 'text' or 'messages'"
+                )
+            return body.namespace(), self.chat_tokens(body.messages)
         return body.namespace(), self.tokens_of(body.tokens, body.text)
 
     def route(
@@ -154,13 +192,15 @@ def create_app(
     config: ServiceConfig,
     *,
     tokenizer: Tokenizer | None = None,
+    chat_template: ChatTemplate | None = None,
     ingest: IngestSource | None = None,
     ingest_stats: IngestStats | None = None,
     proxy: bool | None = None,
 ) -> FastAPI:
     """The service app over ``router``.
 
-    ``tokenizer`` encodes text prompts (default: ``config.tokenizer``, else UTF-8 bytes).
+    ``tokenizer`` encodes text prompts (default: ``config.tokenizer``, else UTF-8 bytes);
+    ``chat_template`` renders chat messages (default: ``config.chat_template``, if any).
     ``ingest`` is started when the app starts and stopped when it stops; its counters are
     exported when it (or ``ingest_stats``) implements ``IngestStats``. ``proxy`` overrides
     ``config.proxy.enabled``. Raises ConfigError for an unusable combination.
@@ -177,6 +217,9 @@ def create_app(
         config,
         tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer),
         ServiceMetrics(router, ingest_stats),
+        chat_template
+        if chat_template is not None or config.chat_template is None
+        else ChatTemplate.load(config.chat_template),
     )
 
     @asynccontextmanager

@@ -6,7 +6,7 @@ rejected; every error names the field (``$.tokens[3]``).
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -19,11 +19,13 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
 class PromptBody(msgspec.Struct, forbid_unknown_fields=True):
-    """A prompt (token ids or text) and the namespace it belongs to."""
+    """A prompt (token ids, text, or chat messages rendered with the chat template) and the
+    namespace it belongs to."""
 
     model: str
     tokens: list[TokenId] | None = None
     text: str | None = None
+    messages: list[dict[str, Any]] | None = None
     adapter: str | None = None
     adapter_version: str | None = None
     salt: str | None = None

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.fleet.chat_template import ChatTemplate
 from prefixcache.fleet.fleet_index import FleetIndex
 from prefixcache.fleet.router import ReplicaSpec, Router
 from prefixcache.fleet.routing import POLICIES, RoutingParams, check_params
@@ -82,6 +83,7 @@ class ServiceConfig:
     index: str = "memory"  # "memory" or "redis://host:port/db"
     hash_algo: str = "xxh3_128"
     source: str = "<config>"
+    chat_template: str | None = None  # .jinja or tokenizer_config.json; None: neutral rendering
 
     def replica(self, name: str) -> ReplicaConfig | None:
         """The replica called ``name``, or None."""
@@ -90,7 +92,9 @@ class ServiceConfig:
 
 # ---- parsing ------------------------------------------------------------------------------------
 
-_TOP = ("replicas", "routing", "limits", "proxy", "tokenizer", "index", "hash_algo")
+_TOP = (
+    "replicas", "routing", "limits", "proxy", "tokenizer", "chat_template", "index", "hash_algo",
+)  # fmt: skip
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
     "block_size", "capacity_blocks",
@@ -291,6 +295,18 @@ def parse_config(
         tokenizer = str(path)
     elif tokenizer == "bytes":
         tokenizer = None
+    chat_template = r.string(top.get("chat_template"), "chat_template")
+    if chat_template is not None:
+        path = Path(chat_template)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise r.fail("chat_template", f"file {str(path)!r} does not exist")
+        try:
+            ChatTemplate.load(path)  # it compiles, and names a template
+        except ConfigError as exc:
+            raise r.fail("chat_template", str(exc)) from None
+        chat_template = str(path)
 
     try:
         index = check_index_url(top.get("index", "memory"))
@@ -310,6 +326,7 @@ def parse_config(
         index,
         hash_algo,
         source,
+        chat_template,
     )
 
 

@@ -1,0 +1,157 @@
+"""Chat templates rendered as Hugging Face's apply_chat_template renders them; the expected
+strings are written out by hand from each template's text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prefixcache.errors import ConfigError, InvalidArgumentError
+from prefixcache.fleet.chat_template import ChatTemplate, chat_messages
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Llama-3 style: a BOS from the tokenizer config, trimmed contents, a header per turn
+LLAMA = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}\n"
+    "    {{- message['content'] | trim + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+ALTERNATING = (
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}[{{ message['role'] }}] {{ message['content'] }}\n"
+    "{% endfor %}"
+)
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "  Hi there  "},
+]
+
+
+def test_chatml_from_a_jinja_file(tmp_path: Path) -> None:
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    template = ChatTemplate.load(tmp_path / "chatml.jinja")
+    assert template.render(CHAT) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n  Hi there  <|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert template.render(CHAT, add_generation_prompt=False).endswith("Hi there  <|im_end|>\n")
+
+
+def test_llama_style_from_a_tokenizer_config(tmp_path: Path) -> None:
+    # the layout's whitespace goes (whitespace control, trim_blocks); the BOS is an added token
+    config = {
+        "chat_template": LLAMA,
+        "bos_token": {"content": "<|begin_of_text|>", "lstrip": False},
+        "eos_token": "<|eot_id|>",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.load(tmp_path / "tokenizer_config.json")
+    assert template.special_tokens == {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    assert template.render(CHAT) == (
+        "<|begin_of_text|>"
+        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
+def test_named_templates_take_the_default(tmp_path: Path) -> None:
+    config = {
+        "chat_template": [
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D"},
+        ]
+    }
+    (tmp_path / "chat_template.json").write_text(json.dumps(config))
+    assert ChatTemplate.load(tmp_path / "chat_template.json").render(CHAT) == "D"
+
+
+def test_continue_final_message(tmp_path: Path) -> None:
+    template = ChatTemplate(CHATML, {})
+    partial = [*CHAT, {"role": "assistant", "content": "Sure, "}]
+    text = template.render(partial, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nSure,")  # stripped content, no end of turn
+    with pytest.raises(InvalidArgumentError, match="cannot both be true"):
+        template.render(partial, continue_final_message=True)
+    with pytest.raises(InvalidArgumentError, match="final message"):
+        template.render(
+            [{"role": "user", "content": " "}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+
+
+def test_the_template_refuses_a_conversation() -> None:
+    template = ChatTemplate(ALTERNATING, {}, "alternating.jinja")
+    assert template.render([{"role": "user", "content": "a"}]) == "[user] a\n"
+    with pytest.raises(InvalidArgumentError, match=r"alternating\.jinja: Conversation roles"):
+        template.render([{"role": "assistant", "content": "a"}])
+
+
+def test_filters_globals_and_extensions() -> None:
+    source = (
+        "{{ tools | tojson }}|{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{{ m['content'] }}{% endfor %}|{{ strftime_now('%Y') | length }}|{{ flavour }}"
+    )
+    tools = [{"name": "météo", "z": 1, "a": 2}]
+    text = ChatTemplate(source, {}).render(CHAT, tools=tools, extra={"flavour": "plain"})
+    # non-ASCII kept and keys in order (transformers' tojson), loop controls, strftime_now
+    assert text == '[{"name": "météo", "z": 1, "a": 2}]|Be brief.|4|plain'
+
+
+def test_sandbox_and_runtime_failures_are_request_errors() -> None:
+    with pytest.raises(InvalidArgumentError, match="chat template"):
+        ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", {}).render(CHAT)
+    with pytest.raises(InvalidArgumentError, match="chat template"):
+        ChatTemplate("{{ messages[5]['content'] + 1 }}", {}).render(CHAT)
+
+
+def test_bad_template_files(tmp_path: Path) -> None:
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}\n{{ m['content'] }")
+    with pytest.raises(ConfigError, match=r"broken\.jinja: chat template line 2"):
+        ChatTemplate.load(tmp_path / "broken.jinja")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    with pytest.raises(ConfigError, match="no 'chat_template'"):
+        ChatTemplate.load(tmp_path / "tokenizer_config.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ChatTemplate.load(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="cannot read chat template"):
+        ChatTemplate.load(tmp_path / "missing.jinja")
+
+
+def test_messages_are_checked_and_flattened() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]
+    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    flat = chat_messages(
+        [{"role": "user", "content": parts}, {"role": "assistant", "tool_calls": calls}]
+    )
+    assert flat == [
+        {"role": "user", "content": "a\nb"},  # text parts joined by newlines, as vLLM does
+        {"role": "assistant", "content": "", "tool_calls": calls},
+    ]
+    for bad, message in [
+        ([], "non-empty list"),
+        ([{"content": "x"}], "string 'role'"),
+        ([{"role": "user", "content": 3}], "messages\\[0\\].content"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            chat_messages(bad)
