@@ -32,6 +32,19 @@ def test_non_utf8_trace_names_the_line(tmp_path: Path, capsys: pytest.CaptureFix
     one_error_line(capsys, "t.jsonl:4:", "not UTF-8")
 
 
+def test_bad_chat_template_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "chat.jsonl"
+    trace.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    args = ["replay", str(trace), "--blocks", "10", "--no-progress", "--out", str(tmp_path / "r")]
+    assert main([*args, "--chat-template", str(tmp_path / "broken.jinja")]) == 2
+    one_error_line(capsys, "broken.jinja: chat template line 1")
+    (tmp_path / "ok.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert main([*args, "--chat-template", str(tmp_path / "ok.jinja")]) == 0
+
+
 def test_non_utf8_scenario_names_the_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

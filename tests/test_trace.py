@@ -112,6 +112,32 @@ def test_token_jsonl_with_namespaces(tmp_path: Path) -> None:
         list(read_trace(bad))
 
 
+CHATML = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+    "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_chat_lines_through_the_model_template(tmp_path: Path) -> None:
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    turn = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    path = write_lines(tmp_path, [{"messages": turn}])
+    options = TraceOptions(chat_template=str(tmp_path / "chatml.jinja"))
+    (req,) = read_trace(path, options)
+    rendered = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    assert bytes(req.tokens.astype(np.uint8)).decode() == rendered + "<|im_start|>assistant\n"
+    refused = write_lines(
+        tmp_path, [{"messages": turn}, {"messages": [{"role": "tool", "content": "x"}]}]
+    )
+    with pytest.raises(
+        TraceFormatError, match=r"t\.jsonl:2: chat template chatml\.jinja: no tools"
+    ):
+        list(read_trace(refused, options))
+    with pytest.raises(ConfigError, match="cannot read chat template"):
+        list(read_trace(path, TraceOptions(chat_template=str(tmp_path / "none.jinja"))))
+
+
 def test_prompt_jsonl_and_text_through_the_byte_tokenizer(tmp_path: Path) -> None:
     path = write_lines(
         tmp_path,

@@ -243,6 +243,7 @@ def _export(args: argparse.Namespace) -> int:
             trace_format=args.trace_format,
             trace_block_size=args.trace_block_size,
             tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
             output_len=args.output_len,
         )
         source = open_source(args.source, config.with_(block_size=1))
@@ -325,6 +326,11 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
         "--trace-block-size", type=int, default=512, help="tokens per Mooncake hash id (512)"
     )
     g.add_argument("--tokenizer", help="tokenizer.json for text prompts (default: bytes)")
+    g.add_argument(
+        "--chat-template",
+        help="the model's tokenizer_config.json or a .jinja file: chat lines (messages) are "
+        "rendered as the engine renders them (default: a neutral rendering)",
+    )
     g.add_argument(
         "--output-len", type=int, default=128, help="output tokens for lines that give none (128)"
     )
@@ -424,6 +430,7 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         trace_format=args.trace_format,
         trace_block_size=args.trace_block_size,
         tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
         output_len=args.output_len,
         host_bw=args.host_bw,
         pool_bw=args.pool_bw,
@@ -543,6 +550,7 @@ def _analyze(args: argparse.Namespace) -> int:
             trace_format=args.trace_format,
             trace_block_size=args.trace_block_size,
             tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
             output_len=args.output_len,
             max_line_bytes=args.max_line_bytes,
             max_prompt_tokens=args.max_prompt_tokens,

@@ -49,6 +49,7 @@ class ReplayConfig:
     trace_format: str | None = None
     trace_block_size: int = 512  # Mooncake tokens per hash id
     tokenizer: str | None = None
+    chat_template: str | None = None  # .jinja or tokenizer_config.json for chat trace lines
     output_len: int = 128  # for trace lines without an output length
     max_line_bytes: int = MAX_LINE_BYTES  # longer trace lines are rejected
     max_prompt_tokens: int = MAX_PROMPT_TOKENS  # longer trace prompts are rejected

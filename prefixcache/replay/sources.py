@@ -84,6 +84,7 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
         trace_block_size=config.trace_block_size,
         seed=seed,
         tokenizer=config.tokenizer,
+        chat_template=config.chat_template,
         output_len=config.output_len,
         max_line_bytes=config.max_line_bytes,
         max_prompt_tokens=config.max_prompt_tokens,

@@ -5,7 +5,8 @@
   blocks; a partial last block is the head of its id's block.
 - tokens: ``{token_ids | input_ids | tokens: [...]}``.
 - prompts: ``{prompt | text: "..."}`` or ``{messages: [{role, content}, ...]}`` through a
-  tokenizer; ``.txt`` files hold one prompt per line.
+  tokenizer (messages through the model's chat template when one is given, else a neutral
+  rendering); ``.txt`` files hold one prompt per line.
 
 Optional on the token and prompt formats: ``arrival_s`` (or ``timestamp`` in seconds),
 ``output_length``, ``n``, and namespace fields ``model``, ``adapter``, ``adapter_version``,
@@ -25,14 +26,14 @@ the ``tokenizers`` package, imported only then).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from prefixcache.errors import ConfigError
+from prefixcache.errors import ConfigError, InvalidArgumentError
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.replay.request import Request
 from prefixcache.replay.synth import FULL_VOCAB, blocks_tokens, mix64, stream_key
@@ -55,6 +56,7 @@ class TraceOptions:
     seed: int = 0  # Mooncake: token synthesis
     vocab_size: int | None = None  # Mooncake: None = the whole int31 range
     tokenizer: str | None = None  # prompts/text: tokenizer.json path, None = bytes
+    chat_template: str | None = None  # prompts with messages: the model's template, None = neutral
     output_len: int = 128  # when a line gives none
     namespace: Namespace = DEFAULT_NAMESPACE
     max_line_bytes: int = MAX_LINE_BYTES  # longest line read
@@ -91,7 +93,8 @@ def read_trace(path: str | Path, options: TraceOptions | None = None) -> Iterato
     if fmt == "tokens":
         return _tokens(str(path), options)
     if fmt in ("prompts", "text"):
-        return _prompts(str(path), options, load_tokenizer(options.tokenizer), text=fmt == "text")
+        tokenizer = load_tokenizer(options.tokenizer)
+        return _prompts(str(path), options, tokenizer, _chat_renderer(options), text=fmt == "text")
     raise ConfigError(f"unknown trace format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
@@ -235,7 +238,24 @@ def _tokens(path: str, opt: TraceOptions) -> Iterator[Request]:
         yield _request(obj, arr.astype("<i4"), opt, path, lineno, cache)
 
 
-def _prompts(path: str, opt: TraceOptions, tok: Tokenizer, *, text: bool) -> Iterator[Request]:
+def _chat_renderer(options: TraceOptions) -> Callable[[list[dict[str, Any]]], str]:
+    """How conversations become prompt text: the model's chat template (as an engine renders
+    it, generation prompt included) or the neutral rendering."""
+    if options.chat_template is None:
+        return render_chat
+    from prefixcache.fleet.chat_template import ChatTemplate
+
+    return ChatTemplate.load(options.chat_template).render
+
+
+def _prompts(
+    path: str,
+    opt: TraceOptions,
+    tok: Tokenizer,
+    render: Callable[[list[dict[str, Any]]], str],
+    *,
+    text: bool,
+) -> Iterator[Request]:
     cache: dict[tuple, Namespace] = {}
     if text:
         for lineno, line in _lines(path, opt.max_line_bytes):
@@ -258,7 +278,10 @@ def _prompts(path: str, opt: TraceOptions, tok: Tokenizer, *, text: bool) -> Ite
                 raise TraceFormatError(
                     path, lineno, "'messages' must be a list of {role: str, content: str}"
                 )
-            prompt = render_chat(msgs)
+            try:
+                prompt = render(msgs)
+            except InvalidArgumentError as exc:  # the template refused the conversation
+                raise TraceFormatError(path, lineno, str(exc)) from None
         else:
             given = obj.get("prompt", obj.get("text"))
             if not isinstance(given, str):
