@@ -68,3 +68,8 @@ class PayloadTooLargeError(PrefixCacheError, ValueError):
 
 class InvalidRequestBodyError(InvalidArgumentError):
     """A service request body is not JSON, or not the JSON its endpoint takes."""
+
+
+class NoHealthyReplicaError(PrefixCacheError, RuntimeError):
+    """Every replica that serves the request's namespace is marked down (failed requests or
+    health probes); retry once one is back."""

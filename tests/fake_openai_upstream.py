@@ -4,7 +4,7 @@
 
 ``POST /{name}/v1/completions`` and ``/{name}/v1/chat/completions`` answer as replica ``name``;
 with ``"stream": true`` they send ``max_tokens`` server-sent events (``delay`` seconds apart when
-the body has ``"delay"``) and ``data: [DONE]``.
+the body has ``"delay"``) and ``data: [DONE]``. ``GET /{name}/health`` answers as vLLM's does.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ async def completions(name: str, request: Request) -> Response:
 @app.post("/{name}/v1/chat/completions")
 async def chat(name: str, request: Request) -> Response:
     return await _answer(name, "chat.completion.chunk", request)
+
+
+@app.get("/{name}/health")
+async def replica_health(name: str) -> dict[str, str]:
+    return {"status": "ok", "replica": name}
 
 
 @app.get("/healthz")

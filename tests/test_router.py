@@ -14,6 +14,7 @@ from prefixcache.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
     InvalidTokensError,
+    NoHealthyReplicaError,
     PayloadTooLargeError,
     UnknownNamespaceError,
     UnknownReplicaError,
@@ -237,6 +238,39 @@ def test_routes_never_expire_without_a_timeout() -> None:
 def test_bad_in_flight_timeout(bad: object) -> None:
     with pytest.raises(InvalidArgumentError, match="in_flight_timeout"):
         Router(MemoryFleetIndex(), [], in_flight_timeout=bad)  # type: ignore[arg-type]
+
+
+def test_replicas_marked_down_take_no_routes() -> None:
+    clock = FakeClock()
+    router, _, tokens = seeded("prefix", clock=clock)
+    assert router.route(NS, tokens).replica == "b"  # holds the whole prompt
+    router.mark_down("b", 10.0, "request failed: ConnectError")
+    decision = router.route(NS, tokens, request_id="r")
+    assert decision.replica == "a" and {s.name for s in decision.scores} == {"a", "c"}
+    assert {s.name for s in router.lookup(NS, tokens).scores} == {"a", "b", "c"}  # still scored
+    health = {h.name: h for h in router.health()}
+    assert health["b"] == ("b", False, 10.0, "request failed: ConnectError", 1)
+    assert health["a"] == ("a", True, 0.0, "", 0)
+    router.mark_down("a", 5.0, "probe")
+    router.mark_down("c", 5.0, "probe")
+    with pytest.raises(NoHealthyReplicaError, match="marked down"):
+        router.route(NS, tokens, request_id="s")
+    assert router.in_flight() == 1  # the refused route changed nothing
+    clock.now += 5.0  # a and c are back by themselves
+    assert router.route(NS, tokens).replica == "a"
+    router.mark_up("b")
+    assert router.route(NS, tokens).replica == "b"
+    assert [h.marked_down for h in router.health()] == [1, 1, 1]
+    with pytest.raises(UnknownReplicaError):
+        router.mark_down("zz", 1.0, "x")
+    with pytest.raises(UnknownReplicaError):
+        router.mark_up("zz")
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(InvalidArgumentError, match="seconds"):
+            router.mark_down("a", bad, "x")  # type: ignore[arg-type]
+    router.mark_down("a", 1.0, "x")
+    router.remove_replica("a")
+    assert [h.name for h in router.health()] == ["b", "c"]
 
 
 def test_least_loaded_spreads_tracked_routes() -> None:

@@ -44,6 +44,7 @@ index: memory
 chat_template: chatml.jinja
 routing: {{policy: prefix}}
 proxy: {{enabled: true, timeout_s: 30}}
+health: {{probe_interval_s: null, down_s: 60}}
 limits: {{max_body_bytes: {MAX_BODY}, max_prompt_tokens: {MAX_TOKENS}, max_replicas: 8}}
 replicas:
   - {{name: replica-a, model: m, block_size: 4, capacity_blocks: 1000, url: "{upstream}/replica-a",
@@ -88,6 +89,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 def _state(client: httpx.Client) -> tuple[Any, Any]:
     """Loads and index sizes of every replica, and the lookups of the seeded prompts."""
     replicas = client.get("/v1/replicas").json()
+    for replica in replicas["replicas"]:
+        del replica["down_for_s"]  # counts down by itself
     lookups = [
         client.post("/v1/lookup", json={"model": "m", "tokens": PROMPT}).json(),
         client.post("/v1/lookup", json={"model": "m", "text": TEXT}).json(),
@@ -174,6 +177,38 @@ def test_unreleased_route_load_expires(tmp_path: Path) -> None:
         assert late.status_code == 404 and "ended after 0.5 s" in late.json()["error"]["message"]
         assert _metrics(client)["prefixcache_route_expired_total"][()] == 1
         assert client.post("/v1/route", json=body).status_code == 200  # the id is free again
+
+
+def test_health_probes_take_replicas_out_and_back(tmp_path: Path) -> None:
+    # "late" has nothing listening at first: probes take it out; once it answers, it is back
+    up_port, late_port, port = free_port(), free_port(), free_port()
+    (tmp_path / "fleet.yaml").write_text(
+        "routing: {policy: least_loaded}\n"
+        "health: {probe_interval_s: 0.1, probe_timeout_s: 1, down_s: 0.5}\n"
+        "replicas:\n"
+        f"  - {{name: alive, model: m, url: 'http://127.0.0.1:{up_port}/alive'}}\n"
+        f"  - {{name: late, model: m, url: 'http://127.0.0.1:{late_port}/late'}}\n"
+    )
+    service_args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
+    service_args += ["--port", str(port)]
+    with (
+        running(["tests.fake_openai_upstream", "--port", str(up_port)], up_port, tmp_path / "a"),
+        running(service_args, port, tmp_path / "service.log") as base,
+        httpx.Client(base_url=base, timeout=10.0) as client,
+    ):
+
+        def up() -> dict[str, bool]:
+            return {r["name"]: r["up"] for r in client.get("/v1/replicas").json()["replicas"]}
+
+        wait_until(lambda: up() == {"alive": True, "late": False}, "the probe to find late down")
+        body = {"model": "m", "tokens": PROMPT}
+        picks = {client.post("/v1/route", json=body).json()["replica"] for _ in range(4)}
+        assert picks == {"alive"}
+        late_args = ["tests.fake_openai_upstream", "--port", str(late_port)]
+        with running(late_args, late_port, tmp_path / "late.log"):
+            wait_until(lambda: up() == {"alive": True, "late": True}, "late to come back")
+            picks = {client.post("/v1/route", json=body).json()["replica"] for _ in range(4)}
+            assert picks == {"alive", "late"}
 
 
 BAD_REQUESTS = [
@@ -356,6 +391,20 @@ def test_proxy_upstream_down_is_502_and_released(fleet: dict[str, Any]) -> None:
     error = response.json()["error"]
     assert error["type"] == "UpstreamError" and "replica-dead" in error["message"]
     assert _in_flight(client) == 0
+    # the unreachable replica takes no more routes for health.down_s
+    dead = next(r for r in client.get("/v1/replicas").json()["replicas"] if r["model"] == "dead")
+    assert dead["up"] is False and dead["down_reason"] == "request failed: ConnectError"
+    assert 0 < dead["down_for_s"] <= 60 and dead["marked_down"] == 1
+    again = client.post("/v1/completions", json={"model": "dead", "prompt": "hello"})
+    assert again.status_code == 503 and again.json()["error"]["type"] == "NoHealthyReplicaError"
+    route = client.post("/v1/route", json={"model": "dead", "tokens": PROMPT})
+    assert route.status_code == 503
+    assert client.post("/v1/lookup", json={"model": "dead", "tokens": PROMPT}).status_code == 200
+    metrics = _metrics(client)
+    assert metrics["prefixcache_replica_up"][(("replica", "replica-dead"),)] == 0
+    assert metrics["prefixcache_replica_up"][(("replica", "replica-a"),)] == 1
+    assert metrics["prefixcache_replica_marked_down_total"][(("replica", "replica-dead"),)] == 1
+    assert client.get("/healthz").json()["replicas_up"] == 2
 
 
 @pytest.mark.parametrize(

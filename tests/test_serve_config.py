@@ -10,7 +10,7 @@ import yaml
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.open_index import open_index
 from prefixcache.fleet.routing import RoutingParams
-from prefixcache.fleet.service_config import load_config, parse_config
+from prefixcache.fleet.service_config import HealthConfig, load_config, parse_config
 from prefixcache.namespace import Namespace
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fleet" / "fleet.yaml"
@@ -22,6 +22,7 @@ def test_example_config_loads() -> None:
     assert config.routing.policy == "prefix"
     assert config.routing.params == RoutingParams(64, 1.5, 0.3)
     assert config.routing.in_flight_timeout_s == 600.0
+    assert config.health == HealthConfig(5.0, 2.0, "/health", 10.0)
     assert config.index == "memory" and config.tokenizer is None and not config.proxy.enabled
     first = config.replicas[0]
     assert first.namespace == Namespace("meta-llama/Llama-3.1-8B-Instruct")
@@ -79,6 +80,10 @@ def rep(**fields: object) -> dict[str, object]:
         ({"tokenizer": "missing.json"}, "tokenizer: file"),
         ({"hash_algo": "md5"}, "unknown hash 'md5'"),
         ({"chat_template": "missing.jinja"}, "chat_template: file"),
+        ({"health": {"probe_interval_s": 0}}, "health.probe_interval_s"),
+        ({"health": {"down_s": -1}}, "health.down_s"),
+        ({"health": {"probe_path": "health"}}, "starting with '/'"),
+        ({"health": {"retries": 3}}, "unknown key 'retries'"),
         ({"chat_template": "broken.jinja"}, "chat_template: broken.jinja: chat template line 1"),
         ({"colour": 1}, "unknown key 'colour'"),
     ],

@@ -16,6 +16,7 @@ Endpoints:
   ``prompt_tokens``, ``completion_tokens`` and ``prompt_tokens_details.cached_tokens`` (prompt
   tokens served from the prefix cache, as vLLM reports them). Text is tokenized as UTF-8 bytes
   (the router's default tokenizer); generated ids below 256 are decoded the same way.
+- ``GET /health``: 200 while serving, as vLLM and SGLang answer the router's health probe.
 - ``GET /healthz``: status, model, block size, capacity and the bound ZMQ endpoints (binding
   ``tcp://127.0.0.1:*`` picks free ports; /healthz tells which).
 - ``GET /stats``: requests, prompt and cached tokens, and the manager's block counts.
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from prefixcache import Namespace
 from prefixcache.errors import PrefixCacheError
@@ -207,6 +208,11 @@ def create_app(replica: Replica) -> FastAPI:
                 },
             }
         )
+
+    @app.get("/health")
+    def health() -> Response:
+        """Readiness as vLLM and SGLang answer it (the router's health probe): 200, no body."""
+        return Response(status_code=200)
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:

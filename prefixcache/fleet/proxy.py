@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -28,7 +29,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from prefixcache.errors import InvalidArgumentError, InvalidRequestBodyError, UnknownNamespaceError
+from prefixcache.errors import (
+    InvalidArgumentError,
+    InvalidRequestBodyError,
+    UnknownNamespaceError,
+    UnknownReplicaError,
+)
 from prefixcache.namespace import Namespace
 from prefixcache.tokens import TokenIds
 
@@ -154,6 +160,10 @@ async def _forward(
         )
     except httpx.HTTPError as exc:
         release()
+        if isinstance(exc, httpx.TransportError):  # unreachable or hung: no more routes for now
+            with suppress(UnknownReplicaError):
+                reason = f"request failed: {type(exc).__name__}"
+                service.router.mark_down(decision.replica, service.config.health.down_s, reason)
         service.metrics.errors.labels(path, "502").inc()
         return error_response(
             502,

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from prefixcache.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
+    NoHealthyReplicaError,
     PayloadTooLargeError,
     UnknownNamespaceError,
     UnknownReplicaError,
@@ -77,6 +78,16 @@ class ReplicaLoad(NamedTuple):
     in_flight_tokens: int
 
 
+class ReplicaHealth(NamedTuple):
+    """Whether a replica takes routes now."""
+
+    name: str
+    up: bool
+    down_for_s: float  # seconds until it takes routes again by itself (0 when up)
+    reason: str  # why it was marked down ("" when up)
+    marked_down: int  # times it was marked down so far
+
+
 class Released(NamedTuple):
     """The in-flight request that ``release`` ended."""
 
@@ -99,6 +110,9 @@ class Router:
     ``in_flight_timeout`` (seconds on ``clock``; None: never) ends the load of a routed request
     that was never released, e.g. because its client died: without it such loads would skew
     every later choice for good. Expired requests are counted (``expired()``).
+
+    A replica ``mark_down`` (a failed request, a failed health probe) takes no routes until the
+    time given passes or ``mark_up``; lookups still score it.
     """
 
     def __init__(
@@ -144,6 +158,8 @@ class Router:
         self._in_flight: dict[str, _InFlight] = {}
         self._deadlines: deque[tuple[str, _InFlight]] = deque()  # in route order (and deadline)
         self._expired = 0
+        self._down: dict[str, tuple[float, str]] = {}  # name -> (up again at, reason)
+        self._marked_down: dict[str, int] = {}
         self._turns: dict[Namespace, int] = {}
         self._hashers: dict[int, BlockHasher] = {}
         for spec in replicas:
@@ -196,6 +212,8 @@ class Router:
                 raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
             del self._load[name]
             del self._generation[name]
+            self._down.pop(name, None)
+            self._marked_down.pop(name, None)
         self._index.drop_replica(name)
         return spec
 
@@ -226,6 +244,52 @@ class Router:
         with self._lock:
             self._expire()
             return self._expired
+
+    def mark_down(self, name: str, seconds: float, reason: str) -> None:
+        """Route nothing to replica ``name`` for ``seconds`` (it failed a request or a health
+        probe); a later mark extends or shortens it. UnknownReplicaError if not in the fleet."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+            raise InvalidArgumentError(f"seconds must be a positive number, got {seconds!r}")
+        with self._lock:
+            if name not in self._specs:
+                raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
+            self._down[name] = (self._clock() + seconds, str(reason))
+            self._marked_down[name] = self._marked_down.get(name, 0) + 1
+
+    def mark_up(self, name: str) -> None:
+        """Replica ``name`` takes routes again (a health probe succeeded)."""
+        with self._lock:
+            if name not in self._specs:
+                raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
+            self._down.pop(name, None)
+
+    def health(self) -> list[ReplicaHealth]:
+        """Up or down, per replica, in fleet order."""
+        with self._lock:
+            now = self._clock()
+            out = []
+            for name in self._specs:
+                until, reason = self._down.get(name, (0.0, ""))
+                up = until <= now
+                out.append(
+                    ReplicaHealth(
+                        name,
+                        up,
+                        0.0 if up else until - now,
+                        "" if up else reason,
+                        self._marked_down.get(name, 0),
+                    )
+                )
+            return out
+
+    def _is_down(self, name: str, now: float) -> bool:
+        entry = self._down.get(name)
+        if entry is None:
+            return False
+        if entry[0] <= now:  # its time is up: it takes routes again
+            del self._down[name]
+            return False
+        return True
 
     def _expire(self) -> None:
         """End the loads whose deadline has passed; call with the lock held."""
@@ -291,13 +355,21 @@ class Router:
         return n, eligible, found
 
     def _scores(
-        self, eligible: Sequence[ReplicaSpec], found: dict[str, ReplicaMatch]
+        self,
+        eligible: Sequence[ReplicaSpec],
+        found: dict[str, ReplicaMatch],
+        *,
+        up_only: bool = False,
     ) -> tuple[ReplicaScore, ...]:
-        """Scores of the eligible replicas still in the fleet; call with the lock held."""
+        """Scores of the eligible replicas still in the fleet (``up_only``: of those not marked
+        down); call with the lock held."""
         out = []
+        now = self._clock() if up_only and self._down else 0.0
         for spec in eligible:
             load = self._load.get(spec.name)
             if load is None:  # removed since the lookup began
+                continue
+            if up_only and self._down and self._is_down(spec.name, now):
                 continue
             match = found.get(spec.name)
             blocks, gpu = (match.blocks, match.gpu_blocks) if match is not None else (0, 0)
@@ -335,8 +407,9 @@ class Router:
 
         With a ``request_id`` the route counts as load on the chosen replica until
         ``release(request_id)`` (or the in-flight timeout); without one it is a pure decision.
-        Raises InvalidTokensError, PayloadTooLargeError, UnknownNamespaceError,
-        InvalidArgumentError (a bad id) or DuplicateRequestError, each before anything changes.
+        Replicas marked down are left out. Raises InvalidTokensError, PayloadTooLargeError,
+        UnknownNamespaceError, NoHealthyReplicaError, InvalidArgumentError (a bad id) or
+        DuplicateRequestError, each before anything changes.
         """
         if request_id is not None and (
             not isinstance(request_id, str)
@@ -352,8 +425,13 @@ class Router:
             self._expire()
             if request_id is not None and request_id in self._in_flight:
                 raise DuplicateRequestError(f"request {request_id!r} is already in flight")
-            scores = self._scores(eligible, found)
+            scores = self._scores(eligible, found, up_only=True)
             if not scores:
+                if self._scores(eligible, found):
+                    raise NoHealthyReplicaError(
+                        f"every replica serving namespace {namespace.label()} is marked down "
+                        "(failed requests or health probes); retry later"
+                    )
                 raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
             turn = self._turns.get(namespace, 0)
             choice = self._policy(scores, RouteContext(n, turn, self._params))

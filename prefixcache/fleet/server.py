@@ -25,6 +25,7 @@ from prefixcache.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
     InvalidRequestBodyError,
+    NoHealthyReplicaError,
     PayloadTooLargeError,
     PrefixCacheError,
     UnknownNamespaceError,
@@ -33,7 +34,7 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.chat_template import ChatTemplate, chat_messages
 from prefixcache.fleet.ingest import IngestSource, IngestStats
-from prefixcache.fleet.router import RouteDecision, Router
+from prefixcache.fleet.router import ReplicaHealth, RouteDecision, Router
 from prefixcache.fleet.routing import ReplicaScore
 from prefixcache.fleet.service_bodies import (
     PromptBody,
@@ -53,6 +54,7 @@ _STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
     (UnknownRequestError, 404),
     (UnknownReplicaError, 404),
     (DuplicateRequestError, 409),
+    (NoHealthyReplicaError, 503),
     (ConfigError, 500),
 )
 
@@ -79,6 +81,17 @@ def _json(data: Any) -> Response:
 
 def _score(score: ReplicaScore) -> dict[str, Any]:
     return score._asdict()
+
+
+def _health(health: ReplicaHealth | None) -> dict[str, Any]:
+    if health is None:  # removed while the listing was built
+        return {"up": False, "down_for_s": 0.0, "down_reason": "", "marked_down": 0}
+    return {
+        "up": health.up,
+        "down_for_s": round(health.down_for_s, 3),
+        "down_reason": health.reason,
+        "marked_down": health.marked_down,
+    }
 
 
 class FleetService:
@@ -187,6 +200,36 @@ class FleetService:
             self.router.release(request_id)
 
 
+async def probe_replicas(service: FleetService) -> None:
+    """Every ``health.probe_interval_s``, GET each replica's URL + ``health.probe_path``: a
+    failure (no answer in time, or not a 2xx) takes it out of routing for ``health.down_s``,
+    a success brings it back. Runs until cancelled."""
+    import asyncio
+
+    import httpx
+
+    health = service.config.health
+    assert health.probe_interval_s is not None
+    targets = [(r.name, f"{r.url}{health.probe_path}") for r in service.config.replicas if r.url]
+    router = service.router
+    async with httpx.AsyncClient(timeout=health.probe_timeout_s) as client:
+        while True:
+            answers = await asyncio.gather(
+                *(client.get(url) for _, url in targets), return_exceptions=True
+            )
+            for (name, _), answer in zip(targets, answers, strict=True):
+                with suppress(UnknownReplicaError):  # removed from the fleet meanwhile
+                    if isinstance(answer, BaseException):
+                        reason = f"health probe failed: {type(answer).__name__}"
+                        router.mark_down(name, health.down_s, reason)
+                    elif not answer.is_success:
+                        reason = f"health probe answered HTTP {answer.status_code}"
+                        router.mark_down(name, health.down_s, reason)
+                    else:
+                        router.mark_up(name)
+            await asyncio.sleep(health.probe_interval_s)
+
+
 def create_app(
     router: Router,
     config: ServiceConfig,
@@ -233,9 +276,18 @@ def create_app(
             service.http_client = httpx.AsyncClient(timeout=timeout)
         if ingest is not None:
             await run_in_threadpool(ingest.start)
+        prober = None
+        if config.health.probe_interval_s is not None and any(r.url for r in config.replicas):
+            import asyncio
+
+            prober = asyncio.create_task(probe_replicas(service))
         try:
             yield
         finally:
+            if prober is not None:
+                prober.cancel()
+                with suppress(BaseException):
+                    await prober
             if ingest is not None:
                 await run_in_threadpool(ingest.stop)
             if service.http_client is not None:
@@ -295,6 +347,7 @@ def create_app(
     async def replicas() -> Response:
         """Every replica: config, load and the blocks the index holds for it."""
         loads = {load.name: load for load in router.loads()}
+        health = {h.name: h for h in router.health()}
         out = []
         for spec in router.replicas():
             rc = config.replica(spec.name)
@@ -317,6 +370,7 @@ def create_app(
                     "in_flight": load.in_flight if load else 0,
                     "in_flight_tokens": load.in_flight_tokens if load else 0,
                     "index_blocks": router.index.num_blocks(spec.name),
+                    **_health(health.get(spec.name)),
                 }
             )
         return _json({"policy": router.policy, "replicas": out})
@@ -328,6 +382,7 @@ def create_app(
             {
                 "status": "ok",
                 "replicas": len(router.replicas()),
+                "replicas_up": sum(h.up for h in router.health()),
                 "policy": router.policy,
                 "proxy": proxying,
                 "ingest": ingest is not None,

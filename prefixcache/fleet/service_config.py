@@ -72,6 +72,16 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """When a replica stops taking routes, and how it comes back."""
+
+    probe_interval_s: float | None = 5.0  # GET url + probe_path this often; None: no probes
+    probe_timeout_s: float = 2.0
+    probe_path: str = "/health"  # vLLM's and SGLang's health endpoint
+    down_s: float = 10.0  # a failed probe or request takes the replica out for this long
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     """A validated service configuration."""
 
@@ -84,6 +94,7 @@ class ServiceConfig:
     hash_algo: str = "xxh3_128"
     source: str = "<config>"
     chat_template: str | None = None  # .jinja or tokenizer_config.json; None: neutral rendering
+    health: HealthConfig = HealthConfig()
 
     def replica(self, name: str) -> ReplicaConfig | None:
         """The replica called ``name``, or None."""
@@ -93,8 +104,10 @@ class ServiceConfig:
 # ---- parsing ------------------------------------------------------------------------------------
 
 _TOP = (
-    "replicas", "routing", "limits", "proxy", "tokenizer", "chat_template", "index", "hash_algo",
+    "replicas", "routing", "limits", "proxy", "health", "tokenizer", "chat_template", "index",
+    "hash_algo",
 )  # fmt: skip
+_HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s")
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
     "block_size", "capacity_blocks",
@@ -285,6 +298,21 @@ def parse_config(
         raise r.fail("proxy.enabled", f"expected true or false, got {enabled!r}")
     proxy = ProxyConfig(enabled, r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"))
 
+    hc = r.mapping(top.get("health"), "health", _HEALTH)
+    hd = HealthConfig()
+    interval = hc.get("probe_interval_s", hd.probe_interval_s)
+    if interval is not None:  # null: no probes (failed requests still take a replica out)
+        interval = r.number(interval, "health.probe_interval_s")
+    probe_path = hc.get("probe_path", hd.probe_path)
+    if not isinstance(probe_path, str) or not probe_path.startswith("/"):
+        raise r.fail("health.probe_path", f"expected a path starting with '/', got {probe_path!r}")
+    health = HealthConfig(
+        interval,
+        r.number(hc.get("probe_timeout_s", hd.probe_timeout_s), "health.probe_timeout_s"),
+        probe_path,
+        r.number(hc.get("down_s", hd.down_s), "health.down_s"),
+    )
+
     tokenizer = r.string(top.get("tokenizer"), "tokenizer")
     if tokenizer is not None and tokenizer != "bytes":
         path = Path(tokenizer)
@@ -327,6 +355,7 @@ def parse_config(
         hash_algo,
         source,
         chat_template,
+        health,
     )
 
 

@@ -2,8 +2,9 @@
 
 Counted as they happen: route decisions (policy, replica, rule), the cached fraction of routed
 prompts, route latency, error responses. Read at each scrape: the index's blocks and the in-flight
-load per replica, the loads ended by the in-flight timeout, the health of a shared (Redis) index,
-and the counters of an ``IngestStats`` source when one is plugged in.
+load per replica, whether each replica takes routes, the loads ended by the in-flight timeout,
+the health of a shared (Redis) index, and the counters of an ``IngestStats`` source when one is
+plugged in.
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ class _FleetCollector(Collector):
         yield blocks
         yield in_flight
         yield tokens
+        up = GaugeMetricFamily(
+            "prefixcache_replica_up", "1 while the replica takes routes", labels=["replica"]
+        )
+        marked = CounterMetricFamily(
+            "prefixcache_replica_marked_down",
+            "Times the replica was taken out of routing (failed requests or health probes)",
+            labels=["replica"],
+        )
+        for health in self._router.health():
+            up.add_metric([health.name], int(health.up))
+            marked.add_metric([health.name], health.marked_down)
+        yield up
+        yield marked
         yield CounterMetricFamily(
             "prefixcache_route_expired",
             "Routed requests whose load ended by the in-flight timeout, never released",
