@@ -83,6 +83,7 @@ def _check_gpu(mgr: CacheManager) -> None:
             n = len(node.blocks)
             nodes += 1
             _require(n > 0, "empty non-root node")
+            _require(node.namespace is root.namespace, "a node names another namespace")
             _require(
                 len(node.digests) == n * D and len(node.tokens) == n * bb, "run lengths differ"
             )

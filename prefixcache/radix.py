@@ -104,7 +104,7 @@ class Node:
         self.priority = 0
         self.retain_until = 0.0
         self.heap_token = 0
-        self.namespace: Namespace | None = None  # set on roots only
+        self.namespace: Namespace | None = None  # of its tree (set when it joins one)
 
     def __repr__(self) -> str:
         return f"Node(depth={self.depth}, blocks={list(self.blocks)}, ref={self.ref})"
@@ -279,6 +279,7 @@ class RadixIndex:
         del node.blocks[:j]
         upper.ref, upper.last_access, upper.hits = node.ref, node.last_access, node.hits
         upper.priority, upper.retain_until = node.priority, node.retain_until
+        upper.namespace = node.namespace
         parent.children[upper.digest(0)] = upper
         if isinstance(group, TokenGroup):  # same first block, same place in the order
             group.nodes[i] = upper
@@ -323,6 +324,7 @@ class RadixIndex:
                 array("i", blocks),
             )
             node.ref = 1
+            node.namespace = parent.namespace
             if parent.children is None or parent.by_token is None:
                 parent.children, parent.by_token = {}, {}
             parent.children[digests[0]] = node
@@ -436,8 +438,7 @@ class RadixIndex:
         return total
 
     def namespace_of(self, node: Node) -> Namespace:
-        while node.parent is not None:
-            node = node.parent
+        """The namespace of the tree ``node`` is (or was last) in."""
         assert node.namespace is not None
         return node.namespace
 
