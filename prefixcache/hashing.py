@@ -7,6 +7,7 @@ share a digest. Digests are deterministic across processes and machines (no rand
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -44,7 +45,11 @@ class _Starts:
 
 
 class BlockHasher:
-    """Hashes full blocks of ``block_size`` tokens into a chain of 16-byte digests."""
+    """Hashes full blocks of ``block_size`` tokens into a chain of 16-byte digests.
+
+    Safe to share between threads (a router hashes outside its lock): its caches are replaced
+    whole or changed under a lock, never grown in place while another thread reads them.
+    """
 
     def __init__(self, block_size: int, algo: str = "xxh3_128") -> None:
         if algo not in HASH_FUNCTIONS:
@@ -57,6 +62,7 @@ class BlockHasher:
         self.algo = algo
         self.digest: Callable[[bytes], bytes] = HASH_FUNCTIONS[algo]
         self._seeds: dict[Namespace, bytes] = {}
+        self._seeds_lock = threading.Lock()
         self._starts: list[bytes] = []  # start position of block i as 8 LE bytes, grown on demand
 
     def seed(self, namespace: Namespace) -> bytes:
@@ -64,9 +70,11 @@ class BlockHasher:
         seed = self._seeds.get(namespace)
         if seed is None:
             seed = self.digest(_SEED_PREFIX + namespace.canonical_bytes())
-            if len(self._seeds) >= _SEED_CACHE:  # bounded: one namespace per image must not grow
-                del self._seeds[next(iter(self._seeds))]
-            self._seeds[namespace] = seed
+            with self._seeds_lock:
+                seeds = self._seeds
+                if len(seeds) >= _SEED_CACHE:  # bounded: one namespace per image must not grow
+                    del seeds[next(iter(seeds))]
+                seeds[namespace] = seed
         return seed
 
     def hash_block(self, parent: bytes, block_index: int, block_bytes: bytes) -> bytes:
@@ -111,7 +119,11 @@ class BlockHasher:
             p = self.block_size
             if end_block > _STARTS_CACHED:
                 return _Starts(p)
-            starts.extend((i * p).to_bytes(8, "little") for i in range(len(starts), end_block))
+            # a longer list replaces the kept one (at least doubling it): readers of the old one
+            # are unaffected, and two threads growing it at once both leave a correct list
+            grow = min(_STARTS_CACHED, max(end_block, 2 * len(starts)))
+            starts = starts + [(i * p).to_bytes(8, "little") for i in range(len(starts), grow)]
+            self._starts = starts
         return starts
 
     def _hash_slices(

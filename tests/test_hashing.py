@@ -198,3 +198,30 @@ def test_namespace_keys_survive_pickling_across_processes():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True)
     assert pickle.loads(out.stdout)[ns] == 7
     assert hash(pickle.loads(pickle.dumps(ns))) == hash(ns)
+
+
+def test_shared_hasher_under_threads():
+    # a router hashes outside its lock: concurrent growth of the kept positions stays correct
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(30):
+            h = BlockHasher(3)
+            barrier = threading.Barrier(6)
+
+            def grow(h: BlockHasher = h, barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                for end in range(1, 400, 7):
+                    h.block_starts(end)
+
+            threads = [threading.Thread(target=grow) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            starts = h.block_starts(400)
+            assert list(starts[:400]) == [(i * 3).to_bytes(8, "little") for i in range(400)]
+    finally:
+        sys.setswitchinterval(old)
