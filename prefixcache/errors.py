@@ -72,4 +72,8 @@ class InvalidRequestBodyError(InvalidArgumentError):
 
 class NoHealthyReplicaError(PrefixCacheError, RuntimeError):
     """Every replica that serves the request's namespace is marked down (failed requests or
-    health probes); retry once one is back."""
+    health probes); retry once one is back, in about ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prefixcache.errors import InvalidArgumentError
 
@@ -23,7 +23,7 @@ def _shown(value: str) -> str:
     return value if _PLAIN.fullmatch(value) and value != "default" else json.dumps(value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Namespace:
     """Model, adapter and tenant identity. Blocks never match across namespaces.
 
@@ -36,15 +36,14 @@ class Namespace:
     adapter_version: str | None = None
     salt: str | None = None
     extra: tuple[str, ...] = ()
-    # computed once: a namespace is looked up on every admission
-    _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __hash__(self) -> int:
-        return self._hash
+        return self._hash  # type: ignore[attr-defined]  # set in __post_init__, not a field
 
     def __reduce__(self) -> tuple[type[Namespace], tuple[object, ...]]:
         # rebuilt through __init__: str hashes differ between processes
-        return Namespace, (self.model, self.adapter, self.adapter_version, self.salt, self.extra)
+        fields = (self.model, self.adapter, self.adapter_version, self.salt, self.extra)
+        return type(self), fields
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):

@@ -84,19 +84,51 @@ def test_named_templates_take_the_default(tmp_path: Path) -> None:
     assert ChatTemplate.load(tmp_path / "chat_template.json").render(CHAT) == "D"
 
 
-def test_continue_final_message(tmp_path: Path) -> None:
-    template = ChatTemplate(CHATML, {})
+def test_continue_final_message() -> None:
+    # the text ends right after the last message; its trailing space stays where kept
     partial = [*CHAT, {"role": "assistant", "content": "Sure, "}]
-    text = template.render(partial, add_generation_prompt=False, continue_final_message=True)
-    assert text.endswith("<|im_start|>assistant\nSure,")  # stripped content, no end of turn
-    with pytest.raises(InvalidArgumentError, match="cannot both be true"):
-        template.render(partial, continue_final_message=True)
-    with pytest.raises(InvalidArgumentError, match="final message"):
-        template.render(
-            [{"role": "user", "content": " "}],
-            add_generation_prompt=False,
-            continue_final_message=True,
+    kept = ChatTemplate(CHATML, {}).render(
+        partial, add_generation_prompt=False, continue_final_message=True
+    )
+    assert kept.endswith("<|im_start|>assistant\nSure, ")
+    trimmed = ChatTemplate(LLAMA, {"bos_token": "<s>"}).render(
+        partial, add_generation_prompt=False, continue_final_message=True
+    )
+    assert trimmed.endswith("<|start_header_id|>assistant<|end_header_id|>\n\nSure,")
+    empty = [*CHAT, {"role": "assistant", "content": ""}]
+    whole = ChatTemplate(CHATML, {}).render(empty, add_generation_prompt=False)
+    assert (
+        ChatTemplate(CHATML, {}).render(
+            empty, add_generation_prompt=False, continue_final_message=True
         )
+        == whole
+    )
+    with pytest.raises(InvalidArgumentError, match="cannot both be true"):
+        ChatTemplate(CHATML, {}).render(partial, continue_final_message=True)
+    roles_only = ChatTemplate("{% for m in messages %}[{{ m['role'] }}]{% endfor %}", {})
+    with pytest.raises(InvalidArgumentError, match="final message"):
+        roles_only.render(partial, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_generation_blocks_and_undefined_tools() -> None:
+    # transformers' {% generation %} tag renders its body; tools and documents are none
+    source = (
+        "{% if tools is not none %}TOOLS{% endif %}{% if documents is none %}no docs|{% endif %}"
+        "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    )
+    assert ChatTemplate(source, {}).render(CHAT) == "no docs|Be brief.  Hi there  "
+    assert ChatTemplate(source, {}).render(CHAT, tools=[]).startswith("TOOLS")
+
+
+def test_jinja_file_takes_special_tokens_from_the_config_beside_it(tmp_path: Path) -> None:
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
+    plain = ChatTemplate.load(tmp_path / "chat_template.jinja")
+    assert plain.render(CHAT) == "Be brief."
+    config = {"bos_token": {"content": "<|begin_of_text|>"}, "additional_special_tokens": ["<x>"]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.load(tmp_path / "chat_template.jinja")
+    assert template.render(CHAT) == "<|begin_of_text|>Be brief."
+    assert template.special_tokens["additional_special_tokens"] == ["<x>"]
 
 
 def test_the_template_refuses_a_conversation() -> None:
@@ -144,10 +176,17 @@ def test_messages_are_checked_and_flattened() -> None:
     flat = chat_messages(
         [{"role": "user", "content": parts}, {"role": "assistant", "tool_calls": calls}]
     )
+    parsed = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {}}}]
     assert flat == [
         {"role": "user", "content": "a\nb"},  # text parts joined by newlines, as vLLM does
-        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "assistant", "content": "", "tool_calls": parsed},  # arguments parsed, as vLLM
     ]
+    args = [{"function": {"name": "f", "arguments": '{"city": "Oslo"}'}}]
+    call = chat_messages([{"role": "assistant", "content": None, "tool_calls": args}])
+    assert call[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    bad_args = [{"function": {"name": "f", "arguments": "{nope"}}]
+    with pytest.raises(InvalidArgumentError, match="not valid JSON"):
+        chat_messages([{"role": "assistant", "tool_calls": bad_args}])
     for bad, message in [
         ([], "non-empty list"),
         ([{"content": "x"}], "string 'role'"),

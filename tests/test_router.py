@@ -226,6 +226,23 @@ def test_unreleased_routes_expire() -> None:
     assert router.in_flight() == 0 and router.expired() == 3
 
 
+def test_routes_the_caller_always_releases_do_not_expire() -> None:
+    clock = FakeClock()
+    router, _, tokens = seeded("prefix", in_flight_timeout=30.0, clock=clock)
+    router.route(NS, tokens, request_id="proxied", expire=False)  # a long stream, say
+    clock.now += 1e6
+    assert router.in_flight() == 1 and router.expired() == 0
+    assert router.release("proxied").replica == "b"
+
+
+def test_released_routes_do_not_pile_up_waiting_for_their_deadline() -> None:
+    router, _, tokens = seeded("prefix", in_flight_timeout=600.0, clock=FakeClock())
+    for i in range(5000):
+        router.route(NS, tokens, request_id=f"r{i}")
+        router.release(f"r{i}")
+    assert len(router._deadlines) <= 1025  # compacted, not 5000
+
+
 def test_routes_never_expire_without_a_timeout() -> None:
     clock = FakeClock()
     router, _, tokens = seeded("prefix", clock=clock)
@@ -252,9 +269,11 @@ def test_replicas_marked_down_take_no_routes() -> None:
     assert health["b"] == ("b", False, 10.0, "request failed: ConnectError", 1)
     assert health["a"] == ("a", True, 0.0, "", 0)
     router.mark_down("a", 5.0, "probe")
-    router.mark_down("c", 5.0, "probe")
-    with pytest.raises(NoHealthyReplicaError, match="marked down"):
+    router.mark_down("c", 4.0, "probe")
+    with pytest.raises(NoHealthyReplicaError, match="marked down") as info:
         router.route(NS, tokens, request_id="s")
+    assert info.value.retry_after_s == 4.0  # the first one back
+    router.mark_down("c", 5.0, "probe")  # still down: not counted again
     assert router.in_flight() == 1  # the refused route changed nothing
     clock.now += 5.0  # a and c are back by themselves
     assert router.route(NS, tokens).replica == "a"

@@ -184,6 +184,7 @@ def test_health_probes_take_replicas_out_and_back(tmp_path: Path) -> None:
     up_port, late_port, port = free_port(), free_port(), free_port()
     (tmp_path / "fleet.yaml").write_text(
         "routing: {policy: least_loaded}\n"
+        "proxy: {enabled: true}\n"  # probes run in proxy mode
         "health: {probe_interval_s: 0.1, probe_timeout_s: 1, down_s: 0.5}\n"
         "replicas:\n"
         f"  - {{name: alive, model: m, url: 'http://127.0.0.1:{up_port}/alive'}}\n"
@@ -397,6 +398,7 @@ def test_proxy_upstream_down_is_502_and_released(fleet: dict[str, Any]) -> None:
     assert 0 < dead["down_for_s"] <= 60 and dead["marked_down"] == 1
     again = client.post("/v1/completions", json={"model": "dead", "prompt": "hello"})
     assert again.status_code == 503 and again.json()["error"]["type"] == "NoHealthyReplicaError"
+    assert 1 <= int(again.headers["retry-after"]) <= 60
     route = client.post("/v1/route", json={"model": "dead", "tokens": PROMPT})
     assert route.status_code == 503
     assert client.post("/v1/lookup", json={"model": "dead", "tokens": PROMPT}).status_code == 200

@@ -17,6 +17,7 @@ requests it routed itself have in common, never what the replicas report holding
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +25,15 @@ from typing import Any
 
 from prefixcache.errors import ConfigError, InvalidArgumentError
 
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+_SPECIAL = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _tojson(
@@ -43,30 +52,80 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _special_tokens(config: dict[str, Any]) -> dict[str, Any]:
+    """The special tokens a tokenizer config gives a template (an added token is a dict with
+    its text under ``content``)."""
+
+    def text(value: Any) -> Any:
+        return value.get("content") if isinstance(value, dict) else value
+
+    out: dict[str, Any] = {}
+    for key in _SPECIAL:
+        value = text(config.get(key))
+        if isinstance(value, str):
+            out[key] = value
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        out["additional_special_tokens"] = [t for t in map(text, extra) if isinstance(t, str)]
+    return out
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read chat template {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+
+
+@functools.cache
+def _environment() -> Any:
+    """The Jinja environment transformers renders chat templates in (built once)."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2 import nodes
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConfigError(
+            "chat templates need jinja2 (pip install 'prefixcache[service]')"
+        ) from None
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks
+        in transformers): renders its body unchanged."""
+
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance attribute)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, Generation]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
 class ChatTemplate:
     """A compiled chat template and the special tokens it may use."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str], name: str = "<template>"):
-        try:
-            import jinja2
-            import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            raise ConfigError(
-                f"{name}: chat templates need jinja2 (pip install 'prefixcache[service]')"
-            ) from None
+    def __init__(self, source: str, special_tokens: dict[str, Any], name: str = "<template>"):
+        import jinja2
 
-        def raise_exception(message: str) -> None:
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = _strftime_now
         try:
-            self._template = env.from_string(source)
+            self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"{name}: chat template line {exc.lineno}: {exc.message}") from None
         self.name = name
@@ -74,33 +133,26 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, path: str | Path) -> ChatTemplate:
-        """From a ``.jinja`` file, or the ``chat_template`` of a JSON tokenizer config (its
-        default one where it lists several)."""
+        """From the ``chat_template`` of a JSON tokenizer config (its default one where it
+        lists several), or from a ``.jinja`` file (as models ship ``chat_template.jinja``),
+        with the special tokens of the ``tokenizer_config.json`` beside it if there is one."""
         path = Path(path)
+        if path.suffix == ".json":
+            config = _read_json(path)
+            source = config.get("chat_template") if isinstance(config, dict) else None
+            if isinstance(source, list):  # named templates: the default one
+                named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+                source = named.get("default")
+            if not isinstance(source, str):
+                raise ConfigError(f"{path}: no 'chat_template' string (or list with a 'default')")
+            return cls(source, _special_tokens(config), path.name)
         try:
-            text = path.read_text(encoding="utf-8")
+            source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read chat template {path}: {exc}") from None
-        if path.suffix != ".json":
-            return cls(text, {}, path.name)
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        source = config.get("chat_template") if isinstance(config, dict) else None
-        if isinstance(source, list):  # named templates: the default one
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        if not isinstance(source, str):
-            raise ConfigError(f"{path}: no 'chat_template' string (or list with a 'default')")
-        special = {}
-        for key in _SPECIAL:
-            value = config.get(key)
-            if isinstance(value, dict):  # an added token: {"content": ..., ...}
-                value = value.get("content")
-            if isinstance(value, str):
-                special[key] = value
-        return cls(source, special, path.name)
+        beside = path.with_name("tokenizer_config.json")
+        config = _read_json(beside) if beside.is_file() else {}
+        return cls(source, _special_tokens(config if isinstance(config, dict) else {}), path.name)
 
     def render(
         self,
@@ -113,8 +165,8 @@ class ChatTemplate:
         extra: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text of a conversation. ``continue_final_message`` ends the text right
-        after the last message's content (stripped; no end-of-turn marker), so the model
-        continues it.
+        after the last message's content (no end-of-turn marker), so the model continues it;
+        trailing spaces stay where the template kept them.
         InvalidArgumentError when the template refuses the conversation (a
         ``raise_exception``) or fails on it."""
         import jinja2
@@ -124,11 +176,12 @@ class ChatTemplate:
                 "add_generation_prompt and continue_final_message cannot both be true"
             )
         context = {**self.special_tokens, **(extra or {})}
-        context.update(messages=messages, add_generation_prompt=add_generation_prompt)
-        if tools is not None:
-            context["tools"] = tools
-        if documents is not None:
-            context["documents"] = documents
+        context.update(
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+        )
         try:
             text = self._template.render(**context)
         except jinja2.TemplateError as exc:
@@ -137,21 +190,27 @@ class ChatTemplate:
             raise InvalidArgumentError(
                 f"chat template {self.name} failed on these messages: {exc}"
             ) from None
-        if continue_final_message:  # cut after the last message's (stripped) content
+        if continue_final_message:  # end right after the last message's content
             final = messages[-1].get("content") if messages else None
-            final = final.strip() if isinstance(final, str) else ""
-            if not final or final not in text:
+            final = final if isinstance(final, str) else ""
+            if final.strip() not in text:
                 raise InvalidArgumentError(
-                    "continue_final_message: the final message's content is not in the prompt"
+                    "continue_final_message: the final message's content is not in the prompt "
+                    "the chat template rendered"
                 )
-            text = text[: text.rindex(final) + len(final)].rstrip()
+            at = text.rindex(final.strip())
+            if text[at : at + len(final.lstrip())] == final:  # the template kept its spacing
+                text = text[: at + len(final.lstrip())]
+            else:  # the template trimmed it
+                text = text[: at + len(final.strip())]
         return text
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """The messages of a chat request, checked, with each content as one string (text parts
     joined by newlines, as vLLM passes them to a string-content template); other fields of a
-    message (``name``, ``tool_calls``, ``tool_call_id``) are kept."""
+    message (``name``, ``tool_calls``, ``tool_call_id``) are kept, the arguments of an
+    assistant's tool calls parsed from JSON."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgumentError("'messages' must be a non-empty list")
     out = []
@@ -166,5 +225,29 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise InvalidArgumentError(f"messages[{i}].content must be a string or a list of parts")
-        out.append({**message, "content": content})
+        flat = {**message, "content": content}
+        calls = message.get("tool_calls")
+        if message["role"] == "assistant" and isinstance(calls, list):
+            flat["tool_calls"] = [_parsed_call(call, i) for call in calls]
+        out.append(flat)
     return out
+
+
+def _parsed_call(call: Any, i: int) -> Any:
+    """A tool call with its JSON ``arguments`` string parsed (templates format the object), as
+    vLLM hands tool calls to a template; none or empty arguments become ``{}``."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, dict | list):
+        return call
+    if not arguments:
+        parsed: Any = {}
+    else:
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise InvalidArgumentError(
+                f"messages[{i}].tool_calls: function arguments are not valid JSON"
+            ) from None
+    return {**call, "function": {**call["function"], "arguments": parsed}}

@@ -142,7 +142,7 @@ async def _forward(
     namespace = namespace_for(service, payload.get("model"), payload.get("cache_salt"))
     tokens = tokens_of(service, payload)
     request_id = uuid.uuid4().hex
-    decision = service.route(namespace, tokens, request_id)
+    decision = service.route(namespace, tokens, request_id, expire=False)  # always released
     released = False
 
     def release() -> None:
@@ -160,7 +160,7 @@ async def _forward(
         )
     except httpx.HTTPError as exc:
         release()
-        if isinstance(exc, httpx.TransportError):  # unreachable or hung: no more routes for now
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):  # unreachable: no routes
             with suppress(UnknownReplicaError):
                 reason = f"request failed: {type(exc).__name__}"
                 service.router.mark_down(decision.replica, service.config.health.down_s, reason)

@@ -85,7 +85,7 @@ class ReplicaHealth(NamedTuple):
     up: bool
     down_for_s: float  # seconds until it takes routes again by itself (0 when up)
     reason: str  # why it was marked down ("" when up)
-    marked_down: int  # times it was marked down so far
+    marked_down: int  # times it went down so far
 
 
 class Released(NamedTuple):
@@ -253,8 +253,10 @@ class Router:
         with self._lock:
             if name not in self._specs:
                 raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
-            self._down[name] = (self._clock() + seconds, str(reason))
-            self._marked_down[name] = self._marked_down.get(name, 0) + 1
+            now = self._clock()
+            if not self._is_down(name, now):  # counted when it goes down, not while it stays
+                self._marked_down[name] = self._marked_down.get(name, 0) + 1
+            self._down[name] = (now + seconds, str(reason))
 
     def mark_up(self, name: str) -> None:
         """Replica ``name`` takes routes again (a health probe succeeded)."""
@@ -304,6 +306,13 @@ class Router:
             del self._in_flight[request_id]
             self._drop_load(entry)
             self._expired += 1
+
+    def _compact_deadlines(self) -> None:
+        """Forget the deadlines of routes released already (they would wait for their time)."""
+        in_flight = self._in_flight
+        self._deadlines = deque(
+            (rid, entry) for rid, entry in self._deadlines if in_flight.get(rid) is entry
+        )
 
     def _drop_load(self, entry: _InFlight) -> None:
         if self._generation.get(entry.replica) == entry.generation:
@@ -401,12 +410,18 @@ class Router:
         return Lookup(namespace, n, scores)
 
     def route(
-        self, namespace: Namespace, tokens: TokenIds, request_id: str | None = None
+        self,
+        namespace: Namespace,
+        tokens: TokenIds,
+        request_id: str | None = None,
+        *,
+        expire: bool = True,
     ) -> RouteDecision:
         """Choose the replica for a prompt with the router's policy.
 
         With a ``request_id`` the route counts as load on the chosen replica until
-        ``release(request_id)`` (or the in-flight timeout); without one it is a pure decision.
+        ``release(request_id)`` (or the in-flight timeout, unless ``expire`` is false: a caller
+        that always releases, like the proxy); without one it is a pure decision.
         Replicas marked down are left out. Raises InvalidTokensError, PayloadTooLargeError,
         UnknownNamespaceError, NoHealthyReplicaError, InvalidArgumentError (a bad id) or
         DuplicateRequestError, each before anything changes.
@@ -428,9 +443,12 @@ class Router:
             scores = self._scores(eligible, found, up_only=True)
             if not scores:
                 if self._scores(eligible, found):
+                    now = self._clock()
+                    back = min(self._down[s.name][0] for s in eligible if s.name in self._down)
                     raise NoHealthyReplicaError(
                         f"every replica serving namespace {namespace.label()} is marked down "
-                        "(failed requests or health probes); retry later"
+                        "(failed requests or health probes); retry later",
+                        retry_after_s=max(0.0, back - now),
                     )
                 raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
             turn = self._turns.get(namespace, 0)
@@ -440,11 +458,14 @@ class Router:
                 load = self._load[choice.replica]
                 load[0] += 1
                 load[1] += n
-                deadline = math.inf if self._timeout is None else self._clock() + self._timeout
+                timeout = self._timeout if expire else None
+                deadline = math.inf if timeout is None else self._clock() + timeout
                 entry = _InFlight(choice.replica, n, self._generation[choice.replica], deadline)
                 self._in_flight[request_id] = entry
-                if self._timeout is not None:
+                if timeout is not None:
                     self._deadlines.append((request_id, entry))
+                    if len(self._deadlines) > 2 * len(self._in_flight) + 1024:
+                        self._compact_deadlines()
         chosen = next(s for s in scores if s.name == choice.replica)
         return RouteDecision(
             choice.replica,

@@ -10,6 +10,8 @@ records anything.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -186,11 +188,16 @@ class FleetService:
         return body.namespace(), self.tokens_of(body.tokens, body.text)
 
     def route(
-        self, namespace: Namespace, tokens: TokenIds, request_id: str | None
+        self,
+        namespace: Namespace,
+        tokens: TokenIds,
+        request_id: str | None,
+        *,
+        expire: bool = True,
     ) -> RouteDecision:
-        """Route with the router and count the decision."""
+        """Route with the router and count the decision (``expire``: see ``Router.route``)."""
         start = time.perf_counter()
-        decision = self.router.route(namespace, tokens, request_id)
+        decision = self.router.route(namespace, tokens, request_id, expire=expire)
         self.metrics.observe_route(decision, time.perf_counter() - start)
         return decision
 
@@ -202,18 +209,23 @@ class FleetService:
 
 async def probe_replicas(service: FleetService) -> None:
     """Every ``health.probe_interval_s``, GET each replica's URL + ``health.probe_path``: a
-    failure (no answer in time, or not a 2xx) takes it out of routing for ``health.down_s``,
-    a success brings it back. Runs until cancelled."""
-    import asyncio
-
+    failure (no answer in time, or not a 2xx) takes it out of routing for ``health.down_s`` (at
+    least until the next probe), a success brings it back. Runs until cancelled."""
     import httpx
 
     health = service.config.health
-    assert health.probe_interval_s is not None
-    targets = [(r.name, f"{r.url}{health.probe_path}") for r in service.config.replicas if r.url]
+    interval = health.probe_interval_s
+    assert interval is not None
+    # down at least until the next probe has had its time to answer
+    down_s = max(health.down_s, interval + health.probe_timeout_s)
     router = service.router
     async with httpx.AsyncClient(timeout=health.probe_timeout_s) as client:
         while True:
+            targets = [
+                (spec.name, f"{url}{health.probe_path}")
+                for spec in router.replicas()
+                if (url := service.urls.get(spec.name))
+            ]
             answers = await asyncio.gather(
                 *(client.get(url) for _, url in targets), return_exceptions=True
             )
@@ -221,13 +233,13 @@ async def probe_replicas(service: FleetService) -> None:
                 with suppress(UnknownReplicaError):  # removed from the fleet meanwhile
                     if isinstance(answer, BaseException):
                         reason = f"health probe failed: {type(answer).__name__}"
-                        router.mark_down(name, health.down_s, reason)
+                        router.mark_down(name, down_s, reason)
                     elif not answer.is_success:
                         reason = f"health probe answered HTTP {answer.status_code}"
-                        router.mark_down(name, health.down_s, reason)
+                        router.mark_down(name, down_s, reason)
                     else:
                         router.mark_up(name)
-            await asyncio.sleep(health.probe_interval_s)
+            await asyncio.sleep(interval)
 
 
 def create_app(
@@ -277,16 +289,14 @@ def create_app(
         if ingest is not None:
             await run_in_threadpool(ingest.start)
         prober = None
-        if config.health.probe_interval_s is not None and any(r.url for r in config.replicas):
-            import asyncio
-
+        if proxying and config.health.probe_interval_s is not None:
             prober = asyncio.create_task(probe_replicas(service))
         try:
             yield
         finally:
             if prober is not None:
                 prober.cancel()
-                with suppress(BaseException):
+                with suppress(asyncio.CancelledError):
                     await prober
             if ingest is not None:
                 await run_in_threadpool(ingest.stop)
@@ -300,7 +310,10 @@ def create_app(
     async def _typed_error(request: Request, exc: PrefixCacheError) -> Response:
         status = status_of(exc)
         service.metrics.errors.labels(request.url.path, str(status)).inc()
-        return error_response(status, type(exc).__name__, str(exc))
+        response = error_response(status, type(exc).__name__, str(exc))
+        if isinstance(exc, NoHealthyReplicaError):
+            response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        return response
 
     @app.post("/v1/lookup")
     async def lookup(request: Request) -> Response:

@@ -75,7 +75,7 @@ class ProxyConfig:
 class HealthConfig:
     """When a replica stops taking routes, and how it comes back."""
 
-    probe_interval_s: float | None = 5.0  # GET url + probe_path this often; None: no probes
+    probe_interval_s: float | None = 5.0  # proxy mode: GET url + probe_path this often; None: never
     probe_timeout_s: float = 2.0
     probe_path: str = "/health"  # vLLM's and SGLang's health endpoint
     down_s: float = 10.0  # a failed probe or request takes the replica out for this long
