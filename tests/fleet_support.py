@@ -6,7 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -32,9 +32,10 @@ def wait_until(check: Callable[[], bool], what: str = "condition", timeout: floa
 class RedisServer:
     """A throwaway redis-server (no persistence) that can be killed and restarted."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, args: Sequence[str] = ()) -> None:
         self.workdir = workdir
         self.port = free_port()
+        self.args = list(args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -53,6 +54,7 @@ class RedisServer:
                 "no",
                 "--bind",
                 "127.0.0.1",
+                *self.args,
             ],
             cwd=self.workdir,
             stdout=subprocess.DEVNULL,
@@ -76,6 +78,68 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
+
+
+class RedisClusterNodes:
+    """A throwaway Redis Cluster of ``n`` primaries (no replicas, no persistence); a node can be
+    killed and restarted on its port, keeping its place in the cluster."""
+
+    def __init__(self, workdir: Path, n: int = 3) -> None:
+        self.nodes = []
+        for _ in range(n):
+            node = RedisServer(workdir)
+            node.args = ["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"]
+            node.args += ["--cluster-config-file", f"nodes-{node.port}.conf"]
+            node.args += ["--cluster-port", str(free_port())]  # the bus: not port + 10000
+            self.nodes.append(node)
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        self.wait_ok()
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every running node says the cluster is up."""
+
+        def ok() -> bool:
+            for node in self.nodes:
+                if node.proc is None:
+                    continue
+                out = subprocess.run(
+                    ["redis-cli", "-p", str(node.port), "cluster", "info"],
+                    capture_output=True,
+                    timeout=10,
+                ).stdout
+                if b"cluster_state:ok" not in out:
+                    return False
+            return True
+
+        wait_until(ok, "the Redis Cluster to be up", timeout)
+
+    def dbsizes(self) -> list[int]:
+        return [
+            int(
+                subprocess.run(
+                    ["redis-cli", "-p", str(node.port), "dbsize"], capture_output=True, timeout=10
+                ).stdout
+            )
+            for node in self.nodes
+        ]
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
 
 
 def redis_server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:

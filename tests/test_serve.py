@@ -450,7 +450,7 @@ def test_ingest_source_starts_and_stops_with_the_app(tmp_path: Path) -> None:
     [
         ("replicas: []\n", "replicas: expected a non-empty list"),
         ("replicas: [{name: a, model: m, block_size: -4}]\n", "replicas[0].block_size"),
-        ("replicas: [{name: a, model: m}]\nindex: mysql://x\n", "expected 'memory' or 'redis"),
+        ("replicas: [{name: a, model: m}]\nindex: mysql://x\n", "expected 'memory', 'redis"),
         ("replicas: [{name: a, model: m}]\nrouting: {policy: random}\n", "unknown policy"),
         ("replicas: [{name: a}\n", "not valid YAML"),
     ],

@@ -10,7 +10,12 @@ import yaml
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.open_index import open_index
 from prefixcache.fleet.routing import RoutingParams
-from prefixcache.fleet.service_config import HealthConfig, load_config, parse_config
+from prefixcache.fleet.service_config import (
+    HealthConfig,
+    check_index_url,
+    load_config,
+    parse_config,
+)
 from prefixcache.namespace import Namespace
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fleet" / "fleet.yaml"
@@ -76,7 +81,7 @@ def rep(**fields: object) -> dict[str, object]:
         ({"routing": {"in_flight_timeout_s": float("inf")}}, "positive finite number"),
         ({"routing": {"in_flight_timeout_s": "1m"}}, "routing.in_flight_timeout_s"),
         ({"proxy": {"enabled": "yes"}}, "proxy.enabled: expected true or false"),
-        ({"index": "redis://h:6379/x"}, "expected 'memory' or 'redis://host:port/db'"),
+        ({"index": "redis://h:6379/x"}, "expected 'memory', 'redis://host:port/db'"),
         ({"tokenizer": "missing.json"}, "tokenizer: file"),
         ({"hash_algo": "md5"}, "unknown hash 'md5'"),
         ({"chat_template": "missing.jinja"}, "chat_template: file"),
@@ -124,3 +129,13 @@ def test_unreadable_files(tmp_path: Path) -> None:
 def test_open_index_rejects_bad_urls() -> None:
     with pytest.raises(ConfigError, match="expected 'memory'"):
         open_index("postgres://x")
+    for bad in ("redis+cluster://h:7000/1", "redis+cluster://:7000", "redis://h:6379/x"):
+        with pytest.raises(ConfigError, match="redis\\+cluster://host:port"):
+            check_index_url(bad)
+    for good in (
+        "redis://h",
+        "rediss://h:6380/2",
+        "redis+cluster://h:7000",
+        "rediss+cluster://h/0",
+    ):
+        assert check_index_url(good) == good

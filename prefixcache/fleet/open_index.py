@@ -1,4 +1,5 @@
-"""Open a fleet index from a URL: ``memory`` or ``redis://host:port/db``.
+"""Open a fleet index from a URL: ``memory``, ``redis://host:port/db`` or
+``redis+cluster://host:port``.
 
 Backends are imported on demand, so the in-memory index never needs the Redis client.
 """
@@ -15,9 +16,9 @@ if TYPE_CHECKING:
 
 
 def open_index(url: str, **options: Any) -> MemoryFleetIndex | RedisFleetIndex:
-    """The index ``url`` names: ``"memory"`` (this process) or ``redis://host:port/db`` (shared;
-    ``rediss://`` too). ``options`` go to the index's constructor. Raises
-    ConfigError for any other URL."""
+    """The index ``url`` names: ``"memory"`` (this process), ``redis://host:port/db`` (shared;
+    ``rediss://`` too) or ``redis+cluster://host:port`` (a Redis Cluster). ``options`` go to the
+    index's constructor. Raises ConfigError for any other URL."""
     url = check_index_url(url)
     if url == "memory":
         from prefixcache.fleet.memory_index import MemoryFleetIndex

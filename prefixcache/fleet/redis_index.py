@@ -16,6 +16,12 @@ arguments), queued and sent in pipelines of ``pipeline_size`` calls; ``flush()``
 queued, and every read flushes first. ``match`` is one round trip: ``MGET`` of the prompt's block
 keys plus ``HGETALL`` of the replica table.
 
+Redis Cluster (``redis+cluster://host:port``): the prefix must carry a hash tag (default
+``{prefixcache:fleet}``) so that every key falls in one hash slot; the index talks to the node
+serving that slot, finds it from any node of the cluster, and finds it again after a failure (a
+failover or a resharding that moved the slot). The cluster gives availability, not sharding: one
+node holds the whole index.
+
 Failures: every write is also applied to a local ``MemoryFleetIndex`` (this instance's view).
 When Redis fails (connection refused, reset, timeout), the error is counted, reads are answered
 from the local view, and the index is marked out of sync; the next call after
@@ -29,11 +35,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from prefixcache.errors import ConfigError
@@ -50,6 +59,7 @@ from prefixcache.fleet.memory_index import (
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "prefixcache:fleet"
+DEFAULT_CLUSTER_PREFIX = "{prefixcache:fleet}"  # the hash tag puts every key in one slot
 _REVERSE_BITS = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
 _CAP_ERROR = "prefixcache: max_replicas"
 
@@ -151,14 +161,23 @@ class RedisFleetIndex:
         retry_interval: float = 1.0,
         max_replicas: int = DEFAULT_MAX_REPLICAS,
         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
+        locate: Callable[[], redis.Redis] | None = None,
     ) -> None:
+        """``locate`` (Redis Cluster) finds the client of the node serving the index's slot;
+        it is called again before every resynchronisation."""
         if not isinstance(prefix, str) or not prefix:
             raise ConfigError(f"prefix must be a non-empty str, got {prefix!r}")
         if not isinstance(pipeline_size, int) or pipeline_size < 1:
             raise ConfigError(f"pipeline_size must be a positive int, got {pipeline_size!r}")
         if not isinstance(retry_interval, (int, float)) or retry_interval < 0:
             raise ConfigError(f"retry_interval must be >= 0, got {retry_interval!r}")
+        if locate is not None and _hash_tag(prefix) is None:
+            raise ConfigError(
+                f"on Redis Cluster the prefix needs a {{hash tag}} so that every key shares one "
+                f"slot, e.g. {DEFAULT_CLUSTER_PREFIX!r}; got {prefix!r}"
+            )
         self.client = client
+        self._locate = locate
         self.prefix = prefix
         self.pipeline_size = pipeline_size
         self.retry_interval = float(retry_interval)
@@ -178,18 +197,23 @@ class RedisFleetIndex:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisFleetIndex:
-        """An index on the Redis at ``url`` (``redis://host:port/db``); short timeouts and no
-        client-side retries, so a dead server is noticed at once and answered locally."""
+        """An index on the Redis at ``url`` (``redis://host:port/db``, or
+        ``redis+cluster://host:port`` for a Redis Cluster); short timeouts and no client-side
+        retries, so a dead server is noticed at once and answered locally."""
+        cluster = urlsplit(url).scheme.endswith("+cluster")
+        plain = url.replace("+cluster://", "://", 1)
         try:
-            client = redis.Redis.from_url(
-                url,
-                socket_timeout=2.0,
-                socket_connect_timeout=1.0,
-                retry=Retry(NoBackoff(), 0),
-            )
+            client = redis.Redis.from_url(plain, **_CLIENT_OPTIONS)
         except ValueError as exc:
             raise ConfigError(f"not a Redis URL: {url!r} ({exc})") from None
-        return cls(client, **options)
+        if not cluster:
+            return cls(client, **options)
+        prefix = options.setdefault("prefix", DEFAULT_CLUSTER_PREFIX)
+        locate = _SlotOwner(plain, f"{prefix}:replicas").client
+        index = cls(client, locate=locate, **options)
+        with index._lock:  # find the node now if the cluster answers; else at the first retry
+            index._relocate()
+        return index
 
     # ---- FleetIndex -----------------------------------------------------------------------
     def store(self, replica: str, digests: Sequence[bytes], medium: str = GPU) -> None:
@@ -352,11 +376,28 @@ class RedisFleetIndex:
         self._queue.clear()
         self._last_try = time.monotonic()
 
+    def _relocate(self) -> bool:
+        """Point the client at the node serving the index's slot (Redis Cluster); False, and
+        counted as a failure, when the cluster cannot say."""
+        if self._locate is None:
+            return True
+        try:
+            client = self._locate()
+        except (redis.RedisError, RedisClusterException) as exc:
+            self._failed(exc)
+            return False
+        if client is not self.client:
+            self.client.close()
+            self.client = client
+        return True
+
     def _try_resync(self) -> bool:
         now = time.monotonic()
         if now - self._last_try < self.retry_interval:
             return False
         self._last_try = now
+        if not self._relocate():
+            return False
         try:
             self.client.ping()
             pipe = self.client.pipeline(transaction=False)
@@ -384,6 +425,44 @@ class RedisFleetIndex:
             len(self.local.replicas()),
         )
         return True
+
+
+_CLIENT_OPTIONS: dict[str, Any] = {
+    "socket_timeout": 2.0,
+    "socket_connect_timeout": 1.0,
+    "retry": Retry(NoBackoff(), 0),
+}
+
+
+class _SlotOwner:
+    """Finds the node of a Redis Cluster that serves one key's slot (every key of the index)."""
+
+    def __init__(self, url: str, key: str) -> None:
+        self.url = url
+        self.key = key
+
+    def client(self) -> redis.Redis:
+        """A client of the node serving the key's slot now (asks the cluster afresh)."""
+        cluster = RedisCluster.from_url(self.url, **_CLIENT_OPTIONS)
+        try:
+            node = cluster.get_node_from_key(self.key)
+        finally:
+            cluster.close()
+        if node is None:
+            raise RedisClusterException(f"no node serves the slot of {self.key!r}")
+        parts = urlsplit(self.url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        netloc = f"{userinfo}@{node.host}:{node.port}" if userinfo else f"{node.host}:{node.port}"
+        return redis.Redis.from_url(
+            urlunsplit(parts._replace(netloc=netloc, path="")), **_CLIENT_OPTIONS
+        )
+
+
+def _hash_tag(prefix: str) -> str | None:
+    """The hash tag of a key prefix (``{...}``, non-empty), as Redis Cluster reads it."""
+    start = prefix.find("{")
+    end = prefix.find("}", start + 1) if start >= 0 else -1
+    return prefix[start + 1 : end] if end > start + 1 else None
 
 
 def _text(value: bytes | str) -> str:

@@ -21,7 +21,11 @@ def register(subparsers: Any) -> None:
     sp.add_argument("--config", type=Path, required=True, help="fleet YAML file")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     sp.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
-    sp.add_argument("--index", help="override the config's index: memory | redis://host:port/db")
+    sp.add_argument(
+        "--index",
+        help="override the config's index: memory | redis://host:port/db | "
+        "redis+cluster://host:port",
+    )
     sp.add_argument(
         "--proxy",
         action=argparse.BooleanOptionalAction,

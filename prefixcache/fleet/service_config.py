@@ -183,20 +183,27 @@ class _Reader:
 
 
 def check_index_url(url: Any, where: str = "index") -> str:
-    """``url`` if it names an index backend ("memory" or "redis://host[:port][/db]")."""
+    """``url`` if it names an index backend ("memory", "redis://host[:port][/db]" or
+    "redis+cluster://host[:port]")."""
     if url == "memory":
         return url
     parts = urlsplit(url) if isinstance(url, str) else None
-    ok = parts is not None and parts.scheme in ("redis", "rediss") and bool(parts.hostname)
+    schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+    ok = parts is not None and parts.scheme in schemes and bool(parts.hostname)
     if ok and parts is not None:
         try:
             parts.port  # noqa: B018
         except ValueError:
             ok = False
         db = parts.path.strip("/")
-        ok = ok and (db == "" or db.isdigit())
+        ok = ok and (
+            db in ("", "0") if parts.scheme.endswith("+cluster") else db.isdigit() or db == ""
+        )
     if not ok:
-        raise ConfigError(f"{where}: expected 'memory' or 'redis://host:port/db', got {url!r}")
+        raise ConfigError(
+            f"{where}: expected 'memory', 'redis://host:port/db' or 'redis+cluster://host:port', "
+            f"got {url!r}"
+        )
     return str(url)
 
 
