@@ -4,7 +4,8 @@
 
 ``POST /{name}/v1/completions`` and ``/{name}/v1/chat/completions`` answer as replica ``name``;
 with ``"stream": true`` they send ``max_tokens`` server-sent events (``delay`` seconds apart when
-the body has ``"delay"``) and ``data: [DONE]``. ``GET /{name}/health`` answers as vLLM's does.
+the body has ``"delay"``) and ``data: [DONE]``; ``"wait"`` delays the answer itself.
+``GET /{name}/health`` answers as vLLM's does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ app = FastAPI()
 
 async def _answer(name: str, kind: str, request: Request) -> Response:
     body = await request.json()
+    if body.get("wait"):  # a slow replica: nothing until then
+        await asyncio.sleep(float(body["wait"]))
     count = int(body.get("max_tokens", 3))
     if not body.get("stream"):
         return JSONResponse(

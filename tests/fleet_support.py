@@ -81,16 +81,18 @@ class RedisServer:
 
 
 class RedisClusterNodes:
-    """A throwaway Redis Cluster of ``n`` primaries (no replicas, no persistence); a node can be
-    killed and restarted on its port, keeping its place in the cluster."""
+    """A throwaway Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each (no
+    persistence); a node can be killed and restarted on its port, keeping its place."""
 
-    def __init__(self, workdir: Path, n: int = 3) -> None:
+    def __init__(self, workdir: Path, primaries: int = 3, replicas: int = 0) -> None:
+        self.replicas = replicas
         self.nodes = []
-        for _ in range(n):
+        for _ in range(primaries * (1 + replicas)):
             node = RedisServer(workdir)
             node.args = ["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"]
             node.args += ["--cluster-config-file", f"nodes-{node.port}.conf"]
             node.args += ["--cluster-port", str(free_port())]  # the bus: not port + 10000
+            node.args += ["--repl-diskless-sync-delay", "0"]  # replicas in sync at once
             self.nodes.append(node)
 
     @property
@@ -102,26 +104,52 @@ class RedisClusterNodes:
             node.start()
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *addresses, "--cluster-yes"],
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-yes"]
+            + ["--cluster-replicas", str(self.replicas)],
             check=True,
             capture_output=True,
             timeout=60,
         )
         self.wait_ok()
 
+    def node_of(self, key: str) -> RedisServer:
+        """The primary serving ``key``'s slot now."""
+        import redis
+
+        for node in self.nodes:
+            if node.proc is None:
+                continue
+            client = redis.Redis(port=node.port)
+            try:
+                slot = client.cluster("keyslot", key)
+                for start, end, primary, *_ in client.cluster("slots"):
+                    if start <= slot <= end:
+                        port = int(primary[1])
+                        return next(n for n in self.nodes if n.port == port)
+            finally:
+                client.close()
+        raise RuntimeError("no running node")
+
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every running node says the cluster is up."""
+        """Until every running node says the cluster is up and every replica is in sync."""
 
         def ok() -> bool:
             for node in self.nodes:
                 if node.proc is None:
                     continue
-                out = subprocess.run(
+                info = subprocess.run(
                     ["redis-cli", "-p", str(node.port), "cluster", "info"],
                     capture_output=True,
                     timeout=10,
                 ).stdout
-                if b"cluster_state:ok" not in out:
+                replication = subprocess.run(
+                    ["redis-cli", "-p", str(node.port), "info", "replication"],
+                    capture_output=True,
+                    timeout=10,
+                ).stdout
+                if b"cluster_state:ok" not in info:
+                    return False
+                if b"role:slave" in replication and b"master_link_status:up" not in replication:
                     return False
             return True
 

@@ -147,6 +147,16 @@ def test_filters_globals_and_extensions() -> None:
     text = ChatTemplate(source, {}).render(CHAT, tools=tools, extra={"flavour": "plain"})
     # non-ASCII kept and keys in order (transformers' tojson), loop controls, strftime_now
     assert text == '[{"name": "météo", "z": 1, "a": 2}]|Be brief.|4|plain'
+    # a function tool in the shape vLLM renders: name, description, parameters, then the rest
+    tool = {"function": {"strict": True, "name": "f"}, "type": "function"}
+    shaped = ChatTemplate("{{ tools | tojson }}", {}).render(CHAT, tools=[tool])
+    assert json.loads(shaped) == [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": None, "parameters": None, "strict": True},
+        }
+    ]
+    assert shaped.index('"name"') < shaped.index('"strict"')
 
 
 def test_sandbox_and_runtime_failures_are_request_errors() -> None:

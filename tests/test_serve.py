@@ -157,7 +157,8 @@ def test_unreleased_route_load_expires(tmp_path: Path) -> None:
     port = free_port()
     (tmp_path / "fleet.yaml").write_text(
         "routing: {policy: least_loaded, in_flight_timeout_s: 0.5}\n"
-        "replicas:\n  - {name: only, model: m, block_size: 4}\n"
+        "health: {probe_interval_s: 0.05}\n"  # no proxy: no probes, though the URL is dead
+        f"replicas:\n  - {{name: only, model: m, block_size: 4, url: 'http://127.0.0.1:{free_port()}'}}\n"
     )
     service_args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
     service_args += ["--port", str(port)]
@@ -177,6 +178,7 @@ def test_unreleased_route_load_expires(tmp_path: Path) -> None:
         assert late.status_code == 404 and "ended after 0.5 s" in late.json()["error"]["message"]
         assert _metrics(client)["prefixcache_route_expired_total"][()] == 1
         assert client.post("/v1/route", json=body).status_code == 200  # the id is free again
+        assert client.get("/v1/replicas").json()["replicas"][0]["up"] is True  # never probed
 
 
 def test_health_probes_take_replicas_out_and_back(tmp_path: Path) -> None:
@@ -210,6 +212,28 @@ def test_health_probes_take_replicas_out_and_back(tmp_path: Path) -> None:
             wait_until(lambda: up() == {"alive": True, "late": True}, "late to come back")
             picks = {client.post("/v1/route", json=body).json()["replica"] for _ in range(4)}
             assert picks == {"alive", "late"}
+
+
+def test_a_slow_replica_is_a_502_but_stays_up(tmp_path: Path) -> None:
+    # a replica that answers too late failed that request only: it keeps taking routes
+    up_port, port = free_port(), free_port()
+    (tmp_path / "fleet.yaml").write_text(
+        "proxy: {enabled: true, timeout_s: 0.3}\n"
+        "health: {probe_interval_s: null}\n"
+        f"replicas:\n  - {{name: slow, model: m, url: 'http://127.0.0.1:{up_port}/slow'}}\n"
+    )
+    service_args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
+    service_args += ["--port", str(port)]
+    with (
+        running(["tests.fake_openai_upstream", "--port", str(up_port)], up_port, tmp_path / "u"),
+        running(service_args, port, tmp_path / "service.log") as base,
+        httpx.Client(base_url=base, timeout=10.0) as client,
+    ):
+        late = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "wait": 1.0})
+        assert late.status_code == 502 and "ReadTimeout" in late.json()["error"]["message"]
+        assert client.get("/v1/replicas").json()["replicas"][0]["up"] is True
+        quick = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert quick.status_code == 200 and quick.json()["replica"] == "slow"
 
 
 BAD_REQUESTS = [

@@ -122,10 +122,11 @@ class ChatTemplate:
     """A compiled chat template and the special tokens it may use."""
 
     def __init__(self, source: str, special_tokens: dict[str, Any], name: str = "<template>"):
+        env = _environment()  # a clear ConfigError without jinja2
         import jinja2
 
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"{name}: chat template line {exc.lineno}: {exc.message}") from None
         self.name = name
@@ -178,7 +179,7 @@ class ChatTemplate:
         context = {**self.special_tokens, **(extra or {})}
         context.update(
             messages=messages,
-            tools=tools,
+            tools=None if tools is None else [_tool(t) for t in tools],
             documents=documents,
             add_generation_prompt=add_generation_prompt,
         )
@@ -204,6 +205,20 @@ class ChatTemplate:
             else:  # the template trimmed it
                 text = text[: at + len(final.strip())]
         return text
+
+
+def _tool(tool: Any) -> Any:
+    """A function tool in the shape vLLM hands it to the template (its request model dumped):
+    ``type`` then ``function`` with ``name``, ``description`` and ``parameters`` (None when
+    absent), then any other fields; other tools as given."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return tool
+    fn = tool["function"]
+    shaped = {"name": fn.get("name"), "description": fn.get("description")}
+    shaped["parameters"] = fn.get("parameters")
+    shaped.update((k, v) for k, v in fn.items() if k not in shaped)
+    rest = {k: v for k, v in tool.items() if k not in ("type", "function")}
+    return {"type": tool.get("type", "function"), "function": shaped, **rest}
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
@@ -178,6 +179,7 @@ class RedisFleetIndex:
             )
         self.client = client
         self._locate = locate
+        self._owner: _SlotOwner | None = None  # set by from_url on a cluster (closed with us)
         self.prefix = prefix
         self.pipeline_size = pipeline_size
         self.retry_interval = float(retry_interval)
@@ -200,8 +202,10 @@ class RedisFleetIndex:
         """An index on the Redis at ``url`` (``redis://host:port/db``, or
         ``redis+cluster://host:port`` for a Redis Cluster); short timeouts and no client-side
         retries, so a dead server is noticed at once and answered locally."""
-        cluster = urlsplit(url).scheme.endswith("+cluster")
-        plain = url.replace("+cluster://", "://", 1)
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        cluster = scheme.endswith("+cluster")
+        plain = urlunsplit(parts._replace(scheme=scheme.removesuffix("+cluster")))
         try:
             client = redis.Redis.from_url(plain, **_CLIENT_OPTIONS)
         except ValueError as exc:
@@ -209,10 +213,22 @@ class RedisFleetIndex:
         if not cluster:
             return cls(client, **options)
         prefix = options.setdefault("prefix", DEFAULT_CLUSTER_PREFIX)
-        locate = _SlotOwner(plain, f"{prefix}:replicas").client
-        index = cls(client, locate=locate, **options)
-        with index._lock:  # find the node now if the cluster answers; else at the first retry
-            index._relocate()
+        owner = _SlotOwner(plain, f"{prefix}:replicas")
+        index = cls(client, locate=owner.client, **options)
+        index._owner = owner
+        try:  # find the node now if the cluster answers; else at the first retry
+            index.client = owner.client()
+        except RedisClusterException as exc:
+            if "cluster mode is not enabled" in str(exc).lower():
+                client.close()
+                raise ConfigError(
+                    f"{url}: that Redis is not a cluster; use redis://host:port/db"
+                ) from None
+            index._failed(exc)
+        except Exception as exc:  # unreachable now: answered locally, found at a retry
+            index._failed(exc)
+        else:
+            client.close()
         return index
 
     # ---- FleetIndex -----------------------------------------------------------------------
@@ -249,14 +265,15 @@ class RedisFleetIndex:
         with self._lock:
             if self.flush():
                 try:
-                    pipe = self.client.pipeline(transaction=False)
-                    pipe.hgetall(self.prefix + ":replicas")
-                    if digests:
-                        pipe.mget([self.prefix.encode() + b":b:" + d for d in digests])
-                    replies = pipe.execute()
+                    replies = self._match_replies(digests)
                 except redis.RedisError as exc:
-                    self._failed(exc)
-                else:
+                    replies = None
+                    if self._moved(exc):  # the slot moved: ask the node serving it now
+                        with suppress(redis.RedisError):
+                            replies = self._match_replies(digests)
+                    if replies is None:
+                        self._failed(exc)
+                if replies is not None:
                     slots = {k.decode(): int(v) for k, v in replies[0].items()}
                     values = replies[1] if digests else []
                     masks = (
@@ -265,6 +282,13 @@ class RedisFleetIndex:
                     )
                     return match_masks(masks, len(digests), slots)
             return self.local.match(digests)
+
+    def _match_replies(self, digests: Sequence[bytes]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(self.prefix + ":replicas")
+        if digests:
+            pipe.mget([self.prefix.encode() + b":b:" + d for d in digests])
+        return list(pipe.execute())
 
     def replicas(self) -> list[str]:
         """Every replica the index knows, sorted."""
@@ -300,10 +324,10 @@ class RedisFleetIndex:
                 return True
             queue, self._queue = self._queue, []
             try:
-                pipe = self.client.pipeline(transaction=False)
-                for script, args in queue:
-                    script(args=args, client=pipe)
-                results = pipe.execute(raise_on_error=False)
+                results = self._send(queue)
+                moved = next((r for r in results if isinstance(r, Exception)), None)
+                if moved is not None and self._moved(moved):  # the writes are idempotent
+                    results = self._send(queue)
             except redis.RedisError as exc:
                 self._failed(exc)
                 return False
@@ -316,6 +340,14 @@ class RedisFleetIndex:
                     return False
                 self._overflow += int(result or 0)
             return True
+
+    def _send(self, queue: list[tuple[Any, list[Any]]]) -> list[Any]:
+        """Run queued script calls in one pipeline; per-call errors come back as results."""
+        pipe = self.client.pipeline(transaction=False)
+        keys = [self.prefix + ":replicas"]  # declared, so a cluster checks the slot up front
+        for script, args in queue:
+            script(keys=keys, args=args, client=pipe)
+        return list(pipe.execute(raise_on_error=False))
 
     def stats(self) -> RedisIndexStats:
         """Errors, resyncs, whether Redis is in sync, blocks refused at the cap."""
@@ -355,6 +387,8 @@ class RedisFleetIndex:
         with self._lock:
             self.flush()
             self.client.close()
+            if self._owner is not None:
+                self._owner.close()
 
     # ---- internals ------------------------------------------------------------------------
     def _store_args(self, replica: str, medium: str, digests: Sequence[bytes]) -> list[Any]:
@@ -383,13 +417,20 @@ class RedisFleetIndex:
             return True
         try:
             client = self._locate()
-        except (redis.RedisError, RedisClusterException) as exc:
+        except Exception as exc:  # any failure to ask the cluster counts as Redis being away
             self._failed(exc)
             return False
         if client is not self.client:
             self.client.close()
             self.client = client
         return True
+
+    def _moved(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the slot lives elsewhere now (Redis Cluster) and the node serving
+        it was found: then the caller tries once more before counting a failure."""
+        if self._locate is None or not isinstance(exc, redis.exceptions.MovedError):
+            return False
+        return self._relocate()
 
     def _try_resync(self) -> bool:
         now = time.monotonic()
@@ -401,8 +442,9 @@ class RedisFleetIndex:
         try:
             self.client.ping()
             pipe = self.client.pipeline(transaction=False)
+            keys = [self.prefix + ":replicas"]
             for replica in self.local.replicas():
-                self._clear_script(args=[self.prefix, replica, 0], client=pipe)
+                self._clear_script(keys=keys, args=[self.prefix, replica, 0], client=pipe)
                 by_medium: dict[str, list[bytes]] = {GPU: [], CPU: []}
                 for d, media in self.local.holdings(replica).items():
                     for m in media:
@@ -411,7 +453,7 @@ class RedisFleetIndex:
                     for i in range(0, len(digests), 1024):
                         chunk = digests[i : i + 1024]
                         self._store_script(
-                            args=self._store_args(replica, medium, chunk), client=pipe
+                            keys=keys, args=self._store_args(replica, medium, chunk), client=pipe
                         )
             pipe.execute()
         except redis.RedisError as exc:
@@ -435,27 +477,42 @@ _CLIENT_OPTIONS: dict[str, Any] = {
 
 
 class _SlotOwner:
-    """Finds the node of a Redis Cluster that serves one key's slot (every key of the index)."""
+    """Finds the node of a Redis Cluster that serves one key's slot (every key of the index).
+
+    The cluster client is kept once it reached the cluster, so its list of nodes (every node it
+    saw, not just the one in the URL) seeds the next search: a failover of the URL's node is
+    followed too."""
 
     def __init__(self, url: str, key: str) -> None:
         self.url = url
         self.key = key
+        self._cluster: RedisCluster | None = None
 
     def client(self) -> redis.Redis:
-        """A client of the node serving the key's slot now (asks the cluster afresh)."""
-        cluster = RedisCluster.from_url(self.url, **_CLIENT_OPTIONS)
-        try:
-            node = cluster.get_node_from_key(self.key)
-        finally:
-            cluster.close()
+        """A client of the node serving the key's slot now (the cluster asked afresh)."""
+        if self._cluster is None:
+            self._cluster = RedisCluster.from_url(self.url, **_CLIENT_OPTIONS)
+        else:
+            self._cluster.nodes_manager.initialize()
+        node = self._cluster.get_node_from_key(self.key)
         if node is None:
             raise RedisClusterException(f"no node serves the slot of {self.key!r}")
-        parts = urlsplit(self.url)
-        userinfo = parts.netloc.rpartition("@")[0]
-        netloc = f"{userinfo}@{node.host}:{node.port}" if userinfo else f"{node.host}:{node.port}"
-        return redis.Redis.from_url(
-            urlunsplit(parts._replace(netloc=netloc, path="")), **_CLIENT_OPTIONS
-        )
+        return redis.Redis.from_url(_node_url(self.url, node.host, node.port), **_CLIENT_OPTIONS)
+
+    def close(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
+
+
+def _node_url(url: str, host: str, port: int) -> str:
+    """``url`` (scheme, credentials, options) pointed at one node, database 0."""
+    parts = urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
+    return urlunsplit(
+        parts._replace(netloc=f"{userinfo}@{address}" if userinfo else address, path="")
+    )
 
 
 def _hash_tag(prefix: str) -> str | None:
