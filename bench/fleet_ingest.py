@@ -1,7 +1,10 @@
 """Fleet index figures: ingest blocks/s (memory, Redis pipelined), bytes per (block, replica) for
 the memory index, match latency for a 512-block prompt over 16 replicas. Medians of repeats.
 
-    python bench/fleet_ingest.py [--blocks 200000] [--repeats 5]
+    python bench/fleet_ingest.py [--blocks 200000] [--repeats 5] [--redis-url URL]
+
+Without ``--redis-url`` a redis-server is started on a free port; with it, the Redis figures are
+taken on that index URL (``redis+cluster://host:port`` for a Redis Cluster).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--blocks", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--redis-url", help="an index URL to measure instead of a fresh redis-server")
     args = ap.parse_args()
     n = args.blocks
     rates = []
@@ -102,22 +106,31 @@ def main() -> None:
         )
     p50, p99 = match_latency(MemoryFleetIndex(), 1000)
     print(f"memory match, 512 blocks x 16 replicas: p50 {p50:.0f} us, p99 {p99:.0f} us")
-    server = start_redis()
-    if server is None:
-        print("redis: skipped (redis-server not found)")
-        return
-    proc, url = server
+    proc = None
+    if args.redis_url:
+        url = args.redis_url
+    else:
+        server = start_redis()
+        if server is None:
+            print("redis: skipped (redis-server not found)")
+            return
+        proc, url = server
+    tag = "{%s}" if "+cluster" in url else "%s"  # one hash slot on a cluster
     try:
         rates = []
         for k in range(args.repeats):
-            index = RedisFleetIndex.from_url(url, prefix=f"bench{k}")
+            index = RedisFleetIndex.from_url(url, prefix=tag % f"bench{k}{os.getpid()}")
             rates.append(ingest_rate(index, [os.urandom(16) for _ in range(n)]))
-        print(f"redis ingest (pipelined): {statistics.median(rates):,.0f} blocks/s")
-        p50, p99 = match_latency(RedisFleetIndex.from_url(url, prefix="match"), 300)
+            index.close()
+        print(f"redis ingest (pipelined): {statistics.median(rates):,.0f} blocks/s  [{url}]")
+        index = RedisFleetIndex.from_url(url, prefix=tag % f"match{os.getpid()}")
+        p50, p99 = match_latency(index, 300)
+        index.close()
         print(f"redis match, 512 blocks x 16 replicas: p50 {p50:.0f} us, p99 {p99:.0f} us")
     finally:
-        proc.kill()
-        proc.wait()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":
