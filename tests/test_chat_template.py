@@ -204,3 +204,17 @@ def test_messages_are_checked_and_flattened() -> None:
     ]:
         with pytest.raises(InvalidArgumentError, match=message):
             chat_messages(bad)
+
+
+def test_without_jinja2_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from prefixcache.fleet import chat_template
+
+    chat_template._environment.cache_clear()
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    try:
+        with pytest.raises(ConfigError, match=r"need jinja2 \(pip install"):
+            ChatTemplate(CHATML, {})
+    finally:
+        chat_template._environment.cache_clear()

@@ -168,3 +168,13 @@ def test_failover_of_the_node_named_in_the_url(cluster: RedisClusterNodes) -> No
     index.close()
     owner.start()  # back as a replica of the new primary
     cluster.wait_ok()
+
+
+def test_a_plain_redis_behind_a_cluster_url_is_refused(tmp_path) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        with pytest.raises(ConfigError, match="not a cluster"):
+            open_index(f"redis+cluster://127.0.0.1:{server.port}")
+    finally:
+        server.kill()
