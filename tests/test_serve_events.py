@@ -155,3 +155,19 @@ def test_text_prompts_use_the_configured_tokenizer_file(tmp_path: Path) -> None:
         body = client.post("/v1/lookup", json={"model": MODEL, "text": text}).json()
     assert body["prompt_tokens"] == 10
     assert body["replicas"][0]["cached_tokens"] == 8
+
+
+def test_proxy_without_a_chat_template_says_chat_routing_is_approximate(tmp_path: Path) -> None:
+    port = free_port()
+    config = {
+        "proxy": {"enabled": True},
+        "health": {"probe_interval_s": None},
+        "replicas": [{"name": "a", "model": MODEL, "url": f"http://127.0.0.1:{free_port()}"}],
+    }
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(config))
+    args = ["prefixcache", "serve", "--config", str(path), "--port", str(port)]
+    with running(args, port, tmp_path / "serve.log"):
+        pass
+    log = (tmp_path / "serve.log").read_text()
+    assert "no chat_template in the config" in log and "Traceback" not in log

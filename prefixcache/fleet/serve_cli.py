@@ -84,5 +84,13 @@ def _serve(args: argparse.Namespace) -> int:
     except (PrefixCacheError, OSError) as exc:
         print(f"prefixcache serve: error: {exc}", file=sys.stderr)
         return 2
+    proxying = config.proxy.enabled if args.proxy is None else args.proxy
+    if proxying and config.chat_template is None:
+        print(
+            "prefixcache serve: note: no chat_template in the config; chat requests are routed "
+            "on a neutral rendering, which matches other chats but not what replicas cache "
+            "(set chat_template to the model's tokenizer_config.json)",
+            file=sys.stderr,
+        )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
