@@ -218,3 +218,43 @@ def test_without_jinja2_the_error_says_what_to_install(monkeypatch: pytest.Monke
             ChatTemplate(CHATML, {})
     finally:
         chat_template._environment.cache_clear()
+
+
+# vision-model style: the template loops over each message's content parts
+PARTS = (
+    "{% for message in messages %}<{{ message['role'] }}>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}[{{ part['type'] }}]{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def test_templates_that_loop_over_content_get_parts() -> None:
+    # as vLLM decides: a loop over message['content'] (or .content) means a list of parts
+    assert ChatTemplate(PARTS, {}).content_format == "parts"
+    dotted = "{% set first = messages[0] %}{% for p in first.content %}{{ p.text }}{% endfor %}"
+    assert ChatTemplate(dotted, {}).content_format == "parts"
+    assert ChatTemplate(CHATML, {}).content_format == "string"
+    assert ChatTemplate(LLAMA, {}).content_format == "string"
+    loop_elsewhere = (
+        "{% for m in messages %}{% for c in m['role'] %}{{ c }}{% endfor %}{% endfor %}"
+    )
+    assert ChatTemplate(loop_elsewhere, {}).content_format == "string"
+    template = ChatTemplate(PARTS, {})
+    asked = [
+        {"role": "user", "content": "plain"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "look:"},
+            {"type": "image_url", "image_url": {"url": "data:,"}},
+            {"type": "text", "text": "what is it?"},
+        ]},
+    ]  # fmt: skip
+    flat = chat_messages(asked, template.content_format)
+    assert flat[0]["content"] == [{"type": "text", "text": "plain"}]
+    assert [p["type"] for p in flat[1]["content"]] == ["text", "image", "text"]
+    text = template.render(flat, add_generation_prompt=False)
+    assert text == "<user>plain<user>look:[image]what is it?"
+    partial = [*flat, {"role": "assistant", "content": [{"type": "text", "text": "A cat "}]}]
+    cut = template.render(partial, add_generation_prompt=False, continue_final_message=True)
+    assert cut.endswith("<assistant>A cat ")

@@ -127,10 +127,14 @@ class ChatTemplate:
 
         try:
             self._template = env.from_string(source)
+            tree = env.parse(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"{name}: chat template line {exc.lineno}: {exc.message}") from None
         self.name = name
         self.special_tokens = dict(special_tokens)
+        # "parts" when the template loops over a message's content (vLLM's "openai" content
+        # format: content is then a list of parts), else "string"
+        self.content_format = "parts" if _loops_over_content(tree) else "string"
 
     @classmethod
     def load(cls, path: str | Path) -> ChatTemplate:
@@ -193,6 +197,9 @@ class ChatTemplate:
             ) from None
         if continue_final_message:  # end right after the last message's content
             final = messages[-1].get("content") if messages else None
+            if isinstance(final, list):  # parts: the last one with text
+                texts = [p.get("text") for p in final if isinstance(p, dict) and "text" in p]
+                final = texts[-1] if texts else ""
             final = final if isinstance(final, str) else ""
             if final.strip() not in text:
                 raise InvalidArgumentError(
@@ -221,11 +228,70 @@ def _tool(tool: Any) -> Any:
     return {"type": tool.get("type", "function"), "function": shaped, **rest}
 
 
-def chat_messages(messages: Any) -> list[dict[str, Any]]:
-    """The messages of a chat request, checked, with each content as one string (text parts
-    joined by newlines, as vLLM passes them to a string-content template); other fields of a
-    message (``name``, ``tool_calls``, ``tool_call_id``) are kept, the arguments of an
-    assistant's tool calls parsed from JSON."""
+def _loops_over_content(tree: Any) -> bool:
+    """Whether a template iterates over a message's content (``for part in
+    message['content']`` or ``message.content``, ``message`` taken from ``messages``), the
+    test vLLM uses to hand content to a template as a list of parts."""
+    from jinja2 import nodes
+
+    def field_of(node: Any, names: set[str], key: str) -> bool:
+        if isinstance(node, nodes.Getitem):
+            return (
+                isinstance(node.node, nodes.Name)
+                and node.node.name in names
+                and isinstance(node.arg, nodes.Const)
+                and node.arg.value == key
+            )
+        if isinstance(node, nodes.Getattr):
+            return (
+                isinstance(node.node, nodes.Name) and node.node.name in names and node.attr == key
+            )
+        return False
+
+    def is_messages(node: Any) -> bool:
+        return isinstance(node, nodes.Name) and node.name == "messages"
+
+    names: set[str] = set()  # variables that hold a message
+    for loop in tree.find_all(nodes.For):
+        if isinstance(loop.target, nodes.Name) and (
+            is_messages(loop.iter)
+            or (isinstance(loop.iter, nodes.Getitem) and is_messages(loop.iter.node))
+            or (isinstance(loop.iter, nodes.Filter) and is_messages(loop.iter.node))
+        ):
+            names.add(loop.target.name)
+    for assign in tree.find_all(nodes.Assign):  # {% set message = messages[0] %}
+        target, value = assign.target, assign.node
+        taken = isinstance(value, nodes.Getitem) and is_messages(value.node)
+        if isinstance(target, nodes.Name) and taken:
+            names.add(target.name)
+    return any(field_of(loop.iter, names, "content") for loop in tree.find_all(nodes.For))
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    """Content as a list of parts, as vLLM hands it to a template that loops over it: text
+    parts keep their text, media parts become ``{"type": "image" | "audio" | "video"}``."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    out: list[dict[str, Any]] = []
+    for part in content or []:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind in ("image_url", "image", "image_pil", "image_embeds"):
+            out.append({"type": "image"})
+        elif kind in ("input_audio", "audio_url", "audio"):
+            out.append({"type": "audio"})
+        elif kind in ("video_url", "video"):
+            out.append({"type": "video"})
+    return out
+
+
+def chat_messages(messages: Any, content_format: str = "string") -> list[dict[str, Any]]:
+    """The messages of a chat request, checked. Each content becomes one string (text parts
+    joined by newlines, as vLLM passes them to a string-content template), or with
+    ``content_format="parts"`` a list of parts (``ChatTemplate.content_format`` says which).
+    Other fields of a message (``name``, ``tool_calls``, ``tool_call_id``) are kept, the
+    arguments of an assistant's tool calls parsed from JSON."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgumentError("'messages' must be a non-empty list")
     out = []
@@ -233,14 +299,17 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidArgumentError(f"messages[{i}] must be an object with a string 'role'")
         content = message.get("content")
-        if isinstance(content, list):  # content parts: the text parts count
-            texts = [p.get("text") for p in content if isinstance(p, dict)]
-            content = "\n".join(t for t in texts if isinstance(t, str))
-        elif content is None:
-            content = ""
-        if not isinstance(content, str):
+        if content is not None and not isinstance(content, str | list):
             raise InvalidArgumentError(f"messages[{i}].content must be a string or a list of parts")
-        flat = {**message, "content": content}
+        shaped: Any
+        if content_format == "parts":
+            shaped = _parts(content)
+        elif isinstance(content, list):  # content parts: the text parts count
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            shaped = "\n".join(t for t in texts if isinstance(t, str))
+        else:
+            shaped = content or ""
+        flat = {**message, "content": shaped}
         calls = message.get("tool_calls")
         if message["role"] == "assistant" and isinstance(calls, list):
             flat["tool_calls"] = [_parsed_call(call, i) for call in calls]

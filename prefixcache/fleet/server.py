@@ -163,11 +163,12 @@ class FleetService:
     ) -> TokenIds:
         """The token ids of a conversation: the chat template's text (a neutral rendering
         without one) through the tokenizer."""
-        flat = chat_messages(messages)
-        if self.chat_template is None:
+        template = self.chat_template
+        flat = chat_messages(messages, template.content_format if template else "string")
+        if template is None:
             text = render_chat(flat)
         else:
-            text = self.chat_template.render(
+            text = template.render(
                 flat,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -243,9 +243,10 @@ def _chat_renderer(options: TraceOptions) -> Callable[[list[dict[str, Any]]], st
     it, generation prompt included) or the neutral rendering."""
     if options.chat_template is None:
         return render_chat
-    from prefixcache.fleet.chat_template import ChatTemplate
+    from prefixcache.fleet.chat_template import ChatTemplate, chat_messages
 
-    return ChatTemplate.load(options.chat_template).render
+    template = ChatTemplate.load(options.chat_template)
+    return lambda messages: template.render(chat_messages(messages, template.content_format))
 
 
 def _prompts(
