@@ -8,6 +8,9 @@ each route counted as load and released. Over HTTP: the service in a uvicorn sub
 gives p50 and p99; the medians of the repeats are printed with the targets (p99 <= 1 ms in
 process, <= 5 ms over HTTP).
 
+Also the time to check and render a 21-message conversation through a Llama-3-style chat
+template, which a chat route adds before tokenizing.
+
 The index is the in-memory fleet index (``prefixcache.fleet.memory_index``). Every replica holds
 a different depth of one of four prompt families (0 to 100% of the prompt), so each route hashes
 all 512 blocks and each replica's match ends at another block.
@@ -160,6 +163,34 @@ def over_http(args: argparse.Namespace, prompts: list[np.ndarray]) -> list[tuple
     return results
 
 
+# a Llama-3-style template: a BOS, a header per turn, trimmed contents
+LLAMA_STYLE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+
+def chat_render(turns: int, chars: int, repeats: int) -> float:
+    """Median seconds to check and render a conversation of ``turns`` messages through the
+    chat template, as a chat route does before tokenizing."""
+    from prefixcache.fleet.chat_template import ChatTemplate, chat_messages
+
+    template = ChatTemplate(LLAMA_STYLE, {"bos_token": "<|begin_of_text|>"})
+    text = ("lorem ipsum dolor sit amet " * (chars // 27 + 1))[:chars]
+    messages = [{"role": "system", "content": text}]
+    messages += [{"role": ("user", "assistant")[i % 2], "content": text} for i in range(turns)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(100):
+            template.render(chat_messages(messages, template.content_format))
+        times.append((time.perf_counter() - t0) / 100)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--routes", type=int, default=400)
@@ -189,6 +220,8 @@ def main() -> None:
         target = targets["HTTP" if name.startswith("HTTP") else "in process"]
         verdict = "met" if p99 <= target else "NOT met"
         print(f"{name:28} {p50:8.3f} {p99:8.3f}  <= {target:.0f} ms {verdict}")
+    render = chat_render(20, 1600, args.repeats)
+    print(f"chat template, 21 messages of 1,600 characters: {render * 1e6:.0f} us per render")
 
 
 if __name__ == "__main__":
