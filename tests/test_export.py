@@ -45,3 +45,16 @@ def test_openai_export_is_a_batch_of_completion_requests(
     body = first["body"]
     assert body["model"] == "m" and body["max_tokens"] > 0
     assert all(isinstance(t, int) and 0 <= t < 32000 for t in body["prompt"])
+
+
+def test_export_applies_the_trace_guards(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --max-prompt-tokens stops an over-long prompt as replay does
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"token_ids": list(range(50))}) + "\n")
+    args = ["export", str(trace), "--format", "mooncake", "--out", str(tmp_path / "o.jsonl")]
+    assert main([*args, "--max-prompt-tokens", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "t.jsonl:1" in err and "Traceback" not in err
+    assert main(args) == 0

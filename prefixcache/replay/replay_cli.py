@@ -238,14 +238,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         if args.block_size < 1 or args.vocab_size < 1:
             raise ConfigError("--block-size and --vocab-size must be positive integers")
-        config = ReplayConfig(
-            seed=args.seed,
-            trace_format=args.trace_format,
-            trace_block_size=args.trace_block_size,
-            tokenizer=args.tokenizer,
-            chat_template=args.chat_template,
-            output_len=args.output_len,
-        )
+        config = ReplayConfig(seed=args.seed, **_trace_settings(args))
         source = open_source(args.source, config.with_(block_size=1))
         if args.format == "mooncake":
             lines = mooncake_lines(source, args.block_size)
@@ -317,6 +310,19 @@ def _bandwidth(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"bandwidth must be positive, got {text!r}")
     return float(value)
+
+
+def _trace_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``ReplayConfig`` fields that ``_trace_args`` options set."""
+    return {
+        "trace_format": args.trace_format,
+        "trace_block_size": args.trace_block_size,
+        "tokenizer": args.tokenizer,
+        "chat_template": args.chat_template,
+        "output_len": args.output_len,
+        "max_line_bytes": args.max_line_bytes,
+        "max_prompt_tokens": args.max_prompt_tokens,
+    }
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
@@ -427,15 +433,9 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         tp=args.tp,
         rate_scale=args.rate_scale,
         time_scale=args.time_scale,
-        trace_format=args.trace_format,
-        trace_block_size=args.trace_block_size,
-        tokenizer=args.tokenizer,
-        chat_template=args.chat_template,
-        output_len=args.output_len,
         host_bw=args.host_bw,
         pool_bw=args.pool_bw,
-        max_line_bytes=args.max_line_bytes,
-        max_prompt_tokens=args.max_prompt_tokens,
+        **_trace_settings(args),
         upper_bound=not args.no_upper_bound,
     )
     tiers: list[dict[str, Any]] = [
@@ -545,16 +545,7 @@ def _analyze(args: argparse.Namespace) -> int:
     from prefixcache.replay.sources import check_block_size, open_source
 
     try:
-        config = ReplayConfig(
-            seed=args.seed,
-            trace_format=args.trace_format,
-            trace_block_size=args.trace_block_size,
-            tokenizer=args.tokenizer,
-            chat_template=args.chat_template,
-            output_len=args.output_len,
-            max_line_bytes=args.max_line_bytes,
-            max_prompt_tokens=args.max_prompt_tokens,
-        )
+        config = ReplayConfig(seed=args.seed, **_trace_settings(args))
         sizes = args.block_size
         if sizes is None:
             sizes = [16]
