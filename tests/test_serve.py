@@ -3,6 +3,7 @@ test index, and a fake OpenAI-compatible upstream in another subprocess for prox
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -152,20 +153,32 @@ def test_route_and_release(fleet: dict[str, Any]) -> None:
     assert client.get("/v1/replicas").json()["replicas"][0]["in_flight"] == 0
 
 
+@contextlib.contextmanager
+def _service(tmp_path: Path, config: str) -> Iterator[httpx.Client]:
+    """The service (test launcher) on a free port with ``config`` as its YAML, and a client."""
+    port = free_port()
+    (tmp_path / "fleet.yaml").write_text(config)
+    args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml"), "--port", str(port)]
+    with (
+        running(args, port, tmp_path / "service.log") as base,
+        httpx.Client(base_url=base, timeout=10.0) as client,
+    ):
+        yield client
+
+
+def _upstream(port: int, tmp_path: Path, name: str) -> contextlib.AbstractContextManager[str]:
+    """The fake OpenAI upstream on ``port``."""
+    return running(["tests.fake_openai_upstream", "--port", str(port)], port, tmp_path / name)
+
+
 def test_unreleased_route_load_expires(tmp_path: Path) -> None:
     # a client that routes with an id and never releases: its load ends after the timeout
-    port = free_port()
-    (tmp_path / "fleet.yaml").write_text(
+    config = (
         "routing: {policy: least_loaded, in_flight_timeout_s: 0.5}\n"
         "health: {probe_interval_s: 0.05}\n"  # no proxy: no probes, though the URL is dead
         f"replicas:\n  - {{name: only, model: m, block_size: 4, url: 'http://127.0.0.1:{free_port()}'}}\n"
     )
-    service_args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
-    service_args += ["--port", str(port)]
-    with (
-        running(service_args, port, tmp_path / "service.log") as base,
-        httpx.Client(base_url=base, timeout=10.0) as client,
-    ):
+    with _service(tmp_path, config) as client:
         body = {"model": "m", "tokens": PROMPT, "request_id": "gone"}
         assert client.post("/v1/route", json=body).status_code == 200
 
@@ -183,8 +196,8 @@ def test_unreleased_route_load_expires(tmp_path: Path) -> None:
 
 def test_health_probes_take_replicas_out_and_back(tmp_path: Path) -> None:
     # "late" has nothing listening at first: probes take it out; once it answers, it is back
-    up_port, late_port, port = free_port(), free_port(), free_port()
-    (tmp_path / "fleet.yaml").write_text(
+    up_port, late_port = free_port(), free_port()
+    config = (
         "routing: {policy: least_loaded}\n"
         "proxy: {enabled: true}\n"  # probes run in proxy mode
         "health: {probe_interval_s: 0.1, probe_timeout_s: 1, down_s: 0.5}\n"
@@ -192,13 +205,7 @@ def test_health_probes_take_replicas_out_and_back(tmp_path: Path) -> None:
         f"  - {{name: alive, model: m, url: 'http://127.0.0.1:{up_port}/alive'}}\n"
         f"  - {{name: late, model: m, url: 'http://127.0.0.1:{late_port}/late'}}\n"
     )
-    service_args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
-    service_args += ["--port", str(port)]
-    with (
-        running(["tests.fake_openai_upstream", "--port", str(up_port)], up_port, tmp_path / "a"),
-        running(service_args, port, tmp_path / "service.log") as base,
-        httpx.Client(base_url=base, timeout=10.0) as client,
-    ):
+    with _upstream(up_port, tmp_path, "alive.log"), _service(tmp_path, config) as client:
 
         def up() -> dict[str, bool]:
             return {r["name"]: r["up"] for r in client.get("/v1/replicas").json()["replicas"]}
@@ -207,8 +214,7 @@ def test_health_probes_take_replicas_out_and_back(tmp_path: Path) -> None:
         body = {"model": "m", "tokens": PROMPT}
         picks = {client.post("/v1/route", json=body).json()["replica"] for _ in range(4)}
         assert picks == {"alive"}
-        late_args = ["tests.fake_openai_upstream", "--port", str(late_port)]
-        with running(late_args, late_port, tmp_path / "late.log"):
+        with _upstream(late_port, tmp_path, "late.log"):
             wait_until(lambda: up() == {"alive": True, "late": True}, "late to come back")
             picks = {client.post("/v1/route", json=body).json()["replica"] for _ in range(4)}
             assert picks == {"alive", "late"}
@@ -216,19 +222,13 @@ def test_health_probes_take_replicas_out_and_back(tmp_path: Path) -> None:
 
 def test_a_slow_replica_is_a_502_but_stays_up(tmp_path: Path) -> None:
     # a replica that answers too late failed that request only: it keeps taking routes
-    up_port, port = free_port(), free_port()
-    (tmp_path / "fleet.yaml").write_text(
+    up_port = free_port()
+    config = (
         "proxy: {enabled: true, timeout_s: 0.3}\n"
         "health: {probe_interval_s: null}\n"
         f"replicas:\n  - {{name: slow, model: m, url: 'http://127.0.0.1:{up_port}/slow'}}\n"
     )
-    service_args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
-    service_args += ["--port", str(port)]
-    with (
-        running(["tests.fake_openai_upstream", "--port", str(up_port)], up_port, tmp_path / "u"),
-        running(service_args, port, tmp_path / "service.log") as base,
-        httpx.Client(base_url=base, timeout=10.0) as client,
-    ):
+    with _upstream(up_port, tmp_path, "slow.log"), _service(tmp_path, config) as client:
         late = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "wait": 1.0})
         assert late.status_code == 502 and "ReadTimeout" in late.json()["error"]["message"]
         assert client.get("/v1/replicas").json()["replicas"][0]["up"] is True
