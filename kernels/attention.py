@@ -7,6 +7,7 @@ nothing and never synchronizes with the GPU, so it can be captured in a CUDA gra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -328,14 +329,10 @@ def _cascade(
     )
     # Shared prefixes: one virtual sequence per group holding all its members' query rows.
     q_prefix = q.index_select(0, plan.prefix_rows.long())  # [num_prefix_rows, Hq, D]
-    prefix_shapes = AttentionShapes(
+    prefix_shapes = dataclasses.replace(
+        shapes,
         num_seqs=plan.num_groups,
         total_q=q_prefix.shape[0],
-        num_q_heads=shapes.num_q_heads,
-        num_kv_heads=shapes.num_kv_heads,
-        head_dim=shapes.head_dim,
-        block_size=shapes.block_size,
-        num_blocks=shapes.num_blocks,
         max_blocks=plan.prefix_tables.shape[1],
     )
     prefix_out = torch.empty(q_prefix.shape, **f32)
