@@ -262,7 +262,7 @@ class CacheManager:
                 partial_tokens = 0
         seq.unconfirmed = True
         if self.enable_caching:
-            self._commit(seq, arr, buf, t // p, digest, now, owned=False)
+            self._commit(seq, buf, t // p, digest, now, owned=False)
         self.pool.own(seq.private)  # usually just the partial last block
         if priority:
             self._set_priority(seq.deepest, priority, retention, now)
@@ -424,9 +424,7 @@ class CacheManager:
         seq.unconfirmed = True
         self.stats.appended_tokens += k
         if self.enable_caching and t1 // p > t0 // p:
-            full = np.frombuffer(seq.tokens, dtype="<i4")
-            self._commit(seq, full, seq.tokens, t1 // p, None, self._now())
-            del full  # release the buffer export so the sequence can grow again
+            self._commit(seq, seq.tokens, t1 // p, None, self._now())
         if k == 1:
             slots = np.array([seq.table[t0 // p] * p + t0 % p], dtype=np.int64)
         else:
@@ -877,7 +875,6 @@ class CacheManager:
     def _commit(
         self,
         seq: RequestState,
-        tokens: np.ndarray,
         buf: bytes | bytearray,
         upto: int,
         digest: bytes | None,
@@ -885,9 +882,10 @@ class CacheManager:
         *,
         owned: bool = True,
     ) -> None:
-        """Enter the sequence's full blocks up to ``upto`` into the index, in order; they are
-        pending until confirmed. A block already cached by another sequence stays private here
-        (a duplicate) and the path moves onto the cached one; a digest collision stops.
+        """Enter the sequence's full blocks up to ``upto`` (``buf``: its int32 LE tokens) into
+        the index, in order; they are pending until confirmed. A block already cached by another
+        sequence stays private here (a duplicate) and the path moves onto the cached one; a
+        digest collision stops.
         ``owned``: the blocks carry refcounts to drop (not so for a fresh admission's)."""
         if seq.blocked:
             return
@@ -976,10 +974,9 @@ class CacheManager:
         if host is not None and host.entries and not host.entries.keys().isdisjoint(digests):
             # computed again: the GPU copy replaces the host's
             twins = [d for d in digests if d in host.entries]
-            if twins:
-                replaced = [(d, host.remove(d, defer=False)) for d in twins]
-                self.stats.host_evicted_blocks += len(replaced)
-                self._emit_host_removed(replaced)
+            replaced = [(d, host.remove(d, defer=False)) for d in twins]
+            self.stats.host_evicted_blocks += len(replaced)
+            self._emit_host_removed(replaced)
         if self._listeners:
             tokens = np.frombuffer(run, dtype="<i4").tolist()
             namespace = self.index.namespace_of(node)
