@@ -111,6 +111,15 @@ class BlockHasher:
             return self._hash_records(tokens, parent, first_block, end_block)
         return self._hash_slices(buf, 0, parent, first_block, end_block)
 
+    def hash_run(self, body: bytes | bytearray, parent: bytes, first_block: int) -> list[bytes]:
+        """Digests of a run of whole blocks whose int32 LE tokens are ``body``, the first being
+        block ``first_block`` of its sequence (``parent`` the digest before it)."""
+        n = len(body) // (4 * self.block_size)
+        if n <= 0:
+            return []
+        base = -first_block * 4 * self.block_size
+        return self._hash_slices(body, base, parent, first_block, first_block + n)
+
     def block_starts(self, end_block: int) -> list[bytes] | _Starts:
         """The start positions the chain mixes in (8 bytes LE), indexed by block, for blocks
         ``0 .. end_block-1``: a list kept for the first 65,536 blocks, computed beyond."""

@@ -24,13 +24,14 @@ from typing import Any
 
 import zmq
 
-from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.errors import ConfigError, PrefixCacheError, WireFormatError
 from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from prefixcache.fleet.kv_wire import (
     END_SEQ,
     KVEventBatch,
     WireEvent,
     WireLayout,
+    decode_seq,
     encode_batch,
     encode_seq,
 )
@@ -210,11 +211,14 @@ class KVEventPublisher:
                 frames = router.recv_multipart()
             except zmq.ZMQError:
                 return
-            if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("ignored a malformed replay request of %d frames", len(frames))
+            try:
+                if len(frames) != 3:
+                    raise WireFormatError(f"{len(frames)} frames, expected 3")
+                identity, _, start_bytes = frames
+                start = decode_seq(start_bytes)
+            except WireFormatError as exc:
+                log.warning("ignored a malformed replay request: %s", exc)
                 continue
-            identity, _, start_bytes = frames
-            start = int.from_bytes(start_bytes, "big")
             with self._buffer_lock:
                 replay = [(s, p) for s, p in self._buffer if s >= start]
             try:

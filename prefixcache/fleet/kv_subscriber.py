@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
-import numpy as np
 import zmq
 
 from prefixcache.errors import (
     ConfigError,
     FleetCapacityError,
     InvalidArgumentError,
+    InvalidTokensError,
     WireFormatError,
 )
 from prefixcache.fleet.fleet_index import CPU, GPU, FleetIndex
@@ -56,13 +56,13 @@ from prefixcache.fleet.kv_wire import (
 )
 from prefixcache.hashing import BlockHasher
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
+from prefixcache.tokens import as_token_array
 
 log = logging.getLogger(__name__)
 
 _MEDIA = {None: GPU, "GPU": GPU, "CPU": CPU}
 _BIT = {GPU: 1, CPU: 2}
 _OWN_KEYS = ("adapter_version", "salt", "extra")
-_MAX_TOKEN = 2**31
 
 
 @dataclass(frozen=True)
@@ -270,9 +270,10 @@ class KVEventSubscriber:
         elif len(ev.token_ids) != n * p:
             problem = f"{len(ev.token_ids)} tokens for {n} blocks of {p}"
         if problem is None:
-            tokens = np.asarray(ev.token_ids, dtype=np.int64)
-            if tokens.size and (tokens.min() < 0 or tokens.max() >= _MAX_TOKEN):
-                problem = "token ids out of [0, 2**31)"
+            try:
+                body = as_token_array(ev.token_ids, allow_empty=True).tobytes()
+            except InvalidTokensError as exc:
+                problem = str(exc)
         if problem is None and ev.parent_block_hash is None:
             prev, pos = rep.hasher.seed(self._namespace(rep, ev)), 0
         elif problem is None:
@@ -286,23 +287,20 @@ class KVEventSubscriber:
             log.warning("replica %s: stored event skipped: %s", name, problem)
             return
         assert medium is not None
-        body = tokens.astype("<i4").tobytes()
-        width = 4 * p
         bit = _BIT[medium]
         blocks = rep.blocks
+        chain = rep.hasher.hash_run(body, prev, pos)  # ours, one per engine hash
         digests = []
-        hash_block = rep.hasher.hash_block
-        for k, h in enumerate(ev.block_hashes):
-            prev = hash_block(prev, pos + k, body[k * width : (k + 1) * width])
+        for k, (h, digest) in enumerate(zip(ev.block_hashes, chain, strict=True)):
             entry = blocks.get(h)
             if entry is None:
                 if len(blocks) >= self.max_blocks_per_replica:
                     rep.counts.overflow += n - k
                     break
-                blocks[h] = [prev, pos + k, bit]
+                blocks[h] = [digest, pos + k, bit]
             else:
-                entry[0], entry[1], entry[2] = prev, pos + k, entry[2] | bit
-            digests.append(prev)
+                entry[0], entry[1], entry[2] = digest, pos + k, entry[2] | bit
+            digests.append(digest)
         self.index.store(name, digests, medium)
         rep.counts.blocks_stored += len(digests)
 
