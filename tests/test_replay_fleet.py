@@ -95,6 +95,8 @@ def test_one_replica_fleet_matches_the_single_cache(small: Path) -> None:
     for key in ("hit_tokens", "prompt_tokens", "misses", "evicted_blocks"):
         assert fleet[key] == plain[key]
     assert fleet["serving"]["ttft_p50_s"] == plain["serving"]["ttft_p50_s"]
+    busy = fleet["fleet"]["per_replica"][0]["busy_seconds"]
+    assert busy == pytest.approx(plain["serving"]["load"]["busy_s"])  # counted once
     assert "fleet" not in plain and "replicas" not in plain["config"]
 
 

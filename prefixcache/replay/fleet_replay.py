@@ -127,7 +127,6 @@ class _Replica(Simulator):
         self.ttft = fleet.ttft  # indexed by the fleet's request index
         self.pending: list[WireEvent] = []
         self.seq = 0
-        self.busy = 0.0
         self.live: dict[int, LiveRequest] = {}
         self.routed = self.prompt_tokens = self.hit_tokens = 0
         mgr.add_listener(lambda event: self.pending.append(to_wire(event)))
@@ -148,11 +147,10 @@ class _Replica(Simulator):
     def step(self) -> None:
         """One step; then publish its events and release the requests that left."""
         acc = self.acc
-        before, prompt, hit = self.clock, 0, 0
+        prompt, hit = 0, 0
         if acc is not None:
             prompt, hit = acc.totals.prompt_tokens, acc.totals.hit_tokens
-        self._step()
-        self.busy += self.clock - before
+        self._step()  # counts its time in self.busy
         if acc is not None:
             self.prompt_tokens += acc.totals.prompt_tokens - prompt
             self.hit_tokens += acc.totals.hit_tokens - hit
