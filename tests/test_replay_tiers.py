@@ -153,3 +153,19 @@ def test_cli_sweep_per_tier(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert sweep[0]["host_token_hit_rate"] == sweep[0]["pool_token_hit_rate"] == 0
     assert sweep[3]["token_hit_rate"] > sweep[0]["token_hit_rate"]
+
+
+def test_recompute_is_priced_at_the_serving_gpus_efficiency() -> None:
+    # the load-or-recompute rule uses the MFU the step times use: a fitted GPU's, else 0.5
+    from prefixcache.replay.model_specs import get_gpu, get_model
+    from prefixcache.replay.tier_settings import resolve_tiers
+
+    model = get_model("llama-3.1-8b")
+    for name, mfu in (("h200", get_gpu("h200").compute_efficiency), ("l40s", 0.5)):
+        gpu = get_gpu(name)
+        tiers = resolve_tiers(2**30, None, 55e9, 25e9, model, gpu, name, 16, 1)
+        assert tiers is not None and tiers.recompute_mfu == mfu
+        flops = gpu.peak_flops * mfu
+        assert tiers.recompute_seconds_per_token == pytest.approx(
+            2 * model.layer_flops_params / flops
+        )

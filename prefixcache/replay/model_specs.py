@@ -94,6 +94,9 @@ class ModelConfig:
         return 4 * self.num_layers * self.num_attention_heads * self.head_dim
 
 
+DEFAULT_COMPUTE_EFFICIENCY = 0.5  # achieved fraction of peak FLOPs without a fitted profile
+
+
 @dataclass(frozen=True)
 class GpuConfig:
     """A GPU's datasheet figures and, when measured, the roofline's efficiencies on it (None:

@@ -34,7 +34,7 @@ import numpy as np
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager import CacheManager
 from prefixcache.replay.accounting import Accountant
-from prefixcache.replay.model_specs import GpuConfig, ModelConfig
+from prefixcache.replay.model_specs import DEFAULT_COMPUTE_EFFICIENCY, GpuConfig, ModelConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
@@ -47,7 +47,7 @@ from prefixcache.replay.tier_admission import TierAdmitter
 class Roofline:
     model: ModelConfig
     gpu: GpuConfig
-    compute_efficiency: float = 0.5  # achieved fraction of peak FLOPs
+    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY  # achieved fraction of peak FLOPs
     memory_efficiency: float = 0.8  # achieved fraction of HBM bandwidth
     step_overhead_s: float = 2e-3  # scheduling, sampling, launch
     tp: int = 1  # tensor-parallel GPUs: compute and bandwidth multiplied

@@ -14,7 +14,7 @@ Default link bandwidths, per direction:
 
 A run of blocks is loaded only when moving it costs less time than recomputing it: ``bytes per
 block / bandwidth`` against ``block size x 2 x layer parameters / (peak FLOPs x tp x MFU)``, the
-MFU being the serving roofline's compute efficiency (0.5).
+MFU being the serving roofline's compute efficiency (its GPU's, 0.5 without a fitted profile).
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.errors import ConfigError
-from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu
+from prefixcache.replay.model_specs import (
+    DEFAULT_COMPUTE_EFFICIENCY,
+    GpuConfig,
+    ModelConfig,
+    get_gpu,
+)
 from prefixcache.transfers import TransferModel
 
 DEFAULT_HOST_BANDWIDTH = 55e9  # bytes/s: PCIe Gen5 x16, per direction, achieved
 DEFAULT_POOL_BANDWIDTH = 25e9  # bytes/s: one 200 Gb/s RDMA NIC
-MFU = 0.5  # achieved fraction of peak FLOPs when recomputing (the roofline's compute_efficiency)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class TierSettings:
     pool_bandwidth: float
     bytes_per_block: int
     recompute_seconds_per_token: float  # prefill compute time of one token
+    recompute_mfu: float  # the serving roofline's compute efficiency it assumes
     host_transfer: TransferModel
     pool_transfer: TransferModel
 
@@ -61,7 +66,7 @@ class TierSettings:
             "pool_blocks": self.pool_blocks,
             "pool_bytes": self.pool_bytes,
             "pool_bandwidth_bytes_per_s": self.pool_bandwidth,
-            "recompute_mfu": MFU,
+            "recompute_mfu": self.recompute_mfu,
         }
 
 
@@ -109,7 +114,9 @@ def resolve_tiers(
     if gpu is None:
         gpu = get_gpu(gpu_name)
     flops_per_token = 2.0 * model.layer_flops_params
-    flops = gpu.peak_flops * tp * MFU
+    mfu = gpu.compute_efficiency  # a fitted profile's, as the step times use
+    mfu = DEFAULT_COMPUTE_EFFICIENCY if mfu is None else mfu
+    flops = gpu.peak_flops * tp * mfu
     return TierSettings(
         host_blocks,
         host_memory or 0,
@@ -119,6 +126,7 @@ def resolve_tiers(
         float(pool_bandwidth),
         bpb,
         flops_per_token / flops,
+        mfu,
         TransferModel(bpb, float(host_bandwidth), flops_per_token, flops),
         TransferModel(bpb, float(pool_bandwidth), flops_per_token, flops),
     )
