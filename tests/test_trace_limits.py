@@ -68,3 +68,15 @@ def test_prompt_limit_on_token_traces(tmp_path: Path) -> None:
     with redirect_stderr(err), pytest.raises(SystemExit) as exit_:
         main(["replay", str(trace), "--blocks", "10", "--max-prompt-tokens", "0"])
     assert exit_.value.code == 2 and "expected a positive integer: '0'" in err.getvalue()
+
+
+def test_a_raised_line_limit_holds_for_detecting_the_format(tmp_path: Path) -> None:
+    # a first line over the default 16 MiB: --max-line-bytes raised lets it through everywhere,
+    # choosing the block size from the detected format included
+    big = {**GOOD, "pad": "x" * (17 << 20)}
+    trace = _trace(tmp_path / "t.jsonl", big, GOOD)
+    args = ["replay", str(trace), "--blocks", "10", "--no-progress", "--out", str(tmp_path / "r")]
+    code, _, err = run_cli(*args)
+    assert code == 2 and "--max-line-bytes" in err
+    code, _, err = run_cli(*args, "--max-line-bytes", str(18 << 20))
+    assert code == 0, err

@@ -467,7 +467,7 @@ def default_block_size(args: argparse.Namespace) -> int:
     path = Path(args.source)
     if not path.is_file() or is_scenario_path(path):
         return 16
-    kind = args.trace_format or detect_format(path)
+    kind = args.trace_format or detect_format(path, args.max_line_bytes)
     return int(args.trace_block_size) if kind == "mooncake" else 16
 
 
