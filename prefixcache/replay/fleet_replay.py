@@ -359,15 +359,11 @@ def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
     )
 
 
-def run_pooled(
-    requests: Iterable[Request], cfg: ResolvedConfig, track_isolation: bool
-) -> PooledLine:
+def run_pooled(requests: Iterable[Request], cfg: ResolvedConfig) -> PooledLine:
     """Replay ``requests`` through the pooled cache of ``pooled_config(cfg)``."""
     pooled = pooled_config(cfg)
     mgr = pooled.cache_manager()
-    acc = Accountant(
-        pooled.options.block_size, mgr.hasher, track_isolation=track_isolation, record=False
-    )
+    acc = Accountant(pooled.options.block_size, mgr.hasher, track_isolation=False, record=False)
     sim = Simulator(mgr, pooled, acc)
     sim.run(requests)
     tot = acc.totals
@@ -386,7 +382,6 @@ class FleetRun(NamedTuple):
     serving: ServingStats
     fleet: FleetStats
     stats: CacheStats
-    simulator: FleetSimulator
     tiers: Tiers | None = None
 
 
@@ -413,7 +408,7 @@ def run_fleet(
     sim.run(chain())
     plain = FleetSimulator(cfg, None, namespace, caching=False)
     plain.run(reopen())
-    pooled = run_pooled(reopen(), cfg, multi_namespace)
+    pooled = run_pooled(reopen(), cfg)  # one namespace, checked above
     serving = ServingStats(
         sim.ttft,
         plain.ttft,
@@ -429,4 +424,4 @@ def run_fleet(
         pooled,
         sum(sim.index.num_blocks(r.name) for r in sim.replicas),
     )
-    return FleetRun(serving, fleet, sim.cache_stats(), sim, sim.tiers)
+    return FleetRun(serving, fleet, sim.cache_stats(), sim.tiers)

@@ -23,13 +23,10 @@ class KeySet:
 
     __slots__ = ("_has_zero", "_limit", "_mask", "_size", "_slots", "_table")
 
-    def __init__(self, capacity: int = 0) -> None:
-        slots = _MIN_SLOTS
-        while slots * 3 < 4 * capacity:
-            slots *= 2
+    def __init__(self) -> None:
         self._has_zero = False
         self._size = 0
-        self._alloc(slots)
+        self._alloc(_MIN_SLOTS)
 
     def _alloc(self, slots: int) -> None:
         self._table = np.zeros(slots, dtype=np.uint64)

@@ -44,7 +44,7 @@ class ReplayConfig:
     time_scale: float = 1.0  # timestamps multiplied (2.0: the trace stretched to twice its span)
     # fleet (serving mode): replicas of this cache size each, routed by a fleet policy
     replicas: int = 1
-    routing: str | None = None  # a fleet routing policy; None: prefix_balanced with replicas > 1
+    routing: str | None = None  # a fleet routing policy; None: prefix
     # traces
     trace_format: str | None = None
     trace_block_size: int = 512  # Mooncake tokens per hash id
@@ -99,6 +99,8 @@ class ReplayConfig:
             "trace_block_size",
             "max_line_bytes",
             "max_prompt_tokens",
+            "tp",
+            "replicas",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -107,8 +109,6 @@ class ReplayConfig:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
         ):
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ConfigError(f"tp must be a positive integer, got {self.tp!r}")
         for name in ("rate_scale", "time_scale"):
             value = getattr(self, name)
             if (
@@ -119,10 +119,6 @@ class ReplayConfig:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if self.mode != "serving" and (self.tp != 1 or self.arrival_factor != 1.0):
             raise ConfigError("--tp, --rate-scale and --time-scale need --mode serving")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
-            raise ConfigError(f"replicas must be a positive integer, got {self.replicas!r}")
-        if self.replicas < 1:
-            raise ConfigError(f"replicas must be a positive integer, got {self.replicas!r}")
         if self.routing is not None:
             from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 from prefixcache.replay.workload_errors import TraceFormatError
@@ -13,17 +12,6 @@ def not_utf8_error(path: str, line: int, exc: UnicodeDecodeError) -> TraceFormat
     return TraceFormatError(
         path, line, f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); save the file as UTF-8"
     )
-
-
-def utf8_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """Every line of a file with its 1-based number; a line that is not UTF-8 raises
-    TraceFormatError naming it."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise not_utf8_error(str(path), lineno, exc) from None
 
 
 def read_utf8(path: str | Path) -> str:
