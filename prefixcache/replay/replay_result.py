@@ -231,8 +231,8 @@ def write_run(
     """Write the three files of a run into ``out_dir`` (created if needed); returns it.
     ``report``: the result's report.json, when the caller has it already.
 
-    Each file is written atomically and report.json last, so a directory with a report.json
-    holds a complete run; a directory this call created is removed again if writing fails or
+    report.json is written last, and atomically, so a directory with a report.json holds a
+    complete run; a directory this call created is removed again if writing fails or
     is interrupted."""
     out = Path(out_dir)
     check_run_dir(out)
