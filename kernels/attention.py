@@ -57,6 +57,15 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def check_fp8_device(device: torch.device) -> None:
+    """UnsupportedConfigError for an fp8 K/V cache on a CUDA GPU older than sm_89."""
+    if device.type == "cuda" and device_capability(device) < FP8_MIN_CAPABILITY:
+        raise UnsupportedConfigError(
+            "fp8 K/V caches need an sm_89+ GPU (Ada, Hopper) for e4m3 conversions; use "
+            "backend='torch' or a 16-bit cache"
+        )
+
+
 _cached_config = functools.lru_cache(maxsize=4096)(choose_config)
 
 
@@ -198,11 +207,8 @@ def paged_attention(
         )
         return out
 
-    if fp8 and q.device.type == "cuda" and device_capability(q.device) < FP8_MIN_CAPABILITY:
-        raise UnsupportedConfigError(
-            "fp8 K/V caches need an sm_89+ GPU (Ada, Hopper) for e4m3 conversions; use "
-            "backend='torch' or a 16-bit cache"
-        )
+    if fp8:
+        check_fp8_device(q.device)
     if max_seq_len is None:
         max_seq_len = shapes.max_blocks * shapes.block_size  # a bound read from shapes: no sync
     qk_scale = scale * _LOG2E * (k_scale if fp8 else 1.0)

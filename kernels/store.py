@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from prefixcache.kernels.attention import FP8_MIN_CAPABILITY, device_capability
+from prefixcache.kernels.attention import check_fp8_device
 from prefixcache.kernels.backend import Backend, check_kernel_mode, resolve_backend
-from prefixcache.kernels.kernel_errors import KernelInputError, UnsupportedConfigError
+from prefixcache.kernels.kernel_errors import KernelInputError
 from prefixcache.kernels.reference import reference_store_kv
 from prefixcache.kernels.validation import check_slot_values, check_store_args, is_fp8
 
@@ -58,10 +58,8 @@ def store_kv(
     from prefixcache.kernels.triton_store import store_kv_kernel
 
     check_kernel_mode(store_kv_kernel, k.device)
-    if fp8 and k.device.type == "cuda" and device_capability(k.device) < FP8_MIN_CAPABILITY:
-        raise UnsupportedConfigError(
-            "fp8 K/V caches need an sm_89+ GPU (Ada, Hopper); use backend='torch' or a 16-bit cache"
-        )
+    if fp8:
+        check_fp8_device(k.device)
     if fp8:  # e4m3 bits as bytes (views, no copy)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     grid = (-(-num_tokens // _BLOCK_T), num_kv_heads)

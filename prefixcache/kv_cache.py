@@ -212,9 +212,15 @@ class PagedKVCache:
         load = {gpu: host for host, gpu in pairs[1]}  # a block written twice keeps the last
         for gpu, host in (*((g, h) for h, g in off.items()), *load.items()):
             if not 0 <= gpu < self.num_blocks:
-                raise InvalidArgumentError(f"block {gpu} is outside the cache")
+                raise InvalidArgumentError(
+                    f"block {gpu} is outside the cache (blocks 0..{self.num_blocks - 1}); give "
+                    "PagedKVCache the manager's num_blocks"
+                )
             if not 0 <= host < self.host_blocks:
-                raise InvalidArgumentError(f"host slot {host} is outside the host tier")
+                raise InvalidArgumentError(
+                    f"host slot {host} is outside the host tier ({self.host_blocks} slots); give "
+                    "PagedKVCache the same host_blocks as the CacheManager"
+                )
         self._events = []
         if not off and not load:
             return

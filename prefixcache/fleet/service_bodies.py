@@ -11,11 +11,12 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from prefixcache.errors import InvalidRequestBodyError
+from prefixcache.fleet.router import MAX_REQUEST_ID_CHARS
 from prefixcache.namespace import Namespace
 from prefixcache.tokens import MAX_TOKEN_ID
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
 
 
 class PromptBody(msgspec.Struct, forbid_unknown_fields=True):

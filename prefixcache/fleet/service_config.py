@@ -90,7 +90,7 @@ class ServiceConfig:
     limits: Limits = Limits()
     proxy: ProxyConfig = ProxyConfig()
     tokenizer: str | None = None  # Hugging Face tokenizer.json; None: UTF-8 bytes
-    index: str = "memory"  # "memory" or "redis://host:port/db"
+    index: str = "memory"  # "memory", "redis://host:port/db" or "redis+cluster://host:port"
     hash_algo: str = "xxh3_128"
     source: str = "<config>"
     chat_template: str | None = None  # .jinja or tokenizer_config.json; None: neutral rendering
