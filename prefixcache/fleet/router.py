@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from prefixcache.errors import (
@@ -94,6 +94,15 @@ class Released(NamedTuple):
     request_id: str
     replica: str
     prompt_tokens: int
+
+
+class _Matches(NamedTuple):
+    """What the index says about a prompt, read before the router's lock is taken."""
+
+    prompt_tokens: int
+    eligible: list[ReplicaSpec]  # the replicas serving its namespace
+    found: dict[str, ReplicaMatch]  # replica -> its leading cached blocks
+    held_blocks: dict[str, int]  # blocks the index holds, for replicas with a known capacity
 
 
 class _InFlight(NamedTuple):
@@ -338,9 +347,8 @@ class Router:
             )
         return eligible
 
-    def _matches(
-        self, namespace: Namespace, tokens: TokenIds
-    ) -> tuple[int, list[ReplicaSpec], dict[str, ReplicaMatch]]:
+    def _matches(self, namespace: Namespace, tokens: TokenIds) -> _Matches:
+        """Everything a route reads from the index, outside the router's lock."""
         arr = as_token_array(tokens)
         n = len(arr)
         if self._max_tokens is not None and n > self._max_tokens:
@@ -361,20 +369,16 @@ class Router:
             for match in self._index.match(digests):
                 if match.replica in wanted:
                     found[match.replica] = match
-        return n, eligible, found
+        held = {s.name: self._index.num_blocks(s.name) for s in eligible if s.capacity_blocks}
+        return _Matches(n, eligible, found, held)
 
-    def _scores(
-        self,
-        eligible: Sequence[ReplicaSpec],
-        found: dict[str, ReplicaMatch],
-        *,
-        up_only: bool = False,
-    ) -> tuple[ReplicaScore, ...]:
+    def _scores(self, matches: _Matches, *, up_only: bool = False) -> tuple[ReplicaScore, ...]:
         """Scores of the eligible replicas still in the fleet (``up_only``: of those not marked
         down); call with the lock held."""
         out = []
         now = self._clock() if up_only and self._down else 0.0
-        for spec in eligible:
+        found, held = matches.found, matches.held_blocks
+        for spec in matches.eligible:
             load = self._load.get(spec.name)
             if load is None:  # removed since the lookup began
                 continue
@@ -382,7 +386,6 @@ class Router:
                 continue
             match = found.get(spec.name)
             blocks, gpu = (match.blocks, match.gpu_blocks) if match is not None else (0, 0)
-            held = self._index.num_blocks(spec.name) if spec.capacity_blocks else 0
             out.append(
                 ReplicaScore(
                     spec.name,
@@ -391,7 +394,7 @@ class Router:
                     load[0],
                     load[1],
                     spec.capacity_blocks,
-                    held,
+                    held.get(spec.name, 0),
                 )
             )
         return tuple(out)
@@ -401,13 +404,13 @@ class Router:
 
         Raises InvalidTokensError, PayloadTooLargeError or UnknownNamespaceError.
         """
-        n, eligible, found = self._matches(namespace, tokens)
+        matches = self._matches(namespace, tokens)
         with self._lock:
             self._expire()
-            scores = self._scores(eligible, found)
+            scores = self._scores(matches)
         if not scores:
             raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
-        return Lookup(namespace, n, scores)
+        return Lookup(namespace, matches.prompt_tokens, scores)
 
     def route(
         self,
@@ -435,16 +438,19 @@ class Router:
                 f"request_id must be a non-empty str of at most {MAX_REQUEST_ID_CHARS} "
                 f"characters, got {request_id!r}"
             )
-        n, eligible, found = self._matches(namespace, tokens)
+        matches = self._matches(namespace, tokens)
+        n = matches.prompt_tokens
         with self._lock:
             self._expire()
             if request_id is not None and request_id in self._in_flight:
                 raise DuplicateRequestError(f"request {request_id!r} is already in flight")
-            scores = self._scores(eligible, found, up_only=True)
+            scores = self._scores(matches, up_only=True)
             if not scores:
-                if self._scores(eligible, found):
+                if self._scores(matches):
                     now = self._clock()
-                    back = min(self._down[s.name][0] for s in eligible if s.name in self._down)
+                    back = min(
+                        self._down[s.name][0] for s in matches.eligible if s.name in self._down
+                    )
                     raise NoHealthyReplicaError(
                         f"every replica serving namespace {namespace.label()} is marked down "
                         "(failed requests or health probes); retry later",
