@@ -27,6 +27,7 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from prefixcache.errors import (
@@ -39,6 +40,7 @@ from prefixcache.namespace import Namespace
 from prefixcache.tokens import TokenIds
 
 if TYPE_CHECKING:
+    from prefixcache.fleet.router import RouteDecision
     from prefixcache.fleet.server import FleetService
 
 _DROPPED_HEADERS = frozenset(
@@ -139,10 +141,14 @@ async def _forward(
         raise InvalidRequestBodyError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise InvalidRequestBodyError("invalid request body: expected a JSON object")
-    namespace = namespace_for(service, payload.get("model"), payload.get("cache_salt"))
-    tokens = tokens_of(service, payload)
     request_id = uuid.uuid4().hex
-    decision = service.route(namespace, tokens, request_id, expire=False)  # always released
+
+    def choose() -> RouteDecision:  # tokenizing, hashing, the index: off the event loop
+        namespace = namespace_for(service, payload.get("model"), payload.get("cache_salt"))
+        tokens = tokens_of(service, payload)
+        return service.route(namespace, tokens, request_id, expire=False)  # always released
+
+    decision = await run_in_threadpool(choose)
     released = False
 
     def release() -> None:

@@ -36,7 +36,7 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.chat_template import ChatTemplate, chat_messages
 from prefixcache.fleet.ingest import IngestSource, IngestStats
-from prefixcache.fleet.router import ReplicaHealth, RouteDecision, Router
+from prefixcache.fleet.router import Lookup, ReplicaHealth, RouteDecision, Router
 from prefixcache.fleet.routing import ReplicaScore
 from prefixcache.fleet.service_bodies import (
     PromptBody,
@@ -188,6 +188,16 @@ class FleetService:
             return body.namespace(), self.chat_tokens(body.messages)
         return body.namespace(), self.tokens_of(body.tokens, body.text)
 
+    def lookup(self, body: PromptBody) -> tuple[Namespace, Lookup]:
+        """A lookup body's namespace and per-replica scores."""
+        namespace, tokens = self.prompt(body)
+        return namespace, self.router.lookup(namespace, tokens)
+
+    def route_body(self, body: RouteBody) -> RouteDecision:
+        """Route a route body (its request id counts as load until released)."""
+        namespace, tokens = self.prompt(body)
+        return self.route(namespace, tokens, body.request_id)
+
     def route(
         self,
         namespace: Namespace,
@@ -320,8 +330,8 @@ def create_app(
     async def lookup(request: Request) -> Response:
         """Cached prompt tokens per replica serving the prompt's namespace."""
         body = decode_body(await service.read_body(request), PromptBody)
-        namespace, tokens = service.prompt(body)
-        result = router.lookup(namespace, tokens)
+        # tokenizing, hashing and the index (maybe Redis) block: off the event loop
+        namespace, result = await run_in_threadpool(service.lookup, body)
         return _json(
             {
                 "namespace": namespace.label(),
@@ -334,8 +344,7 @@ def create_app(
     async def route(request: Request) -> Response:
         """Choose a replica for the prompt; with a request_id, count it as load."""
         body = decode_body(await service.read_body(request), RouteBody)
-        namespace, tokens = service.prompt(body)
-        decision = service.route(namespace, tokens, body.request_id)
+        decision = await run_in_threadpool(service.route_body, body)
         return _json(
             {
                 "replica": decision.replica,
@@ -354,7 +363,7 @@ def create_app(
     async def release(request: Request) -> Response:
         """End a routed request's load."""
         body = decode_body(await service.read_body(request), ReleaseBody)
-        released = router.release(body.request_id)
+        released = await run_in_threadpool(router.release, body.request_id)
         return _json(released._asdict())
 
     @app.get("/v1/replicas")
