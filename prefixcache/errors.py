@@ -70,6 +70,10 @@ class InvalidRequestBodyError(InvalidArgumentError):
     """A service request body is not JSON, or not the JSON its endpoint takes."""
 
 
+class MalformedJSONError(InvalidRequestBodyError):
+    """A service request body is not JSON at all (HTTP 400)."""
+
+
 class NoHealthyReplicaError(PrefixCacheError, RuntimeError):
     """Every replica that serves the request's namespace is marked down (failed requests or
     health probes); retry once one is back, in about ``retry_after_s`` seconds."""

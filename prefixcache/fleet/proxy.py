@@ -24,7 +24,6 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -32,10 +31,10 @@ from starlette.types import Receive, Scope, Send
 
 from prefixcache.errors import (
     InvalidArgumentError,
-    InvalidRequestBodyError,
     UnknownNamespaceError,
     UnknownReplicaError,
 )
+from prefixcache.fleet.service_bodies import decode_body
 from prefixcache.namespace import Namespace
 from prefixcache.tokens import TokenIds
 
@@ -135,12 +134,7 @@ async def _forward(
     from prefixcache.fleet.server import error_response
 
     raw = await service.read_body(request)
-    try:
-        payload = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequestBodyError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise InvalidRequestBodyError("invalid request body: expected a JSON object")
+    payload = decode_body(raw, dict[str, Any])
     request_id = uuid.uuid4().hex
 
     def choose() -> RouteDecision:  # tokenizing, hashing, the index: off the event loop

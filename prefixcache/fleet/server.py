@@ -26,7 +26,7 @@ from prefixcache.errors import (
     ConfigError,
     DuplicateRequestError,
     InvalidArgumentError,
-    InvalidRequestBodyError,
+    MalformedJSONError,
     NoHealthyReplicaError,
     PayloadTooLargeError,
     PrefixCacheError,
@@ -57,6 +57,7 @@ _STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
     (UnknownReplicaError, 404),
     (DuplicateRequestError, 409),
     (NoHealthyReplicaError, 503),
+    (MalformedJSONError, 400),
     (ConfigError, 500),
 )
 
@@ -68,12 +69,10 @@ def error_response(status: int, kind: str, message: str) -> Response:
 
 
 def status_of(exc: PrefixCacheError) -> int:
-    """HTTP status for a typed error: 413, 404, 409, 400 for malformed JSON, else 422."""
+    """HTTP status for a typed error (``_STATUS``); 422 for any other bad input."""
     for kind, status in _STATUS:
         if isinstance(exc, kind):
             return status
-    if isinstance(exc, InvalidRequestBodyError) and "not valid JSON" in str(exc):
-        return 400
     return 422
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from prefixcache.errors import InvalidRequestBodyError
+from prefixcache.errors import InvalidRequestBodyError, MalformedJSONError
 from prefixcache.fleet.router import MAX_REQUEST_ID_CHARS
 from prefixcache.namespace import Namespace
 from prefixcache.tokens import MAX_TOKEN_ID
@@ -51,14 +51,16 @@ class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     request_id: RequestId
 
 
-Body = TypeVar("Body", bound=msgspec.Struct)
+Body = TypeVar("Body")
 
 
 def decode_body(raw: bytes, kind: type[Body]) -> Body:
-    """``raw`` decoded as ``kind``; InvalidRequestBodyError saying what and where otherwise."""
+    """``raw`` decoded as ``kind`` (a body struct, or ``dict`` for a body passed on);
+    MalformedJSONError when it is not JSON, InvalidRequestBodyError saying what and where when
+    it is not that JSON."""
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
         raise InvalidRequestBodyError(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequestBodyError(f"request body is not valid JSON: {exc}") from None
+        raise MalformedJSONError(f"request body is not valid JSON: {exc}") from None
