@@ -711,20 +711,26 @@ class CacheManager:
 
     def _dependents(self, seq: RequestState) -> tuple[list[RequestState], list[Node]]:
         """``seq`` and every live request that relies on K/V it (or they, in turn) has not
-        written yet, plus the top node of each one's unwritten indexed blocks."""
+        written yet, plus the top node of each one's unwritten indexed blocks. The forks of a
+        fork released already count too: they read what ``seq`` never wrote through it."""
         doomed, seen, tops = [seq], {id(seq)}, []
+        chain = [seq]  # the doomed and the released forks between them
         region: set[int] = set()  # ids of nodes in unwritten regions
         i = 0
         while True:
-            while i < len(doomed):
-                cur = doomed[i]
+            while i < len(chain):
+                cur = chain[i]
                 i += 1
                 if not cur.unconfirmed:
                     continue
                 for dep in cur.dependents:
-                    if id(dep) not in seen and self._seqs.get(dep.request_id) is dep:
+                    if id(dep) not in seen:
                         seen.add(id(dep))
-                        doomed.append(dep)
+                        chain.append(dep)
+                        if self._seqs.get(dep.request_id) is dep:
+                            doomed.append(dep)
+                if cur.deepest is not None and cur.deepest.parent is None:
+                    continue  # released, and its blocks left the index since
                 top = self._pending_top(cur)
                 if top is not None:
                     tops.append(top)
@@ -746,6 +752,7 @@ class CacheManager:
                     if _under(held, region):
                         seen.add(id(other))
                         doomed.append(other)
+                        chain.append(other)
                         grew = True
             if not grew:
                 return doomed, tops

@@ -73,6 +73,21 @@ def test_abort_drops_requests_that_share_unwritten_blocks():
     m.check_integrity()
 
 
+def test_abort_reaches_the_forks_of_a_released_fork():
+    # a's prefill never runs; a2 (forked from a) was released, but a3, forked from a2, still
+    # reads a's unwritten partial block: it goes with a
+    m = CacheManager(24, 4, stepped=True)
+    rt = FingerprintRuntime(m)
+    rt.admit("a", [0], NS)
+    rt.fork("a", "a2")
+    rt.fork("a2", "a3")
+    rt.release("a2")
+    assert rt.abort("a") == ["a", "a3"]
+    assert m.requests == []
+    rt.step()  # no read of K/V that was never written
+    m.check_integrity()
+
+
 def test_abort_keeps_what_an_earlier_step_wrote():
     m = CacheManager(16, 4, stepped=True)
     m.admit("a", toks(0, 8))
