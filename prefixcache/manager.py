@@ -793,9 +793,7 @@ class CacheManager:
             k = min(count, len(node.blocks))
             parent = node.parent
             host = self.host
-            namespace = (
-                self.index.namespace_of(node) if self._listeners or host is not None else None
-            )
+            namespace = node.namespace if self._listeners or host is not None else None
             if host is not None:  # what an offload needs, read before the tail goes
                 assert parent is not None
                 first = len(node.blocks) - k
@@ -838,8 +836,9 @@ class CacheManager:
             self._emit_host_removed(evicted)
         stored = len(slots)
         self._offloads += [_new(Offload, pair) for pair in zip(ids, slots, strict=False)]
-        for gone in digests[stored:]:  # no room: they leave the cache, with what is below them
-            self._drop_host_below(gone)
+        if stored < len(digests):  # no room: they leave the cache, with what is below them
+            for gone in digests[stored:]:
+                self._drop_host_below(gone)
         self.stats.offloaded_blocks += stored
         if stored and self._listeners:
             bb = self.index.block_bytes

@@ -98,6 +98,37 @@ def test_one_replica_fleet_matches_the_single_cache(small: Path) -> None:
     busy = fleet["fleet"]["per_replica"][0]["busy_seconds"]
     assert busy == pytest.approx(plain["serving"]["load"]["busy_s"])  # counted once
     assert "fleet" not in plain and "replicas" not in plain["config"]
+    # the serving benchmark's figures, the offered load and the model's assumptions too
+    for key in ("benchmark", "load", "assumptions"):
+        assert fleet["serving"][key] == plain["serving"][key], key
+
+
+def test_a_fleet_reports_benchmark_figures_and_the_busiest_replicas_load(small: Path) -> None:
+    r = report(small, 3, "round_robin")
+    sv, per_replica = r["serving"], r["fleet"]["per_replica"]
+    busy = [p["busy_seconds"] for p in per_replica]
+    bench = sv["benchmark"]
+    assert bench["with_cache"]["completed"] == bench["without_cache"]["completed"] == 240
+    assert bench["with_cache"]["busy_s"] == pytest.approx(sum(busy))
+    assert bench["with_cache"]["ttft_p50_s"] == pytest.approx(sv["ttft_p50_s"])
+    load = sv["load"]
+    assert load["replicas"] == 3 and load["busiest_replica_busy_s"] == pytest.approx(max(busy))
+    span = load["arrival_span_s"]
+    assert load["offered_load"] == pytest.approx(sum(busy) / (3 * span))
+    assert load["offered_load_busiest"] == pytest.approx(max(busy) / span)
+    assert sv["assumptions"]["gpu"]
+
+
+def test_fleet_overload_is_decided_by_the_busiest_replica() -> None:
+    from prefixcache.replay.serving_figures import Load, overload_warning
+
+    # two replicas, one doing all the work: fine on average, overloaded where it runs
+    load = Load(100.0, 150.0, 150.0, 1.0, replicas=2, busiest_s=150.0)
+    assert load.offered_load == pytest.approx(0.75) and load.overloaded
+    assert load.sustainable_rate_scale == pytest.approx(1 / 1.5)
+    warning = overload_warning({"load": load.report_dict()})
+    assert warning is not None and "the busiest replica needs 150 s" in warning
+    assert not Load(100.0, 150.0, 150.0, 1.0, replicas=2, busiest_s=80.0).overloaded
 
 
 def test_index_equals_the_replicas_cached_blocks(small: Path) -> None:

@@ -42,6 +42,7 @@ from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
 from prefixcache.replay.serving import LiveRequest, Simulator
+from prefixcache.replay.serving_figures import BenchmarkFigures, Load, benchmark_figures
 from prefixcache.replay.tier_admission import Tiers, build_tiers
 from prefixcache.run_format import nearest_rank, rate
 from prefixcache.stats import BlockCounts, CacheStats
@@ -125,6 +126,7 @@ class _Replica(Simulator):
         super().__init__(mgr, cfg, fleet.acc)
         self.fleet, self.name = fleet, name
         self.ttft = fleet.ttft  # indexed by the fleet's request index
+        self.finish = fleet.finish
         self.pending: list[WireEvent] = []
         self.seq = 0
         self.live: dict[int, LiveRequest] = {}
@@ -189,7 +191,12 @@ class FleetSimulator:
         o = cfg.options
         self.cfg, self.acc = cfg, acc
         self.p = o.block_size
+        # per request, by the fleet's request index: what the benchmark figures need
         self.ttft: list[float] = []
+        self.finish: list[float] = []
+        self.arrival: list[float] = []
+        self.prompt_len: list[int] = []
+        self.output_len: list[int] = []
         self.index = MemoryFleetIndex()
         names = [f"replica-{k}" for k in range(o.replicas)]
         self.subscriber = KVEventSubscriber(
@@ -244,6 +251,10 @@ class FleetSimulator:
             self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
             k = int(decision.replica.rsplit("-", 1)[1])
             self.ttft.append(math.nan)
+            self.finish.append(math.nan)
+            self.arrival.append(req.arrival_s)
+            self.prompt_len.append(len(req.tokens))
+            self.output_len.append(req.output_len * req.n)
             self.assignment.append(k)
             self.replicas[k].take(LiveRequest(idx, req))
         self._advance(math.inf)
@@ -288,6 +299,17 @@ class FleetSimulator:
         evicted = sum(r.mgr.stats.evicted_blocks for r in self.replicas)
         acc.sample_timeline(
             self.steps, clock if clock is not None else self.clock, total, evicted, final
+        )
+
+    @property
+    def busy(self) -> float:
+        """GPU seconds in steps, summed over the replicas."""
+        return sum(r.busy for r in self.replicas)
+
+    def figures(self) -> BenchmarkFigures:
+        """The fleet's throughput and latency, as a serving benchmark against it reports."""
+        return benchmark_figures(
+            self.arrival, self.ttft, self.finish, self.prompt_len, self.output_len, self.busy
         )
 
     @property
@@ -409,6 +431,9 @@ def run_fleet(
     plain = FleetSimulator(cfg, None, namespace, caching=False)
     plain.run(reopen())
     pooled = run_pooled(reopen(), cfg)  # one namespace, checked above
+    arrivals = sim.arrival
+    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    o = cfg.options
     serving = ServingStats(
         sim.ttft,
         plain.ttft,
@@ -416,6 +441,17 @@ def run_fleet(
         sim.steps,
         sim.clock,
         sim.truncated,
+        with_cache=sim.figures(),
+        without_cache=plain.figures(),
+        load=Load(
+            span,
+            sim.busy,
+            plain.busy,
+            o.rate_scale / o.time_scale,
+            len(sim.replicas),
+            max(r.busy for r in sim.replicas),
+        ),
+        assumptions=sim.replicas[0].roof.assumptions(),
     )
     fleet = FleetStats(
         cfg.options.routing_policy,

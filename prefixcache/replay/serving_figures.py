@@ -7,7 +7,8 @@ sequence, so the mean inter-token latency (ITL) equals the mean TPOT.
 
 Offered load is the GPU's busy time (the sum of step times) over the arrival span (first to last
 arrival). Above 1 the GPU needs more time than the trace lasts: requests arrive faster than they
-are served and the queue, and with it TTFT, grows for as long as the trace runs.
+are served and the queue, and with it TTFT, grows for as long as the trace runs. A fleet reports
+the mean over its replicas and the busiest replica's; the busiest one decides overload.
 """
 
 from __future__ import annotations
@@ -122,36 +123,56 @@ def benchmark_figures(
 
 @dataclass(frozen=True)
 class Load:
-    """How hard the arrivals push the GPU."""
+    """How hard the arrivals push the GPUs: one, or a fleet's replicas."""
 
     arrival_span_s: float  # first to last arrival
-    busy_s: float  # GPU time in steps, with the cache
+    busy_s: float  # GPU time in steps, with the cache (summed over replicas)
     busy_nocache_s: float
     rate_scale: float  # arrivals were this many times as fast as the source's
+    replicas: int = 1
+    busiest_s: float | None = None  # a fleet: the busiest replica's time in steps
+
+    def _per_gpu(self, busy: float) -> float | None:
+        span = self.arrival_span_s
+        return busy / (self.replicas * span) if span > 0 else None
 
     @property
     def offered_load(self) -> float | None:
-        """Busy time over arrival span; None when every request arrives at once."""
-        return self.busy_s / self.arrival_span_s if self.arrival_span_s > 0 else None
+        """Busy time over arrival span (a fleet: per replica, on average); None when every
+        request arrives at once."""
+        return self._per_gpu(self.busy_s)
 
     @property
     def offered_load_nocache(self) -> float | None:
-        return self.busy_nocache_s / self.arrival_span_s if self.arrival_span_s > 0 else None
+        return self._per_gpu(self.busy_nocache_s)
+
+    @property
+    def offered_load_busiest(self) -> float | None:
+        """A fleet: the busiest replica's busy time over the arrival span."""
+        if self.busiest_s is None or self.arrival_span_s <= 0:
+            return None
+        return self.busiest_s / self.arrival_span_s
+
+    @property
+    def binding_load(self) -> float | None:
+        """The load that decides whether a queue grows: the busiest replica's in a fleet."""
+        busiest = self.offered_load_busiest
+        return busiest if busiest is not None else self.offered_load
 
     @property
     def overloaded(self) -> bool:
-        load = self.offered_load
+        load = self.binding_load
         return load is not None and load > OVERLOAD
 
     @property
     def sustainable_rate_scale(self) -> float | None:
-        """About the --rate-scale at which the busy time equals the arrival span (an estimate:
-        batching changes with the rate)."""
-        load = self.offered_load
+        """About the --rate-scale at which the (busiest) GPU's busy time equals the arrival
+        span (an estimate: batching and routing change with the rate)."""
+        load = self.binding_load
         return self.rate_scale / load if load else None
 
     def report_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "arrival_span_s": self.arrival_span_s,
             "busy_s": self.busy_s,
             "busy_nocache_s": self.busy_nocache_s,
@@ -160,6 +181,11 @@ class Load:
             "overloaded": self.overloaded,
             "sustainable_rate_scale_estimate": self.sustainable_rate_scale,
         }
+        if self.replicas > 1:
+            out["replicas"] = self.replicas
+            out["busiest_replica_busy_s"] = self.busiest_s
+            out["offered_load_busiest"] = self.offered_load_busiest
+        return out
 
 
 def overload_warning(serving: dict[str, Any]) -> str | None:
@@ -169,8 +195,16 @@ def overload_warning(serving: dict[str, Any]) -> str | None:
         return None
     scale = load.get("sustainable_rate_scale_estimate")
     hint = f"; try --rate-scale {scale:.2g} or less" if scale else ""
+    if load.get("replicas", 1) > 1:
+        who, busy, offered = (
+            "the busiest replica",
+            load["busiest_replica_busy_s"],
+            load["offered_load_busiest"],
+        )
+    else:
+        who, busy, offered = "the GPU", load["busy_s"], load["offered_load"]
     return (
-        f"OVERLOADED: the GPU needs {load['busy_s']:,.0f} s of work for "
-        f"{load['arrival_span_s']:,.0f} s of arrivals (offered load {load['offered_load']:.2f}x); "
+        f"OVERLOADED: {who} needs {busy:,.0f} s of work for "
+        f"{load['arrival_span_s']:,.0f} s of arrivals (offered load {offered:.2f}x); "
         f"the queue grows without bound, so TTFT reflects queueing, not prefill{hint}"
     )

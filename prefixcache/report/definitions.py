@@ -211,7 +211,8 @@ _ALL = (
         "GPU busy time (sum of simulated step times) / arrival span (first to last arrival). "
         "Above 1 requests arrive faster than the GPU serves them: the queue grows for the "
         "whole trace and TTFT measures queueing. 'Rate scale at full load' is about the "
-        "--rate-scale at which busy time equals the arrival span.",
+        "--rate-scale at which busy time equals the arrival span. A fleet shows the mean per "
+        "replica and the busiest replica's load; the busiest one decides overload.",
     ),
     Definition(
         "roofline",

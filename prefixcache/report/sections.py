@@ -403,17 +403,24 @@ def benchmark_table(cached: dict[str, Any], nocache: dict[str, Any]) -> Table:
 
 
 def load_fields(load: dict[str, Any]) -> list[Field]:
-    """Offered load: the GPU's busy time against the span of the arrivals."""
+    """Offered load: the GPUs' busy time against the span of the arrivals."""
     offered = load["offered_load"]
+    replicas = load.get("replicas", 1)
     if offered is None:
         value, note = fmt.NA, "all requests arrive at once"
     else:
         value = f"{offered:.2f}x (no cache {load['offered_load_nocache']:.2f}x)"
+        if replicas > 1:
+            value = (
+                f"{offered:.2f}x per replica, busiest {load['offered_load_busiest']:.2f}x "
+                f"(no cache {load['offered_load_nocache']:.2f}x per replica)"
+            )
         note = "OVERLOADED: queue grows without bound" if load["overloaded"] else "sustainable"
+    busy = f"GPU busy, {replicas} replicas" if replicas > 1 else "GPU busy"
     out = [
         Field("Offered load", value, "offered_load", note),
         Field(
-            "GPU busy / arrival span",
+            f"{busy} / arrival span",
             f"{fmt.seconds(load['busy_s'])} / {fmt.seconds(load['arrival_span_s'])}",
             "offered_load",
         ),

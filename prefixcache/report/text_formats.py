@@ -264,7 +264,14 @@ def _serving_lines(c: dict[str, Any], sv: dict[str, Any]) -> list[str]:
     if c.get("rate_scale") is not None:
         lines.append(f"  arrivals        rate x{c['rate_scale']:g}, time x{c['time_scale']:g}")
     load = sv.get("load") or {}
-    if load.get("offered_load") is not None:
+    if load.get("offered_load") is not None and load.get("replicas", 1) > 1:
+        lines.append(
+            f"  offered load    {load['offered_load']:.2f}x per replica with cache (busiest "
+            f"{load['offered_load_busiest']:.2f}x), {load['offered_load_nocache']:.2f}x without "
+            f"(GPU busy {load['busy_s']:,.1f} s over {load['replicas']} replicas / arrivals "
+            f"over {load['arrival_span_s']:,.1f} s)"
+        )
+    elif load.get("offered_load") is not None:
         lines.append(
             f"  offered load    {load['offered_load']:.2f}x with cache, "
             f"{load['offered_load_nocache']:.2f}x without (GPU busy "
