@@ -59,13 +59,16 @@ def test_report_json_and_quiet(runs: tuple[Path, Path], capsys: pytest.CaptureFi
 def test_report_errors_are_one_clear_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["report", str(tmp_path / "nowhere")]) == 1
+    """Bad input exits 2, as replay's does; 1 is kept for a report whose checks fail."""
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
     assert "prefixcache report: error:" in capsys.readouterr().err
+    assert main(["compare", str(tmp_path / "nowhere"), str(tmp_path / "nowhere")]) == 2
+    assert "prefixcache compare: error:" in capsys.readouterr().err
     run = write_run(tmp_path / "bad", n=20, sweep="none")
     report = json.loads((run / "report.json").read_text())
     report["token_hit_rate"] = 2
     (run / "report.json").write_text(json.dumps(report))
-    assert main(["report", str(run)]) == 1
+    assert main(["report", str(run)]) == 2
     assert "$.token_hit_rate: 2 > maximum 1" in capsys.readouterr().err
 
 

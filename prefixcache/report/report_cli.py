@@ -18,6 +18,7 @@ from prefixcache.report.sections import build_document
 from prefixcache.report.text_formats import render_markdown, render_terminal
 
 EXIT_INCONSISTENT = 1  # the report was printed, but report.json disagrees with its CSV files
+EXIT_BAD_INPUT = 2  # no report: the run directory is missing, unreadable or not a valid run
 
 
 def _write(path: Path, text: str) -> None:
@@ -28,7 +29,7 @@ def _write(path: Path, text: str) -> None:
 
 def _fail(command: str, exc: Exception) -> int:
     print(f"prefixcache {command}: error: {exc}", file=sys.stderr)
-    return 1
+    return EXIT_BAD_INPUT
 
 
 def report_command(args: argparse.Namespace) -> int:
