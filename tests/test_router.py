@@ -33,6 +33,7 @@ from prefixcache.fleet.routing import (
     least_loaded,
     prefix,
     prefix_balanced,
+    prefix_cost,
     round_robin,
 )
 from prefixcache.hashing import BlockHasher
@@ -67,7 +68,7 @@ def test_equal_replicas_take_turns() -> None:
     """Ties that load cannot break rotate with the router's turn, for every policy: cold
     prompts spread over the fleet instead of all landing on the first replica."""
     cold = [score("a"), score("b"), score("c")]
-    for policy in (least_loaded, prefix, prefix_balanced):
+    for policy in (least_loaded, prefix, prefix_balanced, prefix_cost):
         picks = [policy(cold, RouteContext(64, turn)).replica for turn in range(4)]
         assert picks == ["a", "b", "c", "a"], policy.__name__
     warm = [score("a"), score("b", 32), score("c")]
@@ -106,8 +107,44 @@ def test_prefix_balanced_follows_sglang_rule() -> None:
     assert prefix_balanced(low, ctx) == ("b", "low_match")
 
 
+def test_prefix_cost_weighs_the_prefill_saved_against_the_queue() -> None:
+    ctx = RouteContext(1000, 0, RoutingParams(prefill_weight=2.0))
+    # a: 800 cached, 1,000 tokens in flight: 2 x 200 + 1,000 = 1,400; b: 2 x 1,000 + 0 = 2,000
+    holder, idle = score("a", 800, load=1, in_flight_tokens=1000), score("b")
+    assert prefix_cost([holder, idle], ctx) == ("a", "cost")
+    # with more queued on the holder, recomputing the prefix elsewhere is cheaper
+    busier = holder._replace(in_flight=2, in_flight_tokens=1700)
+    assert prefix_cost([busier, idle], ctx) == ("b", "cost")
+    # equal cost: more cached on GPU, then the least loaded
+    gpu = [score("a", 500, gpu_cached_tokens=0), score("b", 500, gpu_cached_tokens=500, load=3)]
+    assert prefix_cost(gpu, ctx).replica == "b"
+    even = [score("a", 500, load=2), score("b", 500, load=1)]
+    assert prefix_cost(even, ctx).replica == "b"
+
+
+def test_a_shared_prefix_spreads_under_prefix_cost_but_not_under_prefix() -> None:
+    """Every prompt shares a long prefix that one replica holds: ``prefix`` sends them all
+    there, ``prefix_cost`` only until that replica's queue outweighs recomputing the prefix."""
+    ctx = RouteContext(1100, 0, RoutingParams(prefill_weight=4.0))
+    in_flight = {"a": 0, "b": 0}
+    for _ in range(40):
+        scores = [
+            score("a", 1024, load=in_flight["a"], in_flight_tokens=1100 * in_flight["a"]),
+            score("b", 0, load=in_flight["b"], in_flight_tokens=1100 * in_flight["b"]),
+        ]
+        assert prefix(scores, ctx).replica == "a"
+        in_flight[prefix_cost(scores, ctx).replica] += 1
+    assert in_flight["b"] > 0 and in_flight["a"] - in_flight["b"] <= 4
+
+
 def test_registry_and_bad_names() -> None:
-    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix", "prefix_balanced"}
+    assert set(POLICIES) == {
+        "round_robin",
+        "least_loaded",
+        "prefix",
+        "prefix_balanced",
+        "prefix_cost",
+    }
     assert get_policy("prefix") is prefix
     with pytest.raises(ConfigError, match="unknown routing policy 'fastest'"):
         get_policy("fastest")
@@ -150,6 +187,13 @@ def test_policy_properties(scores: list[ReplicaScore], prompt: int, turn: int) -
     else:
         free = max(s.capacity_blocks - s.held_blocks for s in scores)
         assert choice.rule == "low_match" and chosen.capacity_blocks - chosen.held_blocks == free
+    # prefix_cost picks a replica of least cost: weighted tokens to prefill plus those in flight
+    w = ctx.params.prefill_weight
+
+    def cost(s: ReplicaScore) -> float:
+        return w * (prompt - s.cached_tokens) + s.in_flight_tokens
+
+    assert cost(by_name[prefix_cost(scores, ctx).replica]) == min(map(cost, scores))
 
 
 # ---- router -------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fleet" / "fleet
 def test_example_config_loads() -> None:
     config = load_config(EXAMPLE)
     assert [r.name for r in config.replicas] == ["replica-0", "replica-1"]
-    assert config.routing.policy == "prefix"
-    assert config.routing.params == RoutingParams(64, 1.5, 0.3)
+    assert config.routing.policy == "prefix_cost"
+    assert config.routing.params == RoutingParams(64, 1.5, 0.3, 8.0)
     assert config.routing.in_flight_timeout_s == 600.0
     assert config.health == HealthConfig(5.0, 2.0, "/health", 10.0)
     assert config.index == "memory" and config.tokenizer is None and not config.proxy.enabled
@@ -77,6 +77,8 @@ def rep(**fields: object) -> dict[str, object]:
         ({"routing": {"policy": "random"}}, "routing.policy: unknown policy 'random'"),
         ({"routing": {"balance_rel_threshold": 0.5}}, "balance_rel_threshold must be a number"),
         ({"routing": {"cache_threshold": 2}}, "cache_threshold"),
+        ({"routing": {"prefill_weight": -1}}, "prefill_weight must be a number >= 0"),
+        ({"routing": {"prefill_weight": "high"}}, "prefill_weight must be a number >= 0"),
         ({"routing": {"in_flight_timeout_s": 0}}, "routing.in_flight_timeout_s: expected a pos"),
         ({"routing": {"in_flight_timeout_s": float("inf")}}, "positive finite number"),
         ({"routing": {"in_flight_timeout_s": "1m"}}, "routing.in_flight_timeout_s"),

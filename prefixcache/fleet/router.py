@@ -26,6 +26,7 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.fleet_index import FleetIndex, ReplicaMatch
 from prefixcache.fleet.routing import (
+    DEFAULT_POLICY,
     Policy,
     ReplicaScore,
     RouteContext,
@@ -128,7 +129,7 @@ class Router:
         self,
         index: FleetIndex,
         replicas: Iterable[ReplicaSpec],
-        policy: str = "prefix",
+        policy: str = DEFAULT_POLICY,
         params: RoutingParams | None = None,
         *,
         hash_algo: str = "xxh3_128",

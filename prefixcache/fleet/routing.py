@@ -16,6 +16,11 @@ decided, which metrics and responses report.
   prompt's tokens, ``prefix`` decides; below that, the replica with the most free KV capacity
   (capacity blocks minus the blocks the index holds for it) wins, then least loaded. The defaults
   (64 requests, 1.5, 0.3) are SGLang router's.
+- ``prefix_cost`` (the default): the least work, as NVIDIA Dynamo's KV router weighs it: the
+  prompt tokens the replica would prefill (those it does not cache), times ``prefill_weight``
+  (default 8), plus the prompt tokens of the requests in flight on it; then most cached on GPU,
+  then least loaded. A shared prefix draws requests to the replicas that hold it until their
+  queues cost more than recomputing it; ``prefix`` would send them all to one replica.
 """
 
 from __future__ import annotations
@@ -39,11 +44,16 @@ class ReplicaScore(NamedTuple):
 
 
 class RoutingParams(NamedTuple):
-    """Thresholds of ``prefix_balanced`` (SGLang router's defaults)."""
+    """Thresholds of ``prefix_balanced`` (SGLang router's defaults) and the weight of
+    ``prefix_cost``."""
 
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     cache_threshold: float = 0.3
+    # a prompt token to prefill against one in flight: most in-flight tokens were cache hits or
+    # are decoding, so a token to compute weighs more (8 won on the Mooncake trace and the shared
+    # system prompt: BENCHMARKS.md)
+    prefill_weight: float = 8.0
 
 
 class RouteContext(NamedTuple):
@@ -58,7 +68,7 @@ class Choice(NamedTuple):
     """A policy's answer: the chosen replica and the rule that decided."""
 
     replica: str
-    rule: str  # "round_robin", "least_loaded", "prefix", "imbalanced", "low_match"
+    rule: str  # "round_robin", "least_loaded", "prefix", "imbalanced", "low_match", "cost"
 
 
 Policy = Callable[[Sequence[ReplicaScore], RouteContext], Choice]
@@ -133,11 +143,30 @@ def prefix_balanced(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice
     return Choice(roomiest.name, "low_match")
 
 
+def prefix_cost(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
+    """Fewest prompt tokens to prefill (weighted) plus in-flight prompt tokens; then most cached
+    on GPU, then least loaded."""
+    _check(scores)
+    n, turn, weight = len(scores), ctx.turn, ctx.params.prefill_weight
+    best = min(
+        enumerate(scores),
+        key=lambda item: (
+            weight * (ctx.prompt_tokens - item[1].cached_tokens) + item[1].in_flight_tokens,
+            -item[1].gpu_cached_tokens,
+            *_load_key(item[0], item[1], turn, n),
+        ),
+    )[1]
+    return Choice(best.name, "cost")
+
+
+DEFAULT_POLICY = "prefix_cost"
+
 POLICIES: dict[str, Policy] = {
     "round_robin": round_robin,
     "least_loaded": least_loaded,
     "prefix": prefix,
     "prefix_balanced": prefix_balanced,
+    "prefix_cost": prefix_cost,
 }
 
 
@@ -153,11 +182,13 @@ def get_policy(name: str) -> Policy:
 
 def check_params(params: RoutingParams) -> RoutingParams:
     """``params`` if every threshold is in range, else ConfigError saying which is not."""
-    abs_t, rel_t, cache_t = params
+    abs_t, rel_t, cache_t, weight = params
     if isinstance(abs_t, bool) or not isinstance(abs_t, int) or abs_t < 0:
         raise ConfigError(f"balance_abs_threshold must be an integer >= 0, got {abs_t!r}")
     if isinstance(rel_t, bool) or not isinstance(rel_t, int | float) or not rel_t >= 1.0:
         raise ConfigError(f"balance_rel_threshold must be a number >= 1, got {rel_t!r}")
     if isinstance(cache_t, bool) or not isinstance(cache_t, int | float) or not 0 <= cache_t <= 1:
         raise ConfigError(f"cache_threshold must be a number in [0, 1], got {cache_t!r}")
-    return RoutingParams(abs_t, float(rel_t), float(cache_t))
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight >= 0:
+        raise ConfigError(f"prefill_weight must be a number >= 0, got {weight!r}")
+    return RoutingParams(abs_t, float(rel_t), float(cache_t), float(weight))

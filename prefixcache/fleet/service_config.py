@@ -20,7 +20,7 @@ from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.fleet.chat_template import ChatTemplate
 from prefixcache.fleet.fleet_index import FleetIndex
 from prefixcache.fleet.router import ReplicaSpec, Router
-from prefixcache.fleet.routing import POLICIES, RoutingParams, check_params
+from prefixcache.fleet.routing import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
 from prefixcache.hashing import HASH_FUNCTIONS
 from prefixcache.namespace import Namespace
 
@@ -49,7 +49,7 @@ class ReplicaConfig:
 class RoutingConfig:
     """Policy name and thresholds (see ``prefixcache.fleet.routing``)."""
 
-    policy: str = "prefix"
+    policy: str = DEFAULT_POLICY
     params: RoutingParams = field(default_factory=RoutingParams)
     in_flight_timeout_s: float | None = 600.0  # a routed request's load ends then (None: never)
 
@@ -114,7 +114,7 @@ _REPLICA = (
 )  # fmt: skip
 _ROUTING = (
     "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
-    "in_flight_timeout_s",
+    "prefill_weight", "in_flight_timeout_s",
 )  # fmt: skip
 _LIMITS = ("max_body_bytes", "max_prompt_tokens", "max_replicas")
 _PROXY = ("enabled", "timeout_s")
@@ -278,7 +278,7 @@ def parse_config(
         seen.add(rep.name)
 
     rt = r.mapping(top.get("routing"), "routing", _ROUTING)
-    policy = rt.get("policy", "prefix")
+    policy = rt.get("policy", DEFAULT_POLICY)
     if policy not in POLICIES:
         raise r.fail(
             "routing.policy",
@@ -291,6 +291,7 @@ def parse_config(
                 rt.get("balance_abs_threshold", d.balance_abs_threshold),
                 rt.get("balance_rel_threshold", d.balance_rel_threshold),
                 rt.get("cache_threshold", d.cache_threshold),
+                rt.get("prefill_weight", d.prefill_weight),
             )
         )
     except ConfigError as exc:

@@ -12,6 +12,7 @@ from typing import Any
 
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.eviction import POLICIES
+from prefixcache.fleet.routing import DEFAULT_POLICY
 from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
 from prefixcache.pool import UNBOUNDED
 from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
@@ -161,7 +162,7 @@ def register(subparsers: Any) -> None:
         "--routing",
         type=_routing_list,
         metavar="POLICY",
-        help=f"routing policies: {', '.join(sorted(ROUTING_POLICIES))} (prefix)",
+        help=f"routing policies: {', '.join(sorted(ROUTING_POLICIES))} ({DEFAULT_POLICY})",
     )
     _tier_args(rp)
     _trace_args(rp)

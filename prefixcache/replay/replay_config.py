@@ -7,6 +7,8 @@ from typing import Any
 
 from prefixcache.errors import ConfigError
 from prefixcache.eviction import POLICIES
+from prefixcache.fleet.routing import DEFAULT_POLICY
+from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
 from prefixcache.hashing import HASH_FUNCTIONS
 from prefixcache.manager import CacheManager
 from prefixcache.pool import UNBOUNDED
@@ -77,7 +79,7 @@ class ReplayConfig:
     @property
     def routing_policy(self) -> str:
         """The routing policy a fleet replay uses."""
-        return self.routing or "prefix"
+        return self.routing or DEFAULT_POLICY
 
     def resolve(self) -> ResolvedConfig:
         """Check every option and size the cache; raises ConfigError with what to change."""
@@ -119,14 +121,11 @@ class ReplayConfig:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if self.mode != "serving" and (self.tp != 1 or self.arrival_factor != 1.0):
             raise ConfigError("--tp, --rate-scale and --time-scale need --mode serving")
-        if self.routing is not None:
-            from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
-
-            if self.routing not in ROUTING_POLICIES:
-                raise ConfigError(
-                    f"unknown routing policy {self.routing!r}; choose one of "
-                    f"{', '.join(sorted(ROUTING_POLICIES))}"
-                )
+        if self.routing is not None and self.routing not in ROUTING_POLICIES:
+            raise ConfigError(
+                f"unknown routing policy {self.routing!r}; choose one of "
+                f"{', '.join(sorted(ROUTING_POLICIES))}"
+            )
         if self.is_fleet and self.mode != "serving":
             raise ConfigError("--replicas and --routing need --mode serving")
         model_name = self.model or (DEFAULT_SERVING_MODEL if self.mode == "serving" else None)
