@@ -363,7 +363,7 @@ class CacheManager:
             prev = d
         found = len(run)
         model = self.transfer_model
-        if run and model is not None and not model.should_load(found, self.block_size):
+        if run and model is not None and not model.should_load(found, self.block_size, n):
             run = []
         return run, found
 
@@ -1030,13 +1030,19 @@ def _check_transfer_model(model: Any) -> None:
     if not isinstance(model, TransferModel):
         raise ConfigError(f"transfer_model must be a TransferModel or None, got {model!r}")
     for name, value in zip(model._fields, model, strict=True):
+        at_least = "a number >= 0" if name in ("flops_per_token", "flops_per_pair") else None
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
             or not math.isfinite(value)
-            or value <= 0
+            or value < 0
+            or (value == 0 and at_least is None)
         ):
-            raise ConfigError(f"transfer_model.{name} must be a positive number, got {value!r}")
+            raise ConfigError(
+                f"transfer_model.{name} must be {at_least or 'a positive number'}, got {value!r}"
+            )
+    if model.flops_per_token == model.flops_per_pair == 0:
+        raise ConfigError("transfer_model needs flops_per_token or flops_per_pair above 0")
 
 
 def _check_namespace(namespace: Any) -> None:

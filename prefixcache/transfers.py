@@ -36,17 +36,24 @@ class Transfers(NamedTuple):
 class TransferModel(NamedTuple):
     """Costs that decide whether a host run is loaded or recomputed.
 
-    A run of ``b`` blocks is loaded when ``b * bytes_per_block / host_bandwidth`` (seconds to
-    copy it in) is below ``b * block_size * flops_per_token / flops`` (seconds to recompute it).
+    A run of ``b`` blocks (``n = b * block_size`` tokens) after ``c`` cached context tokens is
+    loaded when ``b * bytes_per_block / host_bandwidth`` (seconds to copy it in) is below
+    ``(n * flops_per_token + flops_per_pair * (n * c + n * (n + 1) / 2)) / flops`` (seconds to
+    recompute it: the dense layers, and causal attention over the context and the run itself).
+    Copying grows with the run; recomputing also with how deep in the sequence it sits.
     """
 
     bytes_per_block: float  # K and V bytes of one block across all layers
     host_bandwidth: float  # host -> device bytes per second
-    flops_per_token: float  # prefill FLOPs per token
+    flops_per_token: float  # prefill FLOPs per token, outside attention
     flops: float  # device FLOPs per second
+    flops_per_pair: float = 0.0  # attention FLOPs per query-key pair, all layers
 
-    def should_load(self, blocks: int, block_size: int) -> bool:
-        """Whether loading ``blocks`` blocks costs less time than recomputing them."""
+    def should_load(self, blocks: int, block_size: int, start: int = 0) -> bool:
+        """Whether loading ``blocks`` blocks that follow ``start`` cached blocks costs less
+        time than recomputing them."""
+        n, context = blocks * block_size, start * block_size
         copy_s = blocks * self.bytes_per_block / self.host_bandwidth
-        compute_s = blocks * block_size * self.flops_per_token / self.flops
+        pairs = n * context + n * (n + 1) // 2
+        compute_s = (n * self.flops_per_token + pairs * self.flops_per_pair) / self.flops
         return copy_s < compute_s

@@ -169,6 +169,25 @@ def test_load_or_recompute_follows_the_transfer_model() -> None:
     assert FAST.should_load(5, P) and not SLOW.should_load(5, P)
 
 
+def test_recomputing_deep_in_a_sequence_costs_its_attention_too() -> None:
+    """Recomputing a run also attends over the context before it: the same two host blocks are
+    recomputed at the start of a sequence and loaded after a cached block. (Attention only here:
+    copying costs 25 a block, recomputing 1 per query-key pair.)"""
+    attention = TransferModel(bytes_per_block=25, host_bandwidth=1, flops_per_token=0, flops=1,
+                              flops_per_pair=1)  # fmt: skip
+    assert not attention.should_load(2, P, 0)  # 8 new tokens: 36 pairs < 50
+    assert attention.should_load(2, P, 1)  # after 4 cached ones: 68 pairs > 50
+    shallow, rt = manager(gpu=6, transfer_model=attention)
+    run(rt, "a", A[:9])
+    assert shallow.evict(2) == 2  # both full blocks on host
+    run(rt, "a2", A[:9])
+    assert shallow.stats.host_hit_blocks == 2 and shallow.stats.loaded_blocks == 0
+    deep, rt = manager(gpu=6, transfer_model=attention)
+    run(rt, "a", A)
+    assert deep.evict(2) == 2  # a1 a2 on host after a0 on the GPU
+    assert run(rt, "a2", A) == 12 and deep.stats.loaded_blocks == 2
+
+
 def test_a_prompt_cached_on_host_in_full_computes_one_block() -> None:
     mgr, rt = manager()
     prompt = A[:12]  # three full blocks, all on host after the next call
@@ -249,5 +268,9 @@ def test_configuration_is_validated() -> None:
         CacheManager(4, P, host_blocks=4, transfer_model=(1, 2, 3, 4))
     with pytest.raises(ConfigError):
         CacheManager(4, P, host_blocks=4, transfer_model=TransferModel(1, 0, 1, 1))
+    with pytest.raises(ConfigError, match="flops_per_pair must be a number >= 0"):
+        CacheManager(4, P, host_blocks=4, transfer_model=TransferModel(1, 1, 1, 1, -1))
+    with pytest.raises(ConfigError, match="flops_per_token or flops_per_pair above 0"):
+        CacheManager(4, P, host_blocks=4, transfer_model=TransferModel(1, 1, 0, 1))
     mgr = CacheManager(4, P)
     assert mgr.host is None and mgr.take_transfers() == ([], [])

@@ -82,7 +82,7 @@ class TierAdmitter:
         if not k:
             return base
         self.pool_found_blocks += k
-        if not self.settings.pool_transfer.should_load(k, p):
+        if not self.settings.pool_transfer.should_load(k, p, start):
             return base
         pool.touch(digests[:k])
         self.pool_loaded_blocks += k

@@ -114,6 +114,7 @@ def resolve_tiers(
     if gpu is None:
         gpu = get_gpu(gpu_name)
     flops_per_token = 2.0 * model.layer_flops_params
+    pair = float(model.attention_flops_per_pair)
     mfu = gpu.compute_efficiency  # a fitted profile's, as the step times use
     mfu = DEFAULT_COMPUTE_EFFICIENCY if mfu is None else mfu
     flops = gpu.peak_flops * tp * mfu
@@ -127,6 +128,6 @@ def resolve_tiers(
         bpb,
         flops_per_token / flops,
         mfu,
-        TransferModel(bpb, float(host_bandwidth), flops_per_token, flops),
-        TransferModel(bpb, float(pool_bandwidth), flops_per_token, flops),
+        TransferModel(bpb, float(host_bandwidth), flops_per_token, flops, pair),
+        TransferModel(bpb, float(pool_bandwidth), flops_per_token, flops, pair),
     )
