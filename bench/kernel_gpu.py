@@ -1,6 +1,6 @@
-"""GPU check of the paged attention kernels: tests on CUDA, then a decode bandwidth benchmark.
+"""GPU check of the paged attention kernels: tests on CUDA, then the kernel benchmarks.
 
-    python bench/kernel_gpu.py [--skip-tests] [--skip-bench] [--quick]
+    python bench/kernel_gpu.py [--skip-tests] [--skip-bench] [--quick] [--smoke]
 
 (a) runs tests/test_kernels*.py compiled on the GPU (bf16 cases included);
 (b) times decode attention over paged K/V (shuffled physical blocks) for batch x context grids and
@@ -9,22 +9,34 @@
 (c) shared-prefix decode: 64 sequences x (8k shared + 256 own tokens), cascade (prefix read once)
     against the per-sequence path;
 (d) small-batch decode, eager launches against one CUDA graph replay (out=, workspace=,
-    validate=False), each with its ratio to SDPA, for B = 1, 16, 64 x 1k..128k tokens.
+    validate=False), each with its ratio to SDPA, for B = 1, 16, 64 x 1k..128k tokens;
+(e) extend (prefill over cached K/V): attention TFLOP/s against a dense matmul timed in the same
+    run, SDPA with a bottom-right causal mask beside it, and the extend tile configs around the
+    heuristic's choice on the long case;
+(f) fp8 (e4m3, per-tensor scales) against 16-bit K/V for large-batch decode: time, speed-up and
+    max |error| of each against an fp32 reference;
+(g) store_kv of 1k and 64k tokens: checked, unchecked and CUDA-graph launches.
+
+``--smoke`` runs every part with tiny shapes on the CPU through the Triton interpreter (a single
+timed call each, no CUDA graphs), so the script is known to run before a GPU is at hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-# Compiled kernels, not the interpreter: triton.jit reads this when the kernels are imported, and
-# tests/conftest.py only sets it when unset.
-os.environ["TRITON_INTERPRET"] = "0"
+# Compiled kernels, not the interpreter (the interpreter for a smoke run on the CPU): triton.jit
+# reads this when the kernels are imported, and tests/conftest.py only sets it when unset.
+os.environ["TRITON_INTERPRET"] = "1" if "--smoke" in sys.argv[1:] else "0"
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PEAK_TBPS = 4.8
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+DEV = "cuda"
 GRID = [
     (1, 32768),
     (8, 8192),
@@ -45,13 +58,43 @@ GRID = [
     (256, 2048),
 ]
 QUICK_GRID = [(8, 4096), (64, 4096)]
+EXTEND_CASES = [(8, 4096, 512), (1, 16384, 2048), (4, 0, 4096)]  # (batch, cached, new) each
+FP8_GRID = [(64, 4096), (128, 4096), (256, 2048), (64, 16384)]
+STORE_TOKENS = [1024, 65536]
+
+
+def timer(fn: Callable[[], Any]) -> float:
+    """Microseconds per call: triton's do_bench on the GPU; one timed call in a smoke run."""
+    if DEV == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn)) * 1e3
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def release() -> None:
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def num_sms() -> int:
+    from prefixcache.kernels.attention import device_num_sms
+
+    return device_num_sms(torch.device(DEV))
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEV, dtype=DTYPE)
 
 
 def run_tests() -> int:
     import pytest
 
     files = sorted(str(p) for p in (ROOT / "tests").glob("test_kernels*.py"))
-    print(f"== kernel tests on {torch.cuda.get_device_name()} ({len(files)} files)", flush=True)
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "the CPU (interpreter)"
+    print(f"== kernel tests on {name} ({len(files)} files)", flush=True)
     return int(pytest.main(["-q", "-p", "no:cacheprovider", *files]))
 
 
@@ -70,16 +113,15 @@ class DecodeCase:
 def make_case(batch: int, context: int) -> DecodeCase:
     blocks = context // BLOCK_SIZE
     num_blocks = batch * blocks
-    dev = "cuda"
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return DecodeCase(
-        q=torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=dev, dtype=DTYPE),
-        k_cache=torch.randn(cache_shape, device=dev, dtype=DTYPE),
-        v_cache=torch.randn(cache_shape, device=dev, dtype=DTYPE),
-        shuffled=torch.randperm(num_blocks, device=dev).view(batch, blocks).int(),
-        sequential=torch.arange(num_blocks, device=dev).view(batch, blocks).int(),
-        seq_lens=torch.full((batch,), context, device=dev, dtype=torch.int32),
-        query_start_loc=torch.arange(batch + 1, device=dev, dtype=torch.int32),
+        q=randn(batch, NUM_Q_HEADS, HEAD_DIM),
+        k_cache=randn(*cache_shape),
+        v_cache=randn(*cache_shape),
+        shuffled=torch.randperm(num_blocks, device=DEV).view(batch, blocks).int(),
+        sequential=torch.arange(num_blocks, device=DEV).view(batch, blocks).int(),
+        seq_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),
+        query_start_loc=torch.arange(batch + 1, device=DEV, dtype=torch.int32),
         context=context,
     )
 
@@ -123,11 +165,9 @@ def paged(case: DecodeCase, table: torch.Tensor, splits: int | None = None) -> t
 
 
 def bench(grid: list[tuple[int, int]]) -> None:
-    from triton.testing import do_bench
-
     from prefixcache.kernels import choose_config
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms()
     print(
         f"\n== decode: Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE} "
         f"block={BLOCK_SIZE}, {sms} SMs, peak {PEAK_TBPS} TB/s"
@@ -149,12 +189,12 @@ def bench(grid: list[tuple[int, int]]) -> None:
             num_sms=sms,
         )
         k, v = contiguous_kv(case, case.k_cache), contiguous_kv(case, case.v_cache)
-        t_paged = do_bench(partial(paged, case, case.shuffled)) * 1e3
-        t_seq = do_bench(partial(paged, case, case.sequential)) * 1e3
+        t_paged = timer(partial(paged, case, case.shuffled))
+        t_seq = timer(partial(paged, case, case.sequential))
         t_nosplit = t_paged
         if cfg.num_splits > 1:
-            t_nosplit = do_bench(partial(paged, case, case.shuffled, 1)) * 1e3
-        t_sdpa = do_bench(partial(sdpa, case.q, k, v)) * 1e3
+            t_nosplit = timer(partial(paged, case, case.shuffled, 1))
+        t_sdpa = timer(partial(sdpa, case.q, k, v))
         diff = (paged(case, case.shuffled).float() - sdpa(case.q, k, v).float()).abs().max()
         kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * case.k_cache.element_size()
         tbps = kv_bytes / (t_paged * 1e-6) / 1e12
@@ -165,39 +205,36 @@ def bench(grid: list[tuple[int, int]]) -> None:
             flush=True,
         )
         del case, k, v
-        torch.cuda.empty_cache()
+        release()
     print("\nseq-blk: same kernel over in-order blocks (paging overhead = paged / seq-blk);")
     print("nosplit: split-KV forced off; vs sdpa: paged time / SDPA time over contiguous K/V.")
 
 
 def bench_shared_prefix(batch: int = 64, shared: int = 8192, own: int = 256) -> None:
     """Decode over a common prefix: per-sequence reads vs the prefix read once per group."""
-    from triton.testing import do_bench
-
     from prefixcache.kernels import PrefixGroup, paged_attention
 
     print(f"\n== shared prefix: {batch} x ({shared} shared + {own} own) tokens, decode")
-    dev = "cuda"
+    dev = DEV
     shared_blocks, own_blocks = shared // BLOCK_SIZE, own // BLOCK_SIZE
     num_blocks = shared_blocks + batch * own_blocks
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(cache_shape, device=dev, dtype=DTYPE)
-    v_cache = torch.randn(cache_shape, device=dev, dtype=DTYPE)
+    k_cache, v_cache = randn(*cache_shape), randn(*cache_shape)
     prefix = torch.arange(shared_blocks, device=dev).expand(batch, -1)
     private = shared_blocks + torch.randperm(batch * own_blocks, device=dev).view(batch, own_blocks)
     tables = torch.cat([prefix, private], 1).int()
     seq_lens = torch.full((batch,), shared + own, device=dev, dtype=torch.int32)
     qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=dev, dtype=DTYPE)
+    q = randn(batch, NUM_Q_HEADS, HEAD_DIM)
     args = (q, k_cache, v_cache, tables, seq_lens, qsl)
     groups = [PrefixGroup(tuple(range(batch)), shared_blocks)]
 
     def run(mode: Any) -> torch.Tensor:
         return paged_attention(*args, shared_prefix=mode, validate=False)
 
-    t_plain = do_bench(partial(run, None)) * 1e3
-    t_auto = do_bench(partial(run, "auto")) * 1e3
-    t_groups = do_bench(partial(run, groups)) * 1e3
+    t_plain = timer(partial(run, None))
+    t_auto = timer(partial(run, "auto"))
+    t_groups = timer(partial(run, groups))
     diff = (run("auto").float() - run(None).float()).abs().max().item()
     kv_row = 2 * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
     plain_gb, cascade_gb = (
@@ -221,8 +258,6 @@ MAX_TOKENS = 1 << 22  # skip shapes whose cache plus SDPA copy would not fit com
 
 def bench_graphs(grid: list[tuple[int, int]]) -> None:
     """Small-batch decode: eager wrapper calls vs one captured CUDA graph, both against SDPA."""
-    from triton.testing import do_bench
-
     from prefixcache.kernels import paged_attention, workspace_size
 
     print("\n== decode launch overhead: eager vs CUDA graph (out=, workspace=, validate=False)")
@@ -236,7 +271,7 @@ def bench_graphs(grid: list[tuple[int, int]]) -> None:
             continue
         case = make_case(batch, context)
         out = torch.empty_like(case.q)
-        ws = torch.empty(workspace_size(batch, NUM_Q_HEADS, HEAD_DIM), device="cuda")
+        ws = torch.empty(workspace_size(batch, NUM_Q_HEADS, HEAD_DIM), device=DEV)
         args = (
             case.q,
             case.k_cache,
@@ -250,33 +285,289 @@ def bench_graphs(grid: list[tuple[int, int]]) -> None:
             paged_attention, *args, out=out, workspace=ws, max_seq_len=context, validate=False
         )
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
         k, v = contiguous_kv(case, case.k_cache), contiguous_kv(case, case.v_cache)
-        t_eager = do_bench(step) * 1e3
-        t_graph = do_bench(graph.replay) * 1e3
-        t_sdpa = do_bench(partial(sdpa, case.q, k, v)) * 1e3
+        t_eager = timer(step)
+        t_sdpa = timer(partial(sdpa, case.q, k, v))
+        t_graph = math.nan
+        if DEV == "cuda":
+            graph = capture(step)
+            t_graph = timer(graph.replay)
         print(
             f"{batch:>5} {context:>6} {t_eager:>9.1f} {t_graph:>9.1f} {t_sdpa:>8.1f} "
             f"{t_eager / t_sdpa:>9.2f}x {t_graph / t_sdpa:>9.2f}x",
             flush=True,
         )
-        del case, k, v, graph
-        torch.cuda.empty_cache()
+        del case, k, v
+        release()
+
+
+def capture(step: Callable[[], Any]) -> Any:
+    """One CUDA graph of ``step`` (warmed up on a side stream first, as torch asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def matmul_tflops(n: int) -> float:
+    """Dense ``DTYPE`` matmul TFLOP/s of two n x n matrices, timed in this run: the peak that
+    extend is measured against."""
+    a, b = randn(n, n), randn(n, n)
+    t = timer(partial(torch.matmul, a, b))
+    return 2 * n**3 / (t * 1e-6) / 1e12
+
+
+@dataclass
+class ExtendCase:
+    q: torch.Tensor  # [B * new, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    v_cache: torch.Tensor
+    tables: torch.Tensor  # [B, blocks_per_seq] int32, shuffled
+    seq_lens: torch.Tensor  # [B] int32 = cached + new
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    batch: int
+    cached: int
+    new: int
+
+    @property
+    def flops(self) -> int:
+        """Attention FLOPs: QK and AV over every causal (query, key) pair."""
+        pairs = self.batch * (self.new * self.cached + self.new * (self.new + 1) // 2)
+        return 4 * HEAD_DIM * NUM_Q_HEADS * pairs
+
+
+def make_extend(batch: int, cached: int, new: int) -> ExtendCase:
+    blocks = -(-(cached + new) // BLOCK_SIZE)
+    num_blocks = batch * blocks
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return ExtendCase(
+        q=randn(batch * new, NUM_Q_HEADS, HEAD_DIM),
+        k_cache=randn(*shape),
+        v_cache=randn(*shape),
+        tables=torch.randperm(num_blocks, device=DEV).view(batch, blocks).int(),
+        seq_lens=torch.full((batch,), cached + new, device=DEV, dtype=torch.int32),
+        query_start_loc=torch.arange(0, batch + 1, device=DEV, dtype=torch.int32) * new,
+        batch=batch,
+        cached=cached,
+        new=new,
+    )
+
+
+def extend(case: ExtendCase, config: Any = None) -> torch.Tensor:
+    from prefixcache.kernels import paged_attention
+
+    return paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.tables,
+        case.seq_lens,
+        case.query_start_loc,
+        max_seq_len=case.cached + case.new,
+        config=config,
+        validate=False,
+    )
+
+
+def extend_sdpa(case: ExtendCase) -> Callable[[], torch.Tensor]:
+    """SDPA over contiguous K/V with the same bottom-right aligned causal mask."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    ctx = case.cached + case.new
+    blocks = case.tables.shape[1]
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:
+        tokens = cache[case.tables.long()].view(case.batch, blocks * BLOCK_SIZE, NUM_KV_HEADS, -1)
+        return tokens[:, :ctx].transpose(1, 2).contiguous()  # [B, Hkv, ctx, D]
+
+    k, v = contiguous(case.k_cache), contiguous(case.v_cache)
+    q = case.q.view(case.batch, case.new, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    mask = causal_lower_right(case.new, ctx)
+
+    def run() -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(-1, NUM_Q_HEADS, HEAD_DIM)
+
+    return run
+
+
+def bench_extend(cases: list[tuple[int, int, int]], sweep: bool) -> None:
+    """Extend attention TFLOP/s against the same run's dense matmul; SDPA beside it."""
+    from prefixcache.kernels import AttentionConfig, choose_config
+    from prefixcache.kernels.attention import device_capability
+
+    peak = matmul_tflops(8192 if DEV == "cuda" else 128)
+    print(f"\n== extend (prefill over cached K/V), {DTYPE}: dense matmul {peak:,.0f} TFLOP/s")
+    print(
+        f"{'batch':>5} {'cached':>6} {'new':>5} {'us':>9} {'TFLOP/s':>8} {'%matmul':>7} "
+        f"{'sdpa us':>8} {'vs sdpa':>7} {'maxdiff':>8}  config"
+    )
+    long_case = None
+    for batch, cached, new in cases:
+        case = make_extend(batch, cached, new)
+        cfg = choose_config(
+            num_seqs=batch,
+            total_q=batch * new,
+            num_kv_heads=NUM_KV_HEADS,
+            group=NUM_Q_HEADS // NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            max_seq_len=cached + new,
+            num_sms=num_sms(),
+            capability=device_capability(torch.device(DEV)),
+        )
+        t = timer(partial(extend, case))
+        tflops = case.flops / (t * 1e-6) / 1e12
+        t_sdpa, diff = math.nan, math.nan
+        try:
+            run_sdpa = extend_sdpa(case)
+            t_sdpa = timer(run_sdpa)
+            diff = (extend(case).float() - run_sdpa().float()).abs().max().item()
+        except (RuntimeError, ImportError, TypeError) as exc:  # a torch without this SDPA path
+            print(f"      (SDPA not run: {type(exc).__name__}: {str(exc)[:80]})")
+        share = 100 * tflops / peak
+        print(
+            f"{batch:>5} {cached:>6} {new:>5} {t:>9.1f} {tflops:>8.1f} {share:>6.1f}% "
+            f"{t_sdpa:>8.1f} {t / t_sdpa:>6.2f}x {diff:>8.1e}  block_m {cfg.block_m}, "
+            f"tile_n {cfg.tile_n}, {cfg.num_warps} warps, {cfg.num_stages} stages",
+            flush=True,
+        )
+        if long_case is None or case.flops > long_case.flops:
+            long_case = case
+        else:
+            del case
+        release()
+    if not sweep or long_case is None:
+        return
+    c = long_case
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    print(f"\nextend configs on {c.batch} x ({c.cached} + {c.new}):")
+    print(
+        f"{'block_m':>7} {'tile_n':>6} {'warps':>5} {'stages':>6} {'us':>9} {'TFLOP/s':>8} "
+        f"{'maxdiff':>8}"
+    )
+    chosen = extend(c).float()
+    for block_m in (64, 128):
+        for tile_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    cfg = AttentionConfig(block_m // group, block_m, tile_n, 1, warps, stages)
+                    row = f"{block_m:>7} {tile_n:>6} {warps:>5} {stages:>6}"
+                    try:
+                        t = timer(partial(extend, c, cfg))
+                        diff = (extend(c, cfg).float() - chosen).abs().max().item()
+                    except Exception as exc:  # out of shared memory or registers on this GPU
+                        print(f"{row}  failed: {exc!s:.60}")
+                        continue
+                    print(f"{row} {t:>9.1f} {c.flops / (t * 1e-6) / 1e12:>8.1f} {diff:>8.1e}")
+    del long_case, c, chosen
+    release()
+
+
+def bench_fp8(grid: list[tuple[int, int]]) -> None:
+    """Large-batch decode over e4m3 K/V (per-tensor scales) against the same K/V in DTYPE."""
+    from prefixcache.kernels import paged_attention
+    from prefixcache.kernels.reference import quantize_fp8
+
+    print(f"\n== fp8 K/V decode (e4m3, per-tensor scales) against {DTYPE} K/V")
+    print(
+        f"{'batch':>5} {'ctx':>6} {'16-bit us':>9} {'fp8 us':>8} {'speed-up':>8} {'fp8 TB/s':>8} "
+        f"{'err 16-bit':>10} {'err fp8':>8}"
+    )
+    for batch, context in grid:
+        case = make_case(batch, context)
+        k_scale = case.k_cache.float().abs().amax().item() / 448.0
+        v_scale = case.v_cache.float().abs().amax().item() / 448.0
+        k8, v8 = quantize_fp8(case.k_cache, k_scale), quantize_fp8(case.v_cache, v_scale)
+        run16 = partial(paged, case, case.shuffled)
+        run8 = partial(
+            paged_attention,
+            case.q,
+            k8,
+            v8,
+            case.shuffled,
+            case.seq_lens,
+            case.query_start_loc,
+            max_seq_len=context,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            validate=False,
+        )
+        t16, t8 = timer(run16), timer(run8)
+        k, v = contiguous_kv(case, case.k_cache), contiguous_kv(case, case.v_cache)
+        truth = sdpa(case.q.float(), k.float(), v.float())  # fp32, unquantized K/V
+        err16 = (run16().float() - truth).abs().max().item()
+        err8 = (run8().float() - truth).abs().max().item()
+        fp8_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM
+        tbps = fp8_bytes / (t8 * 1e-6) / 1e12
+        print(
+            f"{batch:>5} {context:>6} {t16:>9.1f} {t8:>8.1f} {t16 / t8:>7.2f}x {tbps:>8.2f} "
+            f"{err16:>10.1e} {err8:>8.1e}",
+            flush=True,
+        )
+        del case, k8, v8, k, v, truth
+        release()
+    print("err: max |output - fp32 attention over the unquantized K/V|; q ~ N(0, 1), K/V ~ N(0, 1)")
+
+
+def bench_store(sizes: list[int]) -> None:
+    """store_kv launch cost and bandwidth: checked, unchecked (validate=False), CUDA graph."""
+    from prefixcache.kernels import store_kv
+
+    print(f"\n== store_kv ({DTYPE}, [tokens, {NUM_KV_HEADS}, {HEAD_DIM}] into shuffled slots)")
+    print(f"{'tokens':>7} {'checked us':>10} {'unchecked us':>12} {'graph us':>9} {'GB/s':>7}")
+    for n in sizes:
+        num_blocks = 2 * -(-n // BLOCK_SIZE)
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        k_cache = torch.zeros(shape, device=DEV, dtype=DTYPE)
+        v_cache = torch.zeros(shape, device=DEV, dtype=DTYPE)
+        k, v = randn(n, NUM_KV_HEADS, HEAD_DIM), randn(n, NUM_KV_HEADS, HEAD_DIM)
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEV)[:n].int()
+        checked = partial(store_kv, k, v, k_cache, v_cache, slots)
+        unchecked = partial(store_kv, k, v, k_cache, v_cache, slots, validate=False)
+        t_checked, t_fast = timer(checked), timer(unchecked)
+        t_graph = timer(capture(unchecked).replay) if DEV == "cuda" else math.nan
+        moved = 2 * 2 * k.numel() * k.element_size()  # K and V, read and written
+        best = min(t_fast, t_graph) if DEV == "cuda" else t_fast
+        print(
+            f"{n:>7} {t_checked:>10.1f} {t_fast:>12.1f} {t_graph:>9.1f} "
+            f"{moved / (best * 1e-6) / 1e9:>7.1f}",
+            flush=True,
+        )
+        del k_cache, v_cache, k, v
+        release()
+
+
+def use_smoke_shapes() -> None:
+    """Tiny shapes on the CPU (fp32 through the interpreter, which mis-multiplies bf16)."""
+    global DEV, DTYPE, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
+    DEV, DTYPE, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = "cpu", torch.float32, 4, 2, 64
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="two benchmark shapes only")
+    parser.add_argument("--quick", action="store_true", help="a few shapes of each part")
+    parser.add_argument(
+        "--smoke", action="store_true", help="every part with tiny shapes on the CPU"
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        use_smoke_shapes()
+        bench([(2, 64)])
+        bench_shared_prefix(batch=4, shared=64, own=32)
+        bench_graphs([(1, 64)])
+        bench_extend([(2, 32, 16), (1, 0, 32)], sweep=True)
+        bench_fp8([(2, 64)])
+        bench_store([64])
+        return 0
     if not torch.cuda.is_available():
         print("no CUDA device: this script needs an NVIDIA GPU (nothing was run)", file=sys.stderr)
         return 1
@@ -285,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         bench(QUICK_GRID if args.quick else GRID)
         bench_shared_prefix()
         bench_graphs(SMALL_BATCH_GRID[:2] if args.quick else SMALL_BATCH_GRID)
+        bench_extend(EXTEND_CASES[1:2] if args.quick else EXTEND_CASES, sweep=not args.quick)
+        bench_fp8(FP8_GRID[:1] if args.quick else FP8_GRID)
+        bench_store(STORE_TOKENS)
     return status
 
 
