@@ -152,3 +152,43 @@ def test_limits_and_bad_input():
     with pytest.raises(ConfigError):
         open_index("postgres://x")
     assert isinstance(open_index("memory"), MemoryFleetIndex)
+
+
+def test_matches_run_while_the_ingestion_thread_adds_and_drops_replicas() -> None:
+    """The router matches outside any lock while the subscriber's thread registers replicas (on
+    their first store) and drops them: no read may fail on a map changing under it."""
+    import sys
+    import threading
+
+    index = MemoryFleetIndex()
+    digests = [bytes([k]) * 16 for k in range(1, 9)]
+    index.store("base", digests)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def churn() -> None:
+        try:
+            for k in range(3000):
+                index.store(f"pod-{k % 40}", digests[: 1 + k % 8])
+                if k % 7 == 0:
+                    index.drop_replica(f"pod-{(k // 7) % 40}")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    writer = threading.Thread(target=churn)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    writer.start()
+    try:
+        while not done.is_set():
+            for m in index.match(digests):
+                assert 0 <= m.gpu_blocks <= m.blocks <= len(digests)
+            index.holdings("base")
+    except BaseException as exc:
+        errors.append(exc)
+    finally:
+        writer.join()
+        sys.setswitchinterval(interval)
+    assert errors == []

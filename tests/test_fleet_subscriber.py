@@ -284,3 +284,106 @@ def test_redis_index_from_live_streams_survives_a_redis_restart(redis_server):
         for r in replicas:
             r.pub.close()
         index.client.close()
+
+
+# ---- vLLM's events, as its engine emits them ----------------------------------------------------
+
+VLLM_TOKENS = list(range(1, 9))  # two blocks of 4
+
+
+def _vllm_batch(*events: object) -> bytes:
+    return kv_wire.encode_batch(kv_wire.KVEventBatch(1.0, list(events)))
+
+
+def _vllm_ingest(*batches: list[object]) -> tuple[MemoryFleetIndex, KVEventSubscriber]:
+    index = MemoryFleetIndex()
+    sub = KVEventSubscriber(
+        index, [ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)]
+    )
+    for seq, events in enumerate(batches):
+        sub.ingest("pod", seq, _vllm_batch(*events))
+    return index, sub
+
+
+def _cached_blocks(index: MemoryFleetIndex, ns: Namespace) -> int:
+    from prefixcache.hashing import BlockHasher
+
+    digests = BlockHasher(P).hash_prompt(VLLM_TOKENS, ns)
+    return {m.replica: m.blocks for m in index.match(digests)}.get("pod", 0)
+
+
+def test_a_sliding_window_groups_removal_leaves_the_main_groups_blocks() -> None:
+    """A hybrid model's window group evicts blocks whose hashes equal the main group's: only
+    removals of the main group (group_idx 0 or absent) take blocks out of the index."""
+    stored = kv_wire.BlockStored([11, 12], None, VLLM_TOKENS, P, None, "GPU", None, group_idx=0)
+    index, sub = _vllm_ingest([stored], [kv_wire.BlockRemoved([11, 12], "GPU", group_idx=1)])
+    assert _cached_blocks(index, Namespace("llama")) == 2
+    sub.ingest("pod", 2, _vllm_batch(kv_wire.BlockRemoved([12], "GPU", group_idx=0)))
+    assert _cached_blocks(index, Namespace("llama")) == 1
+    assert sub.counters()["pod"].malformed == 0
+
+
+def test_lora_and_cache_salt_keys_give_the_namespace_the_router_hashes() -> None:
+    """vLLM hashes the LoRA name as every block's first extra key, and cache_salt as the first
+    block's last one: the blocks must land under (model, adapter, salt) as a routed request's
+    prompt is hashed, not under opaque extra keys."""
+    lora = kv_wire.BlockStored(
+        [1, 2],
+        None,
+        VLLM_TOKENS,
+        P,
+        7,
+        "GPU",
+        "sql-lora",
+        extra_keys=[("sql-lora",), ("sql-lora",)],
+    )
+    salted = kv_wire.BlockStored(
+        [3, 4], None, VLLM_TOKENS, P, 7, "GPU", "sql-lora",
+        extra_keys=[("sql-lora", "tenant-a"), ("sql-lora",)],
+    )  # fmt: skip
+    plain_salt = kv_wire.BlockStored(
+        [5, 6], None, VLLM_TOKENS, P, None, "GPU", None, extra_keys=[("tenant-b",), None]
+    )
+    index, sub = _vllm_ingest([lora, salted, plain_salt])
+    assert _cached_blocks(index, Namespace("llama", adapter="sql-lora")) == 2
+    assert _cached_blocks(index, Namespace("llama", adapter="sql-lora", salt="tenant-a")) == 2
+    assert _cached_blocks(index, Namespace("llama", salt="tenant-b")) == 2
+    assert _cached_blocks(index, Namespace("llama")) == 0
+    assert sub.counters()["pod"].malformed == 0
+
+
+def test_a_cpu_store_without_tokens_keeps_offloaded_blocks_in_the_index() -> None:
+    """vLLM's CPU offload announces blocks it copied from the GPU with their hashes only: they
+    are on CPU too, and stay indexed when the GPU copy goes."""
+    stored = kv_wire.BlockStored([11, 12], None, VLLM_TOKENS, P, None, "GPU", None)
+    offloaded = kv_wire.BlockStored([11, 12], None, [], P, None, "CPU", None)
+    index, sub = _vllm_ingest([stored], [offloaded], [kv_wire.BlockRemoved([11, 12], "GPU")])
+    assert _cached_blocks(index, Namespace("llama")) == 2
+    match = index.match(_digests(VLLM_TOKENS))[0]
+    assert (match.blocks, match.gpu_blocks) == (2, 0)  # on CPU only now
+    assert sub.counters()["pod"].malformed == 0
+    unknown = kv_wire.BlockStored([99], None, [], P, None, "CPU", None)
+    sub.ingest("pod", 3, _vllm_batch(unknown))
+    assert sub.counters()["pod"].malformed == 1 and _cached_blocks(index, Namespace("llama")) == 2
+
+
+def _digests(tokens: list[int]) -> list[bytes]:
+    from prefixcache.hashing import BlockHasher
+
+    return BlockHasher(P).hash_prompt(tokens, Namespace("llama"))
+
+
+def test_an_endpoint_zmq_cannot_connect_to_leaves_the_other_replicas_ingesting() -> None:
+    index = MemoryFleetIndex()
+    good = Replica("good", 1, replay=False)
+    bind_only = ReplicaEndpoint("bad", "tcp://*:5557", None, Namespace("llama"), P)
+    sub = KVEventSubscriber(index, [good.endpoint(), bind_only])
+    sub.start()
+    try:
+        _connect(index, sub, [good])
+        good.step(3)
+        wait_until(lambda: _in_sync(index, sub, [good]), what="the good replica in sync")
+        assert sub.counters()["bad"].malformed == 1
+    finally:
+        sub.stop()
+        good.pub.close()

@@ -8,8 +8,15 @@ and to map removals, through a per-replica map engine hash -> (digest, position,
 
 The namespace of a chain's first block is the endpoint's namespace with ``adapter`` set from
 ``lora_name`` (when given) and the first block's ``extra_keys``: prefixcache's publisher sends
-``(name, value)`` pairs (``adapter_version``, ``salt``, ``extra``); any other keys become
-``Namespace.extra`` entries, each the JSON text of one key.
+``(name, value)`` pairs (``adapter_version``, ``salt``, ``extra``). vLLM's keys are the LoRA name
+(dropped: ``lora_name`` carries it), multimodal keys, then ``cache_salt`` on a first block: a
+single string left after the LoRA name is that salt. Any other keys become ``Namespace.extra``
+entries, each the JSON text of one key (prompts the router cannot build, as multimodal ones).
+
+Only the main attention group (``group_idx`` 0 or absent) is indexed, for stores and removals
+alike: a hybrid model's sliding-window group evicts blocks whose hashes equal the main group's.
+A ``BlockStored`` without token ids (vLLM's CPU offload announces blocks it copied from the GPU
+that way) adds its medium to blocks the replica already holds; unknown ones are skipped.
 
 Sequence rules, per replica:
 
@@ -265,6 +272,9 @@ class KVEventSubscriber:
             problem = f"medium {ev.medium!r}"
         elif ev.block_size != p:
             problem = f"block_size {ev.block_size}, expected {p}"
+        elif not ev.token_ids and n:
+            self._stored_known(rep, ev, medium)
+            return
         elif len(ev.token_ids) > self.max_tokens_per_event:
             problem = f"{len(ev.token_ids)} tokens (max_tokens_per_event)"
         elif len(ev.token_ids) != n * p:
@@ -304,7 +314,30 @@ class KVEventSubscriber:
         self.index.store(name, digests, medium)
         rep.counts.blocks_stored += len(digests)
 
+    def _stored_known(self, rep: _Replica, ev: StoredBlocks, medium: str) -> None:
+        """A store without tokens: another medium for blocks the replica holds already."""
+        bit, blocks = _BIT[medium], rep.blocks
+        digests = []
+        for h in ev.block_hashes:
+            entry = blocks.get(h)
+            if entry is not None:
+                entry[2] |= bit
+                digests.append(entry[0])
+        if len(digests) < len(ev.block_hashes):
+            rep.counts.malformed += 1
+            log.warning(
+                "replica %s: %d of %d blocks stored without tokens are unknown; skipped",
+                rep.ep.name,
+                len(ev.block_hashes) - len(digests),
+                len(ev.block_hashes),
+            )
+        if digests:
+            self.index.store(rep.ep.name, digests, medium)
+            rep.counts.blocks_stored += len(digests)
+
     def _removed(self, rep: _Replica, ev: RemovedBlocks) -> None:
+        if ev.group_idx not in (None, 0):  # another group's copy of the same hashes
+            return
         medium = None if ev.medium is None else _MEDIA.get(ev.medium)
         if ev.medium is not None and medium is None:
             rep.counts.malformed += 1
@@ -333,6 +366,10 @@ class KVEventSubscriber:
         ns = rep.ep.namespace
         adapter = ev.lora_name if ev.lora_name is not None else ns.adapter
         keys = ev.extra_keys[0] if ev.extra_keys else None
+        if keys and ev.lora_name is not None:  # vLLM also hashes the LoRA name as a key
+            keys = [k for k in keys if k != ev.lora_name]
+        if keys and len(keys) == 1 and isinstance(keys[0], str):  # vLLM's cache_salt
+            return Namespace(ns.model, adapter, ns.adapter_version, keys[0], ns.extra)
         if not keys:
             if adapter == ns.adapter:
                 return ns
@@ -414,6 +451,7 @@ class KVEventSubscriber:
         poller = zmq.Poller()
         sockets: dict[str, zmq.Socket[Any]] = {}
         names: dict[Any, str] = {}
+        refused: dict[str, str | None] = {}  # replica -> the endpoint ZMQ would not connect to
         try:
             while not self._stop.is_set():
                 with self._lock:
@@ -424,12 +462,21 @@ class KVEventSubscriber:
                     del names[sock]
                     sock.close(linger=0)
                 for n, ep in wanted.items():
-                    if n not in sockets:
+                    if n not in sockets and refused.get(n) != ep.endpoint:
                         sock = self._ctx.socket(zmq.SUB)
                         sock.setsockopt(zmq.LINGER, 0)
                         sock.setsockopt(zmq.SUBSCRIBE, ep.topic.encode("utf-8"))
                         assert ep.endpoint is not None
-                        sock.connect(ep.endpoint)
+                        try:
+                            sock.connect(ep.endpoint)
+                        except zmq.ZMQError as exc:  # one bad endpoint must not stop the others
+                            sock.close(linger=0)
+                            refused[n] = ep.endpoint
+                            with self._lock:
+                                if n in self._replicas:
+                                    self._replicas[n].counts.malformed += 1
+                            log.error("replica %s: cannot connect to %s: %s", n, ep.endpoint, exc)
+                            continue
                         sockets[n] = sock
                         names[sock] = n
                         poller.register(sock, zmq.POLLIN)

@@ -12,6 +12,9 @@ the tail of the stored run, so the replica's holdings stay prefix-closed. (Dropp
 entries instead would need a per-replica order, which would double the memory per block.)
 
 ``clear`` and ``drop_replica`` scan every entry: O(indexed blocks), for rare events.
+
+One writer (the event ingestion) and any number of readers may use it at once: every read that
+walks a map walks a copy taken in one step, so a concurrent write never breaks it.
 """
 
 from __future__ import annotations
@@ -157,7 +160,9 @@ class MemoryFleetIndex:
         """Leading blocks of ``digests`` each known replica holds, one entry per replica."""
         check_digests(digests)
         get = self._masks.get
-        return match_masks((get(d, 0) for d in digests), len(digests), self._slot)
+        # a copy of the slots (taken in one C call): the ingestion thread may add a replica
+        # while this iterates them
+        return match_masks((get(d, 0) for d in digests), len(digests), self._slot.copy())
 
     def replicas(self) -> list[str]:
         """Every replica the index knows, sorted."""
@@ -180,7 +185,7 @@ class MemoryFleetIndex:
             return {}
         g, c = 1 << (2 * r), 1 << (2 * r + 1)
         out: dict[bytes, frozenset[str]] = {}
-        for d, m in self._masks.items():
+        for d, m in list(self._masks.items()):  # a snapshot: stores may run meanwhile
             if m & (g | c):
                 out[d] = frozenset(x for x, b in ((GPU, g), (CPU, c)) if m & b)
         return out

@@ -25,6 +25,7 @@ decided, which metrics and responses report.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -185,10 +186,14 @@ def check_params(params: RoutingParams) -> RoutingParams:
     abs_t, rel_t, cache_t, weight = params
     if isinstance(abs_t, bool) or not isinstance(abs_t, int) or abs_t < 0:
         raise ConfigError(f"balance_abs_threshold must be an integer >= 0, got {abs_t!r}")
-    if isinstance(rel_t, bool) or not isinstance(rel_t, int | float) or not rel_t >= 1.0:
-        raise ConfigError(f"balance_rel_threshold must be a number >= 1, got {rel_t!r}")
+    if isinstance(rel_t, bool) or not isinstance(rel_t, int | float) or not 1.0 <= rel_t < math.inf:
+        raise ConfigError(f"balance_rel_threshold must be a finite number >= 1, got {rel_t!r}")
     if isinstance(cache_t, bool) or not isinstance(cache_t, int | float) or not 0 <= cache_t <= 1:
         raise ConfigError(f"cache_threshold must be a number in [0, 1], got {cache_t!r}")
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight >= 0:
-        raise ConfigError(f"prefill_weight must be a number >= 0, got {weight!r}")
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, int | float)
+        or not 0 <= weight < math.inf
+    ):
+        raise ConfigError(f"prefill_weight must be a finite number >= 0, got {weight!r}")
     return RoutingParams(abs_t, float(rel_t), float(cache_t), float(weight))

@@ -25,7 +25,8 @@ from prefixcache.hashing import HASH_FUNCTIONS
 from prefixcache.namespace import Namespace
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-_ENDPOINT = re.compile(r"(tcp://[^\s:/]+:\d{1,5}|ipc://\S+|inproc://\S+)")
+# tcp://host:port to connect to: ``*`` (bind to every interface) is an engine's bind address
+_ENDPOINT = re.compile(r"(tcp://[^\s:/*]+:\d{1,5}|ipc://\S+|inproc://\S+)")
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,12 @@ class _Reader:
 
     def endpoint(self, value: Any, where: str) -> str | None:
         text = self.string(value, where)
+        if text is not None and text.startswith("tcp://*"):
+            raise self.fail(
+                where,
+                f"{text!r} is a bind address (the engine's); give the engine's host, e.g. "
+                f"{text.replace('*', '127.0.0.1', 1)!r}",
+            )
         if text is not None and not _ENDPOINT.fullmatch(text):
             raise self.fail(
                 where, f"expected a ZMQ endpoint tcp://host:port or ipc://path, got {text!r}"
