@@ -105,6 +105,9 @@ def test_prefix_balanced_follows_sglang_rule() -> None:
         score("c", held_blocks=10),
     ]
     assert prefix_balanced(low, ctx) == ("b", "low_match")
+    # a replica of unknown capacity (0): free capacity decides nothing, the least loaded wins
+    unknown = [score("a", held_blocks=10, load=2), score("b", held_blocks=90, capacity_blocks=0)]
+    assert prefix_balanced(unknown, ctx) == ("b", "low_match")
 
 
 def test_prefix_cost_weighs_the_prefill_saved_against_the_queue() -> None:
@@ -185,8 +188,12 @@ def test_policy_properties(scores: list[ReplicaScore], prompt: int, turn: int) -
     elif best_cached / prompt > ctx.params.cache_threshold:
         assert choice.rule == "prefix" and chosen.cached_tokens == best_cached
     else:
-        free = max(s.capacity_blocks - s.held_blocks for s in scores)
-        assert choice.rule == "low_match" and chosen.capacity_blocks - chosen.held_blocks == free
+        assert choice.rule == "low_match"
+        if all(s.capacity_blocks > 0 for s in scores):
+            free = max(s.capacity_blocks - s.held_blocks for s in scores)
+            assert chosen.capacity_blocks - chosen.held_blocks == free
+        else:
+            assert chosen.in_flight == least
     # prefix_cost picks a replica of least cost: weighted tokens to prefill plus those in flight
     w = ctx.params.prefill_weight
 

@@ -14,7 +14,8 @@ decided, which metrics and responses report.
   ``max > balance_rel_threshold * min`` hold over the replicas' in-flight requests; then the least
   loaded replica wins. Otherwise, when the best replica caches more than ``cache_threshold`` of the
   prompt's tokens, ``prefix`` decides; below that, the replica with the most free KV capacity
-  (capacity blocks minus the blocks the index holds for it) wins, then least loaded. The defaults
+  (capacity blocks minus the blocks the index holds for it) wins, then least loaded; when some
+  replica's capacity is unknown (0), free capacity cannot be compared and least loaded decides. The defaults
   (64 requests, 1.5, 0.3) are SGLang router's.
 - ``prefix_cost`` (the default): the least work, as NVIDIA Dynamo's KV router weighs it: the
   prompt tokens the replica would prefill (those it does not cache), times ``prefill_weight``
@@ -134,10 +135,11 @@ def prefix_balanced(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice
     if ctx.prompt_tokens > 0 and best_cached / ctx.prompt_tokens > ctx.params.cache_threshold:
         return Choice(prefix(scores, ctx).replica, "prefix")
     n, turn = len(scores), ctx.turn
+    known = all(s.capacity_blocks > 0 for s in scores)  # else free capacity cannot be compared
     roomiest = min(
         enumerate(scores),
         key=lambda item: (
-            item[1].held_blocks - item[1].capacity_blocks,
+            item[1].held_blocks - item[1].capacity_blocks if known else 0,
             *_load_key(item[0], item[1], turn, n),
         ),
     )[1]
