@@ -211,3 +211,64 @@ def test_partial_copy_sources_do_not_inflate_peak_blocks(tmp_path: Path) -> None
 def _prompt_lengths(result: object) -> list[int]:
     log = result.acc.log  # type: ignore[attr-defined]
     return [int(t) for t in log.column("prompt_tokens")]
+
+
+# 60 short prompts, 2 a second, each decoding 1,500 tokens: the GPU always has a request in flight
+# (busy longer than the arrivals last) but never has a queue
+DECODE_BOUND = """\
+seed: 3
+requests: 60
+arrivals: {process: poisson, rate: 2}
+prompt:
+  - unique: {length: 256}
+output: 1500
+"""
+
+
+def test_busy_time_past_the_arrivals_without_a_queue_is_not_overload(tmp_path: Path) -> None:
+    path = tmp_path / "decode.yaml"
+    path.write_text(DECODE_BOUND)
+    sv = replay_path(path, serving_config(gpu="h100-sxm")).to_report_dict()["serving"]
+    load = sv["load"]
+    assert load["offered_load"] > 1  # decode keeps the GPU busy after the last arrival
+    assert not load["overloaded"]
+    assert abs(load["ttft_growth_s"]) < 0.05 * load["arrival_span_s"]
+    assert sv["ttft_p99_s"] < 1.0
+
+
+def test_overload_needs_the_queue_to_grow() -> None:
+    from prefixcache.replay.serving_figures import Load, ttft_growth
+
+    busy = Load(100.0, 150.0, 150.0, 1.0)
+    assert busy.overloaded  # no TTFTs known: the load alone decides
+    steady = Load(100.0, 150.0, 150.0, 1.0, ttft_growth_s=2.0)
+    growing = Load(100.0, 150.0, 150.0, 1.0, ttft_growth_s=30.0)
+    idle = Load(100.0, 50.0, 50.0, 1.0, ttft_growth_s=30.0)
+    assert not steady.overloaded and growing.overloaded and not idle.overloaded
+    # the last tenth of arrivals against the first, in arrival order, served requests only
+    arrival = [float(i) for i in range(20)]
+    ttft = [0.1] * 18 + [5.0, float("nan")]
+    assert ttft_growth(list(reversed(arrival)), list(reversed(ttft))) == pytest.approx(4.9)
+    assert ttft_growth([0.0], [1.0]) is None
+
+
+def test_tpot_of_parallel_samples_counts_the_tokens_of_one_sample() -> None:
+    """Four samples of 11 tokens decode side by side: 10 steps after the first token, not 43."""
+    from prefixcache.replay.serving_figures import benchmark_figures
+
+    figures = benchmark_figures([0.0], [1.0], [11.0], [100], [44], 1.0, samples=[4])
+    assert figures.tpot.mean == pytest.approx(1.0)
+    assert figures.output_tokens == 44  # throughput still counts every sample's tokens
+
+
+def test_tpot_is_the_decode_step_time_whatever_the_number_of_samples(tmp_path: Path) -> None:
+    spec = "seed: 2\nrequests: 1\narrivals: {process: poisson, rate: 1}\n"
+    spec += "prompt:\n  - unique: {length: 64}\noutput: 50\n"
+    tpot = {}
+    for n in (1, 4):
+        path = tmp_path / f"n{n}.yaml"
+        path.write_text(spec + f"n: {n}\n")
+        bench = replay_path(path, serving_config()).to_report_dict()["serving"]["benchmark"]
+        tpot[n] = bench["with_cache"]["tpot_mean_s"]
+    # four sequences decode in about the time of one (memory bound): TPOT barely moves
+    assert tpot[4] == pytest.approx(tpot[1], rel=0.2)

@@ -15,8 +15,8 @@ decided, which metrics and responses report.
   loaded replica wins. Otherwise, when the best replica caches more than ``cache_threshold`` of the
   prompt's tokens, ``prefix`` decides; below that, the replica with the most free KV capacity
   (capacity blocks minus the blocks the index holds for it) wins, then least loaded; when some
-  replica's capacity is unknown (0), free capacity cannot be compared and least loaded decides. The defaults
-  (64 requests, 1.5, 0.3) are SGLang router's.
+  replica's capacity is unknown (0), free capacity cannot be compared and least loaded decides.
+  The defaults (64 requests, 1.5, 0.3) are SGLang router's.
 - ``prefix_cost`` (the default): the least work, as NVIDIA Dynamo's KV router weighs it: the
   prompt tokens the replica would prefill (those it does not cache), times ``prefill_weight``
   (default 8), plus the prompt tokens of the requests in flight on it; then most cached on GPU,

@@ -42,7 +42,12 @@ from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
 from prefixcache.replay.serving import LiveRequest, Simulator
-from prefixcache.replay.serving_figures import BenchmarkFigures, Load, benchmark_figures
+from prefixcache.replay.serving_figures import (
+    BenchmarkFigures,
+    Load,
+    benchmark_figures,
+    ttft_growth,
+)
 from prefixcache.replay.tier_admission import Tiers, build_tiers
 from prefixcache.run_format import nearest_rank, rate
 from prefixcache.stats import BlockCounts, CacheStats
@@ -197,6 +202,7 @@ class FleetSimulator:
         self.arrival: list[float] = []
         self.prompt_len: list[int] = []
         self.output_len: list[int] = []
+        self.samples: list[int] = []
         self.index = MemoryFleetIndex()
         names = [f"replica-{k}" for k in range(o.replicas)]
         self.subscriber = KVEventSubscriber(
@@ -255,6 +261,7 @@ class FleetSimulator:
             self.arrival.append(req.arrival_s)
             self.prompt_len.append(len(req.tokens))
             self.output_len.append(req.output_len * req.n)
+            self.samples.append(req.n)
             self.assignment.append(k)
             self.replicas[k].take(LiveRequest(idx, req))
         self._advance(math.inf)
@@ -309,7 +316,13 @@ class FleetSimulator:
     def figures(self) -> BenchmarkFigures:
         """The fleet's throughput and latency, as a serving benchmark against it reports."""
         return benchmark_figures(
-            self.arrival, self.ttft, self.finish, self.prompt_len, self.output_len, self.busy
+            self.arrival,
+            self.ttft,
+            self.finish,
+            self.prompt_len,
+            self.output_len,
+            self.busy,
+            self.samples,
         )
 
     @property
@@ -450,6 +463,7 @@ def run_fleet(
             o.rate_scale / o.time_scale,
             len(sim.replicas),
             max(r.busy for r in sim.replicas),
+            ttft_growth(sim.arrival, sim.ttft),
         ),
         assumptions=sim.replicas[0].roof.assumptions(),
     )

@@ -38,7 +38,12 @@ from prefixcache.replay.model_specs import DEFAULT_COMPUTE_EFFICIENCY, GpuConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
-from prefixcache.replay.serving_figures import BenchmarkFigures, Load, benchmark_figures
+from prefixcache.replay.serving_figures import (
+    BenchmarkFigures,
+    Load,
+    benchmark_figures,
+    ttft_growth,
+)
 from prefixcache.replay.synth import TokenTape, stream_key
 from prefixcache.replay.tier_admission import TierAdmitter
 
@@ -204,6 +209,7 @@ class Simulator:
         self.arrival: list[float] = []
         self.prompt_len: list[int] = []
         self.output_len: list[int] = []  # tokens generated over all samples
+        self.samples: list[int] = []  # samples per request (parallel sampling)
         self.busy = 0.0  # seconds spent in steps
         self.running: list[LiveRequest] = []
         self.waiting: deque[LiveRequest] = deque()
@@ -227,6 +233,7 @@ class Simulator:
                 self.arrival.append(nxt.arrival_s)
                 self.prompt_len.append(len(nxt.tokens))
                 self.output_len.append(nxt.output_len * nxt.n)
+                self.samples.append(nxt.n)
                 idx += 1
                 nxt = next(it, None)
             if not self.running and not self.waiting:
@@ -464,7 +471,13 @@ class Simulator:
     def figures(self) -> BenchmarkFigures:
         """Throughput and latency of the requests simulated so far."""
         return benchmark_figures(
-            self.arrival, self.ttft, self.finish, self.prompt_len, self.output_len, self.busy
+            self.arrival,
+            self.ttft,
+            self.finish,
+            self.prompt_len,
+            self.output_len,
+            self.busy,
+            self.samples,
         )
 
     def usage(self) -> tuple[int, int]:
@@ -522,6 +535,12 @@ def run_serving(
         sim.truncated,
         with_cache=sim.figures(),
         without_cache=base.figures(),
-        load=Load(span, sim.busy, base.busy, cfg.options.rate_scale / cfg.options.time_scale),
+        load=Load(
+            span,
+            sim.busy,
+            base.busy,
+            cfg.options.rate_scale / cfg.options.time_scale,
+            ttft_growth_s=ttft_growth(sim.arrival, sim.ttft),
+        ),
         assumptions=sim.roof.assumptions(),
     )

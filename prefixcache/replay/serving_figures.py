@@ -2,13 +2,18 @@
 them: request and token throughput, TTFT, TPOT and end-to-end latency, and the offered load.
 
 TPOT (time per output token) is ``(end-to-end - TTFT) / (output tokens - 1)`` per request, over
-requests with more than one output token. In this simulation every decode step emits one token per
-sequence, so the mean inter-token latency (ITL) equals the mean TPOT.
+requests with more than one output token; a request sampled ``n`` times in parallel counts the
+tokens of one sample (its samples decode side by side, one token each per step). In this
+simulation every decode step emits one token per sequence, so the mean inter-token latency (ITL)
+equals the mean TPOT.
 
 Offered load is the GPU's busy time (the sum of step times) over the arrival span (first to last
-arrival). Above 1 the GPU needs more time than the trace lasts: requests arrive faster than they
-are served and the queue, and with it TTFT, grows for as long as the trace runs. A fleet reports
-the mean over its replicas and the busiest replica's; the busiest one decides overload.
+arrival). A GPU that always has a request in flight is busy even when it decodes a handful of
+sequences, so busy time alone may exceed the span with no queue at all. The run is OVERLOADED when
+the load is above 1 *and* the queue grew: the last tenth of the arrivals waited longer for their
+first token than the first tenth by more than ``QUEUE_GROWTH`` of the arrival span. Then requests
+arrive faster than they are served and TTFT grows for as long as the trace runs. A fleet reports
+the mean load over its replicas and the busiest replica's; the busiest one decides.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Any
 
 from prefixcache.run_format import nearest_rank
 
-OVERLOAD = 1.0  # offered load above which the queue grows without bound
+OVERLOAD = 1.0  # offered load above which the queue can grow without bound
+QUEUE_GROWTH = 0.05  # ... and does: TTFT growth over the trace, as a fraction of its span
 
 
 @dataclass(frozen=True)
@@ -100,14 +106,21 @@ def benchmark_figures(
     prompt_len: Sequence[int],
     output_len: Sequence[int],
     busy_s: float,
+    samples: Sequence[int] | None = None,
 ) -> BenchmarkFigures:
-    """Figures over the requests that finished (``finish`` not NaN)."""
+    """Figures over the requests that finished (``finish`` not NaN). ``output_len``: tokens
+    generated over all of a request's samples; ``samples``: how many (1 each when None)."""
     done = [i for i, f in enumerate(finish) if not math.isnan(f)]
     start = min(arrival, default=0.0)
     end = max((finish[i] for i in done), default=start)
     e2e = [finish[i] - arrival[i] for i in done]
+    per_sample = (
+        output_len
+        if samples is None
+        else [t // n for t, n in zip(output_len, samples, strict=True)]
+    )
     tpot = [
-        (finish[i] - arrival[i] - ttft[i]) / (output_len[i] - 1) for i in done if output_len[i] > 1
+        (finish[i] - arrival[i] - ttft[i]) / (per_sample[i] - 1) for i in done if per_sample[i] > 1
     ]
     return BenchmarkFigures(
         completed=len(done),
@@ -131,6 +144,7 @@ class Load:
     rate_scale: float  # arrivals were this many times as fast as the source's
     replicas: int = 1
     busiest_s: float | None = None  # a fleet: the busiest replica's time in steps
+    ttft_growth_s: float | None = None  # mean TTFT of the last tenth of arrivals - the first's
 
     def _per_gpu(self, busy: float) -> float | None:
         span = self.arrival_span_s
@@ -161,8 +175,12 @@ class Load:
 
     @property
     def overloaded(self) -> bool:
+        """Busier than the arrivals allow, and the queue grew (see the module docstring)."""
         load = self.binding_load
-        return load is not None and load > OVERLOAD
+        if load is None or load <= OVERLOAD:
+            return False
+        growth = self.ttft_growth_s
+        return growth is None or growth > QUEUE_GROWTH * self.arrival_span_s
 
     @property
     def sustainable_rate_scale(self) -> float | None:
@@ -180,12 +198,25 @@ class Load:
             "offered_load_nocache": self.offered_load_nocache,
             "overloaded": self.overloaded,
             "sustainable_rate_scale_estimate": self.sustainable_rate_scale,
+            "ttft_growth_s": self.ttft_growth_s,
         }
         if self.replicas > 1:
             out["replicas"] = self.replicas
             out["busiest_replica_busy_s"] = self.busiest_s
             out["offered_load_busiest"] = self.offered_load_busiest
         return out
+
+
+def ttft_growth(arrival: Sequence[float], ttft: Sequence[float]) -> float | None:
+    """Mean TTFT of the last tenth of the served requests (in arrival order) minus that of the
+    first tenth; None with fewer than two served requests."""
+    served = sorted((a, t) for a, t in zip(arrival, ttft, strict=True) if not math.isnan(t))
+    if len(served) < 2:
+        return None
+    k = max(1, len(served) // 10)
+    first = sum(t for _, t in served[:k]) / k
+    last = sum(t for _, t in served[-k:]) / k
+    return last - first
 
 
 def overload_warning(serving: dict[str, Any]) -> str | None:

@@ -209,10 +209,13 @@ _ALL = (
         "offered_load",
         "Offered load",
         "GPU busy time (sum of simulated step times) / arrival span (first to last arrival). "
-        "Above 1 requests arrive faster than the GPU serves them: the queue grows for the "
-        "whole trace and TTFT measures queueing. 'Rate scale at full load' is about the "
-        "--rate-scale at which busy time equals the arrival span. A fleet shows the mean per "
-        "replica and the busiest replica's load; the busiest one decides overload.",
+        "A GPU with any request in flight is busy, however few it decodes, so this can pass 1 "
+        "with no queue. OVERLOADED: above 1 and the queue grew (the last tenth of the arrivals "
+        "waited for their first token longer than the first tenth, by more than 5% of the "
+        "span): requests arrive faster than the GPU serves them and TTFT measures queueing. "
+        "'Rate scale at full load' is about the --rate-scale at which busy time equals the "
+        "arrival span. A fleet shows the mean per replica and the busiest replica's load; the "
+        "busiest one decides.",
     ),
     Definition(
         "roofline",

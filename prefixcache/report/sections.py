@@ -415,7 +415,12 @@ def load_fields(load: dict[str, Any]) -> list[Field]:
                 f"{offered:.2f}x per replica, busiest {load['offered_load_busiest']:.2f}x "
                 f"(no cache {load['offered_load_nocache']:.2f}x per replica)"
             )
-        note = "OVERLOADED: queue grows without bound" if load["overloaded"] else "sustainable"
+        if load["overloaded"]:
+            note = "OVERLOADED: queue grows without bound"
+        elif offered > 1:
+            note = "busy past the last arrival, but no queue grew"
+        else:
+            note = "sustainable"
     busy = f"GPU busy, {replicas} replicas" if replicas > 1 else "GPU busy"
     out = [
         Field("Offered load", value, "offered_load", note),
