@@ -153,6 +153,34 @@ def test_cli_sweep_per_tier(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert sweep[0]["host_token_hit_rate"] == sweep[0]["pool_token_hit_rate"] == 0
     assert sweep[3]["token_hit_rate"] > sweep[0]["token_hit_rate"]
+    # the summary tells the points apart
+    rows = done.stdout.split("  sweep ")[1].splitlines()[1:5]
+    assert [row.split()[3:5] for row in rows] == [["0", "0"], ["0", "1,024"], ["128", "0"],
+                                                  ["128", "1,024"]]  # fmt: skip
+    # a run compared with itself: every point meets its own twin, no difference anywhere
+    from prefixcache.cli import main
+
+    assert main(["compare", str(out), str(out), "--no-definitions"]) == 0
+
+
+def test_points_that_differ_only_in_a_tier_are_matched_and_curved_apart(tmp_path: Path) -> None:
+    from prefixcache.report import load_run
+    from prefixcache.report.compare import compare_document
+    from prefixcache.report.sweep_curves import capacity_knees
+
+    out = tmp_path / "run"
+    done = _cli(
+        "--blocks", "50,100,200,400", "--model", "llama-3.1-8b", "--host-memory", "0,8GiB",
+        "--jobs", "1", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    run = load_run(out)
+    knees = capacity_knees(run.report["sweep"])
+    assert all(label.startswith("host blocks") for label in knees)  # one curve per host size
+    doc = compare_document(run, run)
+    table = next(t for s in doc.sections for t in s.tables if "Token hit rate Δ" in t.columns)
+    delta = table.columns.index("Token hit rate Δ")
+    assert len(table.rows) == 8 and {row[delta] for row in table.rows} == {"+0.00 pp"}
 
 
 def test_recompute_is_priced_at_the_serving_gpus_efficiency() -> None:

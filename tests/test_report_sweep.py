@@ -56,6 +56,7 @@ def test_series_group_by_variant_and_sort() -> None:
             "evicted_blocks": 0,
             "policy": p,
             "replicas": 2,
+            "gpu_token_hit_rate": r,
         }
         for p in ("lru", "lfu")
         for c, r in ((400, 0.5), (100, 0.2), (200, 0.4))
@@ -63,7 +64,7 @@ def test_series_group_by_variant_and_sort() -> None:
     curves = series(points, "capacity_blocks", ["policy"])
     assert list(curves) == ["policy lru", "policy lfu"]
     assert [p["capacity_blocks"] for p in curves["policy lfu"]] == [100, 200, 400]
-    assert extra_keys(points) == ["replicas"]
+    assert extra_keys(points) == ["gpu_token_hit_rate"]  # replicas tell points apart
     assert {k: p["capacity_blocks"] for k, p in capacity_knees(points).items()} == {
         "policy lru": 200,
         "policy lfu": 200,

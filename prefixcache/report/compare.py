@@ -15,7 +15,15 @@ from prefixcache.run_format import MISS_CAUSES, PERCENTILES
 Value = float | int | None
 Point = dict[str, Any]
 # What identifies a sweep point: its cache setup (the rest of a point are its measurements)
-POINT_KEYS = ("capacity_blocks", "block_size", "policy", "replicas", "routing")
+POINT_KEYS = (
+    "capacity_blocks",
+    "block_size",
+    "policy",
+    "host_blocks",
+    "pool_blocks",
+    "replicas",
+    "routing",
+)
 
 
 class Metric(NamedTuple):

@@ -602,7 +602,7 @@ def sweep(run: Run) -> Section:
             )
         )
     section.plots.append("sweep_capacity")
-    section.plots += [f"sweep_{k}" for k in VARIANT_KEYS if varying(points, k)]
+    section.plots += [f"sweep_{k}" for k in ("block_size", "policy") if varying(points, k)]
     return section
 
 

@@ -9,8 +9,9 @@ import numpy as np
 
 from prefixcache.run_format import MISS_CAUSES
 
-# Keys that identify a sweep point besides its capacity; others are measurements.
-VARIANT_KEYS = ("block_size", "policy")
+# Keys that identify a sweep point besides its capacity; others are measurements. A curve of hit
+# rate against capacity holds the points that agree on all of them.
+VARIANT_KEYS = ("block_size", "policy", "host_blocks", "pool_blocks", "replicas", "routing")
 BASE_KEYS = ("capacity_blocks", "token_hit_rate", "block_hit_rate", "evicted_blocks")
 MISS_KEYS = ("misses", "prompt_tokens")  # shown as one column per miss cause
 LOG_X_SPAN = 16  # capacities spanning this factor or more are read on a log axis

@@ -9,7 +9,7 @@ from typing import Any
 from prefixcache.report import formatting as fmt
 from prefixcache.report.document import Document, Field, Section, Table
 from prefixcache.report.run_warnings import run_warnings
-from prefixcache.report.sweep_curves import miss_causes, miss_share
+from prefixcache.report.sweep_curves import miss_causes, miss_share, varying
 
 WIDTH = 88
 
@@ -201,15 +201,26 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
                 f"(one replica, {fmt.capacity(pooled['capacity_blocks'])} blocks, "
                 f"{fl['replicas']}x compute)"
             )
+    # the keys that tell the sweep's points apart besides the ones every table shows
+    sweep_keys = [
+        (k, label)
+        for k, label in (("host_blocks", "host"), ("pool_blocks", "pool"))
+        if r.get("sweep") and varying(r["sweep"], k)
+    ]
     if r.get("sweep") and any("replicas" in row for row in r["sweep"]):
+        if varying(r["sweep"], "capacity_blocks"):
+            sweep_keys.insert(0, ("capacity_blocks", "capacity"))
         lines.append(
-            "  sweep           replicas  routing          token hit  pooled  routing miss  "
-            "imbalance  TTFT p50"
+            "  sweep          "
+            + "".join(f" {label:>8}" for _, label in sweep_keys)
+            + " replicas  routing          token hit  pooled  routing miss  imbalance  TTFT p50"
         )
         for row in r["sweep"]:
             pooled_rate = row.get("pooled_token_hit_rate")
             lines.append(
-                f"                  {row.get('replicas', 1):>8}  {row.get('routing') or '-':<15}  "
+                "               "
+                + "".join(f" {row.get(k, 0):>8,}" for k, _ in sweep_keys)
+                + f"   {row.get('replicas', 1):>8}  {row.get('routing') or '-':<15}  "
                 f"{fmt.pct(row['token_hit_rate']):>9}  "
                 f"{fmt.pct(pooled_rate) if pooled_rate is not None else '-':>6}  "
                 f"{row.get('routing_miss_tokens', 0):>12,}  "
@@ -219,13 +230,17 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
     elif r.get("sweep"):
         causes = miss_causes(r["sweep"])
         lines.append(
-            "  sweep           capacity  block  policy  token hit  block hit  evicted"
+            "  sweep           capacity  block  policy"
+            + "".join(f"  {label:>8}" for _, label in sweep_keys)
+            + "  token hit  block hit  evicted"
             + "".join(f"  {c + ' miss':>13}" for c in causes)
         )
         for row in r["sweep"]:
             lines.append(
                 f"                  {row['capacity_blocks']:>8,}  {row['block_size']:>5}  "
-                f"{row['policy']:>6}  {fmt.pct(row['token_hit_rate']):>9}  "
+                f"{row['policy']:>6}"
+                + "".join(f"  {row.get(k, 0):>8,}" for k, _ in sweep_keys)
+                + f"  {fmt.pct(row['token_hit_rate']):>9}  "
                 f"{fmt.pct(row['block_hit_rate']):>9}  {row['evicted_blocks']:>7,}"
                 + "".join(f"  {fmt.pct(miss_share(row, c)):>13}" for c in causes)
             )
