@@ -843,8 +843,9 @@ class CacheManager:
         if stored and self._listeners:
             bb = self.index.block_bytes
             tokens = np.frombuffer(run[: stored * bb], dtype="<i4").tolist()
+            parent = prev if position else None  # a chain's first block has no parent
             self._emit(
-                BlockStored(digests[:stored], prev, tokens, self.block_size, namespace, "CPU")
+                BlockStored(digests[:stored], parent, tokens, self.block_size, namespace, "CPU")
             )
 
     def _unload(self, digests: list[bytes], namespace: Namespace) -> list[int]:

@@ -57,7 +57,7 @@ def test_offload_on_eviction_then_a_hit_loads_from_host() -> None:
     assert mgr.stats.offloaded_blocks == 3
     stored_cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     assert [e.block_hashes for e in stored_cpu] == [digests(mgr, A)]
-    assert stored_cpu[0].parent_block_hash == mgr.hasher.seed(NS)
+    assert stored_cpu[0].parent_block_hash is None  # a chain's first block, as on the GPU
     assert stored_cpu[0].token_ids == A[:12]
     removed_gpu = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU"]
     assert removed_gpu[0].block_hashes == digests(mgr, A)
@@ -274,3 +274,23 @@ def test_configuration_is_validated() -> None:
         CacheManager(4, P, host_blocks=4, transfer_model=TransferModel(1, 1, 0, 1))
     mgr = CacheManager(4, P)
     assert mgr.host is None and mgr.take_transfers() == ([], [])
+
+
+def test_offload_events_feed_a_fleet_index_without_unknown_parents() -> None:
+    """The CPU events of offloaded blocks go through the wire into a subscriber: every block is
+    indexed on CPU after its GPU copy went, none is skipped for an unknown parent."""
+    from prefixcache.fleet import kv_wire
+    from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
+    from prefixcache.fleet.memory_index import MemoryFleetIndex
+
+    mgr, rt = manager()
+    wire: list = []
+    mgr.add_listener(lambda event: wire.append(to_wire(event)))
+    index = MemoryFleetIndex()
+    sub = KVEventSubscriber(index, [ReplicaEndpoint("pod", namespace=NS, block_size=P)])
+    run(rt, "a", A)
+    run(rt, "b", B)  # a's blocks: stored on GPU, then offloaded when b evicts them
+    sub.ingest("pod", 0, kv_wire.encode_batch(kv_wire.KVEventBatch(0.0, wire)))
+    assert sub.counters()["pod"].malformed == 0
+    match = {m.replica: m for m in index.match(digests(mgr, A))}["pod"]
+    assert (match.blocks, match.gpu_blocks) == (3, 0)  # on CPU, all three
