@@ -108,8 +108,37 @@ def test_token_jsonl_with_namespaces(tmp_path: Path) -> None:
     assert reqs[2].output_len == 128 and reqs[2].namespace.salt is None
     assert open_source(path).multi_namespace
     bad = write_lines(tmp_path, [{"token_ids": [1, 2**31]}], "bad.jsonl")
-    with pytest.raises(TraceFormatError, match=r"bad\.jsonl:1: token ids must be integers"):
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl:1: token ids must be < 2\*\*31"):
         list(read_trace(bad))
+
+
+@pytest.mark.parametrize("ids", [[1.7, 2.2], [1, "4"], [1, True], [[1, 2]], [-1]])
+def test_token_ids_that_are_not_plain_integers_are_refused(tmp_path: Path, ids: list) -> None:
+    path = write_lines(tmp_path, [{"token_ids": [1, 2]}, {"token_ids": ids}])
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:2: token ids must be"):
+        list(read_trace(path, TraceOptions(format="tokens")))
+
+
+def test_namespaces_are_found_on_any_line(tmp_path: Path) -> None:
+    """A trace is single-namespace only if every record names the same one."""
+    later = write_lines(
+        tmp_path, [{"token_ids": [1]}] * 3 + [{"token_ids": [2], "salt": "tenant-a"}], "later.jsonl"
+    )
+    assert open_source(later).multi_namespace
+    same = write_lines(
+        tmp_path, [{"token_ids": [k + 1], "model": "m"} for k in range(4)], "s.jsonl"
+    )
+    assert not open_source(same).multi_namespace
+    nulls = write_lines(tmp_path, [{"token_ids": [1], "salt": None}, {"token_ids": [2]}], "n.jsonl")
+    assert not open_source(nulls).multi_namespace
+
+
+def test_mooncake_lines_without_an_output_length_take_the_default(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path, [{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}], "m.jsonl"
+    )
+    (req,) = read_trace(path, TraceOptions(format="mooncake", output_len=200))
+    assert req.output_len == 200
 
 
 CHATML = (

@@ -33,13 +33,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from prefixcache.errors import ConfigError, InvalidArgumentError
+from prefixcache.errors import ConfigError, InvalidArgumentError, InvalidTokensError
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.replay.request import Request
 from prefixcache.replay.synth import FULL_VOCAB, blocks_tokens, mix64, stream_key
 from prefixcache.replay.text_input import not_utf8_error
 from prefixcache.replay.workload_errors import TraceFormatError
-from prefixcache.tokens import MAX_TOKEN_ID
+from prefixcache.tokens import as_token_array
 
 FORMATS = ("mooncake", "tokens", "prompts", "text")
 TOKEN_KEYS = ("token_ids", "input_ids", "tokens")
@@ -99,12 +99,23 @@ def read_trace(path: str | Path, options: TraceOptions | None = None) -> Iterato
 
 
 def trace_namespaces(path: str | Path, options: TraceOptions) -> bool:
-    """Whether the trace may hold several namespaces (its first record names one)."""
+    """Whether the trace's records name more than one namespace (model, adapter, version,
+    salt). One pass over the lines, stopping at the second namespace; only a line that mentions
+    a namespace key is parsed."""
     fmt = options.format or detect_format(path, options.max_line_bytes)
     if fmt in ("mooncake", "text"):
         return False
+    needles = [f'"{k}"' for k in NAMESPACE_KEYS]
+    default = (repr(None),) * len(NAMESPACE_KEYS)
+    seen: set[tuple[str, ...]] = set()
     for lineno, line in _lines(str(path), options.max_line_bytes):
-        return any(k in _parse(line, str(path), lineno) for k in NAMESPACE_KEYS)
+        key = default
+        if any(n in line for n in needles):
+            record = _parse(line, str(path), lineno)
+            key = tuple(repr(record.get(k)) for k in NAMESPACE_KEYS)  # any JSON value
+        seen.add(key)
+        if len(seen) > 1:
+            return True
     return False
 
 
@@ -183,7 +194,7 @@ def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
         obj = _parse(line, path, lineno)
         length = _int(obj, "input_length", path, lineno, 1)
         _check_prompt(length, opt, path, lineno)
-        output = _int(obj, "output_length", path, lineno, 0, default=0)
+        output = _int(obj, "output_length", path, lineno, 0, default=opt.output_len)
         ids = obj.get("hash_ids")
         if not isinstance(ids, list):
             raise TraceFormatError(path, lineno, "'hash_ids' must be a list of integers")
@@ -229,13 +240,11 @@ def _tokens(path: str, opt: TraceOptions) -> Iterator[Request]:
                 path, lineno, f"expected a non-empty list in one of {', '.join(TOKEN_KEYS)}"
             )
         _check_prompt(len(ids), opt, path, lineno)
-        try:
-            arr = np.asarray(ids, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            arr = None
-        if arr is None or arr.ndim != 1 or arr.min() < 0 or arr.max() > MAX_TOKEN_ID:
-            raise TraceFormatError(path, lineno, "token ids must be integers in [0, 2**31)")
-        yield _request(obj, arr.astype("<i4"), opt, path, lineno, cache)
+        try:  # integers only: no float, numeric string or boolean is taken for a token
+            arr = as_token_array(ids)
+        except InvalidTokensError as exc:
+            raise TraceFormatError(path, lineno, str(exc)) from None
+        yield _request(obj, arr, opt, path, lineno, cache)
 
 
 def _chat_renderer(options: TraceOptions) -> Callable[[list[dict[str, Any]]], str]:
