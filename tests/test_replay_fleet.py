@@ -232,5 +232,13 @@ def test_fleet_run_passes_its_consistency_checks(small: Path, tmp_path: Path) ->
     out = tmp_path / "fleet"
     argv = ["replay", str(small), "--mode", "serving", "--blocks", str(BLOCKS)]
     assert main([*argv, "--replicas", "3", "--routing", "prefix", "--out", str(out)]) == 0
-    failed = [c.name for c in consistency_checks(load_run(out)) if not c.ok]
+    run = load_run(out)
+    failed = [c.name for c in consistency_checks(run) if not c.ok]
     assert failed == []
+    # the timeline's time never goes back, and its text chart is scaled to the fleet's capacity
+    times = run.timeline["t"].astype(float)
+    assert len(times) > 10 and (times[1:] >= times[:-1]).all()
+    from prefixcache.report import build_document
+    from prefixcache.report.text_formats import render_terminal
+
+    assert f"0–{3 * BLOCKS}" in render_terminal(build_document(run))

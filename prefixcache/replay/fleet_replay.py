@@ -283,13 +283,13 @@ class FleetSimulator:
             k = reps.index(best)
             logical, frag = best.usage()
             self._usage[k] = (best.mgr.block_counts().active, logical, frag)
-            self._measure(clock=best.clock)
+            self._measure()
 
     def finished(self, idx: int) -> None:
         """A request left its replica: its load goes."""
         self.router.release(str(idx))
 
-    def _measure(self, final: bool = False, clock: float | None = None) -> None:
+    def _measure(self, final: bool = False) -> None:
         acc = self.acc
         if acc is None:
             return
@@ -304,9 +304,10 @@ class FleetSimulator:
             sum(c.cached for c in counts),
         )
         evicted = sum(r.mgr.stats.evicted_blocks for r in self.replicas)
-        acc.sample_timeline(
-            self.steps, clock if clock is not None else self.clock, total, evicted, final
-        )
+        # the fleet's now: the earliest clock of a busy replica (replicas step in that order, so
+        # it never goes back); with all idle, when the last one finished
+        busy = [r.clock for r in self.replicas if r.busy_now]
+        acc.sample_timeline(self.steps, min(busy) if busy else self.clock, total, evicted, final)
 
     @property
     def busy(self) -> float:

@@ -316,6 +316,8 @@ def over_time(run: Run) -> Section:
     ]
     tl = run.timeline
     capacity = run.report["config"]["capacity_blocks"]
+    if capacity is not None:  # a fleet's timeline adds up its replicas, and so does its capacity
+        capacity *= int(run.report["config"].get("replicas") or 1)
     section.charts.append(
         TextChart(
             "Over time (left to right)",
