@@ -126,6 +126,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     [
         (["--blocks", "100", "--pool-memory", "8GiB"], "need --model"),
         (["--blocks", "100", "--model", "llama-3.1-8b", "--host-memory", "1MiB"], "hold no block"),
+        (["--blocks", "100", "--host-bw", "10GB"], "needs --host-memory"),
+        (["--blocks", "100", "--pool-bw", "1GB", "--host-memory", "1GiB"], "needs --pool-memory"),
     ],
 )
 def test_cli_errors(args: list[str], message: str, tmp_path: Path) -> None:
@@ -138,6 +140,8 @@ def test_cli_errors(args: list[str], message: str, tmp_path: Path) -> None:
 def test_cli_bad_size_exits_2(tmp_path: Path) -> None:
     done = _cli("--blocks", "100", "--host-memory", "lots", "--out", str(tmp_path / "run"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
+    done = _cli("--blocks", "100,200", "--jobs", "0", "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and "--jobs: expected a positive integer: '0'" in done.stderr
 
 
 def test_cli_sweep_per_tier(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="recompute partially matching blocks instead of copying them",
     )
-    rp.add_argument("--jobs", type=int, help="processes for a sweep (default: CPUs)")
+    rp.add_argument("--jobs", type=_positive_int, help="processes for a sweep (default: CPUs)")
     rp.add_argument(
         "--executor",
         choices=EXECUTORS,
@@ -282,7 +282,6 @@ def _tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--host-bw",
         type=_bandwidth,
-        default=DEFAULT_HOST_BANDWIDTH,
         metavar="BYTES_PER_S",
         help="host <-> GPU bytes per second, per direction (55GB: PCIe Gen5 x16)",
     )
@@ -295,7 +294,6 @@ def _tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pool-bw",
         type=_bandwidth,
-        default=DEFAULT_POOL_BANDWIDTH,
         metavar="BYTES_PER_S",
         help="pool <-> GPU bytes per second (25GB: one 200 Gb/s RDMA NIC)",
     )
@@ -434,8 +432,8 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
         tp=args.tp,
         rate_scale=args.rate_scale,
         time_scale=args.time_scale,
-        host_bw=args.host_bw,
-        pool_bw=args.pool_bw,
+        host_bw=DEFAULT_HOST_BANDWIDTH if args.host_bw is None else args.host_bw,
+        pool_bw=DEFAULT_POOL_BANDWIDTH if args.pool_bw is None else args.pool_bw,
         **_trace_settings(args),
         upper_bound=not args.no_upper_bound,
     )
@@ -451,6 +449,14 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
     ]
     if (args.replicas or args.routing) and args.mode != "serving":
         raise ConfigError("--replicas and --routing need --mode serving")
+    for flag, bandwidth, memory in (
+        ("host", args.host_bw, args.host_memory),
+        ("pool", args.pool_bw, args.pool_memory),
+    ):
+        if bandwidth is not None and not any(memory or []):
+            raise ConfigError(
+                f"--{flag}-bw needs --{flag}-memory: without the tier it does nothing"
+            )
     return [
         base.with_(block_size=bs, policy=pol, **size, **fleet, **tier)
         for size, bs, pol, fleet, tier in itertools.product(
@@ -470,6 +476,16 @@ def default_block_size(args: argparse.Namespace) -> int:
         return 16
     kind = args.trace_format or detect_format(path, args.max_line_bytes)
     return int(args.trace_block_size) if kind == "mooncake" else 16
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer: {text!r}")
+    return value
 
 
 def _seed(text: str) -> int:
