@@ -272,3 +272,16 @@ def test_tpot_is_the_decode_step_time_whatever_the_number_of_samples(tmp_path: P
         tpot[n] = bench["with_cache"]["tpot_mean_s"]
     # four sequences decode in about the time of one (memory bound): TPOT barely moves
     assert tpot[4] == pytest.approx(tpot[1], rel=0.2)
+
+
+def test_simulated_time_runs_from_the_first_arrival(tmp_path: Path) -> None:
+    """A trace whose clock starts late (Mooncake timestamps do) reports the time it simulated,
+    not the clock's reading at the end."""
+    path = tmp_path / "late.jsonl"
+    rows = [
+        {"token_ids": list(range(1, 65)), "arrival_s": 1000.0 + k, "output_length": 4}
+        for k in range(2)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sv = replay_path(path, serving_config()).to_report_dict()["serving"]
+    assert 1.0 < sv["simulated_seconds"] < 2.0

@@ -453,7 +453,7 @@ def run_fleet(
         plain.ttft,
         sum(r.preemptions for r in sim.replicas),
         sim.steps,
-        sim.clock,
+        sim.clock - min(arrivals, default=sim.clock),  # from the first arrival to the last finish
         sim.truncated,
         with_cache=sim.figures(),
         without_cache=plain.figures(),

@@ -43,7 +43,7 @@ class ServingStats:
     ttft_nocache: list[float]
     preemptions: int
     steps: int
-    simulated_seconds: float
+    simulated_seconds: float  # from the first arrival to the last finish
     truncated: int = 0  # requests finished early: alone, they outgrew the cache
     with_cache: BenchmarkFigures | None = None  # benchmark figures (single-cache replays)
     without_cache: BenchmarkFigures | None = None

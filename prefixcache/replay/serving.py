@@ -531,7 +531,7 @@ def run_serving(
         base.ttft,
         sim.preemptions,
         sim.steps,
-        sim.clock,
+        sim.clock - min(arrivals, default=sim.clock),  # from the first arrival to the last finish
         sim.truncated,
         with_cache=sim.figures(),
         without_cache=base.figures(),

@@ -364,7 +364,9 @@ def serving(run: Run) -> Section:
     section.fields += [
         Field("Preemptions", fmt.count(sv["preemptions"]), "preemptions"),
         Field("Scheduler steps", fmt.count(sv["steps"])),
-        Field("Simulated time", fmt.seconds(sv["simulated_seconds"])),
+        Field(
+            "Simulated time (first arrival to last finish)", fmt.seconds(sv["simulated_seconds"])
+        ),
     ]
     section.fields += assumption_fields(run.report["config"], sv.get("assumptions"))
     if np.isfinite(run.requests["ttft_s"].astype(np.float64)).any():
