@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from collections.abc import Sequence
 
 # Modules that add subcommands: each has ``register(subparsers)`` and sets ``func`` on its parsers.
@@ -39,4 +41,9 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader stopped early (``| head``): not an error
+        # what is still buffered for stdout goes nowhere, so exiting does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

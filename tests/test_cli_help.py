@@ -39,3 +39,28 @@ def test_help_exits_zero_for_every_command(capsys: pytest.CaptureFixture[str]) -
             main([*name.split()[1:], "--help"])
         assert exit_info.value.code == 0, name
         assert "usage: " + name in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["demo"], ["analyze", "scenarios/traces/mooncake_sample.jsonl"], ["--help"]],
+    ids=["demo", "analyze", "help"],
+)
+def test_a_reader_that_stops_early_is_not_an_error(argv: list[str]) -> None:
+    """``prefixcache ... | head -1``: the reader closed the pipe; no traceback, exit 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache", *argv],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "Broken pipe" not in err

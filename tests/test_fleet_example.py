@@ -138,3 +138,13 @@ def test_a_replica_that_fails_to_start_stops_the_fleet(tmp_path: Path) -> None:
         )
     assert len(processes) == 2
     assert all(proc.returncode is not None for proc in processes)
+
+
+def test_replica_reads_json_whatever_the_content_type(replica_client: TestClient) -> None:
+    """``curl -d '{...}'`` sends application/x-www-form-urlencoded; the body is JSON still."""
+    body = b'{"model": "tiny-random", "prompt": [1, 2, 3], "max_tokens": 2}'
+    headers = {"content-type": "application/x-www-form-urlencoded"}
+    resp = replica_client.post("/v1/completions", content=body, headers=headers)
+    assert resp.status_code == 200 and len(resp.json()["choices"][0]["token_ids"]) == 2
+    bad = replica_client.post("/v1/completions", content=b"not json", headers=headers)
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]

@@ -201,3 +201,13 @@ def test_recompute_is_priced_at_the_serving_gpus_efficiency() -> None:
         assert tiers.recompute_seconds_per_token == pytest.approx(
             2 * model.layer_flops_params / flops
         )
+
+
+def test_the_pooled_line_pools_the_host_tiers_too() -> None:
+    """The fleet's upper bound (one replica with N x everything) has N x the host memory too:
+    it never hits less than the fleet it bounds."""
+    cfg = _config(mode="serving", replicas=4, host_memory=4 * GIB, capacity_blocks=32)
+    report = replay_path(SAMPLE, cfg).to_report_dict()
+    pooled = report["fleet"]["pooled"]["token_hit_rate"]
+    assert report["tiers"]["host_hit_tokens"] > 0
+    assert pooled >= report["token_hit_rate"]

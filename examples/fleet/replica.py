@@ -25,6 +25,7 @@ Endpoints:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
@@ -35,7 +36,8 @@ from typing import Any
 
 import torch
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
 from prefixcache import Namespace
@@ -171,8 +173,18 @@ def create_app(replica: Replica) -> FastAPI:
     app = FastAPI(title="tiny replica", openapi_url=None)
 
     @app.post("/v1/completions")
-    def completions(body: dict[str, Any]) -> JSONResponse:
-        """An OpenAI-style completion, with vLLM's cached-token usage detail."""
+    async def completions(request: Request) -> JSONResponse:
+        """An OpenAI-style completion, with vLLM's cached-token usage detail. The body is read
+        as JSON whatever its Content-Type (``curl -d`` sends a form type), as vLLM reads it."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _error(400, f"the body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        return await run_in_threadpool(_complete, body)
+
+    def _complete(body: dict[str, Any]) -> JSONResponse:
         try:
             if body.get("stream"):
                 raise BadRequestError("streaming is not supported by this replica")

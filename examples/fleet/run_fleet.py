@@ -42,7 +42,7 @@ BLOCK_SIZE = 16
 START_DEADLINE_S = 90.0
 INDEX_DEADLINE_S = 10.0
 HTTP_TIMEOUT_S = 60.0
-POLICIES = ("round_robin", "prefix", "prefix_balanced")
+POLICIES = ("round_robin", "prefix", "prefix_balanced", "prefix_cost")
 
 
 class Workload(NamedTuple):
@@ -328,9 +328,13 @@ def table(results: Sequence[PolicyResult]) -> str:
 
 def iter_policies(text: str) -> Iterator[str]:
     """Comma-separated policy names, checked."""
+    from prefixcache.fleet.routing import POLICIES as KNOWN
+
     for name in text.split(","):
-        if name not in ("round_robin", "least_loaded", "prefix", "prefix_balanced"):
-            raise argparse.ArgumentTypeError(f"unknown policy {name!r}")
+        if name not in KNOWN:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {name!r}; choose from {', '.join(sorted(KNOWN))}"
+            )
         yield name
 
 

@@ -371,13 +371,28 @@ def check_one_namespace(multi_namespace: bool) -> None:
 
 
 def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
-    """One replica with N x the blocks, token budget, running sequences, FLOPs and bandwidth."""
+    """One replica with N x the blocks, token budget, running sequences, FLOPs and bandwidth;
+    with tiers, N x the host memory and N x every link (the same shared pool)."""
     o = cfg.options
     n = o.replicas
     gpu = cfg.gpu
     if gpu is not None:
         gpu = replace(gpu, peak_flops=gpu.peak_flops * n, hbm_bytes_per_s=gpu.hbm_bytes_per_s * n)
     blocks = min(cfg.capacity_blocks * n, UNBOUNDED)  # n unbounded caches pool to one
+    tiers = cfg.tiers
+    if tiers is not None:
+        host_bw, pool_bw = tiers.host_bandwidth * n, tiers.pool_bandwidth * n
+        host, pool = tiers.host_transfer, tiers.pool_transfer
+        tiers = replace(
+            tiers,
+            host_blocks=tiers.host_blocks * n,
+            host_bytes=tiers.host_bytes * n,
+            host_bandwidth=host_bw,
+            pool_bandwidth=pool_bw,
+            recompute_seconds_per_token=tiers.recompute_seconds_per_token / n,
+            host_transfer=host._replace(host_bandwidth=host_bw, flops=host.flops * n),
+            pool_transfer=pool._replace(host_bandwidth=pool_bw, flops=pool.flops * n),
+        )
     return replace(
         cfg,
         options=o.with_(
@@ -392,6 +407,7 @@ def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
         capacity_blocks=blocks,
         capacity_bytes=cfg.capacity_bytes * n if cfg.capacity_bytes is not None else None,
         gpu=gpu,
+        tiers=tiers,
     )
 
 
@@ -401,6 +417,8 @@ def run_pooled(requests: Iterable[Request], cfg: ResolvedConfig) -> PooledLine:
     mgr = pooled.cache_manager()
     acc = Accountant(pooled.options.block_size, mgr.hasher, track_isolation=False, record=False)
     sim = Simulator(mgr, pooled, acc)
+    tiers = build_tiers(pooled, [mgr])
+    sim.tiers = tiers.admitters[0] if tiers is not None else None
     sim.run(requests)
     tot = acc.totals
     return PooledLine(

@@ -14,6 +14,7 @@ from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.eviction import POLICIES
 from prefixcache.fleet.routing import DEFAULT_POLICY
 from prefixcache.fleet.routing import POLICIES as ROUTING_POLICIES
+from prefixcache.hashing import HASH_FUNCTIONS
 from prefixcache.pool import UNBOUNDED
 from prefixcache.replay.model_specs import get_model, gpu_names, model_names, parse_size
 from prefixcache.replay.replay_config import MODES, ReplayConfig
@@ -83,7 +84,11 @@ def register(subparsers: Any) -> None:
         default="text",
         help="stdout: a summary or report.json",
     )
-    rp.add_argument("--hash-algo", default="xxh3_128", help="block digest function (xxh3_128)")
+    rp.add_argument(
+        "--hash-algo",
+        default="xxh3_128",
+        help=f"block digest function: {', '.join(sorted(HASH_FUNCTIONS))} (xxh3_128)",
+    )
     rp.add_argument(
         "--strict",
         action="store_true",
@@ -379,7 +384,7 @@ def _blocks_list(text: str) -> list[int]:
     if not parts:
         return _int_list(text)  # raises: nothing given
     numbers = [x for x in parts if x.lower() != "inf"]
-    finite = iter(_int_list(",".join(numbers)) if numbers else [])
+    finite = iter(_int_list(",".join(numbers), "block counts (or inf)") if numbers else [])
     return [UNBOUNDED if x.lower() == "inf" else next(finite) for x in parts]
 
 

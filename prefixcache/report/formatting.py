@@ -29,6 +29,16 @@ def capacity(blocks: int) -> str:
     return "unbounded" if blocks >= UNBOUNDED else f"{blocks:,}"
 
 
+def capacity_blocks(blocks: int) -> str:
+    """ "4,000 blocks", or "unbounded" for a cache that never runs out."""
+    return "unbounded" if blocks >= UNBOUNDED else f"{blocks:,} blocks"
+
+
+def plural(n: int, noun: str) -> str:
+    """ "1 request", "2 requests"."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def pct(x: float | None) -> str:
     if x is None or math.isnan(x):
         return NA

@@ -44,6 +44,8 @@ def report_command(args: argparse.Namespace) -> int:
             _write(args.md, render_markdown(doc))
         if args.html is not None:
             _write(args.html, render_html(doc, run))
+    except BrokenPipeError:
+        raise  # the reader of stdout left; the command line ends quietly
     except (PrefixCacheError, OSError) as exc:
         return _fail("report", exc)
     failed = [c for c in consistency_checks(run) if not c.ok]
@@ -63,6 +65,8 @@ def compare_command(args: argparse.Namespace) -> int:
         print(render_terminal(doc, definitions=not args.no_definitions))
         if args.md is not None:
             _write(args.md, render_markdown(doc))
+    except BrokenPipeError:
+        raise  # the reader of stdout left; the command line ends quietly
     except (PrefixCacheError, OSError) as exc:
         return _fail("compare", exc)
     return 0

@@ -132,7 +132,7 @@ def render_markdown(doc: Document) -> str:
 def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
     """A report.json in a dozen lines: setup, hit rates, misses, savings, latency, sweep."""
     c, m, s = r["config"], r["misses"], r["savings"]
-    size = f"{fmt.capacity(c['capacity_blocks'])} blocks"
+    size = fmt.capacity_blocks(c["capacity_blocks"])
     if c["capacity_bytes"] is not None:
         size += f" ({fmt.nbytes(c['capacity_bytes'], digits=1)} of {c['model']} KV)"
     prompt = r["prompt_tokens"] or 1
@@ -198,7 +198,7 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
         if pooled:
             lines.append(
                 f"  pooled cache    hit {fmt.pct(pooled['token_hit_rate'])} "
-                f"(one replica, {fmt.capacity(pooled['capacity_blocks'])} blocks, "
+                f"(one replica, {fmt.capacity_blocks(pooled['capacity_blocks'])}, "
                 f"{fl['replicas']}x compute)"
             )
     # the keys that tell the sweep's points apart besides the ones every table shows
@@ -248,7 +248,7 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
         top = r["top_prefixes"][0]
         lines.append(
             f"  top prefix      {top['prefix_id']} ({top['depth_blocks']} blocks) saved "
-            f"{top['tokens_saved']:,} tokens over {top['requests']:,} requests"
+            f"{top['tokens_saved']:,} tokens over {fmt.plural(top['requests'], 'request')}"
         )
     if run_dir:
         lines.append(f"  wrote           {run_dir}")
