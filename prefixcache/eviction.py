@@ -7,6 +7,7 @@ tuple where a policy orders by several things.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -15,13 +16,34 @@ from prefixcache.radix import Node
 
 PolicyKey = Callable[[Node, float], Any]
 
+
+def live_priority(node: Node, now: float) -> int:
+    """The highest retention priority on ``node`` whose retention still runs (0 when none)."""
+    if now < node.retain_until:
+        return node.priority
+    for priority, until in node.later:
+        if now < until:
+            return priority
+    return 0
+
+
+def next_expiry(node: Node, now: float) -> float:
+    """When the live priority's retention ends (inf: never, or no claim)."""
+    if now < node.retain_until:
+        return node.retain_until
+    for _, until in node.later:
+        if now < until:
+            return until
+    return math.inf
+
+
 POLICIES: dict[str, PolicyKey] = {
     # least recently used first
     "lru": lambda n, now: n.last_access,
     # least often hit first, then least recently used
     "lfu": lambda n, now: (n.hits, n.last_access),
-    # lowest priority first while its retention lasts (then it counts as priority 0), then LRU
-    "priority": lambda n, now: (n.priority if now < n.retain_until else 0, n.last_access),
+    # lowest live priority first (a retention that ended counts no more), then LRU
+    "priority": lambda n, now: (live_priority(n, now), n.last_access),
 }
 
 
@@ -51,10 +73,9 @@ class Evictor:
         node.heap_token += 1
         self._counter += 1
         heapq.heappush(self._heap, (self.key(node, now), self._counter, node.heap_token, node))
-        if node.priority and node.retain_until > now:
-            heapq.heappush(
-                self._expiring, (node.retain_until, self._counter, node.heap_token, node)
-            )
+        expiry = next_expiry(node, now)
+        if expiry < math.inf:
+            heapq.heappush(self._expiring, (expiry, self._counter, node.heap_token, node))
 
     def pop(self, now: float) -> Node | None:
         """Remove and return the evictable leaf with the smallest key (None if there is none)."""

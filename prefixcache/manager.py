@@ -9,7 +9,9 @@ its K/V is known to be written: at ``end_step()`` (after the forward pass) or at
 K/V was never written: its pending blocks leave the index, and every request that relies on them
 (hits on them, copies from them, forks of it) is dropped with it. With ``stepped=True`` the source
 of every copy handed out in a step stays held until ``end_step()``, so no block freed during the
-step is handed out again while a copy of the step still has to read it.
+step is handed out again while a copy of the step still has to read it. Without steps a
+request's blocks are confirmed at its ``release`` (hits and behaviour are what they were before
+steps existed); ``abort`` still takes out what it wrote since.
 """
 
 from __future__ import annotations
@@ -141,6 +143,9 @@ class CacheManager:
         self.index = RadixIndex(self.hasher)
         self.pool = BlockPool(self.num_blocks)
         self.evictor = Evictor(policy)
+        # under the priority policy a default request's claim (0, forever) counts too: it lifts a
+        # lower priority left by another request on the blocks it shares
+        self._claims_all = policy == "priority"
         self.partial_copy = partial_copy
         self.enable_caching = enable_caching
         self.stepped = stepped
@@ -264,7 +269,7 @@ class CacheManager:
         if self.enable_caching:
             self._commit(seq, buf, t // p, digest, now, owned=False)
         self.pool.own(seq.private)  # usually just the partial last block
-        if priority:
+        if priority or retention is not None or self._claims_all:
             self._set_priority(seq.deepest, priority, retention, now)
         self._seqs[request_id] = seq
         st = self.stats
@@ -457,8 +462,11 @@ class CacheManager:
         self.pool.share(child.private)
         self.index.hold(child.deepest, self._now())
         if parent.unconfirmed:  # it reads what the parent still has to write
-            if parent.dependents:
-                parent.dependents.append(child)
+            deps = parent.dependents
+            if deps:
+                if len(deps) >= 16 and not len(deps) & (len(deps) - 1):  # at 16, 32, 64, ...
+                    deps[:] = [d for d in deps if self._is_live_seq(d) or d.dependents or d.pending]
+                deps.append(child)
             else:
                 parent.dependents = [child]
             child.unconfirmed = True  # and passes that on to its own forks
@@ -577,6 +585,9 @@ class CacheManager:
         return handle, match.n * self.block_size
 
     def unpin(self, handle: int) -> None:
+        """Let a pinned prefix be evicted again (``handle`` from ``pin``; 0: pinned nothing)."""
+        if type(handle) is not int:
+            raise InvalidArgumentError(f"a pin handle is an int from pin(), got {handle!r}")
         if handle == 0:
             return
         node = self._pins.pop(handle, None)
@@ -688,11 +699,19 @@ class CacheManager:
     def _set_priority(
         node: Node | None, priority: int, retention: float | None, now: float
     ) -> None:
-        """Apply a request's retention priority to its path (the higher live priority wins)."""
-        until = float("inf") if retention is None else now + retention
+        """Add a request's retention claim to its path. A node keeps the claims that can still
+        decide: the highest live priority wins, and a lower one that outlives it takes over when
+        its retention ends."""
+        until = math.inf if retention is None else now + retention
         while node is not None and node.parent is not None:
-            if node.retain_until <= now or priority >= node.priority:
-                node.priority, node.retain_until = priority, until
+            claims = [(node.priority, node.retain_until), *node.later, (priority, until)]
+            claims.sort(key=lambda c: (-c[0], -c[1]))
+            kept: list[tuple[int, float]] = []
+            for claim in claims:  # a claim counts while no higher one outlasts it
+                if claim[1] > now and (not kept or claim[1] > kept[-1][1]):
+                    kept.append(claim)
+            node.priority, node.retain_until = kept[0] if kept else (0, 0.0)
+            node.later = tuple(kept[1:])
             node = node.parent
 
     def _drop(self, seq: RequestState) -> None:
@@ -702,6 +721,9 @@ class CacheManager:
             seq.copy_source = None
         self._unhold(seq.deepest)
         self.pool.drop(seq.private)
+
+    def _is_live_seq(self, seq: RequestState) -> bool:
+        return self._seqs.get(seq.request_id) is seq
 
     def _is_live(self, request_id: Hashable) -> bool:
         try:

@@ -74,6 +74,7 @@ class Node:
         "heap_token",
         "hits",
         "last_access",
+        "later",
         "namespace",
         "parent",
         "priority",
@@ -103,6 +104,8 @@ class Node:
         self.hits = 0
         self.priority = 0
         self.retain_until = 0.0
+        # lower-priority claims that outlive the one above, as (priority, until), highest first
+        self.later: tuple[tuple[int, float], ...] = ()
         self.heap_token = 0
         self.namespace: Namespace | None = None  # of its tree (set when it joins one)
 
@@ -279,6 +282,7 @@ class RadixIndex:
         del node.blocks[:j]
         upper.ref, upper.last_access, upper.hits = node.ref, node.last_access, node.hits
         upper.priority, upper.retain_until = node.priority, node.retain_until
+        upper.later = node.later
         upper.namespace = node.namespace
         parent.children[upper.digest(0)] = upper
         if isinstance(group, TokenGroup):  # same first block, same place in the order

@@ -10,6 +10,7 @@ from prefixcache import (
     CacheManager,
     Copy,
     DuplicateRequestError,
+    InvalidArgumentError,
     InvalidTokensError,
     Namespace,
     OutOfBlocksError,
@@ -199,6 +200,56 @@ def test_lfu_and_priority_policies():
     m.admit("y", toks(200, 8) + [1], NS)
     assert m.lookup(toks(0, 5), NS).cached_blocks == 0
     m.check_integrity()
+
+
+def test_the_higher_live_priority_wins_on_shared_blocks():
+    """Claims of several requests on one prefix: a default request lifts a lower priority left
+    by another, and a lower claim that outlives a higher one takes over when that one ends."""
+    t = [0.0]
+    m = mgr_(num_blocks=4, policy="priority", clock=lambda: t[0])
+    m.admit("old", toks(50, 4) + [9], NS)
+    m.release("old")
+    t[0] = 1
+    m.admit("low", toks(0, 4) + [9], NS, priority=-1)  # forever, unless someone asks more
+    m.release("low")
+    for i in range(3):
+        t[0] = 2 + i
+        m.admit(i, toks(0, 4) + [9], NS)  # default requests share it: it counts as priority 0
+        m.release(i)
+    t[0] = 10
+    m.admit("x", toks(90, 8) + [1], NS)  # 3 blocks, 2 free: one cached block goes
+    assert m.lookup(toks(0, 5), NS).cached_blocks == 1  # the shared prefix stays (more recent)
+    assert m.lookup(toks(50, 5), NS).cached_blocks == 0
+    m.release("x")
+
+    t[0] = 0.0
+    m = mgr_(num_blocks=4, policy="priority", clock=lambda: t[0])
+    m.admit("burst", toks(0, 4) + [9], NS, priority=3, retention=10)
+    m.release("burst")
+    t[0] = 1
+    m.admit("steady", toks(0, 4) + [9], NS, priority=1)  # lower, but forever
+    m.release("steady")
+    t[0] = 2
+    m.admit("other", toks(50, 4) + [9], NS)  # priority 0, used later than the prefix
+    m.release("other")
+    t[0] = 50  # the priority-3 retention is over; the priority-1 claim still holds
+    m.admit("x", toks(90, 8) + [1], NS)
+    assert m.lookup(toks(0, 5), NS).cached_blocks == 1
+    assert m.lookup(toks(50, 5), NS).cached_blocks == 0
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("handle", [True, 1.0, [1], "1"])
+def test_unpin_takes_only_an_int_handle(handle) -> None:
+    m = mgr_(num_blocks=4)
+    m.admit("sys", toks(0, 8), NS)
+    m.release("sys")
+    real, _ = m.pin(toks(0, 8), NS)
+    assert real == 1
+    with pytest.raises(InvalidArgumentError, match="a pin handle is an int"):
+        m.unpin(handle)
+    assert list(m.pins) == [1]  # still pinned
+    m.unpin(real)
 
 
 def test_pin_protects_a_prefix():

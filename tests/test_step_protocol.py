@@ -368,3 +368,26 @@ def test_errors_are_prefixcache_errors():
         m = CacheManager(2, 4)
         m.admit("a", toks(0, 8))
         m.admit("b", toks(100, 8))
+
+
+def test_forks_of_a_long_lived_unconfirmed_request_are_not_kept_for_ever() -> None:
+    """Without steps a request's writes are confirmed at its release only, so forks taken from
+    a long-lived one depend on it; the released ones that neither indexed blocks nor have forks
+    of their own are forgotten (memory stays bounded), the others still reach an abort."""
+    m = CacheManager(64, 4)
+    prompt = list(range(12))
+    m.admit("sys", prompt)
+    m.append("sys", 5)
+    for i in range(1000):
+        m.fork("sys", i)
+        m.append(i, 7)
+        m.release(i)
+    assert len(m.states["sys"].dependents) < 64
+    m.fork("sys", "kept")  # live, and forked again after its own release
+    m.fork("kept", "grandchild")
+    m.release("kept")
+    for i in range(1000, 1100):
+        m.fork("sys", i)
+        m.release(i)
+    assert m.abort("sys") == ["sys", "grandchild"]
+    m.check_integrity()
