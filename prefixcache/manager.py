@@ -249,9 +249,9 @@ class CacheManager:
         copies: list[Copy] = []
         partial_tokens = 0
         if cow:  # every prompt token is cached: recompute only the last one, in a copy
-            if p > 1:
+            if p > 1:  # one-token blocks: nothing to copy, the block is recomputed
                 copies.append(Copy(src, fresh[0], p - 1))
-            self.stats.cow_copies += 1
+                self.stats.cow_copies += 1
         elif partial is not None:
             cand, partial_tokens = partial
             # our own allocation may have evicted it; eviction trims from the tail, so its first

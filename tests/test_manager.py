@@ -443,3 +443,13 @@ def test_evictor_heap_stays_bounded_and_keeps_its_order():
     assert m.lookup(toks(0, 8), NS).cached_blocks == 0
     assert all(m.lookup(toks(100 * i, 8), NS).cached_blocks == 2 for i in range(1, 8))
     m.check_integrity()
+
+
+def test_copy_count_matches_the_copies_handed_out():
+    for p in (1, 4):
+        m = CacheManager(16, p)
+        prompt = list(range(8))
+        m.admit("a", prompt)
+        m.release("a")
+        adm = m.admit("b", prompt)  # every token cached: the last one is recomputed
+        assert m.stats.cow_copies == len(adm.copies) == (0 if p == 1 else 1)
