@@ -80,6 +80,27 @@ def workspace_size(
     return total_q * num_q_heads * num_splits * (head_dim + 1)
 
 
+def _check_workspace(workspace: torch.Tensor, device: torch.device) -> None:
+    """A ``workspace=`` buffer is checked whether or not this call splits, so a wrong one fails
+    at once rather than when another shape first needs it."""
+    if (
+        not isinstance(workspace, torch.Tensor)
+        or workspace.dtype != torch.float32
+        or workspace.dim() != 1
+        or workspace.device != device
+        or not workspace.is_contiguous()
+    ):
+        got = (
+            f"{workspace.dtype} {tuple(workspace.shape)} on {workspace.device}"
+            if isinstance(workspace, torch.Tensor)
+            else type(workspace).__name__
+        )
+        raise KernelInputError(
+            "workspace must be a contiguous 1-D float32 tensor on the device of q "
+            f"(see workspace_size), got {got}"
+        )
+
+
 class SplitBuffers(NamedTuple):
     seg_out: torch.Tensor  # [total_q, Hq, S, D] fp32
     seg_lse: torch.Tensor  # [total_q, Hq, S] fp32
@@ -94,17 +115,7 @@ def _split_buffers(
     if workspace is None:
         flat = torch.empty(n_out + n_lse, dtype=torch.float32, device=device)
     else:
-        if (
-            workspace.dtype != torch.float32
-            or workspace.dim() != 1
-            or workspace.device != device
-            or not workspace.is_contiguous()
-        ):
-            raise KernelInputError(
-                "workspace must be a contiguous 1-D float32 tensor on the device of q "
-                f"(see workspace_size), got {workspace.dtype} {tuple(workspace.shape)} on "
-                f"{workspace.device}"
-            )
+        _check_workspace(workspace, device)
         if workspace.numel() < n_out + n_lse:
             raise KernelInputError(
                 f"workspace has {workspace.numel()} elements; {splits} splits need "
@@ -180,6 +191,18 @@ def paged_attention(
         raise ValueError("pass either num_splits or config (which has num_splits), not both")
     if config is not None:
         config.validate(shapes.group)  # on every backend, so a bad config never passes silently
+    if num_splits is not None and (
+        type(num_splits) is not int
+        or not 1 <= num_splits <= MAX_SPLITS
+        or num_splits & (num_splits - 1)
+    ):
+        raise UnsupportedConfigError(
+            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits!r}"
+        )
+    if fp8 and not (k_scale > 0 and v_scale > 0):  # NaN fails too
+        raise KernelInputError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
+    if workspace is not None:
+        _check_workspace(workspace, q.device)
     if validate:
         max_seq_len = check_attention_values(shapes, block_tables, seq_lens, query_start_loc)
     groups = _resolve_groups(
@@ -270,7 +293,13 @@ def _resolve_groups(
         return find_prefix_groups(
             block_tables, seq_lens, query_start_loc, block_size=shapes.block_size
         )
-    groups = [PrefixGroup(tuple(int(s) for s in g[0]), int(g[1])) for g in shared_prefix]
+    try:
+        groups = [PrefixGroup(tuple(int(s) for s in g[0]), int(g[1])) for g in shared_prefix]
+    except (TypeError, ValueError, IndexError):
+        raise KernelInputError(
+            "shared_prefix must be 'auto', None or a sequence of "
+            f"PrefixGroup(seqs, num_blocks), got {shared_prefix!r}"
+        ) from None
     if validate:
         check_groups(groups, block_tables, seq_lens, query_start_loc, shapes.block_size)
     return groups

@@ -74,7 +74,7 @@ def _signature(fn: Any, const: dict[str, Any], ptrs: dict[str, str]) -> dict[str
         elif name in ptrs:
             sig[name] = ptrs[name]
         else:
-            floats = ("qk_scale", "v_scale", "k_inv_scale", "v_inv_scale")
+            floats = ("qk_scale", "v_scale", "k_scale")
             sig[name] = "fp32" if name in floats else "i32"
     return sig
 

@@ -7,13 +7,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _to_e4m3_bytes(x, inv_scale):
-    """x * inv_scale saturated to +-448 and rounded to nearest even e4m3, as its bits in uint8.
+def _to_e4m3_bytes(x, scale):
+    """x / scale saturated to +-448 and rounded to nearest even e4m3, as its bits in uint8.
+
+    The division is IEEE round-to-nearest (``div_rn``), as torch's ``x / scale``: a reciprocal
+    multiply can land one ulp off and flip an e4m3 tie.
 
     Integer rounding rather than a float8 cast: exact in the interpreter too, and store_kv is
     bandwidth bound, so the few extra integer ops cost nothing.
     """
-    y = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)  # same shape, fp32
+    y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)  # same shape, fp32
     sign = (y.to(tl.uint32, bitcast=True) >> 31) << 7  # 0x80 for negatives (and -0.0)
     a = tl.abs(y)
     a_bits = a.to(tl.uint32, bitcast=True)
@@ -34,8 +37,8 @@ def store_kv_kernel(
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D] v dtype, or uint8 e4m3 bits with QUANT_FP8
     slot_mapping_ptr,  # [num_tokens] int32/int64, slot = block * BLOCK_SIZE + offset, -1 = skip
     num_tokens,
-    k_inv_scale,  # 1 / k_scale (QUANT_FP8 only)
-    v_inv_scale,  # 1 / v_scale (QUANT_FP8 only)
+    k_scale,  # fp32 (QUANT_FP8 only)
+    v_scale,  # fp32 (QUANT_FP8 only)
     stride_kt,
     stride_kh,
     stride_vt,
@@ -71,7 +74,7 @@ def store_kv_kernel(
     k = tl.load(k_ptr + k_src, mask=mask)  # [BLOCK_T, D_PAD]
     v = tl.load(v_ptr + v_src, mask=mask)  # [BLOCK_T, D_PAD]
     if QUANT_FP8:
-        k = _to_e4m3_bytes(k, k_inv_scale)  # [BLOCK_T, D_PAD] uint8
-        v = _to_e4m3_bytes(v, v_inv_scale)  # [BLOCK_T, D_PAD] uint8
+        k = _to_e4m3_bytes(k, k_scale)  # [BLOCK_T, D_PAD] uint8
+        v = _to_e4m3_bytes(v, v_scale)  # [BLOCK_T, D_PAD] uint8
     tl.store(k_cache_ptr + k_dst, k, mask=mask)
     tl.store(v_cache_ptr + v_dst, v, mask=mask)

@@ -71,11 +71,11 @@ def _same_device(**tensors: torch.Tensor) -> None:
 
 
 def _last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    """The kernels step through a tensor's last dimension one element at a time."""
     for name, t in tensors.items():
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise UnsupportedConfigError(
-                f"{name} must be contiguous in its last (head_dim) dimension; pass {name}"
-                ".contiguous()"
+                f"{name} must be contiguous in its last dimension; pass {name}.contiguous()"
             )
 
 
@@ -153,7 +153,13 @@ def check_attention_args(
             f"batch sizes disagree: seq_lens has {num_seqs}, block_tables "
             f"{block_tables.shape[0]}, query_start_loc {query_start_loc.shape[0]} (needs batch+1)"
         )
-    _last_dim_contiguous(q=q, **({"out": out} if out is not None else {}))
+    _last_dim_contiguous(
+        q=q,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        **({"out": out} if out is not None else {}),
+    )
     return AttentionShapes(
         num_seqs=num_seqs,
         total_q=total_q,
@@ -232,7 +238,7 @@ def check_store_args(
             raise KernelDTypeError(f"{name} is {t.dtype} but the cache is {k_cache.dtype}; cast it")
     _dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
     _same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-    _last_dim_contiguous(k=k, v=v)
+    _last_dim_contiguous(k=k, v=v, slot_mapping=slot_mapping)
     return num_blocks, block_size
 
 

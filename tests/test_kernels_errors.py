@@ -105,6 +105,37 @@ ATTENTION_ERRORS: list[tuple[str, Callable[[PagedBatch], dict], type[Exception],
         "block_q",
     ),
     ("backend", lambda b: {"backend": "cuda"}, ValueError, "backend must be"),
+    # index tensors the kernel would step through as if contiguous: refused, not misread
+    (
+        "strided-table",
+        lambda b: {"block_tables": b.block_tables.t().contiguous().t()},
+        UnsupportedConfigError,
+        r"block_tables\.contiguous\(\)",
+    ),
+    (
+        "strided-seq-lens",
+        lambda b: {"seq_lens": torch.stack([b.seq_lens, b.seq_lens], 1)[:, 0]},
+        UnsupportedConfigError,
+        r"seq_lens\.contiguous\(\)",
+    ),
+    (
+        "strided-qsl",
+        lambda b: {"query_start_loc": torch.stack([b.query_start_loc] * 2, 1)[:, 0]},
+        UnsupportedConfigError,
+        r"query_start_loc\.contiguous\(\)",
+    ),
+    *(
+        (f"splits-{n}", lambda b, n=n: {"num_splits": n}, UnsupportedConfigError, "num_splits")
+        for n in (0, -1, 3, 64, 2.5)
+    ),
+    (
+        "workspace-dtype",
+        lambda b: {"workspace": torch.zeros(10_000, dtype=torch.float16), "num_splits": 1},
+        KernelInputError,
+        "workspace must be",
+    ),
+    ("prefix-groups", lambda b: {"shared_prefix": [(0, 1)]}, KernelInputError, "PrefixGroup"),
+    ("prefix-int", lambda b: {"shared_prefix": 3}, KernelInputError, "PrefixGroup"),
 ]
 
 
@@ -139,6 +170,12 @@ STORE_ERRORS: list[tuple[str, dict, type[Exception], str]] = [
     ("k-shape", {"k": torch.zeros(3, 2, 64)}, KernelInputError, "k must be"),
     ("k-dtype", {"k": torch.zeros(2, 2, 64, dtype=torch.float16)}, KernelDTypeError, "cast it"),
     ("v-2d", {"v": torch.zeros(2, 128)}, KernelInputError, "v must be"),
+    (
+        "slot-strided",
+        {"slots": torch.tensor([[0, 40], [1, 41]])[:, 0]},
+        UnsupportedConfigError,
+        r"slot_mapping\.contiguous\(\)",
+    ),
 ]
 
 
@@ -201,3 +238,13 @@ def test_bad_config_rejected_before_an_empty_batch_returns(batch: PagedBatch) ->
             qsl,
             config=AttentionConfig(block_q=4, block_m=16, tile_n=24),
         )
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
+def test_attention_over_fp8_refuses_a_scale_that_is_not_positive(scale: float) -> None:
+    from prefixcache.kernels.reference import quantize_fp8
+
+    b = make_paged_batch([20], [1], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    k8, v8 = quantize_fp8(b.k_cache, 1.0), quantize_fp8(b.v_cache, 1.0)
+    with pytest.raises(KernelInputError, match="k_scale and v_scale must be > 0"):
+        paged_attention(b.q, k8, v8, b.block_tables, b.seq_lens, b.query_start_loc, k_scale=scale)

@@ -145,3 +145,17 @@ def test_fp8_nan_fill_and_bad_arguments() -> None:
             cache,
             torch.tensor([0]),
         )
+
+
+def test_store_divides_by_the_scale_as_the_reference_does() -> None:
+    """x / scale, not x * (1 / scale): the reciprocal can land one ulp below a tie and round the
+    other way (here 4.75 against 4.7499995, e4m3 bytes 74 against 73)."""
+    scale = 3.0805263996124266
+    x = torch.full((1, 1, 64), 14.6325, device=DEVICE)
+    cache = torch.zeros(2, 8, 1, 64, dtype=torch.uint8, device=DEVICE)
+    ref = cache.clone()
+    slots = torch.tensor([3], device=DEVICE)
+    store_kv(x, x, cache, cache.clone(), slots, k_scale=scale, v_scale=scale)
+    reference_store_kv(x, x, ref, ref.clone(), slots, k_scale=scale, v_scale=scale)
+    assert cache.view(-1)[3 * 64] == ref.view(-1)[3 * 64] == 74
+    assert torch.equal(cache, ref)
