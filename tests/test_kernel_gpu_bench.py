@@ -1,5 +1,5 @@
 """The GPU benchmark script runs end to end: every part with tiny shapes on the CPU (``--smoke``),
-so a GPU session spends its time measuring, not fixing the script."""
+so a run on a GPU measures rather than fixes the script."""
 
 from __future__ import annotations
 
