@@ -190,6 +190,19 @@ def test_toml_and_yaml_give_the_same_workload(tmp_path: Path) -> None:
         (("dist: uniform", "dist: cauchy"), "prompt[1].unique.length.dist", "one of fixed"),
         (("output: 16", "output: 16\nextra: 1"), "extra", "no such field"),
         (("output: 16", ""), "output", "the field is required"),
+        (("rate: 10", "rate: " + "9" * 400), "arrivals.rate", "a finite number"),
+        (
+            ("length: 40}", "length: 10000000000000000000000000}"),
+            "prompt[0].shared.length",
+            "a number <= 2,097,152",
+        ),
+        (("high: 9}", "high: 9, max: 3000000}"), "prompt[1].unique.length.max", "<= 2,097,152"),
+        (
+            ("{process: poisson, rate: 10}", "{timestamps: [0, 1], rate: 3}"),
+            "arrivals.rate",
+            "nothing next to timestamps",
+        ),
+        (("rate: 10}", "rate: 10, cv: 2}"), "arrivals.cv", "only the gamma process"),
     ],
 )
 def test_malformed_file_names_file_field_and_expectation(
@@ -223,3 +236,48 @@ def test_missing_required_field_is_named_without_internals(tmp_path):
     with pytest.raises(ScenarioError) as info:
         load_scenario(path)
     assert str(info.value) == f"{path}: field 'arrivals': expected a value (the field is required)"
+
+
+def test_max_context_caps_every_prompt_of_a_session(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        seed: 1
+        requests: 40
+        arrivals: {process: poisson, rate: 5}
+        prompt: [{unique: {length: 60}}]
+        output: 30
+        session:
+          turns: 5
+          think_time_s: 1
+          keep_output: true
+          max_context: 100
+          turn: [{unique: {length: 30}}]
+        """,
+    )
+    assert max(len(r.tokens) for r in take(path, 40)) <= 100
+
+
+def test_analyze_counts_the_answers_a_session_resends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """analyze's infinite-cache hit rate equals an unbounded replay's on multi-turn sessions:
+    both cache each answer, which the next turn's prompt starts with."""
+    import json
+
+    from prefixcache.cli import main
+
+    spec = (ROOT / "scenarios" / "multi_turn_chat.yaml").read_text()
+    path = tmp_path / "chat.yaml"
+    path.write_text(spec.replace("requests: 20000", "requests: 300"))
+    assert "requests: 300" in path.read_text()
+    out = tmp_path / "run"
+    argv = ["--block-size", "16"]
+    assert main(["replay", str(path), "--blocks", "inf", "--no-partial-copy", "--out", str(out)]
+                + argv) == 0  # fmt: skip
+    replayed = json.loads((out / "report.json").read_text())["token_hit_rate"]
+    capsys.readouterr()
+    assert main(["analyze", str(path), "--format", "json", *argv]) == 0
+    analyzed = json.loads(capsys.readouterr().out)
+    row = next(r for r in analyzed["infinite_cache"] if r["block_size"] == 16)
+    assert row["upper_bound_token_hit_rate"] == pytest.approx(replayed)

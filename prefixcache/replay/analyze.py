@@ -52,6 +52,11 @@ def analyze_source(
         first = req.arrival_s if first is None else first
         last = req.arrival_s
         buf = req.tokens.tobytes()
+        # a session's next prompt starts with this answer: the replay caches it (all but the last
+        # sampled token, whose K/V is never written), and so does the shadow here
+        grown = None
+        if req.output_tokens is not None and req.output_len > 1:
+            grown = buf + req.output_tokens[: req.output_len - 1].tobytes()
         for p, shadow, acc in zip(block_sizes, shadows, sums, strict=True):
             f = t // p
             _, u, _ = shadow.observe(buf, f, req.namespace)
@@ -59,6 +64,8 @@ def analyze_source(
             acc[1] += u
             acc[2] += u * p if u < f else (t - 1 if f * p == t else f * p)
             acc[3] += t - f * p
+            if grown is not None:
+                shadow.observe(grown, len(grown) // 4 // p, req.namespace)
     total_prompt = int(sum(prompts))
     per_block = []
     for p, shadow, (blocks, ub_blocks, ub_tokens, tail) in zip(

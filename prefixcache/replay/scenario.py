@@ -194,6 +194,9 @@ def _load_document(text: str, file: str) -> Any:
 def _arrivals(value: Any, where: Where) -> Arrivals:
     m = mapping(value, where, ("process", "rate", "cv", "timestamps"))
     if "timestamps" in m:
+        for other in ("process", "rate", "cv"):
+            if other in m:  # the timestamps decide every arrival: this would be ignored
+                raise (where / other).fail("nothing next to timestamps", m[other])
         stamps = sequence(m["timestamps"], where / "timestamps", min_len=1)
         times = [number(t, where / "timestamps" / i, minimum=0) for i, t in enumerate(stamps)]
         if any(b < a for a, b in itertools.pairwise(times)):
@@ -201,6 +204,8 @@ def _arrivals(value: Any, where: Where) -> Arrivals:
         return Arrivals("timestamps", timestamps=tuple(times))
     process = string(get(m, "process", where), where / "process", PROCESSES)
     rate = number(get(m, "rate", where), where / "rate", minimum=0, strict=True)
+    if "cv" in m and process != "gamma":
+        raise (where / "cv").fail("no cv: only the gamma process has one", m["cv"])
     cv = number(get(m, "cv", where, 1.0), where / "cv", minimum=0, strict=True)
     return Arrivals(process, rate, cv)
 

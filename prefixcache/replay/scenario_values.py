@@ -66,7 +66,10 @@ def integer(value: Any, where: Where, minimum: int | None = None) -> int:
 def number(value: Any, where: Where, minimum: float | None = None, strict: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise where.fail("a number", value)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        raise where.fail("a finite number", value) from None
     if value != value or value in (float("inf"), float("-inf")):
         raise where.fail("a finite number", value)
     if minimum is not None and (value <= minimum if strict else value < minimum):
@@ -171,7 +174,25 @@ class _Chunked:
 
 
 def parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float) -> Dist:
-    """Parse a number or ``{dist: ...}`` mapping; draws never go below ``minimum``."""
+    """Parse a number or ``{dist: ...}`` mapping; draws never go below ``minimum``. Counts
+    (``integer_valued``: token lengths, turns) are given at most ``MAX_COUNT``."""
+    dist = _parse_dist(value, where, integer_valued=integer_valued, minimum=minimum)
+    if not integer_valued:
+        return dist
+    for name, v in dist.params:
+        for x in v if isinstance(v, list) else [v]:
+            if name != "weights" and x > MAX_COUNT:
+                raise (where if dist.kind == "fixed" and not isinstance(value, dict) else
+                       where / name).fail(f"a number <= {MAX_COUNT:,}", x)  # fmt: skip
+    if dist.hi is not None and dist.hi > MAX_COUNT:
+        raise (where / "max").fail(f"a number <= {MAX_COUNT:,}", dist.hi)
+    return dist
+
+
+MAX_COUNT = 1 << 21  # the largest token length or count a scenario may draw (2,097,152)
+
+
+def _parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float) -> Dist:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         v = number(value, where, minimum=minimum)
         if integer_valued:

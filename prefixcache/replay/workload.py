@@ -188,6 +188,9 @@ class Workload:
             for seg in prompt if context is None else turn:
                 seg.emit(parts)
             tokens = _concat(parts)
+            cap = spec.max_context
+            if context is not None and cap is not None and len(tokens) > cap:
+                continue  # this turn would pass the cap: the session ends
             out_len = output_len()
             more = left > 1
             out_tokens = None
