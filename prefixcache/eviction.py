@@ -17,24 +17,15 @@ from prefixcache.radix import Node
 PolicyKey = Callable[[Node, float], Any]
 
 
-def live_priority(node: Node, now: float) -> int:
-    """The highest retention priority on ``node`` whose retention still runs (0 when none)."""
+def live_claim(node: Node, now: float) -> tuple[int, float]:
+    """The retention claim on ``node`` that decides now: the highest priority whose retention
+    still runs, and when it ends; ``(0, inf)`` when no claim runs."""
     if now < node.retain_until:
-        return node.priority
+        return node.priority, node.retain_until
     for priority, until in node.later:
         if now < until:
-            return priority
-    return 0
-
-
-def next_expiry(node: Node, now: float) -> float:
-    """When the live priority's retention ends (inf: never, or no claim)."""
-    if now < node.retain_until:
-        return node.retain_until
-    for _, until in node.later:
-        if now < until:
-            return until
-    return math.inf
+            return priority, until
+    return 0, math.inf
 
 
 POLICIES: dict[str, PolicyKey] = {
@@ -43,7 +34,7 @@ POLICIES: dict[str, PolicyKey] = {
     # least often hit first, then least recently used
     "lfu": lambda n, now: (n.hits, n.last_access),
     # lowest live priority first (a retention that ended counts no more), then LRU
-    "priority": lambda n, now: (live_priority(n, now), n.last_access),
+    "priority": lambda n, now: (live_claim(n, now)[0], n.last_access),
 }
 
 
@@ -73,9 +64,10 @@ class Evictor:
         node.heap_token += 1
         self._counter += 1
         heapq.heappush(self._heap, (self.key(node, now), self._counter, node.heap_token, node))
-        expiry = next_expiry(node, now)
-        if expiry < math.inf:
-            heapq.heappush(self._expiring, (expiry, self._counter, node.heap_token, node))
+        if node.retain_until > now or node.later:  # only nodes with claims (not lru's)
+            expiry = live_claim(node, now)[1]
+            if expiry < math.inf:
+                heapq.heappush(self._expiring, (expiry, self._counter, node.heap_token, node))
 
     def pop(self, now: float) -> Node | None:
         """Remove and return the evictable leaf with the smallest key (None if there is none)."""
