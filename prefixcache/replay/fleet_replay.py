@@ -42,12 +42,7 @@ from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
 from prefixcache.replay.serving import LiveRequest, Simulator
-from prefixcache.replay.serving_figures import (
-    BenchmarkFigures,
-    Load,
-    benchmark_figures,
-    ttft_growth,
-)
+from prefixcache.replay.serving_figures import BenchmarkFigures, Load, RequestTimes
 from prefixcache.replay.tier_admission import Tiers, build_tiers
 from prefixcache.run_format import nearest_rank, rate
 from prefixcache.stats import BlockCounts, CacheStats
@@ -130,8 +125,7 @@ class _Replica(Simulator):
     ) -> None:
         super().__init__(mgr, cfg, fleet.acc)
         self.fleet, self.name = fleet, name
-        self.ttft = fleet.ttft  # indexed by the fleet's request index
-        self.finish = fleet.finish
+        self.times = fleet.times  # indexed by the fleet's request index
         self.pending: list[WireEvent] = []
         self.seq = 0
         self.live: dict[int, LiveRequest] = {}
@@ -196,13 +190,7 @@ class FleetSimulator:
         o = cfg.options
         self.cfg, self.acc = cfg, acc
         self.p = o.block_size
-        # per request, by the fleet's request index: what the benchmark figures need
-        self.ttft: list[float] = []
-        self.finish: list[float] = []
-        self.arrival: list[float] = []
-        self.prompt_len: list[int] = []
-        self.output_len: list[int] = []
-        self.samples: list[int] = []
+        self.times = RequestTimes()  # per request, by the fleet's request index
         self.index = MemoryFleetIndex()
         names = [f"replica-{k}" for k in range(o.replicas)]
         self.subscriber = KVEventSubscriber(
@@ -256,12 +244,7 @@ class FleetSimulator:
             decision = self.router.route(req.namespace, req.tokens, str(idx))
             self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
             k = int(decision.replica.rsplit("-", 1)[1])
-            self.ttft.append(math.nan)
-            self.finish.append(math.nan)
-            self.arrival.append(req.arrival_s)
-            self.prompt_len.append(len(req.tokens))
-            self.output_len.append(req.output_len * req.n)
-            self.samples.append(req.n)
+            self.times.add(req.arrival_s, len(req.tokens), req.output_len, req.n)
             self.assignment.append(k)
             self.replicas[k].take(LiveRequest(idx, req))
         self._advance(math.inf)
@@ -316,15 +299,7 @@ class FleetSimulator:
 
     def figures(self) -> BenchmarkFigures:
         """The fleet's throughput and latency, as a serving benchmark against it reports."""
-        return benchmark_figures(
-            self.arrival,
-            self.ttft,
-            self.finish,
-            self.prompt_len,
-            self.output_len,
-            self.busy,
-            self.samples,
-        )
+        return self.times.figures(self.busy)
 
     @property
     def clock(self) -> float:
@@ -335,7 +310,7 @@ class FleetSimulator:
         """Per-replica figures (TTFTs from the fleet's per-request list)."""
         ttfts: list[list[float]] = [[] for _ in self.replicas]
         for idx, k in enumerate(self.assignment):
-            ttfts[k].append(self.ttft[idx])
+            ttfts[k].append(self.times.ttft[idx])
         return [
             ReplicaStats(
                 r.name,
@@ -425,8 +400,8 @@ def run_pooled(requests: Iterable[Request], cfg: ResolvedConfig) -> PooledLine:
         pooled.capacity_blocks,
         rate(tot.hit_tokens, tot.prompt_tokens),
         rate(tot.hit_blocks, tot.prompt_blocks),
-        _percentile(sim.ttft, 50),
-        _percentile(sim.ttft, 99),
+        _percentile(sim.times.ttft, 50),
+        _percentile(sim.times.ttft, 99),
     )
 
 
@@ -463,26 +438,25 @@ def run_fleet(
     plain = FleetSimulator(cfg, None, namespace, caching=False)
     plain.run(reopen())
     pooled = run_pooled(reopen(), cfg)  # one namespace, checked above
-    arrivals = sim.arrival
-    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    times = sim.times
     o = cfg.options
     serving = ServingStats(
-        sim.ttft,
-        plain.ttft,
+        times.ttft,
+        plain.times.ttft,
         sum(r.preemptions for r in sim.replicas),
         sim.steps,
-        sim.clock - min(arrivals, default=sim.clock),  # from the first arrival to the last finish
+        sim.clock - min(times.arrival, default=sim.clock),  # first arrival to last finish
         sim.truncated,
         with_cache=sim.figures(),
         without_cache=plain.figures(),
         load=Load(
-            span,
+            times.span,
             sim.busy,
             plain.busy,
             o.rate_scale / o.time_scale,
             len(sim.replicas),
             max(r.busy for r in sim.replicas),
-            ttft_growth(sim.arrival, sim.ttft),
+            times.ttft_growth(),
         ),
         assumptions=sim.replicas[0].roof.assumptions(),
     )

@@ -23,7 +23,6 @@ estimates; the efficiencies below are assumptions, shown in every report.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -38,12 +37,7 @@ from prefixcache.replay.model_specs import DEFAULT_COMPUTE_EFFICIENCY, GpuConfig
 from prefixcache.replay.replay_config import ResolvedConfig
 from prefixcache.replay.replay_result import ServingStats
 from prefixcache.replay.request import Request
-from prefixcache.replay.serving_figures import (
-    BenchmarkFigures,
-    Load,
-    benchmark_figures,
-    ttft_growth,
-)
+from prefixcache.replay.serving_figures import BenchmarkFigures, Load, RequestTimes
 from prefixcache.replay.synth import TokenTape, stream_key
 from prefixcache.replay.tier_admission import TierAdmitter
 
@@ -204,12 +198,7 @@ class Simulator:
         self.tape = TokenTape(stream_key("serving-samples"))
         self.clock = 0.0
         self.steps = self.preemptions = self.truncated = 0
-        self.ttft: list[float] = []
-        self.finish: list[float] = []  # when the request's last sample finished
-        self.arrival: list[float] = []
-        self.prompt_len: list[int] = []
-        self.output_len: list[int] = []  # tokens generated over all samples
-        self.samples: list[int] = []  # samples per request (parallel sampling)
+        self.times = RequestTimes()
         self.busy = 0.0  # seconds spent in steps
         self.running: list[LiveRequest] = []
         self.waiting: deque[LiveRequest] = deque()
@@ -228,12 +217,7 @@ class Simulator:
         while True:
             while nxt is not None and nxt.arrival_s <= self.clock:
                 self.waiting.append(LiveRequest(idx, nxt))
-                self.ttft.append(math.nan)
-                self.finish.append(math.nan)
-                self.arrival.append(nxt.arrival_s)
-                self.prompt_len.append(len(nxt.tokens))
-                self.output_len.append(nxt.output_len * nxt.n)
-                self.samples.append(nxt.n)
+                self.times.add(nxt.arrival_s, len(nxt.tokens), nxt.output_len, nxt.n)
                 idx += 1
                 nxt = next(it, None)
             if not self.running and not self.waiting:
@@ -363,7 +347,7 @@ class Simulator:
     def _start_decode(self, r: LiveRequest) -> None:
         if not r.first_done:
             r.first_done = True
-            self.ttft[r.idx] = self.clock - r.req.arrival_s
+            self.times.ttft[r.idx] = self.clock - r.req.arrival_s
         req, kv = r.req, len(r.tokens)
         if r.out0 is None:
             given = req.output_tokens
@@ -451,8 +435,7 @@ class Simulator:
                 keep.append(r)
                 continue
             done += 1
-            if r.idx < len(self.finish):  # a fleet's replicas keep no per-request rows
-                self.finish[r.idx] = self.clock
+            self.times.finish[r.idx] = self.clock
         self.running = keep
         if done and self.on_finish is not None:
             self.on_finish(done)
@@ -468,17 +451,14 @@ class Simulator:
         acc.note_usage(used.active, logical, frag)
         acc.sample_timeline(self.steps, self.clock, used, self.mgr.stats.evicted_blocks, final)
 
+    @property
+    def ttft(self) -> list[float]:
+        """Seconds to the first token, per request (NaN: not served yet)."""
+        return self.times.ttft
+
     def figures(self) -> BenchmarkFigures:
         """Throughput and latency of the requests simulated so far."""
-        return benchmark_figures(
-            self.arrival,
-            self.ttft,
-            self.finish,
-            self.prompt_len,
-            self.output_len,
-            self.busy,
-            self.samples,
-        )
+        return self.times.figures(self.busy)
 
     def usage(self) -> tuple[int, int]:
         """Logical blocks of the running requests and the unused slots of their last blocks."""
@@ -524,23 +504,22 @@ def run_serving(
     base = Simulator(plain, cfg, None)
     base.on_finish = on_finish
     base.run(again)
-    arrivals = sim.arrival
-    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    times = sim.times
     return ServingStats(
-        sim.ttft,
-        base.ttft,
+        times.ttft,
+        base.times.ttft,
         sim.preemptions,
         sim.steps,
-        sim.clock - min(arrivals, default=sim.clock),  # from the first arrival to the last finish
+        sim.clock - min(times.arrival, default=sim.clock),  # first arrival to last finish
         sim.truncated,
         with_cache=sim.figures(),
         without_cache=base.figures(),
         load=Load(
-            span,
+            times.span,
             sim.busy,
             base.busy,
             cfg.options.rate_scale / cfg.options.time_scale,
-            ttft_growth_s=ttft_growth(sim.arrival, sim.ttft),
+            ttft_growth_s=times.ttft_growth(),
         ),
         assumptions=sim.roof.assumptions(),
     )

@@ -207,6 +207,46 @@ class Load:
         return out
 
 
+class RequestTimes:
+    """Per request, by index in arrival order: what the benchmark figures and the load need
+    (a fleet's replicas write into their fleet's)."""
+
+    def __init__(self) -> None:
+        self.arrival: list[float] = []
+        self.ttft: list[float] = []  # NaN until the first token
+        self.finish: list[float] = []  # when the last sample finished; NaN until then
+        self.prompt_len: list[int] = []
+        self.output_len: list[int] = []  # tokens generated over all samples
+        self.samples: list[int] = []  # parallel samples
+
+    def add(self, arrival_s: float, prompt_len: int, output_len: int, samples: int) -> None:
+        self.arrival.append(arrival_s)
+        self.ttft.append(math.nan)
+        self.finish.append(math.nan)
+        self.prompt_len.append(prompt_len)
+        self.output_len.append(output_len * samples)
+        self.samples.append(samples)
+
+    @property
+    def span(self) -> float:
+        """First to last arrival (0.0 without requests)."""
+        return max(self.arrival) - min(self.arrival) if self.arrival else 0.0
+
+    def figures(self, busy_s: float) -> BenchmarkFigures:
+        return benchmark_figures(
+            self.arrival,
+            self.ttft,
+            self.finish,
+            self.prompt_len,
+            self.output_len,
+            busy_s,
+            self.samples,
+        )
+
+    def ttft_growth(self) -> float | None:
+        return ttft_growth(self.arrival, self.ttft)
+
+
 def ttft_growth(arrival: Sequence[float], ttft: Sequence[float]) -> float | None:
     """Mean TTFT of the last tenth of the served requests (in arrival order) minus that of the
     first tenth; None with fewer than two served requests."""
