@@ -23,13 +23,19 @@ from prefixcache.kernels.cascade import (
     check_groups,
     find_prefix_groups,
 )
-from prefixcache.kernels.config import MAX_SPLITS, AttentionConfig, choose_config
+from prefixcache.kernels.config import (
+    MAX_SPLITS,
+    AttentionConfig,
+    check_num_splits,
+    choose_config,
+)
 from prefixcache.kernels.kernel_errors import KernelInputError, UnsupportedConfigError
 from prefixcache.kernels.reference import reference_paged_attention
 from prefixcache.kernels.validation import (
     AttentionShapes,
     check_attention_args,
     check_attention_values,
+    check_fp8_scales,
     is_fp8,
 )
 
@@ -191,16 +197,10 @@ def paged_attention(
         raise ValueError("pass either num_splits or config (which has num_splits), not both")
     if config is not None:
         config.validate(shapes.group)  # on every backend, so a bad config never passes silently
-    if num_splits is not None and (
-        type(num_splits) is not int
-        or not 1 <= num_splits <= MAX_SPLITS
-        or num_splits & (num_splits - 1)
-    ):
-        raise UnsupportedConfigError(
-            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits!r}"
-        )
-    if fp8 and not (k_scale > 0 and v_scale > 0):  # NaN fails too
-        raise KernelInputError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
+    if num_splits is not None:
+        check_num_splits(num_splits)
+    if fp8:
+        check_fp8_scales(k_scale, v_scale)
     if workspace is not None:
         _check_workspace(workspace, q.device)
     if validate:

@@ -48,7 +48,8 @@ class AttentionConfig:
 
     def validate(self, group: int) -> None:
         """Raise UnsupportedConfigError unless this config can run with ``group`` heads per KV."""
-        for name in ("block_m", "tile_n", "num_splits", "num_warps"):
+        check_num_splits(self.num_splits)
+        for name in ("block_m", "tile_n", "num_warps"):
             if not _is_pow2(getattr(self, name)):
                 raise UnsupportedConfigError(f"{name} must be a power of two, got {self}")
         if self.block_m < 16 or self.tile_n < 16:
@@ -57,14 +58,24 @@ class AttentionConfig:
             raise UnsupportedConfigError(
                 f"block_q * group ({self.block_q} * {group}) must be in [1, block_m={self.block_m}]"
             )
-        if self.num_splits > MAX_SPLITS or self.num_stages < 1:
-            raise UnsupportedConfigError(
-                f"num_splits must be <= {MAX_SPLITS} and num_stages >= 1, got {self}"
-            )
+        if self.num_stages < 1:
+            raise UnsupportedConfigError(f"num_stages must be >= 1, got {self}")
 
     def num_q_blocks(self, total_q: int, num_seqs: int) -> int:
         """Grid size along queries; matches the kernel's sequence lookup (see the kernel)."""
         return total_q if self.block_q == 1 else total_q // self.block_q + num_seqs
+
+
+def check_num_splits(num_splits: object) -> None:
+    """UnsupportedConfigError unless ``num_splits`` is a power of two in [1, MAX_SPLITS]."""
+    if (
+        type(num_splits) is not int
+        or not 1 <= num_splits <= MAX_SPLITS
+        or num_splits & (num_splits - 1)
+    ):
+        raise UnsupportedConfigError(
+            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits!r}"
+        )
 
 
 def choose_split(programs: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:

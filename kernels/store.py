@@ -6,9 +6,13 @@ import torch
 
 from prefixcache.kernels.attention import check_fp8_device
 from prefixcache.kernels.backend import Backend, check_kernel_mode, resolve_backend
-from prefixcache.kernels.kernel_errors import KernelInputError
 from prefixcache.kernels.reference import reference_store_kv
-from prefixcache.kernels.validation import check_slot_values, check_store_args, is_fp8
+from prefixcache.kernels.validation import (
+    check_fp8_scales,
+    check_slot_values,
+    check_store_args,
+    is_fp8,
+)
 
 _BLOCK_T = 32  # tokens per program
 
@@ -36,8 +40,8 @@ def store_kv(
     """
     num_blocks, block_size = check_store_args(k, v, k_cache, v_cache, slot_mapping)
     fp8 = is_fp8(k_cache)
-    if fp8 and not (k_scale > 0 and v_scale > 0):
-        raise KernelInputError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
+    if fp8:
+        check_fp8_scales(k_scale, v_scale)
     if validate:
         check_slot_values(slot_mapping, num_blocks * block_size)
     num_tokens, num_kv_heads, head_dim = k.shape

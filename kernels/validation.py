@@ -242,6 +242,12 @@ def check_store_args(
     return num_blocks, block_size
 
 
+def check_fp8_scales(k_scale: float, v_scale: float) -> None:
+    """KernelInputError unless both per-tensor fp8 scales are > 0 (NaN is not)."""
+    if not (k_scale > 0 and v_scale > 0):
+        raise KernelInputError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
+
+
 def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
     """Every slot must be -1 (skip) or inside the cache."""
     slots = slot_mapping.cpu()
