@@ -92,6 +92,9 @@ def test_redis_and_memory_give_the_same_matches(redis_server, ops):
     assert redis_index.replicas() == memory.replicas()
     for rep in memory.replicas():
         assert redis_index.num_blocks(rep) == memory.num_blocks(rep)
+    everyone = [*memory.replicas(), "never-seen"]
+    counts = {rep: memory.num_blocks(rep) for rep in everyone}
+    assert redis_index.num_blocks_many(everyone) == memory.num_blocks_many(everyone) == counts
     redis_index.client.close()
 
 

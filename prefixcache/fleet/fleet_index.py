@@ -48,3 +48,6 @@ class FleetIndex(Protocol):
 
     def num_blocks(self, replica: str) -> int:
         """Blocks (on any medium) the index holds for ``replica``."""
+
+    def num_blocks_many(self, replicas: Sequence[str]) -> dict[str, int]:
+        """``num_blocks`` of several replicas at once (one round trip for a remote index)."""

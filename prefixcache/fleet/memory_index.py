@@ -172,6 +172,10 @@ class MemoryFleetIndex:
         """Blocks (on any medium) the index holds for ``replica``."""
         return self._count.get(check_replica(replica), 0)
 
+    def num_blocks_many(self, replicas: Sequence[str]) -> dict[str, int]:
+        """``num_blocks`` of each of ``replicas``."""
+        return {r: self.num_blocks(r) for r in replicas}
+
     # ---- beyond the contract --------------------------------------------------------------
     def overflow(self, replica: str) -> int:
         """Blocks refused for ``replica`` because it was at ``max_blocks_per_replica``."""

@@ -313,6 +313,23 @@ class RedisFleetIndex:
                     self._failed(exc)
             return self.local.num_blocks(replica)
 
+    def num_blocks_many(self, replicas: Sequence[str]) -> dict[str, int]:
+        """``num_blocks`` of each of ``replicas``, in one pipelined round trip."""
+        for r in replicas:
+            check_replica(r)
+        if not replicas:
+            return {}
+        with self._lock:
+            if self.flush():
+                try:
+                    pipe = self.client.pipeline(transaction=False)
+                    for r in replicas:
+                        pipe.scard(f"{self.prefix}:r:{r}")
+                    return {r: int(n) for r, n in zip(replicas, pipe.execute(), strict=True)}
+                except redis.RedisError as exc:
+                    self._failed(exc)
+            return self.local.num_blocks_many(replicas)
+
     # ---- beyond the contract --------------------------------------------------------------
     def flush(self) -> bool:
         """Send the queued writes (resynchronising first if Redis missed some); True when Redis

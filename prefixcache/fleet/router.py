@@ -370,7 +370,7 @@ class Router:
             for match in self._index.match(digests):
                 if match.replica in wanted:
                     found[match.replica] = match
-        held = {s.name: self._index.num_blocks(s.name) for s in eligible if s.capacity_blocks}
+        held = self._index.num_blocks_many([s.name for s in eligible if s.capacity_blocks])
         return _Matches(n, eligible, found, held)
 
     def _scores(self, matches: _Matches, *, up_only: bool = False) -> tuple[ReplicaScore, ...]:

@@ -31,7 +31,8 @@ def capacity(blocks: int) -> str:
 
 def capacity_blocks(blocks: int) -> str:
     """ "4,000 blocks", or "unbounded" for a cache that never runs out."""
-    return "unbounded" if blocks >= UNBOUNDED else f"{blocks:,} blocks"
+    size = capacity(blocks)
+    return size if blocks >= UNBOUNDED else f"{size} blocks"
 
 
 def plural(n: int, noun: str) -> str:
