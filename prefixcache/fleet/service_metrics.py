@@ -52,8 +52,10 @@ class _FleetCollector(Collector):
             labels=["replica"],
         )
         index = self._router.index
-        for load in self._router.loads():
-            blocks.add_metric([load.name], index.num_blocks(load.name))
+        loads = self._router.loads()
+        held = index.num_blocks_many([load.name for load in loads])
+        for load in loads:
+            blocks.add_metric([load.name], held[load.name])
             in_flight.add_metric([load.name], load.in_flight)
             tokens.add_metric([load.name], load.in_flight_tokens)
         yield blocks
