@@ -58,3 +58,23 @@ def test_export_applies_the_trace_guards(
     err = capsys.readouterr().err
     assert "t.jsonl:1" in err and "Traceback" not in err
     assert main(args) == 0
+
+
+def test_mooncake_export_writes_one_line_per_parallel_sample(tmp_path: Path) -> None:
+    # the Mooncake format has no n: a request with n samples is n equal lines, as a benchmark
+    # must send it to get n completions
+    scenario = "scenarios/parallel_sampling.yaml"
+    requests = list(open_source(scenario, ReplayConfig(seed=1)))
+    assert any(r.n > 1 for r in requests)
+    out = tmp_path / "samples.jsonl"
+    args = ["export", scenario, "--format", "mooncake", "--out", str(out), "--seed", "1"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == sum(r.n for r in requests)
+    i = 0
+    for req in requests:
+        group = rows[i : i + req.n]
+        assert all(row == group[0] for row in group)
+        assert group[0]["timestamp"] == round(req.arrival_s * 1000)
+        assert group[0]["output_length"] == req.output_len
+        i += req.n

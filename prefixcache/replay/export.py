@@ -3,7 +3,9 @@
 - ``mooncake``: the Mooncake trace JSONL (``timestamp`` in ms, ``input_length``,
   ``output_length``, ``hash_ids``), one id per ``block_size``-token block of the prompt. Equal ids
   mean equal prefixes: the id of a block is given by the whole prefix up to its end, so two
-  prompts share ids exactly as far as they share blocks.
+  prompts share ids exactly as far as they share blocks. The format has no parallel samples:
+  a request with ``n`` samples is written as ``n`` equal lines (same arrival, same prompt), as a
+  benchmark must send it to get ``n`` completions.
 - ``openai-jsonl``: the OpenAI batch request format (``custom_id``, ``method``, ``url``, ``body``)
   of ``/v1/completions`` requests whose ``prompt`` is the token ids, as vLLM's ``run_batch``
   accepts. The format has no arrival time, so it goes in ``custom_id`` (``req-<index>-t<ms>``);
@@ -22,7 +24,7 @@ FORMATS = ("mooncake", "openai-jsonl")
 
 
 def mooncake_lines(requests: Iterable[Request], block_size: int = 512) -> Iterator[str]:
-    """One Mooncake trace line per request."""
+    """One Mooncake trace line per request (``n`` equal lines for ``n`` parallel samples)."""
     ids: dict[bytes, int] = {}
     for req in requests:
         tokens = req.tokens
@@ -32,7 +34,7 @@ def mooncake_lines(requests: Iterable[Request], block_size: int = 512) -> Iterat
             block = tokens[start : start + block_size]
             digest = hashlib.blake2b(digest + block.tobytes(), digest_size=16).digest()
             hash_ids.append(ids.setdefault(digest, len(ids)))
-        yield json.dumps(
+        line = json.dumps(
             {
                 "timestamp": round(req.arrival_s * 1000),
                 "input_length": len(tokens),
@@ -40,6 +42,8 @@ def mooncake_lines(requests: Iterable[Request], block_size: int = 512) -> Iterat
                 "hash_ids": hash_ids,
             }
         )
+        for _ in range(req.n):
+            yield line
 
 
 def openai_lines(requests: Iterable[Request], model: str, vocab_size: int) -> Iterator[str]:
