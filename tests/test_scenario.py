@@ -105,6 +105,38 @@ def test_pool_picks_distinct_documents_in_varying_positions(tmp_path: Path) -> N
     assert [r.arrival_s for r in reqs[:3]] == [0.0, 1.0, 2.0]
 
 
+def test_pool_gives_pick_items_under_skewed_popularity(tmp_path: Path) -> None:
+    # size 10, pick 10, zipf 2: drawing 8 x pick times gave about 7.65 distinct items, so
+    # prompts were shorter than the scenario says; the rest are drawn without replacement
+    path = write(
+        tmp_path,
+        """\
+        seed: 1
+        requests: 50
+        arrivals: {process: constant, rate: 1}
+        prompt:
+          - pool: {name: docs, size: 10, length: 16, pick: 10, popularity: {zipf: 2}}
+        output: 1
+    """,
+    )
+    for r in take(path, 50):
+        assert len(r.tokens) == 160
+        assert len({r.tokens[i * 16 : (i + 1) * 16].tobytes() for i in range(10)}) == 10
+    # with zero-weight items only the others can be picked
+    path = write(
+        tmp_path,
+        """\
+        seed: 1
+        requests: 5
+        arrivals: {process: constant, rate: 1}
+        prompt:
+          - pool: {name: docs, size: 4, length: 16, pick: 4, popularity: [1, 1, 0, 1]}
+        output: 1
+    """,
+    )
+    assert {len(r.tokens) for r in take(path, 5)} == {48}
+
+
 def test_sessions_resend_history_and_output(tmp_path: Path) -> None:
     path = write(
         tmp_path,

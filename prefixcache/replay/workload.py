@@ -59,6 +59,7 @@ class _SegmentSource:
         if seg.kind == "pool":
             assert seg.pick is not None
             self._count = seg.pick.sampler(_rng(seed, "count", seg.name))
+            self._fill_rng = _rng(seed, "fill", seg.name)
 
     def item(self, i: int) -> np.ndarray:
         tokens = self._items.get(i)
@@ -80,8 +81,21 @@ class _SegmentSource:
                 chosen[self._pick_item()] = None
                 if len(chosen) == want:
                     break
+            if len(chosen) < want:  # very skewed popularity: the rest without replacement
+                chosen.update(dict.fromkeys(self._fill(chosen, want - len(chosen))))
             ids = sorted(chosen) if self.seg.order == "sorted" else list(chosen)
             out.extend(self.item(i) for i in ids)
+
+    def _fill(self, chosen: dict[int, None], k: int) -> list[int]:
+        """``k`` more distinct items, none of ``chosen``, drawn by popularity."""
+        p = np.asarray(self.seg.weights).copy()
+        p[list(chosen)] = 0.0
+        left = np.flatnonzero(p)
+        k = min(k, len(left))
+        if k == 0:
+            return []
+        picked = self._fill_rng.choice(left, size=k, replace=False, p=p[left] / p[left].sum())
+        return [int(i) for i in picked]
 
 
 def _clock(arrivals: Arrivals, rng: np.random.Generator) -> Iterator[float]:
