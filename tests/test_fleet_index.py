@@ -71,6 +71,8 @@ def test_memory_index_equals_a_dict_of_sets(ops, start):
     assert index.replicas() == sorted(model)
     for rep in model:
         assert index.num_blocks(rep) == len({d for d, _ in model[rep]})
+    gpu = {rep: len({d for d, m in model[rep] if m == GPU}) for rep in model}
+    assert index.num_blocks_many(sorted(model), GPU) == gpu
 
 
 @pytest.fixture
@@ -95,6 +97,8 @@ def test_redis_and_memory_give_the_same_matches(redis_server, ops):
     everyone = [*memory.replicas(), "never-seen"]
     counts = {rep: memory.num_blocks(rep) for rep in everyone}
     assert redis_index.num_blocks_many(everyone) == memory.num_blocks_many(everyone) == counts
+    on_gpu = memory.num_blocks_many(everyone, GPU)
+    assert redis_index.num_blocks_many(everyone, GPU) == on_gpu
     redis_index.client.close()
 
 

@@ -223,11 +223,27 @@ def test_lookup_scores_every_eligible_replica() -> None:
     result = router.lookup(NS, tokens)
     assert result.prompt_tokens == 128
     got = {s.name: (s.cached_tokens, s.gpu_cached_tokens, s.held_blocks) for s in result.scores}
-    assert got == {"a": (32, 32, 2), "b": (128, 96, 8), "c": (0, 0, 0)}
+    assert got == {"a": (32, 32, 2), "b": (128, 96, 6), "c": (0, 0, 0)}  # held: on GPU
     assert router.lookup(NS, tokens.tolist()) == result
     assert router.lookup(NS, tokens[:20]).scores[1].cached_tokens == 16
     other = Router(MemoryFleetIndex(), [ReplicaSpec("x", Namespace("m", salt="t"), 16)])
     assert other.lookup(Namespace("m", salt="t"), tokens).scores[0].cached_tokens == 0
+
+
+def test_free_capacity_counts_gpu_blocks_only() -> None:
+    # a replica that offloaded blocks to CPU has as much GPU room as before: the low-match
+    # fallback of prefix_balanced must not take it for full
+    index = MemoryFleetIndex()
+    hasher = BlockHasher(16)
+    busy_gpu = hasher.hash_prompt(np.arange(1000, 1000 + 16 * 40, dtype="<i4"), NS)
+    offloaded = hasher.hash_prompt(np.arange(5000, 5000 + 16 * 90, dtype="<i4"), NS)
+    index.store("a", busy_gpu)  # 40 of 100 blocks on GPU
+    index.store("b", offloaded[:10])  # 10 on GPU ...
+    index.store("b", offloaded[10:], CPU)  # ... and 80 more on CPU
+    router = Router(index, [ReplicaSpec(n, NS, 16, 100) for n in "ab"], "prefix_balanced")
+    held = {s.name: s.held_blocks for s in router.lookup(NS, np.arange(9, 9 + 64)).scores}
+    assert held == {"a": 40, "b": 10}
+    assert router.route(NS, np.arange(9, 9 + 64)).replica == "b"
 
 
 def test_route_counts_load_until_release() -> None:

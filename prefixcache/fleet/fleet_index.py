@@ -49,5 +49,6 @@ class FleetIndex(Protocol):
     def num_blocks(self, replica: str) -> int:
         """Blocks (on any medium) the index holds for ``replica``."""
 
-    def num_blocks_many(self, replicas: Sequence[str]) -> dict[str, int]:
-        """``num_blocks`` of several replicas at once (one round trip for a remote index)."""
+    def num_blocks_many(self, replicas: Sequence[str], medium: str | None = None) -> dict[str, int]:
+        """Blocks held by several replicas at once (one round trip for a remote index): on any
+        medium (None) or on GPU only (``GPU``, what a replica's KV capacity bounds)."""

@@ -82,6 +82,7 @@ class MemoryFleetIndex:
         self._names: dict[int, str] = {}
         self._free: list[int] = []  # slots given up by dropped replicas
         self._count: dict[str, int] = {}  # blocks held (any medium)
+        self._gpu_count: dict[str, int] = {}  # blocks held on GPU
         self._overflow: dict[str, int] = {}
 
     # ---- FleetIndex -----------------------------------------------------------------------
@@ -97,6 +98,7 @@ class MemoryFleetIndex:
         masks = self._masks
         interned = self._interned
         count = self._count[replica]
+        added = 0
         cap = self.max_blocks_per_replica
         get = masks.get
         for k, d in enumerate(digests):
@@ -108,9 +110,12 @@ class MemoryFleetIndex:
                     self._overflow[replica] += len(digests) - k
                     break
                 count += 1
+            added += 1
             m |= bit
             masks[d] = interned.setdefault(m, m)
         self._count[replica] = count
+        if medium == GPU:
+            self._gpu_count[replica] += added
 
     def remove(self, replica: str, digests: Sequence[bytes], medium: str | None = None) -> None:
         """``replica`` dropped ``digests`` from ``medium`` (from every medium when None)."""
@@ -124,10 +129,14 @@ class MemoryFleetIndex:
         masks = self._masks
         interned = self._interned
         count = self._count[replica]
+        gpu_bit = 1 << (2 * r)
+        gpu_count = self._gpu_count[replica]
         for d in digests:
             m = masks.get(d, 0)
             if not m & bits:
                 continue
+            if m & bits & gpu_bit:
+                gpu_count -= 1
             m &= ~bits
             if not m & both:
                 count -= 1
@@ -136,6 +145,7 @@ class MemoryFleetIndex:
             else:
                 del masks[d]
         self._count[replica] = count
+        self._gpu_count[replica] = gpu_count
         if len(interned) > 4 * len(masks) + 1024:  # masks nobody uses any more
             self._interned = {m: m for m in masks.values()}
 
@@ -145,7 +155,7 @@ class MemoryFleetIndex:
         if r is None:
             return
         self._clear_slot(r)
-        self._count[replica] = 0
+        self._count[replica] = self._gpu_count[replica] = 0
 
     def drop_replica(self, replica: str) -> None:
         """Forget ``replica`` entirely (removed from the fleet)."""
@@ -154,6 +164,7 @@ class MemoryFleetIndex:
             return
         self._clear_slot(r)
         del self._slot[replica], self._names[r], self._count[replica], self._overflow[replica]
+        del self._gpu_count[replica]
         self._free.append(r)
 
     def match(self, digests: Sequence[bytes]) -> list[ReplicaMatch]:
@@ -172,9 +183,13 @@ class MemoryFleetIndex:
         """Blocks (on any medium) the index holds for ``replica``."""
         return self._count.get(check_replica(replica), 0)
 
-    def num_blocks_many(self, replicas: Sequence[str]) -> dict[str, int]:
-        """``num_blocks`` of each of ``replicas``."""
-        return {r: self.num_blocks(r) for r in replicas}
+    def num_blocks_many(self, replicas: Sequence[str], medium: str | None = None) -> dict[str, int]:
+        """Blocks held by each of ``replicas`` on ``medium`` (GPU only: the KV capacity a
+        replica's free room is measured against; None: any medium)."""
+        if medium is not None and check_medium(medium) != GPU:
+            raise InvalidArgumentError(f"medium must be {GPU!r} or None, got {medium!r}")
+        counts = self._count if medium is None else self._gpu_count
+        return {r: counts.get(check_replica(r), 0) for r in replicas}
 
     # ---- beyond the contract --------------------------------------------------------------
     def overflow(self, replica: str) -> int:
@@ -211,7 +226,7 @@ class MemoryFleetIndex:
         r = self._free.pop() if self._free else len(self._slot)
         self._slot[replica] = r
         self._names[r] = replica
-        self._count[replica] = 0
+        self._count[replica] = self._gpu_count[replica] = 0
         self._overflow[replica] = 0
         return r
 

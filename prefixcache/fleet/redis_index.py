@@ -10,6 +10,7 @@ bytes, replica names their UTF-8 text):
   the key is deleted when no bit is left
 - ``P:r:<name>``   SET    the digests replica ``name`` holds on any medium (its block count is
   the set's size; ``clear`` walks it)
+- ``P:g:<name>``   STRING how many of them replica ``name`` holds on GPU (an integer)
 
 Writes run as Lua scripts (one call per stored or removed run of blocks, the whole run as
 arguments), queued and sent in pipelines of ``pipeline_size`` calls; ``flush()`` sends what is
@@ -46,13 +47,14 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from prefixcache.errors import ConfigError
+from prefixcache.errors import ConfigError, InvalidArgumentError
 from prefixcache.fleet.fleet_index import CPU, GPU, ReplicaMatch
 from prefixcache.fleet.memory_index import (
     DEFAULT_MAX_BLOCKS_PER_REPLICA,
     DEFAULT_MAX_REPLICAS,
     MemoryFleetIndex,
     check_digests,
+    check_medium,
     check_replica,
     match_masks,
 )
@@ -85,18 +87,21 @@ id = tonumber(id)
 local bit, other = 2 * id + off, 2 * id + 1 - off
 local set = p .. ':r:' .. name
 local n = redis.call('SCARD', set)
+local added, refused = 0, 0
 for i = 6, #ARGV do
   local k = p .. ':b:' .. ARGV[i]
   if redis.call('GETBIT', k, bit) == 0 then
     if redis.call('GETBIT', k, other) == 0 then
-      if n >= cap then return #ARGV - i + 1 end
+      if n >= cap then refused = #ARGV - i + 1 break end
       n = n + 1
       redis.call('SADD', set, ARGV[i])
     end
     redis.call('SETBIT', k, bit, 1)
+    added = added + 1
   end
 end
-return 0
+if off == 0 and added > 0 then redis.call('INCRBY', p .. ':g:' .. name, added) end
+return refused
 """
 )
 
@@ -107,15 +112,17 @@ local id = redis.call('HGET', p .. ':replicas', name)
 if not id then return 0 end
 id = tonumber(id)
 local set = p .. ':r:' .. name
+local gone = 0
 for i = 4, #ARGV do
   local k = p .. ':b:' .. ARGV[i]
-  if mode ~= 1 then redis.call('SETBIT', k, 2 * id, 0) end
+  if mode ~= 1 then gone = gone + redis.call('SETBIT', k, 2 * id, 0) end
   if mode ~= 0 then redis.call('SETBIT', k, 2 * id + 1, 0) end
   if redis.call('GETBIT', k, 2 * id) == 0 and redis.call('GETBIT', k, 2 * id + 1) == 0 then
     redis.call('SREM', set, ARGV[i])
   end
   if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
 end
+if gone > 0 then redis.call('DECRBY', p .. ':g:' .. name, gone) end
 return 0
 """
 
@@ -132,7 +139,7 @@ for _, d in ipairs(redis.call('SMEMBERS', set)) do
   redis.call('SETBIT', k, 2 * id + 1, 0)
   if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
 end
-redis.call('DEL', set)
+redis.call('DEL', set, p .. ':g:' .. name)
 if drop == '1' then
   redis.call('HDEL', p .. ':replicas', name)
   redis.call('SETBIT', p .. ':slots', id, 0)
@@ -313,10 +320,13 @@ class RedisFleetIndex:
                     self._failed(exc)
             return self.local.num_blocks(replica)
 
-    def num_blocks_many(self, replicas: Sequence[str]) -> dict[str, int]:
-        """``num_blocks`` of each of ``replicas``, in one pipelined round trip."""
+    def num_blocks_many(self, replicas: Sequence[str], medium: str | None = None) -> dict[str, int]:
+        """Blocks held by each of ``replicas`` on ``medium`` (GPU or any medium: None), in one
+        pipelined round trip."""
         for r in replicas:
             check_replica(r)
+        if medium is not None and check_medium(medium) != GPU:
+            raise InvalidArgumentError(f"medium must be {GPU!r} or None, got {medium!r}")
         if not replicas:
             return {}
         with self._lock:
@@ -324,11 +334,15 @@ class RedisFleetIndex:
                 try:
                     pipe = self.client.pipeline(transaction=False)
                     for r in replicas:
-                        pipe.scard(f"{self.prefix}:r:{r}")
-                    return {r: int(n) for r, n in zip(replicas, pipe.execute(), strict=True)}
+                        if medium is None:
+                            pipe.scard(f"{self.prefix}:r:{r}")
+                        else:
+                            pipe.get(f"{self.prefix}:g:{r}")
+                    counts = pipe.execute()
+                    return {r: max(0, int(n or 0)) for r, n in zip(replicas, counts, strict=True)}
                 except redis.RedisError as exc:
                     self._failed(exc)
-            return self.local.num_blocks_many(replicas)
+            return self.local.num_blocks_many(replicas, medium)
 
     # ---- beyond the contract --------------------------------------------------------------
     def flush(self) -> bool:

@@ -24,7 +24,7 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
-from prefixcache.fleet.fleet_index import FleetIndex, ReplicaMatch
+from prefixcache.fleet.fleet_index import GPU, FleetIndex, ReplicaMatch
 from prefixcache.fleet.routing import (
     DEFAULT_POLICY,
     Policy,
@@ -103,7 +103,7 @@ class _Matches(NamedTuple):
     prompt_tokens: int
     eligible: list[ReplicaSpec]  # the replicas serving its namespace
     found: dict[str, ReplicaMatch]  # replica -> its leading cached blocks
-    held_blocks: dict[str, int]  # blocks the index holds, for replicas with a known capacity
+    held_blocks: dict[str, int]  # GPU blocks the index holds, for replicas with a known capacity
 
 
 class _InFlight(NamedTuple):
@@ -370,7 +370,8 @@ class Router:
             for match in self._index.match(digests):
                 if match.replica in wanted:
                     found[match.replica] = match
-        held = self._index.num_blocks_many([s.name for s in eligible if s.capacity_blocks])
+        known = [s.name for s in eligible if s.capacity_blocks]
+        held = self._index.num_blocks_many(known, GPU)
         return _Matches(n, eligible, found, held)
 
     def _scores(self, matches: _Matches, *, up_only: bool = False) -> tuple[ReplicaScore, ...]:

@@ -42,7 +42,7 @@ class ReplicaScore(NamedTuple):
     in_flight: int  # requests routed to it and not yet released
     in_flight_tokens: int  # their prompt tokens
     capacity_blocks: int  # KV capacity of the replica, in blocks
-    held_blocks: int  # blocks the index holds for the replica
+    held_blocks: int  # blocks the index holds for the replica on GPU (what capacity bounds)
 
 
 class RoutingParams(NamedTuple):
