@@ -387,3 +387,86 @@ def test_an_endpoint_zmq_cannot_connect_to_leaves_the_other_replicas_ingesting()
     finally:
         sub.stop()
         good.pub.close()
+
+
+def test_lora_blocks_known_only_by_id_are_skipped_not_taken_for_the_base_model() -> None:
+    """Older vLLM layouts and SGLang announce LoRA blocks by ``lora_id`` alone: without the
+    adapter's name they must not be indexed under the base model (false hits)."""
+    by_id = kv_wire.BlockStored([11, 12], None, VLLM_TOKENS, P, 7, "GPU", None)
+    index, sub = _vllm_ingest([by_id])
+    assert _cached_blocks(index, Namespace("llama")) == 0
+    c = sub.counters()["pod"]
+    assert c.skipped == 2 and c.malformed == 0
+    assert sub.ingest_counts()["pod"].blocks_skipped == 2
+
+
+def test_a_hybrid_models_other_groups_are_skipped_not_errors() -> None:
+    # every step of a hybrid model stores the same hashes for its window group too
+    main = kv_wire.BlockStored([11, 12], None, VLLM_TOKENS, P, None, "GPU", None, group_idx=0)
+    window = kv_wire.BlockStored([11, 12], None, VLLM_TOKENS, P, None, "GPU", None, group_idx=1)
+    index, sub = _vllm_ingest([main, window], [window])
+    assert _cached_blocks(index, Namespace("llama")) == 2
+    c = sub.counters()["pod"]
+    assert c.malformed == 0 and c.skipped == 4
+
+
+def test_an_undecodable_message_is_counted_and_is_no_gap() -> None:
+    """One bad payload must not clear the replica: its number still counts."""
+    first = kv_wire.BlockStored([11], None, VLLM_TOKENS[:4], P, None, "GPU", None)
+    index, sub = _vllm_ingest([first])
+    assert sub.ingest("pod", 1, b"\x93garbage") == 0
+    second = kv_wire.BlockStored([12], 11, VLLM_TOKENS[4:], P, None, "GPU", None)
+    sub.ingest("pod", 2, _vllm_batch(second))
+    c = sub.counters()["pod"]
+    assert (c.malformed, c.gaps, c.cleared, c.last_seq) == (1, 0, 0, 2)
+    assert _cached_blocks(index, Namespace("llama")) == 2
+
+
+def test_a_router_joining_a_stream_keeps_what_a_shared_index_holds() -> None:
+    """A second router (or a restarted one) on a shared index sees a replica's stream from the
+    middle: without a replay it must not wipe what the index holds for everyone; a gap after it
+    has seen the stream still clears."""
+    index = MemoryFleetIndex()  # stands in for the shared Redis index
+    stored = kv_wire.BlockStored([11, 12], None, VLLM_TOKENS, P, None, "GPU", None)
+    first = KVEventSubscriber(
+        index, [ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)]
+    )
+    first.ingest("pod", 0, _vllm_batch(stored))
+    joined = KVEventSubscriber(
+        index, [ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)]
+    )
+    joined.ingest("pod", 5, _vllm_batch(kv_wire.BlockRemoved([99], "GPU")))
+    assert _cached_blocks(index, Namespace("llama")) == 2
+    c = joined.counters()["pod"]
+    assert (c.gaps, c.cleared, c.last_seq) == (1, 0, 5)
+    joined.ingest("pod", 9, _vllm_batch(kv_wire.BlockRemoved([99], "GPU")))  # a real loss
+    assert joined.counters()["pod"].cleared == 1
+    assert _cached_blocks(index, Namespace("llama")) == 0
+
+
+def test_counters_do_not_wait_for_an_ingestion_in_progress() -> None:
+    """A metrics scrape reads the counters while the ingestion holds its lock (e.g. waiting on
+    a replay endpoint)."""
+    import threading
+
+    _, sub = _vllm_ingest([])
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with sub._lock:
+            held.set()
+            done.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    try:
+        result: list[object] = []
+        reader = threading.Thread(target=lambda: result.append(sub.ingest_counts()))
+        reader.start()
+        reader.join(2)
+        assert result and "pod" in result[0]  # type: ignore[operator]
+        assert sub.counters()["pod"].batches == 1
+    finally:
+        done.set()
+        thread.join()

@@ -412,7 +412,37 @@ def test_namespaces_and_block_sizes_are_kept_apart() -> None:
     assert [(s.name, s.cached_tokens) for s in router.lookup(lora, tokens).scores] == [("l", 0)]
     assert router.namespaces() == [NS, lora]
     with pytest.raises(UnknownNamespaceError, match="served: m, m lora=sql"):
-        router.lookup(Namespace("m", salt="x"), tokens)
+        router.lookup(Namespace("other"), tokens)
+
+
+def test_salts_and_listed_adapters_are_served_by_replicas_of_the_model() -> None:
+    # vLLM's cache_salt and multimodal keys are per request, and one engine serves many LoRA
+    # adapters: such requests may go to any replica of the model that serves the adapter
+    index = MemoryFleetIndex()
+    tokens = list(range(64))
+    salted = Namespace("m", salt="tenant-1")
+    sql = Namespace("m", adapter="sql")
+    index.store("base", BlockHasher(16).hash_prompt(tokens, salted))  # as its events hash them
+    specs = [
+        ReplicaSpec("base", NS, 16, adapters=("sql",)),
+        ReplicaSpec("plain", NS, 16),
+        ReplicaSpec("pinned", Namespace("m", salt="tenant-2"), 16),
+        ReplicaSpec("v3", Namespace("m", adapter="chat", adapter_version="3"), 16),
+    ]
+    router = Router(index, specs, "prefix")
+    names = lambda ns: [s.name for s in router.lookup(ns, tokens).scores]  # noqa: E731
+    assert names(salted) == ["base", "plain"]
+    assert router.lookup(salted, tokens).scores[0].cached_tokens == 64
+    assert router.route(salted, tokens).replica == "base"
+    assert names(Namespace("m", salt="tenant-2")) == ["base", "plain", "pinned"]
+    assert names(sql) == ["base"]
+    assert names(Namespace("m", adapter="sql", adapter_version="7")) == ["base"]
+    assert names(Namespace("m", adapter="chat", adapter_version="3")) == ["v3"]
+    assert names(Namespace("m", extra=("img:1",))) == ["base", "plain"]
+    with pytest.raises(UnknownNamespaceError, match=r"m \(\+ adapters sql\)"):
+        router.lookup(Namespace("m", adapter="chat", adapter_version="2"), tokens)
+    with pytest.raises(InvalidArgumentError, match="adapters"):
+        Router(index, [ReplicaSpec("x", NS, 16, adapters=("",))])
 
 
 def test_replicas_added_and_removed() -> None:

@@ -252,7 +252,7 @@ BAD_REQUESTS = [
     ("/v1/lookup", {"tokens": [1]}, 422, "missing required field `model`"),
     ("/v1/lookup", {"model": "m", "tokens": [1], "colour": 1}, 422, "unknown field `colour`"),
     ("/v1/lookup", {"model": "nope", "tokens": [1]}, 404, "no replica serves namespace nope"),
-    ("/v1/lookup", {"model": "m", "salt": "t1", "tokens": [1]}, 404, "salt=t1"),
+    ("/v1/lookup", {"model": "m", "adapter": "nope", "tokens": [1]}, 404, "lora=nope"),
     ("/v1/lookup", {"model": "m", "tokens": list(range(MAX_TOKENS + 1))}, 413, "at most 256"),
     ("/v1/lookup", {"model": "m", "text": "y" * (MAX_TOKENS + 1)}, 413, "at most 256"),
     ("/v1/lookup", {"model": "m", "text": "z" * (MAX_BODY + 10)}, 413, "exceeds the limit"),
@@ -282,6 +282,36 @@ def _refused(client: httpx.Client, path: str, body: Any, status: int, text: str)
     error = response.json()["error"]
     assert text in error["message"] and error["status"] == status
     assert _state(client) == before
+
+
+def test_unknown_paths_and_methods_answer_in_the_json_error_shape(fleet: dict[str, Any]) -> None:
+    client = fleet["client"]
+    for response, status in ((client.get("/v1/lookup"), 405), (client.post("/v1/nothing"), 404)):
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["status"] == status and error["type"] in ("MethodNotAllowed", "NotFound")
+    assert client.get("/v1/lookup").headers["allow"] == "POST"
+    assert (
+        _metrics(client)["prefixcache_http_errors_total"][
+            (("endpoint", "(unknown)"), ("status", "404"))
+        ]
+        >= 1
+    )
+
+
+def test_salted_requests_go_to_any_replica_of_the_model(fleet: dict[str, Any]) -> None:
+    # vLLM's cache_salt is per request: a replica of the model serves every salt
+    client = fleet["client"]
+    looked = client.post("/v1/lookup", json={"model": "m", "salt": "tenant-9", "tokens": PROMPT})
+    assert looked.status_code == 200
+    assert [r["name"] for r in looked.json()["replicas"]] == ["replica-a", "replica-b"]
+    assert all(r["cached_tokens"] == 0 for r in looked.json()["replicas"])  # other salt: no hit
+    proxied = client.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": PROMPT, "max_tokens": 1, "cache_salt": "tenant-9"},
+    )
+    assert proxied.status_code == 200
+    assert _in_flight(client) == 0
 
 
 def test_malformed_json_and_duplicate_ids(fleet: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ def test_example_config_loads() -> None:
     first = config.replicas[0]
     assert first.namespace == Namespace("meta-llama/Llama-3.1-8B-Instruct")
     assert first.url == "http://127.0.0.1:8100" and first.events == "tcp://127.0.0.1:5557"
-    assert first.spec() == ("replica-0", first.namespace, 16, 32768)
+    assert first.spec() == ("replica-0", first.namespace, 16, 32768, ())
 
 
 def test_full_replica_fields_and_relative_tokenizer(tmp_path: Path) -> None:
@@ -92,6 +92,11 @@ def rep(**fields: object) -> dict[str, object]:
         ({"index": "redis://h:6379/x"}, "expected 'memory', 'redis://host:port/db'"),
         ({"tokenizer": "missing.json"}, "tokenizer: file"),
         ({"hash_algo": "md5"}, "unknown hash 'md5'"),
+        ({"hash_algo": ["x"]}, "hash_algo: unknown hash ['x']"),
+        ({"routing": {"policy": ["x"]}}, "routing.policy: unknown policy ['x']"),
+        ({"replicas": [{"name": "a", "model": "m", "events": "tcp://h:99999"}]}, "not in 1..65535"),
+        ({"replicas": [{"name": "a", "model": "m", "adapters": "sql"}]}, "replicas[0].adapters"),
+        ({"replicas": [{"name": "a", "model": "m", "salt": 5}]}, "fleet.yaml: replicas[0].salt: "),
         ({"chat_template": "missing.jinja"}, "chat_template: file"),
         ({"health": {"probe_interval_s": 0}}, "health.probe_interval_s"),
         ({"health": {"down_s": -1}}, "health.down_s"),
@@ -106,6 +111,7 @@ def test_config_errors_say_what_and_where(change: dict, message: str, tmp_path: 
     with pytest.raises(ConfigError) as info:
         parse_config({**BASE, **change}, "fleet.yaml", tmp_path)
     assert str(info.value).startswith("fleet.yaml: ") and message in str(info.value)
+    assert str(info.value).count("fleet.yaml") == 1  # said once
 
 
 def test_chat_template_path_is_taken_from_the_config_dir(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ class IngestCounts(NamedTuple):
     blocks_removed: int = 0
     sequence_gaps: int = 0  # missed sequence numbers (messages lost before a replay)
     errors: int = 0  # failed index writes (e.g. Redis errors) and undecodable messages
+    blocks_skipped: int = 0  # blocks not indexed by rule (other attention groups, nameless LoRA)
 
 
 @runtime_checkable

@@ -15,6 +15,9 @@ entries, each the JSON text of one key (prompts the router cannot build, as mult
 
 Only the main attention group (``group_idx`` 0 or absent) is indexed, for stores and removals
 alike: a hybrid model's sliding-window group evicts blocks whose hashes equal the main group's.
+Blocks of a LoRA adapter announced by ``lora_id`` alone (older vLLM layouts, SGLang) are not
+indexed either: without the adapter's name they cannot be told from the base model's. Both are
+counted as skipped, not as errors.
 A ``BlockStored`` without token ids (vLLM's CPU offload announces blocks it copied from the GPU
 that way) adds its medium to blocks the replica already holds; unknown ones are skipped.
 
@@ -23,13 +26,20 @@ Sequence rules, per replica:
 - the next number: the batch is applied;
 - a jump forward (a gap, or a first batch after 0): the gap is counted, the missing batches are
   fetched from the replay endpoint and applied first; if there is no replay endpoint, or it no
-  longer has them all, the replica is cleared (its entries may be stale) before applying;
+  longer has them all, the replica is cleared (its entries may be stale) before applying. The
+  first batch this subscriber sees of a replica is the exception: what the index already holds
+  for it came from other routers sharing the index (or from before a router restart), so it is
+  kept;
 - a number at or below the last one: the publisher restarted; the replica is cleared and
   counted as a reset, then the new stream's batches before this one count as a gap (above);
 - ``AllBlocksCleared`` clears the replica.
 
 A message that does not decode, or an event that does not fit (wrong block size, token count,
-unknown parent, too many tokens), is counted and logged; nothing else changes.
+unknown parent, too many tokens), is counted and logged; its sequence number still counts (the
+next message is no gap), nothing else changes.
+
+Readers of the counters (metrics scrapes) never wait for the ingestion, which may be waiting on a
+replay endpoint: they read a snapshot without its lock.
 """
 
 from __future__ import annotations
@@ -98,6 +108,7 @@ class ReplicaCounters(NamedTuple):
     resets: int  # sequence numbers that went back (publisher restarts)
     cleared: int  # times the replica was cleared (AllBlocksCleared, reset, unfilled gap)
     overflow: int  # blocks not tracked because the replica was at max_blocks_per_replica
+    skipped: int  # blocks not indexed by rule (other attention groups, nameless LoRA blocks)
     last_seq: int  # -1 before the first batch
 
 
@@ -113,6 +124,7 @@ class _Counts:
     resets: int = 0
     cleared: int = 0
     overflow: int = 0
+    skipped: int = 0
 
 
 @dataclass
@@ -121,6 +133,7 @@ class _Replica:
     hasher: BlockHasher
     blocks: dict[BlockHash, list[Any]] = field(default_factory=dict)  # [digest, pos, media]
     last_seq: int = -1
+    seen: bool = False  # a batch of this replica came in since it was followed
     counts: _Counts = field(default_factory=_Counts)
 
 
@@ -180,31 +193,32 @@ class KVEventSubscriber:
             self.index.drop_replica(name)
 
     def counters(self) -> dict[str, ReplicaCounters]:
-        """Per-replica counters, a snapshot."""
-        with self._lock:
-            return {
-                name: ReplicaCounters(**vars(rep.counts), last_seq=rep.last_seq)
-                for name, rep in sorted(self._replicas.items())
-            }
+        """Per-replica counters, a snapshot (taken without waiting for the ingestion)."""
+        replicas = sorted(self._replicas.items())  # a copy made in one step
+        return {
+            name: ReplicaCounters(**vars(rep.counts), last_seq=rep.last_seq)
+            for name, rep in replicas
+        }
 
     def ingest_counts(self) -> dict[str, IngestCounts]:
-        """The counters in the service's terms (``prefixcache.fleet.ingest.IngestStats``)."""
-        with self._lock:
-            return {
-                name: IngestCounts(
-                    events=rep.counts.batches,
-                    blocks_stored=rep.counts.blocks_stored,
-                    blocks_removed=rep.counts.blocks_removed,
-                    sequence_gaps=rep.counts.gaps,
-                    errors=rep.counts.malformed,
-                )
-                for name, rep in sorted(self._replicas.items())
-            }
+        """The counters in the service's terms (``prefixcache.fleet.ingest.IngestStats``); a
+        snapshot taken without waiting for the ingestion."""
+        return {
+            name: IngestCounts(
+                events=c.batches,
+                blocks_stored=c.blocks_stored,
+                blocks_removed=c.blocks_removed,
+                sequence_gaps=c.gaps,
+                errors=c.malformed,
+                blocks_skipped=c.skipped,
+            )
+            for name, c in ((name, rep.counts) for name, rep in sorted(self._replicas.items()))
+        }
 
     # ---- ingestion ------------------------------------------------------------------------
     def ingest(self, replica: str, seq: int, payload: bytes) -> int:
         """Apply one message of ``replica`` (sequence ``seq``); the batches applied (replayed
-        ones included; 0 when the message was malformed, which is counted)."""
+        ones included, not a malformed message, which is counted)."""
         with self._lock:
             rep = self._replicas.get(replica)
             if rep is None:
@@ -215,11 +229,11 @@ class KVEventSubscriber:
 
     def _ingest(self, rep: _Replica, seq: int, payload: bytes) -> int:
         try:
-            batch = self._decoder.decode(payload)
+            events: Sequence[Any] | None = self._decoder.decode(payload).events
         except WireFormatError as exc:
             rep.counts.malformed += 1
             log.warning("replica %s: malformed batch %d: %s", rep.ep.name, seq, exc)
-            return 0
+            events = None  # lost, but its number counts: the next batch is no gap
         applied = 0
         if seq <= rep.last_seq:
             rep.counts.resets += 1
@@ -229,7 +243,14 @@ class KVEventSubscriber:
         if seq > rep.last_seq + 1:
             rep.counts.gaps += 1
             missed = self._replay(rep, rep.last_seq + 1, seq)
-            if missed is None:
+            if missed is None and not rep.seen:
+                log.info(
+                    "replica %s: joined its stream at batch %d; earlier batches not replayed, "
+                    "the index keeps what it holds",
+                    rep.ep.name,
+                    seq,
+                )
+            elif missed is None:
                 log.warning(
                     "replica %s: batches %d..%d lost; clearing", rep.ep.name, rep.last_seq + 1, seq
                 )
@@ -245,8 +266,11 @@ class KVEventSubscriber:
                             "replica %s: malformed replayed batch %d: %s", rep.ep.name, s, exc
                         )
                     applied += 1
-        self._apply(rep, batch.events)
+        rep.seen = True
         rep.last_seq = seq
+        if events is None:
+            return applied
+        self._apply(rep, events)
         return applied + 1
 
     def _apply(self, rep: _Replica, events: Sequence[Any]) -> None:
@@ -266,9 +290,10 @@ class KVEventSubscriber:
         p = rep.ep.block_size
         medium = _MEDIA.get(ev.medium)
         problem = None
-        if ev.group_idx not in (None, 0):
-            problem = f"group {ev.group_idx} (only the main attention group is indexed)"
-        elif medium is None:
+        if ev.group_idx not in (None, 0) or (ev.lora_id is not None and ev.lora_name is None):
+            rep.counts.skipped += n  # by rule: another group's copy, or a LoRA of unknown name
+            return
+        if medium is None:
             problem = f"medium {ev.medium!r}"
         elif ev.block_size != p:
             problem = f"block_size {ev.block_size}, expected {p}"

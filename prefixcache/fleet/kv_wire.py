@@ -198,6 +198,7 @@ class StoredBlocks(NamedTuple):
     lora_name: str | None
     extra_keys: list[Any] | None
     group_idx: int | None
+    lora_id: int | None = None  # set for LoRA blocks (the only LoRA field in older layouts)
 
 
 class RemovedBlocks(NamedTuple):
@@ -290,6 +291,7 @@ def _convert(event: Any) -> DecodedEvent:
             event.lora_name,
             event.extra_keys,
             event.group_idx,
+            event.lora_id,
         )
     if isinstance(event, _InRemoved):
         return RemovedBlocks(event.block_hashes, event.medium, event.group_idx)

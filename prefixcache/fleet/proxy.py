@@ -11,9 +11,10 @@ other routed conversations but not what the replicas cache.
 The body is forwarded unchanged and the answer streamed back as it arrives (server-sent events
 included). The request counts as load on its replica from the route until the answer ends, the
 client goes away, or the replica fails; a replica that cannot be reached gives a 502 JSON error.
-The model name selects the namespace: a replica serves ``model`` when its namespace has that
-model and no adapter, or that adapter (how vLLM names LoRA modules); vLLM's ``cache_salt``
-selects the salt.
+The model name selects the namespace: the base model of a replica whose model it is, or a
+LoRA adapter (how vLLM names LoRA modules) that a replica has as its own or lists in
+``adapters``; vLLM's ``cache_salt`` becomes the salt. Which replicas may take the request is the
+router's rule (``ReplicaSpec.serves``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prefixcache.errors import (
     UnknownNamespaceError,
     UnknownReplicaError,
 )
+from prefixcache.fleet.router import served_label
 from prefixcache.fleet.service_bodies import decode_body
 from prefixcache.namespace import Namespace
 from prefixcache.tokens import TokenIds
@@ -84,15 +86,25 @@ def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
         raise InvalidArgumentError("'model' must be a non-empty string")
     if salt is not None and not isinstance(salt, str):
         raise InvalidArgumentError("'cache_salt' must be a string")
-    served = service.router.namespaces()
-    for ns in served:
-        by_name = (ns.model == model and ns.adapter is None) or ns.adapter == model
-        if by_name and ns.salt == salt and not ns.extra:
-            return ns
+    specs = service.router.replicas()
+    for spec in specs:  # the base model, as its replicas name it
+        own = spec.namespace
+        if own.model == model and own.adapter is None:
+            ns = Namespace(model, None, own.adapter_version, salt, own.extra)
+            if spec.serves(ns):
+                return ns
+    for spec in specs:  # a LoRA adapter
+        own = spec.namespace
+        if own.adapter == model or model in spec.adapters:
+            version = own.adapter_version if own.adapter == model else None
+            ns = Namespace(own.model, model, version, salt, own.extra)
+            if spec.serves(ns):
+                return ns
+    served = ", ".join(dict.fromkeys(served_label(spec) for spec in specs)) or "none"
     raise UnknownNamespaceError(
         f"no replica serves model {model!r}"
         + ("" if salt is None else f" with cache_salt {salt!r}")
-        + f"; served: {', '.join(dict.fromkeys(ns.label() for ns in served)) or 'none'}"
+        + f"; served: {served}"
     )
 
 

@@ -48,6 +48,24 @@ class ReplicaSpec(NamedTuple):
     namespace: Namespace  # the namespace its KV events are hashed under
     block_size: int = 16
     capacity_blocks: int = 0  # 0: unknown (then free capacity never decides a route)
+    adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (any version)
+
+    def serves(self, namespace: Namespace) -> bool:
+        """Whether a request in ``namespace`` may go to this replica: the same model; the
+        replica's own adapter (and version, when it has one) or one of ``adapters``; any salt and
+        extra keys unless the replica is configured with its own (then those). Salts and extra
+        keys are per request in vLLM (``cache_salt``, multimodal hashes), so any replica of the
+        model serves them."""
+        own = self.namespace
+        if namespace.model != own.model:
+            return False
+        if own.salt is not None and namespace.salt != own.salt:
+            return False
+        if own.extra and namespace.extra != own.extra:
+            return False
+        if namespace.adapter == own.adapter:
+            return own.adapter_version is None or namespace.adapter_version == own.adapter_version
+        return namespace.adapter in self.adapters
 
 
 class Lookup(NamedTuple):
@@ -203,12 +221,21 @@ class Router:
             raise InvalidArgumentError(f"replica {spec.name!r}: namespace must be a Namespace")
         block_size = as_size(spec.block_size, "block_size", 1)
         capacity = as_size(spec.capacity_blocks, "capacity_blocks", 0)
+        adapters = spec.adapters
+        if not isinstance(adapters, tuple | list) or not all(
+            isinstance(a, str) and a for a in adapters
+        ):
+            raise InvalidArgumentError(
+                f"replica {spec.name!r}: adapters must be non-empty str, got {adapters!r}"
+            )
         with self._lock:
             if spec.name in self._specs:
                 raise InvalidArgumentError(f"replica {spec.name!r} is already in the fleet")
             if block_size not in self._hashers:
                 self._hashers[block_size] = BlockHasher(block_size, self._hash_algo)
-            self._specs[spec.name] = spec._replace(block_size=block_size, capacity_blocks=capacity)
+            self._specs[spec.name] = spec._replace(
+                block_size=block_size, capacity_blocks=capacity, adapters=tuple(adapters)
+            )
             self._load[spec.name] = [0, 0]
             self._generation[spec.name] = self._next_generation
             self._next_generation += 1
@@ -339,8 +366,8 @@ class Router:
                 f"namespace must be a Namespace, got {type(namespace).__name__}"
             )
         with self._lock:
-            eligible = [s for s in self._specs.values() if s.namespace == namespace]
-            served = [] if eligible else [s.namespace.label() for s in self._specs.values()]
+            eligible = [s for s in self._specs.values() if s.serves(namespace)]
+            served = [] if eligible else [served_label(s) for s in self._specs.values()]
         if not eligible:
             listing = ", ".join(dict.fromkeys(served)) or "none"
             raise UnknownNamespaceError(
@@ -497,3 +524,9 @@ class Router:
                 raise UnknownRequestError(f"request {request_id!r} is not in flight{ended}")
             self._drop_load(entry)
         return Released(request_id, entry.replica, entry.tokens)
+
+
+def served_label(spec: ReplicaSpec) -> str:
+    """What a replica serves, for error messages."""
+    label = spec.namespace.label()
+    return f"{label} (+ adapters {', '.join(spec.adapters)})" if spec.adapters else label

@@ -15,12 +15,14 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
+from http import HTTPStatus
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixcache.errors import (
     ConfigError,
@@ -35,6 +37,7 @@ from prefixcache.errors import (
     UnknownRequestError,
 )
 from prefixcache.fleet.chat_template import ChatTemplate, chat_messages
+from prefixcache.fleet.fleet_index import GPU
 from prefixcache.fleet.ingest import IngestSource, IngestStats
 from prefixcache.fleet.router import Lookup, ReplicaHealth, RouteDecision, Router
 from prefixcache.fleet.routing import ReplicaScore
@@ -60,6 +63,7 @@ _STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
     (MalformedJSONError, 400),
     (ConfigError, 500),
 )
+_HTTP_STATUSES = {int(status) for status in HTTPStatus}
 
 
 def error_response(status: int, kind: str, message: str) -> Response:
@@ -325,6 +329,22 @@ def create_app(
             response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
         return response
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # unknown paths (404) and wrong methods (405) answer in the same JSON shape
+        status = exc.status_code
+        path = request.url.path
+        known = any(getattr(route, "path", None) == path for route in app.routes)
+        # an unknown path is not a label of its own: scanners would grow the metrics forever
+        service.metrics.errors.labels(path if known else "(unknown)", str(status)).inc()
+        kind = HTTPStatus(status).phrase.replace(" ", "") if status in _HTTP_STATUSES else "HTTP"
+        response = error_response(
+            status, kind, f"{request.method} {request.url.path}: {exc.detail}"
+        )
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
+
     @app.post("/v1/lookup")
     async def lookup(request: Request) -> Response:
         """Cached prompt tokens per replica serving the prompt's namespace."""
@@ -365,13 +385,15 @@ def create_app(
         released = await run_in_threadpool(router.release, body.request_id)
         return _json(released._asdict())
 
-    @app.get("/v1/replicas")
-    async def replicas() -> Response:
-        """Every replica: config, load and the blocks the index holds for it."""
+    def replica_rows() -> list[dict[str, Any]]:
         loads = {load.name: load for load in router.loads()}
         health = {h.name: h for h in router.health()}
+        specs = router.replicas()
+        names = [spec.name for spec in specs]
+        held = router.index.num_blocks_many(names)  # one round trip each on a shared index
+        on_gpu = router.index.num_blocks_many(names, GPU)
         out = []
-        for spec in router.replicas():
+        for spec in specs:
             rc = config.replica(spec.name)
             load = loads.get(spec.name)
             ns = spec.namespace
@@ -391,11 +413,18 @@ def create_app(
                     "capacity_blocks": spec.capacity_blocks,
                     "in_flight": load.in_flight if load else 0,
                     "in_flight_tokens": load.in_flight_tokens if load else 0,
-                    "index_blocks": router.index.num_blocks(spec.name),
+                    "index_blocks": held[spec.name],
+                    "index_gpu_blocks": on_gpu[spec.name],
                     **_health(health.get(spec.name)),
                 }
             )
-        return _json({"policy": router.policy, "replicas": out})
+        return out
+
+    @app.get("/v1/replicas")
+    async def replicas() -> Response:
+        """Every replica: config, load and the blocks the index holds for it."""
+        rows = await run_in_threadpool(replica_rows)  # the index may be remote (Redis)
+        return _json({"policy": router.policy, "replicas": rows})
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -414,7 +443,9 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus exposition of the service's own registry."""
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+        # off the event loop: the index may be remote, and ingest counters are read in a thread
+        body = await run_in_threadpool(service.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
 
     if proxying:
         from prefixcache.fleet.proxy import add_proxy_routes

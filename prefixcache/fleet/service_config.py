@@ -40,10 +40,13 @@ class ReplicaConfig:
     namespace: Namespace  # model, adapter, salt and extra keys its blocks are hashed under
     block_size: int
     capacity_blocks: int  # 0: unknown
+    adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (--lora-modules)
 
     def spec(self) -> ReplicaSpec:
         """The router's view of this replica."""
-        return ReplicaSpec(self.name, self.namespace, self.block_size, self.capacity_blocks)
+        return ReplicaSpec(
+            self.name, self.namespace, self.block_size, self.capacity_blocks, self.adapters
+        )
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ _TOP = (
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s")
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
-    "block_size", "capacity_blocks",
+    "block_size", "capacity_blocks", "adapters",
 )  # fmt: skip
 _ROUTING = (
     "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
@@ -186,6 +189,10 @@ class _Reader:
             raise self.fail(
                 where, f"expected a ZMQ endpoint tcp://host:port or ipc://path, got {text!r}"
             )
+        if text is not None and text.startswith("tcp://"):
+            port = int(text.rsplit(":", 1)[1])
+            if not 0 < port < 65536:
+                raise self.fail(where, f"port {port} in {text!r} is not in 1..65535")
         return text
 
 
@@ -227,14 +234,14 @@ def _replica(r: _Reader, raw: Any, where: str) -> ReplicaConfig:
     extra = m.get("extra") or []
     if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
         raise r.fail(f"{where}.extra", f"expected a list of strings, got {extra!r}")
+    adapters = m.get("adapters") or []
+    if not isinstance(adapters, list) or not all(isinstance(x, str) and x for x in adapters):
+        raise r.fail(f"{where}.adapters", f"expected a list of adapter names, got {adapters!r}")
+    adapter = r.string(m.get("adapter"), f"{where}.adapter")
+    adapter_version = r.string(m.get("adapter_version"), f"{where}.adapter_version")
+    salt = r.string(m.get("salt"), f"{where}.salt")
     try:
-        namespace = Namespace(
-            model=model or "",
-            adapter=r.string(m.get("adapter"), f"{where}.adapter"),
-            adapter_version=r.string(m.get("adapter_version"), f"{where}.adapter_version"),
-            salt=r.string(m.get("salt"), f"{where}.salt"),
-            extra=tuple(extra),
-        )
+        namespace = Namespace(model or "", adapter, adapter_version, salt, tuple(extra))
     except PrefixCacheError as exc:
         raise r.fail(where, str(exc)) from None
     return ReplicaConfig(
@@ -245,6 +252,7 @@ def _replica(r: _Reader, raw: Any, where: str) -> ReplicaConfig:
         namespace=namespace,
         block_size=r.integer(m.get("block_size", 16), f"{where}.block_size", 1),
         capacity_blocks=r.integer(m.get("capacity_blocks", 0), f"{where}.capacity_blocks", 0),
+        adapters=tuple(adapters),
     )
 
 
@@ -286,7 +294,7 @@ def parse_config(
 
     rt = r.mapping(top.get("routing"), "routing", _ROUTING)
     policy = rt.get("policy", DEFAULT_POLICY)
-    if policy not in POLICIES:
+    if not isinstance(policy, str) or policy not in POLICIES:
         raise r.fail(
             "routing.policy",
             f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}",
@@ -356,7 +364,7 @@ def parse_config(
     except ConfigError as exc:
         raise r.fail("", str(exc)) from None
     hash_algo = top.get("hash_algo", "xxh3_128")
-    if hash_algo not in HASH_FUNCTIONS:
+    if not isinstance(hash_algo, str) or hash_algo not in HASH_FUNCTIONS:
         raise r.fail(
             "hash_algo", f"unknown hash {hash_algo!r}; choose one of {', '.join(HASH_FUNCTIONS)}"
         )

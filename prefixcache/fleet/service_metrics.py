@@ -29,6 +29,7 @@ _INGEST = (
     ("blocks_removed", "blocks removed from the index"),
     ("sequence_gaps", "gaps in event sequence numbers"),
     ("errors", "ingest errors (index writes, undecodable messages)"),
+    ("blocks_skipped", "blocks not indexed by rule (other attention groups, unnamed LoRA)"),
 )
 
 
