@@ -17,6 +17,7 @@ steps existed); ``abort`` still takes out what it wrote since.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
@@ -44,6 +45,8 @@ from prefixcache.results import Admission, AppendResult, Copy, Lookup, slots_of
 from prefixcache.stats import BlockCounts, CacheStats
 from prefixcache.tokens import TokenIds, as_single_token, as_size, as_token_array
 from prefixcache.transfers import Load, Offload, TransferModel, Transfers
+
+log = logging.getLogger(__name__)
 
 
 class RequestState:
@@ -156,6 +159,7 @@ class CacheManager:
         self._pins: dict[int, Node] = {}
         self._pin_ids = itertools.count(1)
         self._listeners: list[EventListener] = []
+        self.listener_errors = 0  # exceptions raised by listeners (logged, then ignored)
         # stepped: copy sources of the current step that their request let go of before its end
         self._step_holds: list[tuple[Node, RequestState]] = []  # partial-copy source nodes
         self._step_refs: list[int] = []  # private blocks a copy-on-write of the step reads
@@ -654,8 +658,19 @@ class CacheManager:
         return BlockCounts(self.pool.num_free, active, cached)
 
     def add_listener(self, listener: EventListener) -> None:
-        """Call ``listener`` with BlockStored / BlockRemoved / AllBlocksCleared events."""
+        """Call ``listener`` with BlockStored / BlockRemoved / AllBlocksCleared events.
+
+        Events are emitted in the middle of an operation, so a listener that raises cannot stop
+        it: the error is logged and counted in ``listener_errors``, and the operation completes
+        (the cache stays consistent; that listener misses the event)."""
         self._listeners.append(listener)
+
+    def remove_listener(self, listener: EventListener) -> None:
+        """Stop calling ``listener`` (InvalidArgumentError when it was not added)."""
+        try:
+            self._listeners.remove(listener)
+        except ValueError:
+            raise InvalidArgumentError(f"{listener!r} is not a listener of this manager") from None
 
     def reset(self, *, force: bool = False) -> None:
         """Drop every cached block. Refuses while requests or pins hold blocks unless forced;
@@ -676,8 +691,7 @@ class CacheManager:
         if self.host is not None:
             self.host.clear()
         self._offloads, self._loads = [], []
-        for listener in self._listeners:
-            listener(AllBlocksCleared())
+        self._emit(AllBlocksCleared())
 
     # ---- internals ------------------------------------------------------------------------
     def _seq(self, request_id: Hashable) -> RequestState:
@@ -1014,7 +1028,11 @@ class CacheManager:
 
     def _emit(self, event: Any) -> None:
         for listener in self._listeners:
-            listener(event)
+            try:
+                listener(event)
+            except Exception:  # mid-operation: raising here would leave the state half-changed
+                self.listener_errors += 1
+                log.exception("event listener %r failed on %s", listener, type(event).__name__)
 
     # ---- verification ---------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -331,6 +331,46 @@ def test_events_carry_digests_tokens_and_namespace():
     assert isinstance(events[-1], AllBlocksCleared)
 
 
+def test_a_listener_that_raises_leaves_the_cache_consistent(caplog):
+    """Events are emitted mid-operation: a failing listener (a closed event publisher) must not
+    stop an admission half way (blocks leaked, refcounts without holders)."""
+    m = mgr_(num_blocks=8)
+    seen = []
+
+    def broken(event):
+        seen.append(event)
+        raise RuntimeError("event plane down")
+
+    m.add_listener(broken)
+    a = m.admit("a", toks(0, 9), NS)  # stores two blocks: the listener raises
+    m.check_integrity()
+    assert m.requests == ["a"] and a.cached_len == 0
+    assert m.listener_errors == 1 and seen and "event plane down" in caplog.text
+    m.release("a")
+    m.admit("b", toks(100, 30), NS)  # evicts: BlockRemoved raises too
+    m.check_integrity()
+    counts = m.block_counts()
+    assert counts.free + counts.active + counts.cached == 8
+    m.release("b")
+    m.reset()  # nothing leaked: no block is in use
+    m.remove_listener(broken)
+    with pytest.raises(InvalidArgumentError, match="not a listener"):
+        m.remove_listener(broken)
+
+
+def test_a_closed_publisher_stops_listening():
+    from prefixcache.fleet.kv_publisher import KVEventPublisher
+
+    m = mgr_(num_blocks=8)
+    pub = KVEventPublisher("tcp://127.0.0.1:*")
+    pub.attach(m)
+    m.admit("a", toks(0, 9), NS)
+    pub.close()
+    m.admit("b", toks(50, 9), NS)  # no PublisherClosedError, no half-done admission
+    m.check_integrity()
+    assert m.listener_errors == 0 and m.requests == ["a", "b"]
+
+
 def test_reset_refuses_while_in_use_unless_forced():
     m = mgr_()
     m.admit("a", toks(0, 9), NS)

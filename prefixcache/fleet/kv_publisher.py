@@ -20,11 +20,17 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import suppress
 from typing import Any
 
 import zmq
 
-from prefixcache.errors import ConfigError, PrefixCacheError, WireFormatError
+from prefixcache.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    PrefixCacheError,
+    WireFormatError,
+)
 from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from prefixcache.fleet.kv_wire import (
     END_SEQ,
@@ -115,6 +121,7 @@ class KVEventPublisher:
         self._buffer_lock = threading.Lock()
         self._seq = 0
         self._closed = False
+        self._managers: list[CacheManager] = []
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -147,8 +154,9 @@ class KVEventPublisher:
             self._thread.start()
 
     def attach(self, manager: CacheManager) -> None:
-        """Listen to ``manager``'s block events."""
+        """Listen to ``manager``'s block events (until ``close()``)."""
         manager.add_listener(self.on_event)
+        self._managers.append(manager)
 
     def on_event(self, event: CacheEvent) -> None:
         """Queue one manager event for the next batch."""
@@ -188,6 +196,10 @@ class KVEventPublisher:
         if self._closed:
             return
         self._closed = True
+        for manager in self._managers:  # a closed publisher takes no more events
+            with suppress(InvalidArgumentError):
+                manager.remove_listener(self.on_event)
+        self._managers.clear()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
