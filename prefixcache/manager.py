@@ -54,6 +54,7 @@ class RequestState:
 
     __slots__ = (
         "blocked",
+        "claim",
         "copy_source",
         "deepest",
         "dependents",
@@ -86,6 +87,7 @@ class RequestState:
         self.deepest = deepest  # None: holds no indexed block
         self.blocked = False  # a digest collision stopped committing this sequence
         self.copy_source: Node | None = None  # held until its partial copy has surely run
+        self.claim: tuple[int, float] | None = None  # (priority, retain until) of its blocks
         self.unconfirmed = False  # wrote K/V that no end_step or release has confirmed yet
         # blocks it entered into the index, not yet confirmed (a list once there are any)
         self.pending: list[int] | tuple[()] = ()
@@ -274,7 +276,8 @@ class CacheManager:
             self._commit(seq, buf, t // p, digest, now, owned=False)
         self.pool.own(seq.private)  # usually just the partial last block
         if priority or retention is not None or self._claims_all:
-            self._set_priority(seq.deepest, priority, retention, now)
+            seq.claim = (priority, math.inf if retention is None else now + retention)
+            self._set_priority(seq.deepest, *seq.claim, now)
         self._seqs[request_id] = seq
         st = self.stats
         st.requests += 1
@@ -433,7 +436,10 @@ class CacheManager:
         seq.unconfirmed = True
         self.stats.appended_tokens += k
         if self.enable_caching and t1 // p > t0 // p:
-            self._commit(seq, seq.tokens, t1 // p, None, self._now())
+            now = self._now()
+            self._commit(seq, seq.tokens, t1 // p, None, now)
+            if seq.claim is not None:  # the blocks it decoded carry its claim too
+                self._set_priority(seq.deepest, *seq.claim, now)
         if k == 1:
             slots = np.array([seq.table[t0 // p] * p + t0 % p], dtype=np.int64)
         else:
@@ -463,6 +469,7 @@ class CacheManager:
         )
         child.private = list(parent.private)
         child.blocked = parent.blocked
+        child.claim = parent.claim
         self.pool.share(child.private)
         self.index.hold(child.deepest, self._now())
         if parent.unconfirmed:  # it reads what the parent still has to write
@@ -710,13 +717,10 @@ class CacheManager:
         return self._tick
 
     @staticmethod
-    def _set_priority(
-        node: Node | None, priority: int, retention: float | None, now: float
-    ) -> None:
-        """Add a request's retention claim to its path. A node keeps the claims that can still
-        decide: the highest live priority wins, and a lower one that outlives it takes over when
-        its retention ends."""
-        until = math.inf if retention is None else now + retention
+    def _set_priority(node: Node | None, priority: int, until: float, now: float) -> None:
+        """Add a request's retention claim (kept until ``until``) to its path. A node keeps the
+        claims that can still decide: the highest live priority wins, and a lower one that
+        outlives it takes over when its retention ends."""
         while node is not None and node.parent is not None:
             claims = [(node.priority, node.retain_until), *node.later, (priority, until)]
             claims.sort(key=lambda c: (-c[0], -c[1]))

@@ -202,6 +202,25 @@ def test_lfu_and_priority_policies():
     m.check_integrity()
 
 
+def test_decoded_blocks_carry_the_requests_priority():
+    """Blocks a priority request fills by decoding are kept like its prompt's, also when they
+    land in a node of their own (a fork holds the prompt's node, so it is not extended)."""
+    for forked in (False, True):
+        m = CacheManager(16, 2, policy="priority")
+        m.admit("hi", [1, 2, 3, 4], priority=5)
+        if forked:
+            m.fork("hi", "sibling")
+        m.append("hi", [5, 6])
+        if forked:
+            m.release("sibling")
+        m.release("hi")
+        m.admit("lo", [9, 9, 9, 9])  # cached later, priority 0: it goes first
+        m.release("lo")
+        m.evict(1)
+        assert m.lookup([1, 2, 3, 4, 5, 6, 7]).cached_blocks == 3, forked
+        m.check_integrity()
+
+
 def test_the_higher_live_priority_wins_on_shared_blocks():
     """Claims of several requests on one prefix: a default request lifts a lower priority left
     by another, and a lower claim that outlives a higher one takes over when that one ends."""
