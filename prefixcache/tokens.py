@@ -73,6 +73,9 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
     return np.ascontiguousarray(arr, dtype=_INT32)
 
 
+_BOOL_DTYPES = ("bool", "torch.bool")  # 0-d arrays and tensors in a list (list(tensor))
+
+
 def _list_to_array(tokens: list[Any]) -> np.ndarray | None:
     """A list of integers straight to int32, or None for the general path (which says what is
     wrong with anything else).
@@ -82,6 +85,8 @@ def _list_to_array(tokens: list[Any]) -> np.ndarray | None:
     """
     try:
         packed = struct.pack(f"<{len(tokens)}i", *tokens)
+    except TypeError:  # an object whose __index__ refuses (a float array or tensor)
+        return None
     except struct.error:
         if all(type(t) is int for t in tokens):  # plain ints, one of them out of range
             hi, lo = max(tokens), min(tokens)
@@ -97,13 +102,17 @@ def _list_to_array(tokens: list[Any]) -> np.ndarray | None:
     if lo < 0:
         raise InvalidTokensError(f"token ids must be >= 0 (valid: [0, 2**31)), got {lo}")
     for i in np.flatnonzero(arr <= 1).tolist():
-        if type(tokens[i]) is bool:
-            raise InvalidTokensError(f"token ids must be integers, got {tokens[i]!r} at {i}")
+        t = tokens[i]  # a bool, or a 0-d bool array or tensor (list(tensor) gives those)
+        if type(t) is bool or str(getattr(t, "dtype", "")) in _BOOL_DTYPES:
+            raise InvalidTokensError(f"token ids must be integers, got {t!r} at {i}")
     return arr
 
 
 def _has_bool(tokens: list[Any] | tuple[Any, ...]) -> bool:
-    return any(type(t) is bool or type(t) is np.bool_ for t in tokens)
+    return any(
+        type(t) is bool or type(t) is np.bool_ or str(getattr(t, "dtype", "")) in _BOOL_DTYPES
+        for t in tokens
+    )
 
 
 def _torch_to_numpy(tensor: Any) -> np.ndarray:

@@ -446,6 +446,11 @@ def _loaded():
         (lambda m: m.admit("x", [1, -2], NS), InvalidTokensError),
         (lambda m: m.admit("x", np.array([1.0, 2.0]), NS), InvalidTokensError),
         (lambda m: m.admit("x", [], NS), InvalidTokensError),
+        # lists of 0-d arrays and tensors (what list(tensor) gives): floats and bools refused
+        (lambda m: m.admit("x", [np.array(1.5)], NS), InvalidTokensError),
+        (lambda m: m.admit("x", list(torch.tensor([1.5, 2.0])), NS), InvalidTokensError),
+        (lambda m: m.admit("x", [torch.tensor(True), 2], NS), InvalidTokensError),
+        (lambda m: m.admit("x", [np.array(True), 3], NS), InvalidTokensError),
         (lambda m: m.admit("x", toks(0, 33), NS), RequestTooLargeError),
         (lambda m: m.admit("x", toks(500, 28), NS), OutOfBlocksError),
         (lambda m: m.append("nope", [1]), UnknownRequestError),
