@@ -44,6 +44,7 @@ class PagedKVCache:
         v_scale: float = 1.0,
         host_blocks: int = 0,
     ) -> None:
+        sizes = []
         for name, value in (
             ("num_layers", num_layers),
             ("num_blocks", num_blocks),
@@ -51,8 +52,14 @@ class PagedKVCache:
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
-            if not isinstance(value, int) or value < 1:
+            try:
+                size = _as_id(value)  # ints and numpy integers, not bools
+            except TypeError:
+                size = 0
+            if size < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            sizes.append(size)
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim = sizes
         if kv_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_dtype must be 'auto' or 'fp8', got {kv_dtype!r}")
         if not (k_scale > 0 and v_scale > 0):
@@ -124,6 +131,7 @@ class PagedKVCache:
         """
         from prefixcache.kernels.reference import reference_store_kv
 
+        self._check_layer(layer)
         slots_t = torch.as_tensor(slots, device=k.device)
         if (
             slots_t.dtype.is_floating_point
@@ -159,7 +167,26 @@ class PagedKVCache:
         """Run the manager's (src, dst, num_slots) copies in order, on ``layer`` or on all.
 
         In a forward pass, run each layer's copies after its K/V store and before its attention.
+        Every copy is checked before any runs.
         """
+        if layer is not None:
+            self._check_layer(layer)
+        copies = list(copies)
+        for copy in copies:
+            try:
+                src, dst, n = (_as_id(x) for x in copy)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"a copy is (src, dst, num_slots) of ints, got {copy!r}"
+                ) from None
+            if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+                raise InvalidArgumentError(
+                    f"copy {copy!r}: block ids must be in [0, {self.num_blocks})"
+                )
+            if not 0 <= n <= self.block_size:
+                raise InvalidArgumentError(
+                    f"copy {copy!r}: num_slots must be in [0, {self.block_size}]"
+                )
         caches = (*self.k, *self.v) if layer is None else (self.k[layer], self.v[layer])
         for src, dst, n in copies:
             for cache in caches:
@@ -174,6 +201,7 @@ class PagedKVCache:
         """
         from prefixcache.kernels.reference import dequantize_fp8, gather_kv
 
+        self._check_layer(layer)
         table = torch.as_tensor(block_table, dtype=torch.int64, device=self.k[layer].device)
         need = -(-length // self.block_size)
         used = table[:need]
@@ -252,6 +280,11 @@ class PagedKVCache:
     def wait_transfers(self, layer: int) -> None:
         """Make the current stream wait for ``layer``'s transfers (nothing to wait for on the
         CPU, or when none were started)."""
+        self._check_layer(layer)
+        if self._events:
+            torch.cuda.current_stream(self.k[0].device).wait_event(self._events[layer])
+
+    def _check_layer(self, layer: object) -> None:
         if (
             isinstance(layer, bool)
             or not isinstance(layer, int)
@@ -260,8 +293,6 @@ class PagedKVCache:
             raise InvalidArgumentError(
                 f"layer must be an int in [0, {self.num_layers}), got {layer!r}"
             )
-        if self._events:
-            torch.cuda.current_stream(self.k[0].device).wait_event(self._events[layer])
 
 
 def _as_id(value: Any) -> int:

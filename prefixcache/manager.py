@@ -684,9 +684,11 @@ class CacheManager:
         a forced reset also drops every request and pin."""
         in_use = self.block_counts().active
         if in_use and not force:
+            held = len(self._step_holds) + len(self._step_refs)
+            step = f" and {held} holds of this step (end_step() ends them)" if held else ""
             raise CacheInUseError(
                 f"{in_use} blocks are in use by {len(self._seqs)} requests and {len(self._pins)}"
-                " pins; release them first or pass force=True"
+                f" pins{step}; release them first or pass force=True"
             )
         self._seqs.clear()
         self._pins.clear()

@@ -37,6 +37,35 @@ def test_bad_shapes_and_config_are_rejected():
         kv.write(0, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [8])
 
 
+def test_bad_ids_and_layers_are_typed_errors_and_copy_nothing():
+    import numpy as np
+
+    from prefixcache import InvalidArgumentError
+
+    with pytest.raises(ConfigError, match="num_blocks"):
+        PagedKVCache(1, True, 4, 1, 8)
+    assert PagedKVCache(np.int64(2), np.int64(4), 4, 1, 8).num_blocks == 4  # numpy sizes work
+    kv = PagedKVCache(2, 4, 4, 1, 8, dtype=torch.float32)
+    kv.k[0][0].normal_()
+    before = [t.clone() for t in (*kv.k, *kv.v)]
+    for copies, layer in (
+        ([(0, 1, 2), (-1, 2, 2)], None),  # a negative id read the last block
+        ([(0, 1, 2), (0, 4, 2)], None),
+        ([(0, 1, 5)], None),
+        ([(0, 1)], None),
+        ([(0, 1, 2)], 2),
+        ([(0, 1, 2)], -1),  # the last layer, silently
+    ):
+        with pytest.raises(InvalidArgumentError):
+            kv.apply_copies(copies, layer)
+        assert all(torch.equal(a, b) for a, b in zip(before, (*kv.k, *kv.v), strict=True))
+    for bad in (2, -1, True):
+        with pytest.raises(InvalidArgumentError, match="layer"):
+            kv.write(bad, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [0])
+        with pytest.raises(InvalidArgumentError, match="layer"):
+            kv.gather(bad, [0], 1)
+
+
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2), (4, 1)])
 def test_paged_attention_through_manager_equals_contiguous(hq, hkv):
     """Shared prefix, a fork that diverges (copy-on-write), shuffled physical blocks."""

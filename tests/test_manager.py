@@ -390,6 +390,20 @@ def test_a_closed_publisher_stops_listening():
     assert m.listener_errors == 0 and m.requests == ["a", "b"]
 
 
+def test_reset_names_the_steps_holds_when_they_keep_blocks_in_use():
+    m = CacheManager(8, 2, stepped=True)
+    m.admit("a", [1, 2, 3])
+    m.end_step()
+    m.fork("a", "b")
+    m.append("b", 4)  # the shared partial block is copied; its source is held until end_step
+    m.release("a")
+    m.release("b")
+    with pytest.raises(CacheInUseError, match=r"0 requests and 0 pins and 1 holds of this step"):
+        m.reset()
+    m.end_step()
+    m.reset()
+
+
 def test_reset_refuses_while_in_use_unless_forced():
     m = mgr_()
     m.admit("a", toks(0, 9), NS)
