@@ -39,6 +39,7 @@ from prefixcache.namespace import Namespace
 from prefixcache.tokens import TokenIds, as_size, as_token_array
 
 MAX_REQUEST_ID_CHARS = 256
+ANY_ADAPTER = "*"  # in ReplicaSpec.adapters: every LoRA adapter (loaded at run time)
 
 
 class ReplicaSpec(NamedTuple):
@@ -48,7 +49,8 @@ class ReplicaSpec(NamedTuple):
     namespace: Namespace  # the namespace its KV events are hashed under
     block_size: int = 16
     capacity_blocks: int = 0  # 0: unknown (then free capacity never decides a route)
-    adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (any version)
+    adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (any version);
+    # "*" (ANY_ADAPTER): every adapter, as an engine that loads adapters at run time
 
     def serves(self, namespace: Namespace) -> bool:
         """Whether a request in ``namespace`` may go to this replica: the same model; the
@@ -65,7 +67,10 @@ class ReplicaSpec(NamedTuple):
             return False
         if namespace.adapter == own.adapter:
             return own.adapter_version is None or namespace.adapter_version == own.adapter_version
-        return namespace.adapter in self.adapters
+        adapters = self.adapters
+        return namespace.adapter in adapters or (
+            namespace.adapter is not None and ANY_ADAPTER in adapters
+        )
 
 
 class Lookup(NamedTuple):

@@ -40,7 +40,8 @@ class ReplicaConfig:
     namespace: Namespace  # model, adapter, salt and extra keys its blocks are hashed under
     block_size: int
     capacity_blocks: int  # 0: unknown
-    adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (--lora-modules)
+    adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (--lora-modules);
+    # "*": any adapter (an engine that loads adapters at run time)
 
     def spec(self) -> ReplicaSpec:
         """The router's view of this replica."""

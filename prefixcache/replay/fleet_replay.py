@@ -16,6 +16,10 @@ The ``routing`` miss cause: at admission, the leading full prompt blocks held by
 replica (read from the index, which is exact for replicas between their steps) that this replica
 did not hit and that the fleet had seen in the namespace (``accounting.Accountant.record``).
 
+Every replica serves the workload's model with any LoRA adapter and any salt (tenant), as vLLM
+engines do (adapters loaded at run time, ``cache_salt`` per request); blocks still never match
+across namespaces. A workload of several models is refused.
+
 The pooled line is one replica with N times the blocks and N times the compute: token budget,
 running sequences, peak FLOPs and memory bandwidth all scaled by N. With every block in one cache
 and no route to get wrong, its hit rate is what routing aims for.
@@ -33,7 +37,7 @@ from prefixcache.fleet.kv_publisher import to_wire
 from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
 from prefixcache.fleet.kv_wire import KVEventBatch, WireEvent, encode_batch
 from prefixcache.fleet.memory_index import MemoryFleetIndex
-from prefixcache.fleet.router import ReplicaSpec, Router
+from prefixcache.fleet.router import ANY_ADAPTER, ReplicaSpec, Router
 from prefixcache.manager import CacheManager
 from prefixcache.namespace import Namespace
 from prefixcache.pool import UNBOUNDED
@@ -187,7 +191,10 @@ class FleetSimulator:
         *,
         caching: bool = True,
     ) -> None:
+        """Every replica serves ``namespace``'s model, with any adapter and salt."""
         o = cfg.options
+        self.model = namespace.model
+        namespace = Namespace(namespace.model)
         self.cfg, self.acc = cfg, acc
         self.p = o.block_size
         self.times = RequestTimes()  # per request, by the fleet's request index
@@ -202,7 +209,10 @@ class FleetSimulator:
         )
         self.router = Router(
             self.index,
-            [ReplicaSpec(name, namespace, self.p, cfg.capacity_blocks) for name in names],
+            [
+                ReplicaSpec(name, namespace, self.p, cfg.capacity_blocks, (ANY_ADAPTER,))
+                for name in names
+            ],
             o.routing_policy,
             hash_algo=o.hash_algo,
         )
@@ -240,6 +250,12 @@ class FleetSimulator:
     def run(self, requests: Iterable[Request]) -> None:
         """Route and serve every request, then run the fleet until all have finished."""
         for idx, req in enumerate(requests):
+            if req.namespace.model != self.model:
+                raise ConfigError(
+                    f"a fleet replay serves one model; request {idx} is for "
+                    f"{req.namespace.model or 'the default model'!r}, the fleet's is "
+                    f"{self.model or 'the default model'!r}: replay each model on its own"
+                )
             self._advance(req.arrival_s)
             decision = self.router.route(req.namespace, req.tokens, str(idx))
             self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
@@ -336,15 +352,6 @@ class FleetSimulator:
         return total
 
 
-def check_one_namespace(multi_namespace: bool) -> None:
-    """ConfigError when the workload has several namespaces (a fleet serves one)."""
-    if multi_namespace:
-        raise ConfigError(
-            "a fleet replay serves one namespace; this workload has several "
-            "(tenants, salts or adapters): replay it with --replicas 1"
-        )
-
-
 def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
     """One replica with N x the blocks, token budget, running sequences, FLOPs and bandwidth;
     with tiers, N x the host memory and N x every link (the same shared pool)."""
@@ -419,11 +426,10 @@ def run_fleet(
     reopen: Callable[[], Iterable[Request]],
     acc: Accountant,
     cfg: ResolvedConfig,
-    multi_namespace: bool,
 ) -> FleetRun:
     """Replay through the fleet, then a no-cache fleet (same routing) for the no-cache TTFTs and
-    the pooled cache for the upper bound. ``reopen()`` yields the requests again."""
-    check_one_namespace(multi_namespace)
+    the pooled cache for the upper bound. ``reopen()`` yields the requests again. Every replica
+    serves the model of the first request, with any adapter and salt (tenants)."""
     it = iter(requests)
     first = next(it, None)
     namespace = first.namespace if first is not None else Namespace("default")
@@ -437,7 +443,7 @@ def run_fleet(
     sim.run(chain())
     plain = FleetSimulator(cfg, None, namespace, caching=False)
     plain.run(reopen())
-    pooled = run_pooled(reopen(), cfg)  # one namespace, checked above
+    pooled = run_pooled(reopen(), cfg)
     times = sim.times
     o = cfg.options
     serving = ServingStats(

@@ -75,7 +75,6 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
                 lambda: iter(arrivals),
                 acc,
                 resolved,
-                source.multi_namespace,
             )
             serving, stats, tiers = fleet.serving, fleet.stats, fleet.tiers
             truncated = serving.truncated
