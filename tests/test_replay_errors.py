@@ -138,3 +138,48 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"prefixcache {prefixcache.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("line", "mode"),
+    [
+        ('{"timestamp": NaN, "input_length": 20, "output_length": 2, "hash_ids": [1]}', "serving"),
+        ('{"arrival_s": Infinity, "token_ids": [1, 2, 3]}', "serving"),
+        ('{"arrival_s": 1e300, "token_ids": [1, 2, 3]}', "sequential"),
+    ],
+)
+def test_non_finite_or_huge_arrival_times_are_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, mode: str
+) -> None:
+    # NaN passed the ">= 0" check and hung the serving simulation
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(line + "\n")
+    out = tmp_path / "run"
+    args = ["replay", str(trace), "--blocks", "64", "--mode", mode, "--out", str(out)]
+    assert main([*args, "--no-progress"]) == 2
+    one_error_line(capsys, "t.jsonl:1:", "finite number")
+    assert not out.exists()
+
+
+def test_an_out_dir_that_cannot_be_made_is_checked_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    args = ["replay", SCENARIO, "--blocks", "64", "--out", str(blocker / "run"), "--no-progress"]
+    assert main(args) == 2
+    one_error_line(capsys, str(blocker / "run"))
+
+
+def test_an_out_dir_the_system_refuses_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # /proc/x passes the writable check as root, then mkdir fails: that was a traceback
+    def refuse(self: Path, *args: object, **kwargs: object) -> None:
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    out = tmp_path / "run"
+    args = ["replay", SCENARIO, "--blocks", "64", "--out", str(out), "--no-progress"]
+    assert main(args) == 2
+    one_error_line(capsys, f"--out {out}: No such file or directory")

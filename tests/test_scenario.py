@@ -137,6 +137,26 @@ def test_pool_gives_pick_items_under_skewed_popularity(tmp_path: Path) -> None:
     assert {len(r.tokens) for r in take(path, 5)} == {48}
 
 
+def test_heavy_tails_are_cut_at_the_limits_not_cast_from_infinity(tmp_path: Path) -> None:
+    # sigma 50 draws infinity: cast to int64 it became a huge negative output (a schema failure)
+    # or an empty question (a bogus hit rate)
+    path = write(
+        tmp_path,
+        """\
+        seed: 1
+        requests: 40
+        arrivals: {process: constant, rate: 1}
+        prompt:
+          - unique: {name: q, length: {dist: lognormal, median: 20, sigma: 50}}
+        output: {dist: lognormal, median: 20, sigma: 50}
+    """,
+    )
+    reqs = take(path, 40)
+    assert all(0 <= r.output_len <= 1 << 21 for r in reqs)
+    assert all(0 <= len(r.tokens) <= 1 << 21 for r in reqs)
+    assert max(r.output_len for r in reqs) == 1 << 21  # the tail reached the cap
+
+
 def test_sessions_resend_history_and_output(tmp_path: Path) -> None:
     path = write(
         tmp_path,

@@ -237,16 +237,18 @@ def write_run(
     out = Path(out_dir)
     check_run_dir(out)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     try:
+        out.mkdir(parents=True, exist_ok=True)
         if report is None:
             report = result.to_report_dict()
         _write_requests(result, out / "requests.csv")
         _write_timeline(result, out / "timeline.csv")
         write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
-    except BaseException:
+    except BaseException as exc:
         if created:
             shutil.rmtree(out, ignore_errors=True)
+        if isinstance(exc, OSError):  # cannot create, disk full, ...: one error line
+            raise ConfigError(f"--out {out}: {exc.strerror or exc}") from None
         raise
     return out
 

@@ -10,7 +10,7 @@ optional ``min`` / ``max`` clips. Draws come from numpy in chunks, so one draw c
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -177,8 +177,8 @@ def parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float
     """Parse a number or ``{dist: ...}`` mapping; draws never go below ``minimum``. Counts
     (``integer_valued``: token lengths, turns) are given at most ``MAX_COUNT``."""
     dist = _parse_dist(value, where, integer_valued=integer_valued, minimum=minimum)
-    if not integer_valued:
-        return dist
+    if not integer_valued:  # times: a heavy tail must not draw infinity
+        return dist if dist.hi is not None else replace(dist, hi=MAX_SECONDS)
     for name, v in dist.params:
         for x in v if isinstance(v, list) else [v]:
             if name != "weights" and x > MAX_COUNT:
@@ -186,10 +186,12 @@ def parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float
                        where / name).fail(f"a number <= {MAX_COUNT:,}", x)  # fmt: skip
     if dist.hi is not None and dist.hi > MAX_COUNT:
         raise (where / "max").fail(f"a number <= {MAX_COUNT:,}", dist.hi)
-    return dist
+    # a heavy tail (lognormal with a large sigma) is cut at MAX_COUNT, not cast from infinity
+    return dist if dist.hi is not None else replace(dist, hi=float(MAX_COUNT))
 
 
 MAX_COUNT = 1 << 21  # the largest token length or count a scenario may draw (2,097,152)
+MAX_SECONDS = 1e12  # the longest time a scenario may draw
 
 
 def _parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float) -> Dist:

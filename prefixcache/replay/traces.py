@@ -172,15 +172,25 @@ def _int(
     return value
 
 
+MAX_TIME_S = 1e12  # arrival times in seconds: Unix epochs in s or ms fit, 1e300 does not
+
+
 def _time(
     obj: dict[str, Any], keys: tuple[str, ...], scale: float, path: str, lineno: int, default: float
 ) -> float:
     for key in keys:
         if key in obj:
             value = obj[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 <= value * scale <= MAX_TIME_S  # NaN and infinity fail here too
+            ):
                 raise TraceFormatError(
-                    path, lineno, f"'{key}' must be a number >= 0, got {value!r}"
+                    path,
+                    lineno,
+                    f"'{key}' must be a finite number >= 0 (at most {MAX_TIME_S:g} s), "
+                    f"got {value!r}",
                 )
             return float(value) * scale
     return default
