@@ -178,6 +178,20 @@ def test_mooncake_block_size_defaults_to_the_trace_block_size(
     assert main([*small, "--out", str(tmp_path / "r3"), "--strict"]) == 3
 
 
+def test_strict_and_warnings_cover_every_sweep_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --strict read only the first point: a sweep whose second point rejected everything
+    # exited 0, and said nothing about it
+    trace = "scenarios/traces/mooncake_sample.jsonl"
+    args = ["replay", trace, "--blocks", "1000,2", "--no-progress", "--strict"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 3
+    summary = capsys.readouterr().out
+    assert "sweep point (capacity_blocks 2, block_size 512, policy lru): 294 requests" in summary
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [p["rejected_requests"] for p in report["sweep"]] == [0, 294]
+
+
 def test_help_says_the_model_default(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["replay", "--help"])

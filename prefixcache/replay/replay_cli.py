@@ -541,8 +541,11 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         print(format_summary(report, str(out)))
     serving = report.get("serving") or {}
+    points = report.get("sweep") or []  # every point of a sweep counts, not just the first
     if args.strict and (
-        report["rejected_requests"] or (serving.get("load") or {}).get("overloaded")
+        report["rejected_requests"]
+        or (serving.get("load") or {}).get("overloaded")
+        or any(p.get("rejected_requests") or p.get("overloaded") for p in points)
     ):
         return EXIT_STRICT
     return 0

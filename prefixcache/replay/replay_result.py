@@ -108,6 +108,12 @@ class ReplayResult:
             "upper_bound_token_hit_rate": self._bound(tot.ub_tokens, tot.prompt_tokens),
             "evicted_blocks": self.stats.evicted_blocks,
             "prompt_tokens": tot.prompt_tokens,
+            "rejected_requests": tot.rejected,
+            **(
+                {"overloaded": self.serving.load.overloaded}
+                if self.serving is not None and self.serving.load is not None
+                else {}
+            ),
             "misses": self._missed(),
             **self._fleet_row(),
             **(tiers_row(self.extra["tiers"]) if "tiers" in self.extra else {}),

@@ -33,6 +33,19 @@ def run_warnings(report: dict[str, Any]) -> list[str]:
             f"{truncated:,} requests stopped generating early: alone in the cache, their prompt "
             "plus output outgrew it"
         )
+    for point in (report.get("sweep") or [])[1:]:  # the first point is the report itself
+        problems = []
+        if point.get("rejected_requests"):
+            problems.append(f"{point['rejected_requests']:,} requests rejected")
+        if point.get("overloaded"):
+            problems.append("overloaded")
+        if problems:
+            where = ", ".join(
+                f"{key} {point[key]}"
+                for key in ("capacity_blocks", "block_size", "policy", "replicas", "routing")
+                if point.get(key) is not None
+            )
+            out.append(f"sweep point ({where}): {' and '.join(problems)}")
     cfg = report.get("config") or {}
     if cfg.get("model_defaulted"):
         out.append(
