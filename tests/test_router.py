@@ -230,6 +230,21 @@ def test_lookup_scores_every_eligible_replica() -> None:
     assert other.lookup(Namespace("m", salt="t"), tokens).scores[0].cached_tokens == 0
 
 
+def test_cache_hits_in_flight_do_not_push_a_tenant_off_its_replica() -> None:
+    # requests in flight that hit the cache cost their replica no prefill: counting their cached
+    # tokens as load spread a hot tenant over replicas that had to recompute its prompt
+    index = MemoryFleetIndex()
+    hasher = BlockHasher(16)
+    system = np.arange(1000, 1000 + 16 * 90, dtype="<i4")  # a 1,440-token system prompt
+    index.store("a", hasher.hash_prompt(system, NS))
+    router = Router(index, [ReplicaSpec(n, NS, 16) for n in "ab"], "prefix_cost")
+    for i in range(40):
+        question = np.arange(i * 100, i * 100 + 40, dtype="<i4")
+        prompt = np.concatenate([system, question])
+        assert router.route(NS, prompt, request_id=f"r{i}").replica == "a"
+    assert router.loads()[0] == ReplicaLoad("a", 40, 40 * 40)
+
+
 def test_free_capacity_counts_gpu_blocks_only() -> None:
     # a replica that offloaded blocks to CPU has as much GPU room as before: the low-match
     # fallback of prefix_balanced must not take it for full
@@ -248,12 +263,14 @@ def test_free_capacity_counts_gpu_blocks_only() -> None:
 
 def test_route_counts_load_until_release() -> None:
     router, _, tokens = seeded("prefix")
-    decision = router.route(NS, tokens, request_id="r1")
+    longer = np.concatenate([tokens, np.arange(500, 532, dtype="<i4")])  # 2 blocks more
+    decision = router.route(NS, longer, request_id="r1")
     assert decision.replica == "b" and decision.cached_tokens == 128
     assert decision.policy == "prefix" and decision.rule == "prefix"
-    assert router.loads()[1] == ReplicaLoad("b", 1, 128)
+    # the load is the prefill work taken on: the 32 tokens b does not cache
+    assert router.loads()[1] == ReplicaLoad("b", 1, 32)
     assert router.in_flight() == 1
-    assert router.release("r1") == ("r1", "b", 128)
+    assert router.release("r1") == ("r1", "b", 160)  # the prompt's tokens
     assert router.loads()[1] == ReplicaLoad("b", 0, 0)
     with pytest.raises(UnknownRequestError, match="not in flight"):
         router.release("r1")
@@ -362,7 +379,9 @@ def test_replicas_marked_down_take_no_routes() -> None:
 def test_least_loaded_spreads_tracked_routes() -> None:
     router, _, tokens = seeded("least_loaded")
     picks = [router.route(NS, tokens, request_id=f"r{i}").replica for i in range(6)]
-    assert picks == ["a", "b", "c", "a", "b", "c"]
+    # equal request counts: the fewest tokens to compute wins (b caches the whole prompt, a 32 of
+    # its 128 tokens, c none)
+    assert picks == ["a", "b", "c", "b", "a", "c"]
 
 
 def test_rejected_routes_change_nothing() -> None:

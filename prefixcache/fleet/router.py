@@ -95,7 +95,8 @@ class RouteDecision(NamedTuple):
 
 
 class ReplicaLoad(NamedTuple):
-    """In-flight requests and their prompt tokens on one replica."""
+    """In-flight requests on one replica and their prompt tokens it has to compute (those it
+    did not cache when they were routed: its prefill work)."""
 
     name: str
     in_flight: int
@@ -131,7 +132,8 @@ class _Matches(NamedTuple):
 
 class _InFlight(NamedTuple):
     replica: str
-    tokens: int
+    tokens: int  # the prompt's
+    work: int  # of those, the ones the replica did not cache when routed (its load)
     generation: int  # of the replica when routed: a removed and re-added replica starts afresh
     deadline: float  # on the router's clock: the load ends then if nobody released it
 
@@ -360,7 +362,7 @@ class Router:
         if self._generation.get(entry.replica) == entry.generation:
             load = self._load[entry.replica]
             load[0] -= 1
-            load[1] -= entry.tokens
+            load[1] -= entry.work
 
     # ---- lookups and routes -------------------------------------------------------------------
 
@@ -496,11 +498,14 @@ class Router:
             self._turns[namespace] = turn + 1
             if request_id is not None:
                 load = self._load[choice.replica]
+                # its load is the prefill work it takes on: cached tokens cost it no compute
+                work = n - next(s for s in scores if s.name == choice.replica).cached_tokens
                 load[0] += 1
-                load[1] += n
+                load[1] += work
                 timeout = self._timeout if expire else None
                 deadline = math.inf if timeout is None else self._clock() + timeout
-                entry = _InFlight(choice.replica, n, self._generation[choice.replica], deadline)
+                generation = self._generation[choice.replica]
+                entry = _InFlight(choice.replica, n, work, generation, deadline)
                 self._in_flight[request_id] = entry
                 if timeout is not None:
                     self._deadlines.append((request_id, entry))

@@ -19,9 +19,10 @@ decided, which metrics and responses report.
   The defaults (64 requests, 1.5, 0.3) are SGLang router's.
 - ``prefix_cost`` (the default): the least work, as NVIDIA Dynamo's KV router weighs it: the
   prompt tokens the replica would prefill (those it does not cache), times ``prefill_weight``
-  (default 8), plus the prompt tokens of the requests in flight on it; then most cached on GPU,
-  then least loaded. A shared prefix draws requests to the replicas that hold it until their
-  queues cost more than recomputing it; ``prefix`` would send them all to one replica.
+  (default 8), plus the prompt tokens the requests in flight on it have to compute (those it did
+  not cache when they were routed); then most cached on GPU, then least loaded. A shared prefix
+  draws requests to the replicas that hold it until their queues cost more than recomputing it;
+  ``prefix`` would send them all to one replica.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class ReplicaScore(NamedTuple):
     cached_tokens: int  # leading prompt tokens the replica holds, any medium
     gpu_cached_tokens: int  # of those, held on GPU
     in_flight: int  # requests routed to it and not yet released
-    in_flight_tokens: int  # their prompt tokens
+    in_flight_tokens: int  # their prompt tokens to compute (not cached when routed)
     capacity_blocks: int  # KV capacity of the replica, in blocks
     held_blocks: int  # blocks the index holds for the replica on GPU (what capacity bounds)
 
@@ -52,9 +53,9 @@ class RoutingParams(NamedTuple):
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     cache_threshold: float = 0.3
-    # a prompt token to prefill against one in flight: most in-flight tokens were cache hits or
-    # are decoding, so a token to compute weighs more (8 won on the Mooncake trace and the shared
-    # system prompt: BENCHMARKS.md)
+    # a prompt token to prefill here against one queued to prefill: in-flight requests also
+    # decode, so a token to compute now weighs more (8 is best or within a few percent of it on
+    # the Mooncake traces, the shared system prompt and the tenants workload: BENCHMARKS.md)
     prefill_weight: float = 8.0
 
 

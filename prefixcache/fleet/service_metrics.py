@@ -49,7 +49,7 @@ class _FleetCollector(Collector):
         )
         tokens = GaugeMetricFamily(
             "prefixcache_replica_in_flight_tokens",
-            "Prompt tokens of routed requests not yet released",
+            "Prompt tokens to compute (not cached when routed) of routed requests not yet released",
             labels=["replica"],
         )
         index = self._router.index
