@@ -211,3 +211,22 @@ def test_the_pooled_line_pools_the_host_tiers_too() -> None:
     pooled = report["fleet"]["pooled"]["token_hit_rate"]
     assert report["tiers"]["host_hit_tokens"] > 0
     assert pooled >= report["token_hit_rate"]
+
+
+def test_a_single_tier_run_meets_its_twin_in_a_sweep(tmp_path: Path) -> None:
+    # a run without a sweep had no host/pool keys: compare called it "host blocks None" and
+    # matched none of the sweep's points, not even the identical one
+    from prefixcache.report import load_run
+    from prefixcache.report.compare import run_points, sweep_section
+
+    common = ["--blocks", "200", "--model", "llama-3.1-8b", "--jobs", "1"]
+    one, plain, sweep = tmp_path / "one", tmp_path / "plain", tmp_path / "sweep"
+    assert _cli(*common, "--host-memory", "8GiB", "--out", str(one)).returncode == 0
+    assert _cli(*common, "--out", str(plain)).returncode == 0
+    assert _cli(*common, "--host-memory", "0,8GiB", "--out", str(sweep)).returncode == 0
+    assert run_points(load_run(one))[0]["host_blocks"] == 128
+    for single, host in ((one, 128), (plain, 0)):
+        section = sweep_section(load_run(single), load_run(sweep))
+        assert section.title == "Sweep points: 1 of A's 1 match B's 2", (host, section.title)
+        (row,) = section.tables[0].rows
+        assert str(host) in row and "None" not in row

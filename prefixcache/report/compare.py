@@ -184,6 +184,11 @@ def run_points(run: Run) -> list[Point]:
     setup: Point = {"block_size": cfg["block_size"], "policy": cfg["policy"]}
     if fleet:
         setup |= {"replicas": fleet["replicas"], "routing": fleet["routing"]}
+    tiers = r.get("tiers") or {}  # no tier is a tier of 0 blocks: --host-memory 0 matches it
+    setup |= {
+        "host_blocks": (tiers.get("host") or {}).get("blocks", 0),
+        "pool_blocks": (tiers.get("pool") or {}).get("blocks", 0),
+    }
     if r["sweep"]:  # a point leaves out what it shares with the run's configuration
         return [setup | p for p in r["sweep"]]
     point: Point = {
@@ -214,7 +219,8 @@ def _point_label(point: Point, keys: list[str]) -> str:
 def sweep_section(a: Run, b: Run) -> Section:
     """The sweep points of A and B matched by their setup, each compared; unmatched ones named."""
     pa, pb = run_points(a), run_points(b)
-    keys = [k for k in POINT_KEYS if any(k in p for p in [*pa, *pb])]
+    # a setup key that no point sets (tiers all 0) is left out of the labels
+    keys = [k for k in POINT_KEYS if any(p.get(k) for p in [*pa, *pb])]
     by_b = {_point_key(p, keys): p for p in pb}
     matched = [(p, by_b[_point_key(p, keys)]) for p in pa if _point_key(p, keys) in by_b]
     matched.sort(key=lambda pair: [sort_key(v) for v in _point_key(pair[0], keys)])
