@@ -215,3 +215,30 @@ def test_compare_sweep_with_a_single_run(
     assert shown(markdown_rows(md.read_text())["512"][0][3], rb["token_hit_rate"])
     assert "Only in A (7): 32 blocks" in out and "Only in B" not in out
     assert "the sweep points are compared below" in md.read_text()
+
+
+def test_an_unbounded_cache_reads_unbounded_everywhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # it read 9,223,372,036,854,775,807 blocks (and 17592186044416.00 TiB) in sweep rows, free
+    # blocks and the sparkline scales
+    import yaml
+
+    spec = yaml.safe_load(Path("scenarios/shared_system_prompt.yaml").read_text())
+    spec["requests"] = 200
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump(spec))
+    out, md = tmp_path / "run", tmp_path / "r.md"
+    args = ["replay", str(scenario), "--blocks", "100,inf", "--model", "llama-3.1-8b"]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    assert main(["report", str(out), "--md", str(md)]) == 0
+    single = tmp_path / "single"
+    assert (
+        main(["replay", str(scenario), "--blocks", "inf", "--out", str(single), "--no-progress"])
+        == 0
+    )
+    assert main(["report", str(single)]) == 0
+    text = capsys.readouterr().out + md.read_text() + (out / "report.html").read_text()
+    assert "unbounded" in text
+    for huge in ("9,223,372", "9223372", "17592186044416", "17,592,186"):
+        assert huge not in text, huge

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache.pool import UNBOUNDED
 from prefixcache.report import formatting as fmt
 from prefixcache.report.checks import consistency_checks
 from prefixcache.report.document import Document, Field, Section, Table, TextChart
@@ -301,10 +302,16 @@ def over_time(run: Run) -> Section:
             f"{fmt.count(s.peak_cached)} / {fmt.count(s.final_cached)}",
             "block_states",
         ),
-        Field(
-            "Free blocks (lowest / end)",
-            f"{fmt.count(s.min_free)} / {fmt.count(s.final_free)}",
-            "block_states",
+        *(
+            [
+                Field(
+                    "Free blocks (lowest / end)",
+                    f"{fmt.count(s.min_free)} / {fmt.count(s.final_free)}",
+                    "block_states",
+                )
+            ]
+            if run.report["config"]["capacity_blocks"] < UNBOUNDED  # else: all but the cached
+            else []
         ),
         Field("Evicted blocks", fmt.count(s.evicted), "evicted_blocks"),
         Field(
@@ -316,15 +323,18 @@ def over_time(run: Run) -> Section:
     ]
     tl = run.timeline
     capacity = run.report["config"]["capacity_blocks"]
-    if capacity is not None:  # a fleet's timeline adds up its replicas, and so does its capacity
+    if capacity is not None and capacity >= UNBOUNDED:  # scaled to what was used instead
+        capacity = max(max(tl["blocks_cached"], default=0), max(tl["blocks_active"], default=0))
+    elif capacity is not None:  # a fleet's timeline adds up its replicas, and its capacity too
         capacity *= int(run.report["config"].get("replicas") or 1)
+    top = fmt.count(capacity) if capacity is not None else "max"
     section.charts.append(
         TextChart(
             "Over time (left to right)",
             [
                 f"rolling hit rate │{sparkline(tl['rolling_token_hit_rate'])}│ 0–100%",
-                f"cached blocks    │{sparkline(tl['blocks_cached'], hi=capacity)}│ 0–{capacity}",
-                f"active blocks    │{sparkline(tl['blocks_active'], hi=capacity)}│ 0–{capacity}",
+                f"cached blocks    │{sparkline(tl['blocks_cached'], hi=capacity)}│ 0–{top}",
+                f"active blocks    │{sparkline(tl['blocks_active'], hi=capacity)}│ 0–{top}",
             ],
         )
     )
@@ -581,8 +591,16 @@ def sweep(run: Run) -> Section:
     )
     rows = [
         [
-            fmt.count(p["capacity_blocks"]),
-            *([fmt.nbytes(p["capacity_blocks"] * bytes_per_block)] if with_bytes else []),
+            fmt.capacity(p["capacity_blocks"]),
+            *(
+                [
+                    fmt.nbytes(p["capacity_blocks"] * bytes_per_block)
+                    if p["capacity_blocks"] < UNBOUNDED
+                    else fmt.NA
+                ]
+                if with_bytes
+                else []
+            ),
             *(_cell(k, p.get(k)) for k in variants),
             fmt.pct(p["token_hit_rate"]),
             fmt.pct(p["block_hit_rate"]),

@@ -237,8 +237,8 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
         )
         for row in r["sweep"]:
             lines.append(
-                f"                  {row['capacity_blocks']:>8,}  {row['block_size']:>5}  "
-                f"{row['policy']:>6}"
+                f"                 {fmt.capacity(row['capacity_blocks']):>9}  "
+                f"{row['block_size']:>5}  {row['policy']:>6}"
                 + "".join(f"  {row.get(k, 0):>8,}" for k, _ in sweep_keys)
                 + f"  {fmt.pct(row['token_hit_rate']):>9}  "
                 f"{fmt.pct(row['block_hit_rate']):>9}  {row['evicted_blocks']:>7,}"
