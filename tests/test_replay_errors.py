@@ -183,3 +183,29 @@ def test_an_out_dir_the_system_refuses_is_one_error_line(
     args = ["replay", SCENARIO, "--blocks", "64", "--out", str(out), "--no-progress"]
     assert main(args) == 2
     one_error_line(capsys, f"--out {out}: No such file or directory")
+
+
+@pytest.mark.parametrize(
+    ("source", "flags", "needle"),
+    [
+        (SCENARIO, ["--gpu", "h200"], "--gpu needs --mode serving"),
+        (SCENARIO, ["--token-budget", "5"], "--token-budget and --max-seqs need --mode serving"),
+        (SCENARIO, ["--max-seqs", "3"], "--token-budget and --max-seqs need --mode serving"),
+        (SCENARIO, ["--trace-format", "mooncake"], "--trace-format: only for traces"),
+        (SCENARIO, ["--output-len", "5"], "--output-len: only for traces"),
+        (SCENARIO, ["--max-prompt-tokens", "100"], "--max-prompt-tokens: only for traces"),
+        (
+            "scenarios/traces/mooncake_sample.jsonl",
+            ["--tokenizer", "tok.json"],
+            "--tokenizer and --chat-template do not apply",
+        ),
+    ],
+)
+def test_options_that_would_be_ignored_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, flags: list[str], needle: str
+) -> None:
+    out = tmp_path / "run"
+    args = ["replay", source, "--blocks", "64", *flags, "--out", str(out), "--no-progress"]
+    assert main(args) == 2
+    one_error_line(capsys, needle)
+    assert not out.exists()

@@ -60,6 +60,7 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
     if not p.is_file():
         raise ConfigError(f"{p}: no such scenario or trace file")
     if is_scenario_path(p):
+        _refuse_trace_options(config, p)
         scenario = load_scenario(p)
         workload = Workload(scenario, config.seed)
         total = scenario.requests if scenario.duration_s is None else None
@@ -78,6 +79,11 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
         )
     fmt = config.trace_format or detect_format(p, config.max_line_bytes)
     check_block_size(fmt, config.trace_block_size, config.block_size)
+    if fmt == "mooncake" and (config.tokenizer or config.chat_template):
+        raise ConfigError(
+            f"{p.name} is a Mooncake trace (hash ids, no text): --tokenizer and --chat-template "
+            "do not apply"
+        )
     seed = config.seed if config.seed is not None else 0
     options = TraceOptions(
         format=fmt,
@@ -106,4 +112,29 @@ def check_block_size(kind: str, trace_block_size: int, block_size: int) -> None:
         raise ConfigError(
             f"block size {block_size} does not divide the trace's {trace_block_size}"
             "-token blocks; use a divisor (e.g. 16, 64, 512) or set --trace-block-size"
+        )
+
+
+_TRACE_FLAGS = (
+    ("trace_format", "--trace-format"),
+    ("trace_block_size", "--trace-block-size"),
+    ("tokenizer", "--tokenizer"),
+    ("chat_template", "--chat-template"),
+    ("output_len", "--output-len"),
+    ("max_prompt_tokens", "--max-prompt-tokens"),
+    ("max_line_bytes", "--max-line-bytes"),
+)
+
+
+def _refuse_trace_options(config: ReplayConfig, path: Path) -> None:
+    """ConfigError when options that only shape how a trace is read were given for a
+    scenario (they would be ignored)."""
+    defaults = ReplayConfig()
+    given = [
+        flag for attr, flag in _TRACE_FLAGS if getattr(config, attr) != getattr(defaults, attr)
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: only for traces, and {path.name} is a scenario (its file sets "
+            "lengths and outputs)"
         )
