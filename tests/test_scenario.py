@@ -157,6 +157,24 @@ def test_heavy_tails_are_cut_at_the_limits_not_cast_from_infinity(tmp_path: Path
     assert max(r.output_len for r in reqs) == 1 << 21  # the tail reached the cap
 
 
+def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
+    # YAML lets the last one win silently
+    path = write(
+        tmp_path,
+        """\
+        seed: 1
+        seed: 2
+        requests: 5
+        arrivals: {process: constant, rate: 1}
+        prompt:
+          - unique: {name: q, length: 8}
+        output: 1
+    """,
+    )
+    with pytest.raises(ScenarioError, match="key 'seed' given twice at line 2"):
+        take(path, 5)
+
+
 def test_sessions_resend_history_and_output(tmp_path: Path) -> None:
     path = write(
         tmp_path,

@@ -182,8 +182,23 @@ def _load_document(text: str, file: str) -> Any:
             raise ScenarioError(file, "", f"valid TOML ({exc})") from None
     import yaml
 
+    class _UniqueKeys(yaml.SafeLoader):
+        """SafeLoader that refuses a key given twice in one mapping (the last one would win
+        silently)."""
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, str) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
