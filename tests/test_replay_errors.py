@@ -194,6 +194,8 @@ def test_an_out_dir_the_system_refuses_is_one_error_line(
         (SCENARIO, ["--trace-format", "mooncake"], "--trace-format: only for traces"),
         (SCENARIO, ["--output-len", "5"], "--output-len: only for traces"),
         (SCENARIO, ["--max-prompt-tokens", "100"], "--max-prompt-tokens: only for traces"),
+        (SCENARIO, ["--blocks", "64,128,64"], "--blocks: 64 is given twice"),
+        (SCENARIO, ["--policy", "lru,lfu,lru"], "--policy: lru is given twice"),
         (
             "scenarios/traces/mooncake_sample.jsonl",
             ["--tokenizer", "tok.json"],

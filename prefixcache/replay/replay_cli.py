@@ -418,6 +418,14 @@ def _str_list(text: str) -> list[str]:
 def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
     if args.blocks and args.kv_memory:
         raise ConfigError("give --blocks or --kv-memory, not both")
+    for flag in (
+        "blocks", "kv_memory", "block_size", "policy", "replicas", "routing", "host_memory",
+        "pool_memory",
+    ):  # fmt: skip
+        values = getattr(args, flag, None) or []
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:  # the point would run twice and show up twice
+            raise ConfigError(f"--{flag.replace('_', '-')}: {twice} is given twice")
     sizes: list[dict[str, int]] = (
         [{"capacity_blocks": b} for b in args.blocks]
         if args.blocks
