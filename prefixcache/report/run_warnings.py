@@ -33,22 +33,29 @@ def run_warnings(report: dict[str, Any]) -> list[str]:
             f"{truncated:,} requests stopped generating early: alone in the cache, their prompt "
             "plus output outgrew it"
         )
-    for point in (report.get("sweep") or [])[1:]:  # the first point is the report itself
-        problems = []
-        if point.get("rejected_requests"):
-            problems.append(f"{point['rejected_requests']:,} requests rejected")
-        if point.get("overloaded"):
-            problems.append("overloaded")
-        if problems:
-            where = ", ".join(
-                f"{key} {point[key]}"
-                for key in ("capacity_blocks", "block_size", "policy", "replicas", "routing")
-                if point.get(key) is not None
-            )
-            out.append(f"sweep point ({where}): {' and '.join(problems)}")
+    points = (report.get("sweep") or [])[1:]  # the first point is the report itself
+    rejecting = [p for p in points if p.get("rejected_requests")]
+    if rejecting:
+        listed = "; ".join(f"{_point(p)} ({p['rejected_requests']:,} rejected)" for p in rejecting)
+        out.append(f"other sweep points rejected requests: {listed}")
+    overloaded = [p for p in points if p.get("overloaded")]
+    if overloaded:
+        out.append(
+            f"{len(overloaded)} other sweep points are overloaded (TTFT reflects queueing): "
+            + "; ".join(_point(p) for p in overloaded)
+        )
     cfg = report.get("config") or {}
     if cfg.get("model_defaulted"):
         out.append(
             f"no --model given: {cfg['model']} assumed for KV bytes and step times; pass --model"
         )
     return out
+
+
+def _point(point: dict[str, Any]) -> str:
+    """A sweep point's setup: the keys that vary in sweeps."""
+    return ", ".join(
+        f"{key.replace('_', ' ')} {point[key]}"
+        for key in ("capacity_blocks", "block_size", "policy", "replicas", "routing")
+        if point.get(key) is not None
+    )
