@@ -241,6 +241,12 @@ class CacheManager:
                 node = digest = None
         if host_run:  # off the host tier before any offload of ours can evict them
             host_slots = self._unload(host_run, namespace)
+        if partial is not None:  # the copy source must survive our own eviction (see _plan)
+            source = partial[0]
+            if len(source.blocks) > 1:  # hold the copied block alone, not the whole run
+                source = self.index.split(source, 1)
+            self.index.hold(source, now)
+            partial = _new(PartialMatch, (source, partial[1]))
         fresh = self._take(need, owned=False)  # what stays private is owned after the commit
         if host_run:
             self._loads += [_new(Load, pair) for pair in zip(host_slots, fresh, strict=False)]
@@ -259,18 +265,11 @@ class CacheManager:
                 copies.append(Copy(src, fresh[0], p - 1))
                 self.stats.cow_copies += 1
         elif partial is not None:
-            cand, partial_tokens = partial
-            # our own allocation may have evicted it; eviction trims from the tail, so its first
-            # block is gone only with the whole node, which then has no parent
-            if cand.parent is not None:
-                copies.append(Copy(cand.blocks[0], fresh[0], partial_tokens))
-                self.index.hold(cand, now)
-                seq.copy_source = cand
-                self.stats.partial_copies += 1
-                self.stats.partial_copy_tokens += partial_tokens
-            else:
-                cached_len -= partial_tokens
-                partial_tokens = 0
+            cand, partial_tokens = partial  # held since before our allocation
+            copies.append(Copy(cand.blocks[0], fresh[0], partial_tokens))
+            seq.copy_source = cand
+            self.stats.partial_copies += 1
+            self.stats.partial_copy_tokens += partial_tokens
         seq.unconfirmed = True
         if self.enable_caching:
             self._commit(seq, buf, t // p, digest, now, owned=False)
@@ -335,7 +334,10 @@ class CacheManager:
                         cached_len += partial[1]
             cached = self.index.num_blocks - self.index.active_blocks
             free = self.pool.num_free + cached
-            if need <= free - n:  # fits even if every matched block were unheld now
+            # the copy source block is held through the admission (our own allocation must not
+            # evict it): unheld, it is one evictable block less meanwhile
+            source = 1 if partial is not None and partial[0].ref == 0 else 0
+            if need <= free - n - source:  # fits even if every matched block were unheld now
                 return _new(_Plan, (need, n, match, shared, cow, partial, cached_len, run, found))
             held_cached = 0
             cur: Node | None = node
@@ -345,6 +347,9 @@ class CacheManager:
                     held_cached += count
                 cur = cur.parent
                 count = len(cur.blocks)
+            if partial is not None and need > free - held_cached - source:
+                cached_len -= partial[1]  # no room to keep the source: recompute those tokens
+                partial = None
             if not cow or need <= free - held_cached:
                 return _Plan(need, held_cached, match, shared, cow, partial, cached_len, run, found)
             # the copy of the last block needs one block more than the prompt: with the pool

@@ -202,6 +202,30 @@ def test_lfu_and_priority_policies():
     m.check_integrity()
 
 
+def test_lookup_promises_the_partial_copy_admit_makes():
+    """The copy source is the least recently used leaf: the admission's own allocation evicted
+    it, so lookup promised 6 cached tokens and admit gave 4 (another block was evictable)."""
+    m = CacheManager(4, 4)
+    m.admit("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    m.release("a")
+    m.admit("x", [7, 7, 7, 7, 7])
+    m.release("x")
+    prompt = [1, 2, 3, 4, 5, 6, 9, 9, 9]
+    promised = m.lookup(prompt)
+    got = m.admit("b", prompt)
+    assert promised.cached_len == got.cached_len == 6 and got.partial_tokens == 2
+    assert got.copies == [Copy(1, got.block_table[1], 2)]
+    m.check_integrity()
+    # no room to keep the source held: both recompute the partial block's tokens
+    tight = CacheManager(3, 4)
+    tight.admit("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    tight.release("a")
+    promised = tight.lookup([1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9])
+    got = tight.admit("b", [1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9])
+    assert promised.cached_len == got.cached_len
+    tight.check_integrity()
+
+
 def test_decoded_blocks_carry_the_requests_priority():
     """Blocks a priority request fills by decoding are kept like its prompt's, also when they
     land in a node of their own (a fork holds the prompt's node, so it is not extended)."""

@@ -85,6 +85,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert not can and snapshot(self.mgr) == before
             return
         assert can and 0 <= cached < len(tokens)
+        assert cached == ahead.cached_len  # lookup promises exactly what admit gives
         assert self.mgr.stats.loaded_blocks - loaded == ahead.host_blocks
         self.seen.append((tokens, ns))
 
