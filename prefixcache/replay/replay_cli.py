@@ -45,7 +45,11 @@ def register(subparsers: Any) -> None:
         help="capacity in blocks, e.g. 1000,5859,10000; inf: a cache that never evicts",
     )
     size.add_argument(
-        "--kv-memory", type=_size_list, metavar="SIZE", help="KV memory, e.g. 40GiB (needs --model)"
+        "--kv-memory",
+        type=_size_list,
+        metavar="SIZE",
+        help="KV memory, e.g. 40GiB (needs --model in sequential mode; serving mode "
+        "assumes llama-3.1-8b without one)",
     )
     rp.add_argument(
         "--block-size",
@@ -224,7 +228,9 @@ def _register_export(subparsers: Any) -> None:
         help="tokens per Mooncake hash id (512, as in the Mooncake traces)",
     )
     ep.add_argument(
-        "--model-name", default="default", help="the model field of OpenAI requests (default)"
+        "--model-name",
+        default="default",
+        help='the model field of OpenAI requests (default: "default")',
     )
     ep.add_argument(
         "--vocab-size",
