@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -87,8 +88,9 @@ def workspace_size(
 
 
 def _check_workspace(workspace: torch.Tensor, device: torch.device) -> None:
-    """A ``workspace=`` buffer is checked whether or not this call splits, so a wrong one fails
-    at once rather than when another shape first needs it."""
+    """A ``workspace=`` buffer's type, dtype, rank, device and layout are checked whether or not
+    this call splits, so a wrong kind of buffer fails at once; its size is checked when a call
+    splits (the size it needs depends on the shape: ``workspace_size``)."""
     if (
         not isinstance(workspace, torch.Tensor)
         or workspace.dtype != torch.float32
@@ -170,10 +172,12 @@ def paged_attention(
     ``shared_prefix``: ``"auto"`` groups sequences whose tables start with the same blocks
     (``prefixcache.kernels.cascade``) and reads each shared prefix once for the whole group;
     explicit ``PrefixGroup``s are also accepted; None (default) reads every sequence's keys on
-    its own. Planning reads the index tensors on the host, so this path is eager only.
+    its own. Planning reads the index tensors on the host, so this path is eager only, and
+    explicit groups are checked (in range, disjoint, really shared) even with ``validate=False``.
 
     k_cache / v_cache may be fp8 (uint8 holding e4m3 bits, or float8_e4m3fn): keys and values
-    are dequantized on load as ``k_scale * k`` and ``v_scale * v``; q stays fp32/fp16/bf16.
+    are dequantized on load as ``k_scale * k`` and ``v_scale * v``; q stays fp32/fp16/bf16. The
+    scales must be finite and > 0 for every cache (unused but checked for 16/32-bit ones).
 
     ``validate=False`` skips the checks that read seq_lens and block tables on the host (a GPU
     sync). With ``out=``, ``workspace=`` (a float32 buffer of ``workspace_size`` elements) and
@@ -183,7 +187,8 @@ def paged_attention(
     shapes = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     fp8 = is_fp8(k_cache)
     if lse is not None and (
-        lse.shape != (shapes.total_q, shapes.num_q_heads)
+        not isinstance(lse, torch.Tensor)
+        or lse.shape != (shapes.total_q, shapes.num_q_heads)
         or lse.dtype != torch.float32
         or lse.device != q.device
         or not lse.is_contiguous()
@@ -191,16 +196,22 @@ def paged_attention(
         raise KernelInputError(
             f"lse must be a contiguous float32 [total_q, num_q_heads] = "
             f"{(shapes.total_q, shapes.num_q_heads)} tensor on {q.device}, got "
-            f"{lse.dtype} {tuple(lse.shape)}"
+            + (
+                f"{lse.dtype} {tuple(lse.shape)}"
+                if isinstance(lse, torch.Tensor)
+                else type(lse).__name__
+            )
         )
     if config is not None and num_splits is not None:
         raise ValueError("pass either num_splits or config (which has num_splits), not both")
     if config is not None:
+        if not isinstance(config, AttentionConfig):
+            raise KernelInputError(f"config must be an AttentionConfig, got {config!r}")
         config.validate(shapes.group)  # on every backend, so a bad config never passes silently
     if num_splits is not None:
         check_num_splits(num_splits)
-    if fp8:
-        check_fp8_scales(k_scale, v_scale)
+    # checked for every cache (a bad scale is a caller's mistake even where it is unused)
+    k_scale, v_scale = check_fp8_scales(k_scale, v_scale)
     if workspace is not None:
         _check_workspace(workspace, q.device)
     if validate:
@@ -210,10 +221,11 @@ def paged_attention(
     )
     scale = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     out = torch.empty_like(q) if out is None else out
+    use = resolve_backend(backend, q.device)  # a backend that cannot run is refused, batch or not
     if shapes.total_q == 0:
         return out
 
-    if resolve_backend(backend, q.device) == "torch":
+    if use == "torch":
         out.copy_(
             reference_paged_attention(
                 q,
@@ -294,14 +306,18 @@ def _resolve_groups(
             block_tables, seq_lens, query_start_loc, block_size=shapes.block_size
         )
     try:
-        groups = [PrefixGroup(tuple(int(s) for s in g[0]), int(g[1])) for g in shared_prefix]
+        groups = [
+            PrefixGroup(tuple(operator.index(s) for s in g[0]), operator.index(g[1]))
+            for g in shared_prefix
+        ]
     except (TypeError, ValueError, IndexError):
         raise KernelInputError(
             "shared_prefix must be 'auto', None or a sequence of "
-            f"PrefixGroup(seqs, num_blocks), got {shared_prefix!r}"
+            f"PrefixGroup(seqs, num_blocks) of ints, got {shared_prefix!r}"
         ) from None
-    if validate:
-        check_groups(groups, block_tables, seq_lens, query_start_loc, shapes.block_size)
+    # checked even with validate=False: the cascade path reads the tables on the host anyway
+    # (it is eager only), and a group out of range gives wrong output silently
+    check_groups(groups, block_tables, seq_lens, query_start_loc, shapes.block_size)
     return groups
 
 

@@ -28,7 +28,7 @@ def triton_available() -> bool:
 
 def interpreter_enabled() -> bool:
     """True when ``TRITON_INTERPRET`` is set (parsed the way Triton parses it)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE_VALUES
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE_VALUES  # no strip: as Triton
 
 
 @functools.cache

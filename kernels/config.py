@@ -49,6 +49,9 @@ class AttentionConfig:
     def validate(self, group: int) -> None:
         """Raise UnsupportedConfigError unless this config can run with ``group`` heads per KV."""
         check_num_splits(self.num_splits)
+        for name in ("block_q", "block_m", "tile_n", "num_warps", "num_stages"):
+            if type(getattr(self, name)) is not int:  # 1.5 or 16.0 would reach the kernel
+                raise UnsupportedConfigError(f"{name} must be an int, got {self}")
         for name in ("block_m", "tile_n", "num_warps"):
             if not _is_pow2(getattr(self, name)):
                 raise UnsupportedConfigError(f"{name} must be a power of two, got {self}")

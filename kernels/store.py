@@ -40,14 +40,14 @@ def store_kv(
     """
     num_blocks, block_size = check_store_args(k, v, k_cache, v_cache, slot_mapping)
     fp8 = is_fp8(k_cache)
-    if fp8:
-        check_fp8_scales(k_scale, v_scale)
+    k_scale, v_scale = check_fp8_scales(k_scale, v_scale)  # for every cache, as attention does
     if validate:
         check_slot_values(slot_mapping, num_blocks * block_size)
     num_tokens, num_kv_heads, head_dim = k.shape
+    use = resolve_backend(backend, k.device)  # a backend that cannot run is refused, tokens or not
     if num_tokens == 0:
         return
-    if resolve_backend(backend, k.device) == "torch":
+    if use == "torch":
         reference_store_kv(
             k,
             v,

@@ -25,8 +25,9 @@ def _to_e4m3_bytes(x, scale):
     normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # exponent rebiased 127 -> 7
     # Below 2**-6: subnormal steps of 2**-9; adding 2**23 rounds to an integer, ties to even.
     sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
-    code = tl.where(a < 0.015625, sub, normal)
-    return (code | sign).to(tl.uint8)
+    code = tl.where(a < 0.015625, sub, normal) | sign
+    xf = x.to(tl.float32)
+    return tl.where(xf != xf, 0x7F, code).to(tl.uint8)  # NaN stays NaN (0x7f), as torch casts it
 
 
 @triton.jit

@@ -6,6 +6,7 @@ small index tensors and therefore synchronize with a GPU; wrappers let callers s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,8 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
     if v_cache.dtype != k_cache.dtype:
         raise KernelDTypeError(f"v_cache is {v_cache.dtype} but k_cache is {k_cache.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if num_kv_heads < 1:
+        raise KernelInputError("the cache has 0 KV heads (k_cache.shape[2])")
     if block_size < 8 or block_size & (block_size - 1):
         raise UnsupportedConfigError(
             f"block_size (k_cache.shape[1]) must be a power of two >= 8, got {block_size}"
@@ -137,6 +140,8 @@ def check_attention_args(
     _same_device(**tensors)
 
     total_q, num_q_heads, q_dim = q.shape
+    if num_q_heads < 1:
+        raise KernelInputError("q has 0 heads (q.shape[1])")
     if q_dim != head_dim:
         raise KernelInputError(f"q head_dim {q_dim} differs from the cache head_dim {head_dim}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -242,10 +247,18 @@ def check_store_args(
     return num_blocks, block_size
 
 
-def check_fp8_scales(k_scale: float, v_scale: float) -> None:
-    """KernelInputError unless both per-tensor fp8 scales are > 0 (NaN is not)."""
-    if not (k_scale > 0 and v_scale > 0):
-        raise KernelInputError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
+def check_fp8_scales(k_scale: object, v_scale: object) -> tuple[float, float]:
+    """Both per-tensor fp8 scales as floats; KernelInputError unless each is a finite number
+    > 0 (a Python number or a one-element tensor, read on the host)."""
+    try:
+        k, v = float(k_scale), float(v_scale)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        raise KernelInputError(
+            f"k_scale and v_scale must be numbers, got {k_scale!r}, {v_scale!r}"
+        ) from None
+    if not (0 < k < math.inf and 0 < v < math.inf):
+        raise KernelInputError(f"k_scale and v_scale must be finite and > 0, got {k}, {v}")
+    return k, v
 
 
 def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:

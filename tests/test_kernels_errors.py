@@ -240,11 +240,72 @@ def test_bad_config_rejected_before_an_empty_batch_returns(batch: PagedBatch) ->
         )
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
 def test_attention_over_fp8_refuses_a_scale_that_is_not_positive(scale: float) -> None:
     from prefixcache.kernels.reference import quantize_fp8
 
     b = make_paged_batch([20], [1], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
     k8, v8 = quantize_fp8(b.k_cache, 1.0), quantize_fp8(b.v_cache, 1.0)
-    with pytest.raises(KernelInputError, match="k_scale and v_scale must be > 0"):
+    with pytest.raises(KernelInputError, match="k_scale and v_scale must be finite and > 0"):
         paged_attention(b.q, k8, v8, b.block_tables, b.seq_lens, b.query_start_loc, k_scale=scale)
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "match"),
+    [
+        ({"lse": [0.0]}, KernelInputError, "lse must be a contiguous float32"),
+        ({"config": "x"}, KernelInputError, "config must be an AttentionConfig"),
+        (
+            {"config": AttentionConfig(block_q=1.5, block_m=16, tile_n=16)},  # type: ignore[arg-type]
+            UnsupportedConfigError,
+            "block_q must be an int",
+        ),
+        ({"k_scale": -5.0}, KernelInputError, "finite and > 0"),  # ignored before, not fp8
+        (
+            {"k_cache": torch.zeros(4, 16, 0, 64), "v_cache": torch.zeros(4, 16, 0, 64)},
+            KernelInputError,
+            "0 KV heads",
+        ),
+    ],
+    ids=["lse-list", "config-str", "config-float", "scale-non-fp8", "zero-kv-heads"],
+)
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_more_bad_arguments_are_typed_errors_on_every_backend(
+    batch: PagedBatch, override: dict, error: type, match: str, backend: str
+) -> None:
+    # these were AttributeError, ZeroDivisionError, an interpreter error, or silently accepted
+    with pytest.raises(error, match=match):
+        _attend(batch, backend=backend, **dict(override))
+
+
+def test_an_empty_batch_still_refuses_a_backend_that_cannot_run(batch: PagedBatch) -> None:
+    qsl, empty = torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend must be"):
+        paged_attention(
+            batch.q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0], empty, qsl,
+            backend="cuda",  # type: ignore[arg-type]
+        )  # fmt: skip
+    cache = torch.zeros(4, 16, 2, 64)
+    with pytest.raises(ValueError, match="backend must be"):
+        store_kv(
+            torch.zeros(0, 2, 64), torch.zeros(0, 2, 64), cache, cache.clone(),
+            torch.zeros(0, dtype=torch.int64), backend="cuda",  # type: ignore[arg-type]
+        )  # fmt: skip
+
+
+def test_explicit_groups_are_checked_without_validation(batch: PagedBatch) -> None:
+    # with validate=False, sequence -1 wrapped to the last one and gave wrong output silently
+    from prefixcache.kernels import PrefixGroup
+
+    for groups in ([PrefixGroup((0, -1), 1)], [PrefixGroup((0.9, 1.7), 1)]):  # type: ignore[arg-type]
+        with pytest.raises(KernelInputError, match="shared_prefix"):
+            _attend(batch, shared_prefix=groups, validate=False)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_fp8_store_keeps_nan_a_nan(backend: str) -> None:
+    # the Triton path stored NaN as -448 (0xfe); torch casts it to 0x7f
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.uint8)
+    k = torch.full((1, 2, 64), float("nan"))
+    store_kv(k, k.clone(), cache, cache.clone(), torch.tensor([0]), backend=backend)  # type: ignore[arg-type]
+    assert int(cache[0, 0, 0, 0]) == 0x7F
