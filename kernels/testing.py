@@ -71,8 +71,12 @@ def make_paged_batch(
         raise ValueError("pass either shared_prefix_blocks or share_from")
     borrowed = [s[1] if s else shared for s in share]
     for b, s in enumerate(share):
-        if s and not (0 <= s[0] < b and s[1] <= min(blocks_per_seq[b], blocks_per_seq[s[0]])):
-            raise ValueError(f"share_from[{b}] = {s} needs an earlier donor with enough blocks")
+        full = min(seq_lens[b], seq_lens[s[0]]) // block_size if s else 0  # whole blocks only
+        if s and not (0 <= s[0] < b and s[1] <= full):
+            raise ValueError(
+                f"share_from[{b}] = {s} needs an earlier donor, and both sequences must fill "
+                f"the {s[1]} shared blocks"
+            )
     num_private = sum(n - k for n, k in zip(blocks_per_seq, borrowed, strict=True))
     num_blocks = 1 + shared + num_private + spare_blocks
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 stays NaN
