@@ -513,9 +513,10 @@ class CacheManager:
         now = self._now()
         if self._step_holds:  # the copies of dropped requests do not run
             gone = {id(dead) for dead in doomed}
+            region = {id(top) for top in tops}  # and no hold may keep a node that leaves
             keep = []
             for node, owner in self._step_holds:
-                if id(owner) in gone:
+                if id(owner) in gone or _under(node, region):
                     self._unhold(node)
                 else:
                     keep.append((node, owner))

@@ -391,3 +391,18 @@ def test_forks_of_a_long_lived_unconfirmed_request_are_not_kept_for_ever() -> No
         m.release(i)
     assert m.abort("sys") == ["sys", "grandchild"]
     m.check_integrity()
+
+
+def test_abort_lets_go_of_a_released_readers_hold_on_the_aborted_blocks():
+    # r copies from w's pending block, appends (its copy source becomes a step hold) and is
+    # released in the same step; aborting w then removed a held node (an assertion)
+    m = CacheManager(8, 4, stepped=True)
+    m.admit("w", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert m.admit("r", [1, 2, 3, 4, 5, 6, 0, 0, 0]).partial_tokens == 2
+    m.append("r", 1)
+    m.release("r")
+    assert m.abort("w") == ["w"]
+    m.check_integrity()
+    m.end_step()
+    m.check_integrity()
+    assert m.block_counts().active == 0
