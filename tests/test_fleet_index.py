@@ -199,3 +199,20 @@ def test_matches_run_while_the_ingestion_thread_adds_and_drops_replicas() -> Non
         writer.join()
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+def test_an_index_written_without_gpu_counters_counts_them_once(redis_server, redis_index):
+    # an index written by the previous release has no per-replica GPU counter: it must not
+    # start at 0 (and go negative on removals)
+    redis_index.store("pod", CHAIN[:8])
+    redis_index.store("pod", CHAIN[8:10], CPU)
+    assert redis_index.flush()
+    redis_index.client.delete(f"{redis_index.prefix}:g:pod")  # as an older release left it
+    assert redis_index.num_blocks_many(["pod"], GPU) == {"pod": 8}
+    redis_index.client.delete(f"{redis_index.prefix}:g:pod")
+    redis_index.remove("pod", CHAIN[:3])
+    redis_index.store("pod", CHAIN[10:12])
+    assert redis_index.num_blocks_many(["pod"], GPU) == {"pod": 7}
+    assert redis_index.num_blocks_many(["pod"], GPU) == redis_index.local.num_blocks_many(
+        ["pod"], GPU
+    )

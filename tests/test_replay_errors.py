@@ -146,6 +146,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         ('{"timestamp": NaN, "input_length": 20, "output_length": 2, "hash_ids": [1]}', "serving"),
         ('{"arrival_s": Infinity, "token_ids": [1, 2, 3]}', "serving"),
         ('{"arrival_s": 1e300, "token_ids": [1, 2, 3]}', "sequential"),
+        ('{"arrival_s": 1' + "0" * 400 + ', "token_ids": [1, 2, 3]}', "sequential"),
     ],
 )
 def test_non_finite_or_huge_arrival_times_are_one_error_line(
@@ -211,3 +212,16 @@ def test_options_that_would_be_ignored_are_refused(
     assert main(args) == 2
     one_error_line(capsys, needle)
     assert not out.exists()
+
+
+def test_gpu_is_accepted_for_a_tier_sweep_with_a_zero_point(tmp_path: Path) -> None:
+    # the check looked at each point alone: the 0 point had no tier, so --gpu was refused
+    import yaml
+
+    spec = yaml.safe_load(Path(SCENARIO).read_text())
+    spec["requests"] = 50
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump(spec))
+    args = ["replay", str(scenario), "--model", "llama-3.1-8b", "--blocks", "200"]
+    args += ["--host-memory", "0,1GiB", "--gpu", "a100-80gb", "--out", str(tmp_path / "run")]
+    assert main([*args, "--no-progress"]) == 0

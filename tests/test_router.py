@@ -520,3 +520,16 @@ def test_concurrent_routes_releases_and_index_writes() -> None:
     assert not errors
     assert router.in_flight() == 0
     assert all(load.in_flight == 0 and load.in_flight_tokens == 0 for load in router.loads())
+
+
+def test_the_proxy_names_an_adapter_served_by_any_adapter_replicas() -> None:
+    # "*" in adapters serves every adapter; the proxy's model -> namespace step ignored it
+    from types import SimpleNamespace
+
+    from prefixcache.fleet.proxy import namespace_for
+
+    router = Router(MemoryFleetIndex(), [ReplicaSpec("a", NS, 16, adapters=("*",))])
+    service = SimpleNamespace(router=router)
+    ns = namespace_for(service, "sql-lora", "t1")  # type: ignore[arg-type]
+    assert ns == Namespace("m", adapter="sql-lora", salt="t1")
+    assert router.route(ns, list(range(32))).replica == "a"

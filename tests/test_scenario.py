@@ -175,6 +175,24 @@ def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
         take(path, 5)
 
 
+def test_yaml_merge_keys_still_work(tmp_path: Path) -> None:
+    # the duplicate-key check must leave '<<: *anchor' alone (the merged keys may be repeated)
+    path = write(
+        tmp_path,
+        """\
+        seed: 1
+        requests: 5
+        arrivals: {process: constant, rate: 1}
+        defaults: &q {name: q, length: 8}
+        prompt:
+          - unique: {<<: *q, length: 12}
+        output: 1
+    """,
+    )
+    with pytest.raises(ScenarioError, match="defaults"):  # an unknown key, not a YAML error
+        take(path, 5)
+
+
 def test_sessions_resend_history_and_output(tmp_path: Path) -> None:
     path = write(
         tmp_path,

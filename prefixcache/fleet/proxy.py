@@ -35,7 +35,7 @@ from prefixcache.errors import (
     UnknownNamespaceError,
     UnknownReplicaError,
 )
-from prefixcache.fleet.router import served_label
+from prefixcache.fleet.router import ANY_ADAPTER, served_label
 from prefixcache.fleet.service_bodies import decode_body
 from prefixcache.namespace import Namespace
 from prefixcache.tokens import TokenIds
@@ -95,7 +95,7 @@ def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
                 return ns
     for spec in specs:  # a LoRA adapter
         own = spec.namespace
-        if own.adapter == model or model in spec.adapters:
+        if own.adapter == model or model in spec.adapters or ANY_ADAPTER in spec.adapters:
             version = own.adapter_version if own.adapter == model else None
             ns = Namespace(own.model, model, version, salt, own.extra)
             if spec.serves(ns):

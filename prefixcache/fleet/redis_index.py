@@ -10,7 +10,8 @@ bytes, replica names their UTF-8 text):
   the key is deleted when no bit is left
 - ``P:r:<name>``   SET    the digests replica ``name`` holds on any medium (its block count is
   the set's size; ``clear`` walks it)
-- ``P:g:<name>``   STRING how many of them replica ``name`` holds on GPU (an integer)
+- ``P:g:<name>``   STRING how many of them replica ``name`` holds on GPU (an integer; an index
+  written before this key existed gets it counted from the set at the first call that needs it)
 
 Writes run as Lua scripts (one call per stored or removed run of blocks, the whole run as
 arguments), queued and sent in pipelines of ``pipeline_size`` calls; ``flush()`` sends what is
@@ -66,6 +67,19 @@ DEFAULT_CLUSTER_PREFIX = "{prefixcache:fleet}"  # the hash tag puts every key in
 _REVERSE_BITS = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
 _CAP_ERROR = "prefixcache: max_replicas"
 
+# Lua, with p, name, id and set bound: the replica's GPU counter exists from here on. An index
+# written before the counter was kept has none: it is counted from the replica's set once.
+_GPU_COUNTER = """
+local gk = p .. ':g:' .. name
+if redis.call('EXISTS', gk) == 0 then
+  local held = 0
+  for _, d in ipairs(redis.call('SMEMBERS', set)) do
+    held = held + redis.call('GETBIT', p .. ':b:' .. d, 2 * id)
+  end
+  redis.call('SET', gk, held)
+end
+"""
+
 # ARGV: prefix, replica, medium offset (0 GPU, 1 CPU), per-replica cap, max replicas, digests...
 # Returns the number of blocks refused at the cap.
 _STORE = (
@@ -86,6 +100,9 @@ end
 id = tonumber(id)
 local bit, other = 2 * id + off, 2 * id + 1 - off
 local set = p .. ':r:' .. name
+"""
+    + _GPU_COUNTER
+    + """
 local n = redis.call('SCARD', set)
 local added, refused = 0, 0
 for i = 6, #ARGV do
@@ -100,18 +117,22 @@ for i = 6, #ARGV do
     added = added + 1
   end
 end
-if off == 0 and added > 0 then redis.call('INCRBY', p .. ':g:' .. name, added) end
+if off == 0 and added > 0 then redis.call('INCRBY', gk, added) end
 return refused
 """
 )
 
 # ARGV: prefix, replica, mode (0 GPU, 1 CPU, 2 both), digests...
-_REMOVE = """
+_REMOVE = (
+    """
 local p, name, mode = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local id = redis.call('HGET', p .. ':replicas', name)
 if not id then return 0 end
 id = tonumber(id)
 local set = p .. ':r:' .. name
+"""
+    + _GPU_COUNTER
+    + """
 local gone = 0
 for i = 4, #ARGV do
   local k = p .. ':b:' .. ARGV[i]
@@ -122,9 +143,25 @@ for i = 4, #ARGV do
   end
   if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
 end
-if gone > 0 then redis.call('DECRBY', p .. ':g:' .. name, gone) end
+if gone > 0 then redis.call('DECRBY', gk, gone) end
 return 0
 """
+)
+
+# ARGV: prefix, replica. The replica's GPU block count (0 for an unknown replica).
+_GPU_COUNT = (
+    """
+local p, name = ARGV[1], ARGV[2]
+local id = redis.call('HGET', p .. ':replicas', name)
+if not id then return 0 end
+id = tonumber(id)
+local set = p .. ':r:' .. name
+"""
+    + _GPU_COUNTER
+    + """
+return tonumber(redis.call('GET', gk))
+"""
+)
 
 # ARGV: prefix, replica, drop (1: forget the replica too)
 _CLEAR = """
@@ -196,6 +233,7 @@ class RedisFleetIndex:
         self._store_script = client.register_script(_STORE)
         self._remove_script = client.register_script(_REMOVE)
         self._clear_script = client.register_script(_CLEAR)
+        self._gpu_count_script = client.register_script(_GPU_COUNT)
         self._queue: list[tuple[Any, list[Any]]] = []
         self._lock = threading.RLock()
         self._in_sync = True
@@ -333,11 +371,12 @@ class RedisFleetIndex:
             if self.flush():
                 try:
                     pipe = self.client.pipeline(transaction=False)
+                    keys = [self.prefix + ":replicas"]
                     for r in replicas:
                         if medium is None:
                             pipe.scard(f"{self.prefix}:r:{r}")
-                        else:
-                            pipe.get(f"{self.prefix}:g:{r}")
+                        else:  # counted once from the set for an index without the counter
+                            self._gpu_count_script(keys=keys, args=[self.prefix, r], client=pipe)
                     counts = pipe.execute()
                     return {r: max(0, int(n or 0)) for r, n in zip(replicas, counts, strict=True)}
                 except redis.RedisError as exc:

@@ -469,6 +469,12 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
     ]
     if (args.replicas or args.routing) and args.mode != "serving":
         raise ConfigError("--replicas and --routing need --mode serving")
+    tiered = any(args.host_memory or []) or any(args.pool_memory or [])  # at any sweep point
+    if args.mode != "serving" and args.gpu != ReplayConfig().gpu and not tiered:
+        raise ConfigError(
+            "--gpu needs --mode serving (or a memory tier, whose load-or-recompute rule prices "
+            "recompute on it)"
+        )
     for flag, bandwidth, memory in (
         ("host", args.host_bw, args.host_memory),
         ("pool", args.pool_bw, args.pool_memory),

@@ -126,12 +126,6 @@ class ReplayConfig:
             self.token_budget != defaults.token_budget or self.max_seqs != defaults.max_seqs
         ):
             raise ConfigError("--token-budget and --max-seqs need --mode serving")
-        tiered = bool(self.host_memory) or bool(self.pool_memory)
-        if self.mode != "serving" and self.gpu != defaults.gpu and not tiered:
-            raise ConfigError(
-                "--gpu needs --mode serving (or a memory tier, whose load-or-recompute rule "
-                "prices recompute on it)"
-            )
         if self.routing is not None and self.routing not in ROUTING_POLICIES:
             raise ConfigError(
                 f"unknown routing policy {self.routing!r}; choose one of "

@@ -189,6 +189,8 @@ def _load_document(text: str, file: str) -> Any:
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen: set[Any] = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' may repeat keys
+                    continue
                 key = self.construct_object(key_node, deep=deep)
                 if isinstance(key, str) and key in seen:
                     raise yaml.constructor.ConstructorError(

@@ -26,6 +26,7 @@ the ``tokenizers`` package, imported only then).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,10 +182,14 @@ def _time(
     for key in keys:
         if key in obj:
             value = obj[key]
+            try:
+                seconds = value * scale if isinstance(value, (int, float)) else math.nan
+            except OverflowError:  # an integer of hundreds of digits
+                seconds = math.inf
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
-                or not 0 <= value * scale <= MAX_TIME_S  # NaN and infinity fail here too
+                or not 0 <= seconds <= MAX_TIME_S  # NaN and infinity fail here too
             ):
                 raise TraceFormatError(
                     path,
@@ -192,7 +197,7 @@ def _time(
                     f"'{key}' must be a finite number >= 0 (at most {MAX_TIME_S:g} s), "
                     f"got {value!r}",
                 )
-            return float(value) * scale
+            return float(seconds)
     return default
 
 

@@ -56,6 +56,14 @@ def _point(point: dict[str, Any]) -> str:
     """A sweep point's setup: the keys that vary in sweeps."""
     return ", ".join(
         f"{key.replace('_', ' ')} {point[key]}"
-        for key in ("capacity_blocks", "block_size", "policy", "replicas", "routing")
+        for key in (
+            "capacity_blocks",
+            "block_size",
+            "policy",
+            "replicas",
+            "routing",
+            "host_blocks",
+            "pool_blocks",
+        )
         if point.get(key) is not None
     )
