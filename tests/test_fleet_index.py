@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,6 +133,24 @@ def test_redis_killed_and_restarted_mid_stream_resyncs(redis_server):
     assert fresh.match(prompt) == truth.match(prompt)
     for k in range(8):
         assert fresh.holdings(f"pod-{k}") == truth.holdings(f"pod-{k}")
+    fresh.client.close()
+    index.client.close()
+
+
+def test_a_replica_dropped_while_redis_is_away_is_dropped_there_by_the_resync(redis_server):
+    index = RedisFleetIndex.from_url(redis_server.url, prefix=f"d{os.urandom(4).hex()}")
+    index.retry_interval = 0.0
+    chain = [os.urandom(16) for _ in range(5)]
+    index.store("a", chain)
+    index.store("b", chain[:2])
+    assert index.flush()
+    index._failed(redis.ConnectionError("away"))  # as a failed write would
+    index.drop_replica("a")
+    assert index.flush()  # back: the resync writes the local view, and drops "a"
+    fresh = RedisFleetIndex.from_url(redis_server.url, prefix=index.prefix)
+    assert fresh.replicas() == ["b"]
+    assert fresh.num_blocks_many(["a", "b"], GPU) == {"a": 0, "b": 2}
+    assert fresh.match(chain) == [ReplicaMatch("b", 2, 2)]
     fresh.client.close()
     index.client.close()
 

@@ -352,6 +352,39 @@ def test_lora_and_cache_salt_keys_give_the_namespace_the_router_hashes() -> None
     assert sub.counters()["pod"].malformed == 0
 
 
+def test_another_adapters_blocks_carry_the_version_the_fleet_pins_for_it() -> None:
+    """A replica dedicated to adapter A@v1 that also serves B (or any adapter): its B blocks
+    are not B@v1; and a "*" replica's A blocks are A@v1, as the router's clients name A."""
+    from prefixcache.fleet.router import ReplicaSpec, Router
+
+    ded, any_ = Namespace("m", "A", "v1"), Namespace("m")
+    index = MemoryFleetIndex()
+    sub = KVEventSubscriber(
+        index,
+        [
+            ReplicaEndpoint("ded", namespace=ded, block_size=P),
+            ReplicaEndpoint("any", namespace=any_, block_size=P),
+        ],
+    )
+    router = Router(
+        index,
+        [ReplicaSpec("ded", ded, P, adapters=("B",)), ReplicaSpec("any", any_, P, adapters=("*",))],
+    )
+
+    def lora(name: str, hashes: list[int]) -> kv_wire.BlockStored:
+        return kv_wire.BlockStored(
+            hashes, None, VLLM_TOKENS, P, 7, "GPU", name, extra_keys=[(name,), (name,)]
+        )
+
+    sub.ingest("ded", 0, _vllm_batch(lora("B", [1, 2])))
+    sub.ingest("any", 0, _vllm_batch(lora("A", [3, 4])))
+    cached = {
+        ns.adapter: {s.name: s.cached_tokens for s in router.lookup(ns, VLLM_TOKENS).scores}
+        for ns in (Namespace("m", "B"), Namespace("m", "A", "v1"))
+    }
+    assert cached == {"B": {"ded": 8, "any": 0}, "A": {"ded": 0, "any": 8}}
+
+
 def test_a_cpu_store_without_tokens_keeps_offloaded_blocks_in_the_index() -> None:
     """vLLM's CPU offload announces blocks it copied from the GPU with their hashes only: they
     are on CPU too, and stay indexed when the GPU copy goes."""

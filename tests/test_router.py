@@ -533,3 +533,30 @@ def test_the_proxy_names_an_adapter_served_by_any_adapter_replicas() -> None:
     ns = namespace_for(service, "sql-lora", "t1")  # type: ignore[arg-type]
     assert ns == Namespace("m", adapter="sql-lora", salt="t1")
     assert router.route(ns, list(range(32))).replica == "a"
+
+
+def test_the_proxy_does_not_read_a_base_model_name_as_an_adapter() -> None:
+    # qwen's only replica wants its own salt; a "*" replica of another model took "qwen-7b" as
+    # the name of one of its adapters
+    from types import SimpleNamespace
+
+    from prefixcache.fleet.proxy import namespace_for
+
+    router = Router(
+        MemoryFleetIndex(),
+        [
+            ReplicaSpec("llama", Namespace("llama-8b"), 16, adapters=("*",)),
+            ReplicaSpec("qwen", Namespace("qwen-7b", salt="tenant1"), 16),
+        ],
+    )
+    service = SimpleNamespace(router=router)
+    with pytest.raises(UnknownNamespaceError, match="qwen-7b"):
+        namespace_for(service, "qwen-7b", None)  # type: ignore[arg-type]
+    assert namespace_for(service, "qwen-7b", "tenant1") == Namespace("qwen-7b", salt="tenant1")  # type: ignore[arg-type]
+
+
+def test_round_robin_turns_stay_bounded_with_per_request_salts() -> None:
+    router = Router(MemoryFleetIndex(), [ReplicaSpec(n, NS, 16) for n in "ab"], "round_robin")
+    picked = [router.route(Namespace("m", salt=f"s{k}"), [1] * 16).replica for k in range(100)]
+    assert picked[:4] == ["a", "b", "a", "b"]  # one rotation over the same two replicas
+    assert len(router._turns) == 1

@@ -7,7 +7,8 @@ parent's digest: an engine's own hashes (vLLM's, SGLang's) only serve to find a 
 and to map removals, through a per-replica map engine hash -> (digest, position, media).
 
 The namespace of a chain's first block is the endpoint's namespace with ``adapter`` set from
-``lora_name`` (when given) and the first block's ``extra_keys``: prefixcache's publisher sends
+``lora_name`` (when given; its version is the one a replica dedicated to that adapter pins, as
+the router's clients name it) and the first block's ``extra_keys``: prefixcache's publisher sends
 ``(name, value)`` pairs (``adapter_version``, ``salt``, ``extra``). vLLM's keys are the LoRA name
 (dropped: ``lora_name`` carries it), multimodal keys, then ``cache_salt`` on a first block: a
 single string left after the LoRA name is that salt. Any other keys become ``Namespace.extra``
@@ -161,6 +162,7 @@ class KVEventSubscriber:
         self._decoder = BatchDecoder()
         self._lock = threading.RLock()
         self._replicas: dict[str, _Replica] = {}
+        self._versions: dict[tuple[str, str], str] = {}  # (model, adapter) -> pinned version
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for ep in endpoints:
@@ -184,13 +186,25 @@ class KVEventSubscriber:
                     f"already following {self.max_replicas} replicas (max_replicas)"
                 )
             self._replicas[ep.name] = _Replica(ep, hasher)
+            self._pin_versions()
 
     def remove_replica(self, name: str) -> None:
         """Stop following ``name`` and drop it from the index."""
         with self._lock:
             if self._replicas.pop(name, None) is None:
                 raise InvalidArgumentError(f"replica {name!r} is not followed")
+            self._pin_versions()
             self.index.drop_replica(name)
+
+    def _pin_versions(self) -> None:
+        """The version each adapter has in this fleet: the one a replica dedicated to it pins
+        (the first such replica), as the router's clients name it."""
+        versions: dict[tuple[str, str], str] = {}
+        for rep in self._replicas.values():
+            ns = rep.ep.namespace
+            if ns.adapter is not None and ns.adapter_version is not None:
+                versions.setdefault((ns.model, ns.adapter), ns.adapter_version)
+        self._versions = versions
 
     def counters(self) -> dict[str, ReplicaCounters]:
         """Per-replica counters, a snapshot (taken without waiting for the ingestion)."""
@@ -390,16 +404,21 @@ class KVEventSubscriber:
     def _namespace(self, rep: _Replica, ev: StoredBlocks) -> Namespace:
         ns = rep.ep.namespace
         adapter = ev.lora_name if ev.lora_name is not None else ns.adapter
+        # the replica's own adapter has its version; another one the version the fleet pins
+        if adapter == ns.adapter:
+            version = ns.adapter_version
+        else:
+            version = None if adapter is None else self._versions.get((ns.model, adapter))
         keys = ev.extra_keys[0] if ev.extra_keys else None
         if keys and ev.lora_name is not None:  # vLLM also hashes the LoRA name as a key
             keys = [k for k in keys if k != ev.lora_name]
         if keys and len(keys) == 1 and isinstance(keys[0], str):  # vLLM's cache_salt
-            return Namespace(ns.model, adapter, ns.adapter_version, keys[0], ns.extra)
+            return Namespace(ns.model, adapter, version, keys[0], ns.extra)
         if not keys:
             if adapter == ns.adapter:
                 return ns
-            return Namespace(ns.model, adapter, ns.adapter_version, ns.salt, ns.extra)
-        fields: dict[str, Any] = {"adapter_version": ns.adapter_version, "salt": ns.salt}
+            return Namespace(ns.model, adapter, version, ns.salt, ns.extra)
+        fields: dict[str, Any] = {"adapter_version": version, "salt": ns.salt}
         extra: list[str] = list(ns.extra)
         own = all(
             isinstance(k, (list, tuple))

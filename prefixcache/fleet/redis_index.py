@@ -235,6 +235,7 @@ class RedisFleetIndex:
         self._clear_script = client.register_script(_CLEAR)
         self._gpu_count_script = client.register_script(_GPU_COUNT)
         self._queue: list[tuple[Any, list[Any]]] = []
+        self._dropped: set[str] = set()  # replicas whose drop Redis may not have had yet
         self._lock = threading.RLock()
         self._in_sync = True
         self._last_try = 0.0
@@ -301,6 +302,7 @@ class RedisFleetIndex:
         """Forget ``replica`` entirely (removed from the fleet)."""
         with self._lock:
             self.local.drop_replica(replica)
+            self._dropped.add(replica)  # until sent: a failed send is mended by the resync
             self._enqueue(self._clear_script, [self.prefix, replica, 1])
 
     def match(self, digests: Sequence[bytes]) -> list[ReplicaMatch]:
@@ -409,6 +411,7 @@ class RedisFleetIndex:
                     self._failed(result)
                     return False
                 self._overflow += int(result or 0)
+            self._dropped.clear()
             return True
 
     def _send(self, queue: list[tuple[Any, list[Any]]]) -> list[Any]:
@@ -513,6 +516,8 @@ class RedisFleetIndex:
             self.client.ping()
             pipe = self.client.pipeline(transaction=False)
             keys = [self.prefix + ":replicas"]
+            for replica in sorted(self._dropped):  # dropped while Redis was away
+                self._clear_script(keys=keys, args=[self.prefix, replica, 1], client=pipe)
             for replica in self.local.replicas():
                 self._clear_script(keys=keys, args=[self.prefix, replica, 0], client=pipe)
                 by_medium: dict[str, list[bytes]] = {GPU: [], CPU: []}
@@ -531,6 +536,7 @@ class RedisFleetIndex:
             log.debug("Redis fleet index still unreachable: %s", exc)
             return False
         self._in_sync = True
+        self._dropped.clear()
         self._resyncs += 1
         log.warning(
             "Redis fleet index back; wrote the local view of %d replicas back",

@@ -195,7 +195,7 @@ class Router:
         self._expired = 0
         self._down: dict[str, tuple[float, str]] = {}  # name -> (up again at, reason)
         self._marked_down: dict[str, int] = {}
-        self._turns: dict[Namespace, int] = {}
+        self._turns: dict[tuple[str, ...], int] = {}  # by eligible replicas: bounded
         self._hashers: dict[int, BlockHasher] = {}
         for spec in replicas:
             self.add_replica(spec)
@@ -493,9 +493,10 @@ class Router:
                         retry_after_s=max(0.0, back - now),
                     )
                 raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
-            turn = self._turns.get(namespace, 0)
+            eligible = tuple(s.name for s in scores)  # not the namespace: salts are unbounded
+            turn = self._turns.get(eligible, 0)
             choice = self._policy(scores, RouteContext(n, turn, self._params))
-            self._turns[namespace] = turn + 1
+            self._turns[eligible] = turn + 1
             if request_id is not None:
                 load = self._load[choice.replica]
                 # its load is the prefill work it takes on: cached tokens cost it no compute
