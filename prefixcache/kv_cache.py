@@ -62,8 +62,7 @@ class PagedKVCache:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim = sizes
         if kv_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_dtype must be 'auto' or 'fp8', got {kv_dtype!r}")
-        if not (k_scale > 0 and v_scale > 0):
-            raise ConfigError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
+        k_scale, v_scale = _scale("k_scale", k_scale), _scale("v_scale", v_scale)
         if not isinstance(host_blocks, int) or isinstance(host_blocks, bool) or host_blocks < 0:
             raise ConfigError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -202,7 +201,18 @@ class PagedKVCache:
         from prefixcache.kernels.reference import dequantize_fp8, gather_kv
 
         self._check_layer(layer)
-        table = torch.as_tensor(block_table, dtype=torch.int64, device=self.k[layer].device)
+        try:
+            table = torch.as_tensor(block_table, device=self.k[layer].device)
+        except (TypeError, ValueError, RuntimeError):
+            table = torch.empty(0, 0)  # refused just below
+        integer = not (
+            table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool
+        )
+        if table.dim() != 1 or not (integer or table.numel() == 0):  # [] reads as float
+            raise InvalidArgumentError(
+                f"block_table must be a 1-D sequence of integer block ids, got {block_table!r}"
+            )
+        table = table.to(torch.int64).reshape(-1)
         need = -(-length // self.block_size)
         used = table[:need]
         if length < 0 or used.numel() < need:
@@ -293,6 +303,19 @@ class PagedKVCache:
             raise InvalidArgumentError(
                 f"layer must be an int in [0, {self.num_layers}), got {layer!r}"
             )
+
+
+def _scale(name: str, value: Any) -> float:
+    """A per-tensor fp8 scale: a finite number > 0 (ConfigError otherwise)."""
+    try:
+        if isinstance(value, bool | str):
+            raise TypeError(value)
+        scale = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not 0 < scale < float("inf"):
+        raise ConfigError(f"{name} must be finite and > 0, got {value!r}")
+    return scale
 
 
 def _as_id(value: Any) -> int:

@@ -676,14 +676,17 @@ class CacheManager:
         Events are emitted in the middle of an operation, so a listener that raises cannot stop
         it: the error is logged and counted in ``listener_errors``, and the operation completes
         (the cache stays consistent; that listener misses the event)."""
-        self._listeners.append(listener)
+        self._listeners = [*self._listeners, listener]  # a new list: events being sent keep theirs
 
     def remove_listener(self, listener: EventListener) -> None:
-        """Stop calling ``listener`` (InvalidArgumentError when it was not added)."""
+        """Stop calling ``listener`` (InvalidArgumentError when it was not added); safe from
+        inside a listener or another thread: an event being sent still reaches the others."""
+        listeners = list(self._listeners)
         try:
-            self._listeners.remove(listener)
+            listeners.remove(listener)
         except ValueError:
             raise InvalidArgumentError(f"{listener!r} is not a listener of this manager") from None
+        self._listeners = listeners
 
     def reset(self, *, force: bool = False) -> None:
         """Drop every cached block. Refuses while requests or pins hold blocks unless forced;

@@ -49,7 +49,7 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
             raise InvalidTokensError("token ids must be integers, got a string; tokenize first")
         try:
             arr = np.asarray(tokens)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:  # Runtime: tensors needing grad
             raise InvalidTokensError(
                 f"token ids must be a flat sequence of integers: {exc}"
             ) from None

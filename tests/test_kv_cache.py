@@ -64,6 +64,19 @@ def test_bad_ids_and_layers_are_typed_errors_and_copy_nothing():
             kv.write(bad, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [0])
         with pytest.raises(InvalidArgumentError, match="layer"):
             kv.gather(bad, [0], 1)
+    # a float id was truncated (1.9 read block 1); a 2-D table gave a 4-D result
+    for table in ([1.9], [[0], [1]], [True], torch.tensor([0.0])):
+        with pytest.raises(InvalidArgumentError, match="block_table"):
+            kv.gather(0, table, 1)
+    assert kv.gather(0, [], 0)[0].shape == (0, 1, 8)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0.0, -1.0, "1", True, None])
+def test_fp8_scales_are_finite_positive_numbers(scale):
+    # inf was accepted (K read back as NaN); "1" raised a bare TypeError
+    with pytest.raises(ConfigError, match="k_scale"):
+        PagedKVCache(1, 2, 2, 1, 2, dtype=torch.float32, kv_dtype="fp8", k_scale=scale)
+    assert PagedKVCache(1, 2, 2, 1, 2, kv_dtype="fp8", k_scale=torch.tensor(0.5)).k_scale == [0.5]
 
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2), (4, 1)])

@@ -374,6 +374,22 @@ def test_events_carry_digests_tokens_and_namespace():
     assert isinstance(events[-1], AllBlocksCleared)
 
 
+def test_a_listener_removing_itself_does_not_hide_the_event_from_the_next():
+    m = mgr_(num_blocks=8)
+    seen: dict[str, int] = {"a": 0, "b": 0}
+
+    def once(event):
+        seen["a"] += 1
+        m.remove_listener(once)
+
+    m.add_listener(once)
+    m.add_listener(lambda event: seen.__setitem__("b", seen["b"] + 1))
+    m.admit("a", toks(0, 4), NS)  # one BlockStored
+    assert seen == {"a": 1, "b": 1}
+    m.admit("b", toks(10, 4), NS)
+    assert seen == {"a": 1, "b": 2}
+
+
 def test_a_listener_that_raises_leaves_the_cache_consistent(caplog):
     """Events are emitted mid-operation: a failing listener (a closed event publisher) must not
     stop an admission half way (blocks leaked, refcounts without holders)."""
@@ -489,6 +505,7 @@ def _loaded():
         (lambda m: m.admit("x", list(torch.tensor([1.5, 2.0])), NS), InvalidTokensError),
         (lambda m: m.admit("x", [torch.tensor(True), 2], NS), InvalidTokensError),
         (lambda m: m.admit("x", [np.array(True), 3], NS), InvalidTokensError),
+        (lambda m: m.admit("x", [torch.tensor(1.0, requires_grad=True)], NS), InvalidTokensError),
         (lambda m: m.admit("x", toks(0, 33), NS), RequestTooLargeError),
         (lambda m: m.admit("x", toks(500, 28), NS), OutOfBlocksError),
         (lambda m: m.append("nope", [1]), UnknownRequestError),

@@ -202,14 +202,58 @@ def test_an_out_dir_the_system_refuses_is_one_error_line(
             ["--tokenizer", "tok.json"],
             "--tokenizer and --chat-template do not apply",
         ),
+        ("TOKENS", ["--tokenizer", "tok.json"], "token-id trace (already tokenized)"),
+        ("TOKENS", ["--chat-template", "t.jinja"], "token-id trace (already tokenized)"),
+        ("TOKENS", ["--trace-block-size", "7"], "--trace-block-size is the block size"),
+        ("TEXT", ["--chat-template", "t.jinja"], "--chat-template does not apply"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, flags: list[str], needle: str
 ) -> None:
+    # a token-id or text trace ignored --tokenizer, --chat-template and --trace-block-size
+    if source == "TOKENS":
+        source = str(tmp_path / "t.jsonl")
+        Path(source).write_text('{"token_ids": [1, 2, 3, 4, 5]}\n')
+    elif source == "TEXT":
+        source = str(tmp_path / "t.txt")
+        Path(source).write_text("hello there\n")
     out = tmp_path / "run"
     args = ["replay", source, "--blocks", "64", *flags, "--out", str(out), "--no-progress"]
     assert main(args) == 2
+    one_error_line(capsys, needle)
+    assert not out.exists()
+
+
+def test_memory_sizes_giving_the_same_cache_are_one_sweep_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 64 MiB and one byte more hold the same 32 blocks: the point ran twice
+    out = tmp_path / "run"
+    args = ["replay", SCENARIO, "--model", "llama-3.1-8b", "--kv-memory", "64MiB,67108865"]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 2
+    one_error_line(capsys, "two sweep points give the same cache", "(32 blocks)")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--time-scale", "1e300"], "request 2 would arrive at inf s"),
+        (["--rate-scale", "1e-300"], "request 2 would arrive at inf s"),
+    ],
+)
+def test_arrivals_scaled_past_the_clock_are_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], needle: str
+) -> None:
+    # the scaled time overflowed: the run was written, then its report failed the schema
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"token_ids": [1, 2], "arrival_s": 0}\n{"token_ids": [3], "arrival_s": 1e12}\n'
+    )
+    out = tmp_path / "run"
+    args = ["replay", str(trace), "--blocks", "64", "--mode", "serving", *flags]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 2
     one_error_line(capsys, needle)
     assert not out.exists()
 

@@ -238,6 +238,11 @@ def test_an_unbounded_cache_reads_unbounded_everywhere(
         == 0
     )
     assert main(["report", str(single)]) == 0
+    # a fleet sweep's summary and a compare of two runs printed the raw number
+    fleet = tmp_path / "fleet"
+    args = ["replay", str(scenario), "--blocks", "inf,100", "--mode", "serving"]
+    assert main([*args, "--replicas", "2", "--out", str(fleet), "--no-progress"]) == 0
+    assert main(["compare", str(single), str(out)]) == 0
     text = capsys.readouterr().out + md.read_text() + (out / "report.html").read_text()
     assert "unbounded" in text
     for huge in ("9,223,372", "9223372", "17592186044416", "17,592,186"):

@@ -175,6 +175,13 @@ def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
         take(path, 5)
 
 
+def test_a_key_that_is_a_list_is_a_yaml_error_not_a_crash(tmp_path: Path) -> None:
+    # the duplicate-key check hashed every key: TypeError (unhashable type: 'list')
+    path = write(tmp_path, textwrap.dedent(BASIC) + "? [a]\n: 1\n")
+    with pytest.raises(ScenarioError, match=r"valid YAML.*unhashable key"):
+        load_scenario(path)
+
+
 def test_yaml_merge_keys_still_work(tmp_path: Path) -> None:
     # the duplicate-key check must leave '<<: *anchor' alone (the merged keys may be repeated)
     path = write(
@@ -291,6 +298,13 @@ def test_toml_and_yaml_give_the_same_workload(tmp_path: Path) -> None:
             "nothing next to timestamps",
         ),
         (("rate: 10}", "rate: 10, cv: 2}"), "arrivals.cv", "only the gamma process"),
+        # a min past the cap: every draw was cut below its own minimum
+        (("high: 9}", "high: 9, min: 3000000}"), "prompt[1].unique.length.min", "<= 2,097,152"),
+        (
+            ("{process: poisson, rate: 10}", "{timestamps: [0, 1.0e+300]}"),
+            "arrivals.timestamps[1]",
+            "a time of at most 1e+12 s",
+        ),
     ],
 )
 def test_malformed_file_names_file_field_and_expectation(

@@ -483,12 +483,50 @@ def _configs(args: argparse.Namespace) -> list[ReplayConfig]:
             raise ConfigError(
                 f"--{flag}-bw needs --{flag}-memory: without the tier it does nothing"
             )
-    return [
+    configs = [
         base.with_(block_size=bs, policy=pol, **size, **fleet, **tier)
         for size, bs, pol, fleet, tier in itertools.product(
             sizes, args.block_size or [default_block_size(args)], args.policy, fleets, tiers
         )
     ]
+    if len(configs) > 1 and (args.kv_memory or args.host_memory or args.pool_memory):
+        _refuse_same_points(configs)
+    return configs
+
+
+def _refuse_same_points(configs: list[ReplayConfig]) -> None:
+    """ConfigError when two memory sizes give the same cache in blocks: the point would run
+    twice and show up twice."""
+    seen: dict[tuple[Any, ...], ReplayConfig] = {}
+    for config in configs:
+        r = config.resolve()
+        key = (
+            r.capacity_blocks,
+            None if r.tiers is None else (r.tiers.host_blocks, r.tiers.pool_blocks),
+            config.with_(kv_memory=None, host_memory=None, pool_memory=None),
+        )
+        other = seen.setdefault(key, config)
+        if other is not config:
+            tiers = "" if r.tiers is None else f", host {r.tiers.host_blocks:,}"
+            tiers += "" if r.tiers is None else f", pool {r.tiers.pool_blocks:,}"
+            raise ConfigError(
+                "two sweep points give the same cache: "
+                f"{_memory_label(other)} and {_memory_label(config)} "
+                f"({r.capacity_blocks:,} blocks{tiers})"
+            )
+
+
+def _memory_label(config: ReplayConfig) -> str:
+    parts = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--kv-memory", config.kv_memory),
+            ("--host-memory", config.host_memory),
+            ("--pool-memory", config.pool_memory),
+        )
+        if value is not None
+    ]
+    return ", ".join(parts) or "the default size"
 
 
 def default_block_size(args: argparse.Namespace) -> int:

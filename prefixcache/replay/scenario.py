@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache.replay.arrivals import MAX_TIME_S
 from prefixcache.replay.scenario_values import (
     Dist,
     Where,
@@ -192,7 +193,9 @@ def _load_document(text: str, file: str) -> Any:
                 if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' may repeat keys
                     continue
                 key = self.construct_object(key_node, deep=deep)
-                if isinstance(key, str) and key in seen:
+                if not isinstance(key, str):  # the base loader refuses the unhashable ones
+                    continue
+                if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"key {key!r} given twice", key_node.start_mark
                     )
@@ -216,6 +219,9 @@ def _arrivals(value: Any, where: Where) -> Arrivals:
                 raise (where / other).fail("nothing next to timestamps", m[other])
         stamps = sequence(m["timestamps"], where / "timestamps", min_len=1)
         times = [number(t, where / "timestamps" / i, minimum=0) for i, t in enumerate(stamps)]
+        for i, t in enumerate(times):
+            if t > MAX_TIME_S:
+                raise (where / "timestamps" / i).fail(f"a time of at most {MAX_TIME_S:g} s", t)
         if any(b < a for a, b in itertools.pairwise(times)):
             raise (where / "timestamps").fail("non-decreasing times in seconds")
         return Arrivals("timestamps", timestamps=tuple(times))

@@ -186,6 +186,8 @@ def parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float
                        where / name).fail(f"a number <= {MAX_COUNT:,}", x)  # fmt: skip
     if dist.hi is not None and dist.hi > MAX_COUNT:
         raise (where / "max").fail(f"a number <= {MAX_COUNT:,}", dist.hi)
+    if dist.lo > MAX_COUNT:  # every draw would be cut below its own minimum
+        raise (where / "min").fail(f"a number <= {MAX_COUNT:,}", dist.lo)
     # a heavy tail (lognormal with a large sigma) is cut at MAX_COUNT, not cast from infinity
     return dist if dist.hi is not None else replace(dist, hi=float(MAX_COUNT))
 

@@ -79,11 +79,7 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
         )
     fmt = config.trace_format or detect_format(p, config.max_line_bytes)
     check_block_size(fmt, config.trace_block_size, config.block_size)
-    if fmt == "mooncake" and (config.tokenizer or config.chat_template):
-        raise ConfigError(
-            f"{p.name} is a Mooncake trace (hash ids, no text): --tokenizer and --chat-template "
-            "do not apply"
-        )
+    _refuse_options_of_other_formats(config, p, fmt)
     seed = config.seed if config.seed is not None else 0
     options = TraceOptions(
         format=fmt,
@@ -104,6 +100,30 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
         None,
         lambda: read_trace(p, options),
     )
+
+
+def _refuse_options_of_other_formats(config: ReplayConfig, path: Path, fmt: str) -> None:
+    """ConfigError for an option the trace's format has no use for (it would be ignored)."""
+    if fmt == "mooncake" and (config.tokenizer or config.chat_template):
+        raise ConfigError(
+            f"{path.name} is a Mooncake trace (hash ids, no text): --tokenizer and "
+            "--chat-template do not apply"
+        )
+    if fmt == "tokens" and (config.tokenizer or config.chat_template):
+        raise ConfigError(
+            f"{path.name} is a token-id trace (already tokenized): --tokenizer and "
+            "--chat-template do not apply"
+        )
+    if fmt == "text" and config.chat_template:
+        raise ConfigError(
+            f"{path.name} is a text trace (one prompt a line, no chat messages): "
+            "--chat-template does not apply"
+        )
+    if fmt != "mooncake" and config.trace_block_size != ReplayConfig().trace_block_size:
+        raise ConfigError(
+            f"--trace-block-size is the block size of a Mooncake trace's hash ids; {path.name} "
+            f"is a {fmt} trace"
+        )
 
 
 def check_block_size(kind: str, trace_block_size: int, block_size: int) -> None:

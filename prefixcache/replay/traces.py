@@ -36,6 +36,7 @@ import numpy as np
 
 from prefixcache.errors import ConfigError, InvalidArgumentError, InvalidTokensError
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
+from prefixcache.replay.arrivals import MAX_TIME_S
 from prefixcache.replay.request import Request
 from prefixcache.replay.synth import FULL_VOCAB, blocks_tokens, mix64, stream_key
 from prefixcache.replay.text_input import not_utf8_error
@@ -171,9 +172,6 @@ def _int(
             path, lineno, f"'{key}' must be an integer >= {minimum}, got {value!r}"
         )
     return value
-
-
-MAX_TIME_S = 1e12  # arrival times in seconds: Unix epochs in s or ms fit, 1e300 does not
 
 
 def _time(

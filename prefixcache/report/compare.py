@@ -125,7 +125,14 @@ def _relative(a: Value, b: Value) -> str:
 
 def _setup(run: Run) -> dict[str, str]:
     r = run.report
-    out = {f"config.{k}": "none" if v is None else str(v) for k, v in r["config"].items()}
+    out = {
+        f"config.{k}": "none"
+        if v is None
+        else fmt.capacity(v)
+        if k == "capacity_blocks"
+        else str(v)
+        for k, v in r["config"].items()
+    }
     out |= {
         "workload": r["source"]["path"],
         "workload digest": r["source"]["sha256"][:16],
@@ -209,7 +216,7 @@ def _point_key(point: Point, keys: list[str]) -> tuple[Any, ...]:
 
 def _point_label(point: Point, keys: list[str]) -> str:
     return ", ".join(
-        f"{fmt.count(point[k])} blocks"
+        fmt.capacity_blocks(point[k])
         if k == "capacity_blocks"
         else f"{k.replace('_', ' ')} {point.get(k)}"
         for k in keys
@@ -231,7 +238,10 @@ def sweep_section(a: Run, b: Run) -> Section:
     if matched:
         rows = []
         for pt_a, pt_b in matched:
-            row = [_cell(pt_a.get(k)) for k in keys]
+            row = [
+                fmt.capacity(pt_a[k]) if k == "capacity_blocks" else _cell(pt_a.get(k))
+                for k in keys
+            ]
             for get in (
                 lambda p: p["token_hit_rate"],
                 lambda p: miss_share(p, "capacity"),

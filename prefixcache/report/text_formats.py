@@ -219,7 +219,7 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
             pooled_rate = row.get("pooled_token_hit_rate")
             lines.append(
                 "               "
-                + "".join(f" {row.get(k, 0):>8,}" for k, _ in sweep_keys)
+                + "".join(f" {_sweep_cell(row, k):>8}" for k, _ in sweep_keys)
                 + f"   {row.get('replicas', 1):>8}  {row.get('routing') or '-':<15}  "
                 f"{fmt.pct(row['token_hit_rate']):>9}  "
                 f"{fmt.pct(pooled_rate) if pooled_rate is not None else '-':>6}  "
@@ -306,3 +306,9 @@ def _serving_lines(c: dict[str, Any], sv: dict[str, Any]) -> list[str]:
 
 def _dur(x: float) -> str:
     return f"{1000 * x:.1f} ms" if x < 10 else f"{x:,.1f} s"
+
+
+def _sweep_cell(row: dict[str, Any], key: str) -> str:
+    """A sweep point's size in blocks ("unbounded" for a cache that never runs out)."""
+    value = row.get(key, 0)
+    return fmt.capacity(value) if key == "capacity_blocks" else f"{value:,}"
