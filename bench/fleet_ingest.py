@@ -1,5 +1,7 @@
 """Fleet index figures: ingest blocks/s (memory, Redis pipelined), bytes per (block, replica) for
-the memory index, match latency for a 512-block prompt over 16 replicas. Medians of repeats.
+the memory index, match latency for a 512-block prompt over 16 replicas, and KV events through
+the subscriber into Redis with and without the shared engine map (alternating; blocks/s and
+Redis memory per block). Medians of repeats.
 
     python bench/fleet_ingest.py [--blocks 200000] [--repeats 5] [--redis-url URL]
 
@@ -19,6 +21,8 @@ import tempfile
 import time
 import tracemalloc
 
+from prefixcache.fleet import kv_wire
+from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
 from prefixcache.fleet.memory_index import MemoryFleetIndex
 from prefixcache.fleet.redis_index import RedisFleetIndex
 
@@ -61,6 +65,35 @@ def match_latency(index, repeats: int) -> tuple[float, float]:
         times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6
+
+
+def event_batches(n: int, block_size: int = 16) -> list[bytes]:
+    """vLLM-style batches of one BlockStored each: chains of RUN blocks, as prompts store them."""
+    out = []
+    for i in range(0, n, RUN):
+        hashes = list(range(i + 1, i + RUN + 1))
+        tokens = [(i * 7 + t) % 50_000 for t in range(RUN * block_size)]
+        event = kv_wire.BlockStored(hashes, None, tokens, block_size, None, "GPU", None)
+        out.append(kv_wire.encode_batch(kv_wire.KVEventBatch(0.0, [event])))
+    return out
+
+
+def event_ingest(url: str, tag: str, batches: list[bytes], engine_map: bool) -> tuple[float, float]:
+    """(blocks/s, Redis bytes per block) for ``batches`` through a subscriber."""
+    index = RedisFleetIndex.from_url(url, prefix=tag)
+    sub = KVEventSubscriber(index, [ReplicaEndpoint("pod-0", block_size=16)])
+    if not engine_map:
+        sub._engine_map = None  # the index alone, as before the map was kept
+    before = int(index.client.info("memory")["used_memory"])
+    t = time.perf_counter()
+    for seq, payload in enumerate(batches):
+        sub.ingest("pod-0", seq, payload)
+    index.flush()
+    seconds = time.perf_counter() - t
+    used = int(index.client.info("memory")["used_memory"]) - before
+    index.clear("pod-0")
+    index.close()
+    return len(batches) * RUN / seconds, used / (len(batches) * RUN)
 
 
 def start_redis() -> tuple[subprocess.Popen[bytes], str] | None:
@@ -127,6 +160,22 @@ def main() -> None:
         p50, p99 = match_latency(index, 300)
         index.close()
         print(f"redis match, 512 blocks x 16 replicas: p50 {p50:.0f} us, p99 {p99:.0f} us")
+        batches = event_batches(n)
+        figures: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for k in range(args.repeats):
+            for on in (k % 2 == 0, k % 2 == 1):  # alternate which goes first
+                figures[on].append(
+                    event_ingest(url, tag % f"ev{k}{on:d}{os.getpid()}", batches, on)
+                )
+        for on in (False, True):
+            rate = statistics.median(r for r, _ in figures[on])
+            size = statistics.median(b for _, b in figures[on])
+            label = "with the engine map" if on else "index only        "
+            print(f"redis events via subscriber, {label}: {rate:,.0f} blocks/s, {size:.0f} B/block")
+        ratio = statistics.median(r for r, _ in figures[True]) / statistics.median(
+            r for r, _ in figures[False]
+        )
+        print(f"engine map ingest rate ratio (on/off): {ratio:.2f}")
     finally:
         if proc is not None:
             proc.kill()

@@ -3,6 +3,7 @@ each replica's manager really holds."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import msgspec
@@ -40,11 +41,15 @@ def _workload(mgr: CacheManager, rng: random.Random, steps: int, tag: str) -> No
 
 
 class Replica:
-    def __init__(self, name: str, seed: int, replay: bool = True) -> None:
+    def __init__(self, name: str, seed: int, replay: bool = True, buffer_steps: int = 10_000):
         self.name = name
         self.mgr = CacheManager(24, P)
         self.rng = random.Random(seed)
-        self.pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*" if replay else None)
+        self.pub = KVEventPublisher(
+            "tcp://127.0.0.1:*",
+            "tcp://127.0.0.1:*" if replay else None,
+            buffer_steps=buffer_steps,
+        )
         self.pub.attach(self.mgr)
 
     def endpoint(self) -> ReplicaEndpoint:
@@ -503,3 +508,122 @@ def test_counters_do_not_wait_for_an_ingestion_in_progress() -> None:
     finally:
         done.set()
         thread.join()
+
+
+# ---- a router joining a stream on a shared (Redis) index -----------------------------------------
+
+
+def _redis_router(url: str, prefix: str, replay: str | None = None):
+    from prefixcache.fleet.redis_index import RedisFleetIndex
+
+    index = RedisFleetIndex.from_url(url, prefix=prefix)
+    endpoint = ReplicaEndpoint("pod", None, replay, Namespace("llama"), P)
+    return index, KVEventSubscriber(index, [endpoint])
+
+
+def _stored(hashes: list[int], parent: int | None, first_token: int) -> kv_wire.BlockStored:
+    tokens = list(range(first_token, first_token + P * len(hashes)))
+    return kv_wire.BlockStored(hashes, parent, tokens, P, None, "GPU", None)
+
+
+def test_a_restarted_router_maps_blocks_stored_before_it_through_redis(redis_server):
+    """A lone router on a Redis index restarts: removals and continuations of blocks stored
+    before the restart used to be unknown engine hashes (stale entries, 'unknown parent')."""
+    prefix = f"j{os.urandom(4).hex()}"
+    index, sub = _redis_router(redis_server.url, prefix)
+    sub.ingest("pod", 0, _vllm_batch(_stored([11, 12], None, 1)))
+    sub.ingest("pod", 1, _vllm_batch(_stored([21], None, 100)))
+    assert index.flush()
+    index.client.close()
+
+    index, sub = _redis_router(redis_server.url, prefix)  # the restart; batch 2 was missed
+    truth = MemoryFleetIndex()
+    every = KVEventSubscriber(
+        truth, [ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)]
+    )
+    batches = [
+        _vllm_batch(_stored([11, 12], None, 1)),
+        _vllm_batch(_stored([21], None, 100)),
+        _vllm_batch(_stored([31], None, 200)),
+        _vllm_batch(kv_wire.BlockRemoved([21], "GPU"), _stored([13], 12, 9)),
+    ]
+    for seq, payload in enumerate(batches):
+        every.ingest("pod", seq, payload)
+    sub.ingest("pod", 3, batches[3])
+    assert index.flush()
+    held = set(index.holdings("pod"))
+    assert held == set(truth.holdings("pod")) - {_first_digest(200)}  # batch 2: not replayed
+    counters = sub.counters()["pod"]
+    assert counters.malformed == 0 and counters.recalled == 2  # 21 and 12
+    index.client.close()
+
+
+def _first_digest(first_token: int) -> bytes:
+    from prefixcache.hashing import BlockHasher
+
+    tokens = list(range(first_token, first_token + P))
+    return BlockHasher(P).hash_prompt(tokens, Namespace("llama"))[0]
+
+
+def test_a_restarted_router_on_redis_replays_only_what_it_missed(redis_server):
+    """Live streams: the router stops, the replicas go on, a new router starts on the same
+    Redis. It replays the batches after the last one the index applied (the replica's replay
+    buffer no longer has batch 0) and maps the blocks stored before: the index ends up exactly
+    what each manager holds."""
+    from prefixcache.fleet.redis_index import RedisFleetIndex
+
+    prefix = f"rr{os.urandom(4).hex()}"
+    replicas = [Replica(f"pod-{k}", 40 + k, buffer_steps=30) for k in range(2)]
+    try:
+        index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+        sub = KVEventSubscriber(index, [r.endpoint() for r in replicas])
+        sub.start()
+        try:
+            _connect(index, sub, replicas)
+            for _ in range(40):
+                for r in replicas:
+                    r.step()
+            wait_until(lambda: _in_sync(index, sub, replicas), what="in sync before the stop")
+        finally:
+            sub.stop()
+            index.client.close()
+        for _ in range(3):  # nobody listens
+            for r in replicas:
+                r.step()
+        index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+        sub = KVEventSubscriber(index, [r.endpoint() for r in replicas], replay_timeout=2.0)
+        sub.start()
+        try:
+            for r in replicas:  # no reset this time: step until the new socket hears
+                wait_until(
+                    lambda r=r: (r.step(), sub.counters()[r.name].batches > 0)[1],
+                    what=f"{r.name} heard again",
+                )
+            for _ in range(12):
+                for r in replicas:
+                    r.step()
+            wait_until(lambda: _in_sync(index, sub, replicas), what="in sync after the restart")
+            counters = sub.counters()
+            assert all(counters[r.name].replays == 1 for r in replicas)
+            assert all(counters[r.name].malformed == 0 for r in replicas)
+        finally:
+            sub.stop()
+            index.client.close()
+    finally:
+        for r in replicas:
+            r.pub.close()
+
+
+def test_a_router_joining_a_restarted_replica_on_redis_clears_its_old_blocks(redis_server):
+    # batch 0 again after the index applied batch 1: a new engine, whose cache starts empty
+    prefix = f"n{os.urandom(4).hex()}"
+    index, sub = _redis_router(redis_server.url, prefix)
+    sub.ingest("pod", 0, _vllm_batch(_stored([11, 12], None, 1)))
+    sub.ingest("pod", 1, _vllm_batch(_stored([21], None, 100)))
+    assert index.flush()
+    index.client.close()
+    index, sub = _redis_router(redis_server.url, prefix)
+    sub.ingest("pod", 0, _vllm_batch(_stored([31], None, 200)))
+    assert set(index.holdings("pod")) == {_first_digest(200)}
+    assert sub.counters()["pod"].resets == 1
+    index.client.close()

@@ -10,7 +10,7 @@ number per replica.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 GPU = "GPU"
 CPU = "CPU"
@@ -52,3 +52,36 @@ class FleetIndex(Protocol):
     def num_blocks_many(self, replicas: Sequence[str], medium: str | None = None) -> dict[str, int]:
         """Blocks held by several replicas at once (one round trip for a remote index): on any
         medium (None) or on GPU only (``GPU``, what a replica's KV capacity bounds)."""
+
+
+class EngineBlock(NamedTuple):
+    """What a shared index remembers of one engine block hash of a replica."""
+
+    digest: bytes  # prefixcache's digest of the block
+    position: int  # the block's position in its chain
+    media: int  # where the replica holds it now: bit 1 GPU, bit 2 CPU (0: nowhere)
+
+
+@runtime_checkable
+class SharedEngineMap(Protocol):
+    """Kept by an index that outlives a router (Redis): each replica's engine hash -> block and
+    the last event batch applied, so a router that joins a stream midway (a restart, a new
+    instance) replays only the batches the index missed and can still map the removals and
+    continuations of blocks stored before it came. Engine hashes are passed as bytes."""
+
+    def remember(
+        self, replica: str, engine_keys: Sequence[bytes], digests: Sequence[bytes], position: int
+    ) -> None:
+        """``engine_keys[k]`` is the block ``digests[k]``, at ``position + k``."""
+
+    def forget(self, replica: str, engine_keys: Sequence[bytes]) -> None:
+        """The replica holds these blocks nowhere any more."""
+
+    def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock]:
+        """The remembered ones of ``engine_keys`` (one round trip; {} when unreachable)."""
+
+    def note_applied(self, replica: str, seq: int) -> None:
+        """The replica's event batches up to ``seq`` are applied (written lazily)."""
+
+    def last_applied(self, replica: str) -> int | None:
+        """The last batch of the replica's stream some router applied (None: unknown)."""

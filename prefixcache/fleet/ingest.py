@@ -24,6 +24,7 @@ class IngestCounts(NamedTuple):
     sequence_gaps: int = 0  # missed sequence numbers (messages lost before a replay)
     errors: int = 0  # failed index writes (e.g. Redis errors) and undecodable messages
     blocks_skipped: int = 0  # blocks not indexed by rule (other attention groups, nameless LoRA)
+    blocks_recalled: int = 0  # stored before the router joined, mapped through the shared index
 
 
 @runtime_checkable

@@ -30,7 +30,9 @@ Sequence rules, per replica:
   longer has them all, the replica is cleared (its entries may be stale) before applying. The
   first batch this subscriber sees of a replica is the exception: what the index already holds
   for it came from other routers sharing the index (or from before a router restart), so it is
-  kept;
+  kept; an index that keeps a shared engine map (Redis: ``SharedEngineMap``) maps the engine
+  hashes of those blocks, so their removals and continuations apply as if this subscriber had
+  seen them stored (counted as recalled);
 - a number at or below the last one: the publisher restarted; the replica is cleared and
   counted as a reset, then the new stream's batches before this one count as a gap (above);
 - ``AllBlocksCleared`` clears the replica.
@@ -61,7 +63,7 @@ from prefixcache.errors import (
     InvalidTokensError,
     WireFormatError,
 )
-from prefixcache.fleet.fleet_index import CPU, GPU, FleetIndex
+from prefixcache.fleet.fleet_index import CPU, GPU, FleetIndex, SharedEngineMap
 from prefixcache.fleet.ingest import IngestCounts
 from prefixcache.fleet.kv_wire import (
     END_SEQ,
@@ -110,6 +112,7 @@ class ReplicaCounters(NamedTuple):
     cleared: int  # times the replica was cleared (AllBlocksCleared, reset, unfilled gap)
     overflow: int  # blocks not tracked because the replica was at max_blocks_per_replica
     skipped: int  # blocks not indexed by rule (other attention groups, nameless LoRA blocks)
+    recalled: int  # blocks stored before this subscriber joined, found in the shared map
     last_seq: int  # -1 before the first batch
 
 
@@ -126,6 +129,7 @@ class _Counts:
     cleared: int = 0
     overflow: int = 0
     skipped: int = 0
+    recalled: int = 0
 
 
 @dataclass
@@ -135,6 +139,8 @@ class _Replica:
     blocks: dict[BlockHash, list[Any]] = field(default_factory=dict)  # [digest, pos, media]
     last_seq: int = -1
     seen: bool = False  # a batch of this replica came in since it was followed
+    # joined midway: the index may hold blocks stored before, known only to a shared engine map
+    inherited: bool = False
     counts: _Counts = field(default_factory=_Counts)
 
 
@@ -163,6 +169,7 @@ class KVEventSubscriber:
         self._lock = threading.RLock()
         self._replicas: dict[str, _Replica] = {}
         self._versions: dict[tuple[str, str], str] = {}  # (model, adapter) -> pinned version
+        self._engine_map = index if isinstance(index, SharedEngineMap) else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for ep in endpoints:
@@ -225,6 +232,7 @@ class KVEventSubscriber:
                 sequence_gaps=c.gaps,
                 errors=c.malformed,
                 blocks_skipped=c.skipped,
+                blocks_recalled=c.recalled,
             )
             for name, c in ((name, rep.counts) for name, rep in sorted(self._replicas.items()))
         }
@@ -249,7 +257,18 @@ class KVEventSubscriber:
             log.warning("replica %s: malformed batch %d: %s", rep.ep.name, seq, exc)
             events = None  # lost, but its number counts: the next batch is no gap
         applied = 0
-        if seq <= rep.last_seq:
+        if not rep.seen and self._engine_map is not None:
+            # joining: the index holds what other routers (or this one before a restart)
+            # applied, up to the batch it says; only the batches after it are missing
+            known = self._engine_map.last_applied(rep.ep.name)
+            if known is not None and seq == 0 < known:  # a new publisher since: blocks gone
+                rep.counts.resets += 1
+                log.info("replica %s: a new stream since batch %d; clearing", rep.ep.name, known)
+                self._clear(rep)
+            elif known is not None:
+                rep.last_seq = min(known, seq - 1)
+            rep.inherited = seq > 0
+        elif seq <= rep.last_seq:
             rep.counts.resets += 1
             log.info("replica %s: sequence went back to %d; clearing", rep.ep.name, seq)
             self._clear(rep)
@@ -259,10 +278,12 @@ class KVEventSubscriber:
             missed = self._replay(rep, rep.last_seq + 1, seq)
             if missed is None and not rep.seen:
                 log.info(
-                    "replica %s: joined its stream at batch %d; earlier batches not replayed, "
+                    "replica %s: joined its stream at batch %d; batches %d..%d not replayed, "
                     "the index keeps what it holds",
                     rep.ep.name,
                     seq,
+                    rep.last_seq + 1,
+                    seq - 1,
                 )
             elif missed is None:
                 log.warning(
@@ -282,10 +303,12 @@ class KVEventSubscriber:
                     applied += 1
         rep.seen = True
         rep.last_seq = seq
-        if events is None:
-            return applied
-        self._apply(rep, events)
-        return applied + 1
+        if events is not None:
+            self._apply(rep, events)
+            applied += 1
+        if self._engine_map is not None:
+            self._engine_map.note_applied(rep.ep.name, seq)
+        return applied
 
     def _apply(self, rep: _Replica, events: Sequence[Any]) -> None:
         rep.counts.batches += 1
@@ -327,6 +350,9 @@ class KVEventSubscriber:
             prev, pos = rep.hasher.seed(self._namespace(rep, ev)), 0
         elif problem is None:
             parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
+            if parent is None and rep.inherited:
+                self._recall(rep, [ev.parent_block_hash])  # type: ignore[list-item]
+                parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
             if parent is None:
                 problem = "unknown parent block"
             else:
@@ -351,11 +377,29 @@ class KVEventSubscriber:
                 entry[0], entry[1], entry[2] = digest, pos + k, entry[2] | bit
             digests.append(digest)
         self.index.store(name, digests, medium)
+        if self._engine_map is not None:
+            keys = [_engine_key(h) for h in ev.block_hashes[: len(digests)]]
+            self._engine_map.remember(name, keys, digests, pos)
         rep.counts.blocks_stored += len(digests)
+
+    def _recall(self, rep: _Replica, hashes: Sequence[BlockHash]) -> None:
+        """Blocks of ``hashes`` unknown here that the shared engine map remembers (stored before
+        this subscriber joined the stream) become known, where the replica still holds them."""
+        assert self._engine_map is not None
+        unknown = {_engine_key(h): h for h in hashes if h not in rep.blocks}
+        if not unknown:
+            return
+        found = self._engine_map.recall(rep.ep.name, list(unknown))
+        for key, block in found.items():
+            if block.media and len(rep.blocks) < self.max_blocks_per_replica:
+                rep.blocks[unknown[key]] = [block.digest, block.position, block.media]
+        rep.counts.recalled += len(found)
 
     def _stored_known(self, rep: _Replica, ev: StoredBlocks, medium: str) -> None:
         """A store without tokens: another medium for blocks the replica holds already."""
         bit, blocks = _BIT[medium], rep.blocks
+        if rep.inherited:
+            self._recall(rep, ev.block_hashes)
         digests = []
         for h in ev.block_hashes:
             entry = blocks.get(h)
@@ -384,7 +428,9 @@ class KVEventSubscriber:
             return
         bits = 3 if medium is None else _BIT[medium]
         blocks = rep.blocks
-        digests = []
+        if rep.inherited:
+            self._recall(rep, ev.block_hashes)
+        digests, gone = [], []
         for h in ev.block_hashes:
             entry = blocks.get(h)
             if entry is None or not entry[2] & bits:
@@ -392,12 +438,16 @@ class KVEventSubscriber:
             entry[2] &= ~bits
             if not entry[2]:
                 del blocks[h]
+                gone.append(h)
             digests.append(entry[0])
         self.index.remove(rep.ep.name, digests, medium)
+        if self._engine_map is not None and gone:
+            self._engine_map.forget(rep.ep.name, [_engine_key(h) for h in gone])
         rep.counts.blocks_removed += len(digests)
 
     def _clear(self, rep: _Replica) -> None:
         rep.blocks.clear()
+        rep.inherited = False  # the index holds nothing of it either
         self.index.clear(rep.ep.name)
         rep.counts.cleared += 1
 
@@ -496,6 +546,7 @@ class KVEventSubscriber:
         sockets: dict[str, zmq.Socket[Any]] = {}
         names: dict[Any, str] = {}
         refused: dict[str, str | None] = {}  # replica -> the endpoint ZMQ would not connect to
+        flush = getattr(self.index, "flush", None)
         try:
             while not self._stop.is_set():
                 with self._lock:
@@ -524,7 +575,8 @@ class KVEventSubscriber:
                         sockets[n] = sock
                         names[sock] = n
                         poller.register(sock, zmq.POLLIN)
-                for sock, _ in poller.poll(50):
+                ready = poller.poll(50)
+                for sock, _ in ready:
                     name = names[sock]
                     while True:
                         try:
@@ -532,6 +584,11 @@ class KVEventSubscriber:
                         except zmq.Again:
                             break
                         self._on_message(name, frames)
+                if ready and flush is not None:  # a remote index: send what the round wrote
+                    try:
+                        flush()
+                    except Exception:  # the index counts its own failures; keep ingesting
+                        log.exception("flushing the fleet index failed")
         finally:
             for sock in sockets.values():
                 sock.close(linger=0)
@@ -554,3 +611,8 @@ class KVEventSubscriber:
             except Exception:  # an index failure must not stop the poller
                 rep.counts.malformed += 1
                 log.exception("replica %s: batch %d not applied", name, seq)
+
+
+def _engine_key(h: BlockHash) -> bytes:
+    """An engine block hash as a shared engine map's key: ``i<decimal>`` or ``b<bytes>``."""
+    return b"i%d" % h if isinstance(h, int) else b"b" + bytes(h)

@@ -12,6 +12,13 @@ bytes, replica names their UTF-8 text):
   the set's size; ``clear`` walks it)
 - ``P:g:<name>``   STRING how many of them replica ``name`` holds on GPU (an integer; an index
   written before this key existed gets it counted from the set at the first call that needs it)
+- ``P:e:<name>``   HASH   replica ``name``'s engine block hash -> the block's digest (16 bytes) and
+  position (8 bytes, big-endian): what a router that joins the replica's stream midway needs to
+  map removals and continuations of blocks stored before it came (``SharedEngineMap``). Engine
+  hashes are written ``i<decimal>`` for ints and ``b<bytes>`` for bytes. A resync after Redis
+  lost its data writes the block holdings back, not this map.
+- ``P:s:<name>``   STRING the last event batch of replica ``name`` applied by a router (written at
+  each flush): a router joining the stream replays the batches after it
 
 Writes run as Lua scripts (one call per stored or removed run of blocks, the whole run as
 arguments), queued and sent in pipelines of ``pipeline_size`` calls; ``flush()`` sends what is
@@ -49,7 +56,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from prefixcache.errors import ConfigError, InvalidArgumentError
-from prefixcache.fleet.fleet_index import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.fleet_index import CPU, GPU, EngineBlock, ReplicaMatch
 from prefixcache.fleet.memory_index import (
     DEFAULT_MAX_BLOCKS_PER_REPLICA,
     DEFAULT_MAX_REPLICAS,
@@ -163,6 +170,49 @@ return tonumber(redis.call('GET', gk))
 """
 )
 
+# ARGV: prefix, replica, engine key, value, engine key, value... (a known replica only)
+_REMEMBER = """
+local p, name = ARGV[1], ARGV[2]
+if not redis.call('HGET', p .. ':replicas', name) then return 0 end
+local e = p .. ':e:' .. name
+for i = 3, #ARGV, 512 do redis.call('HSET', e, unpack(ARGV, i, math.min(i + 511, #ARGV))) end
+return 0
+"""
+
+# ARGV: prefix, replica, engine keys...
+_FORGET = """
+local e = ARGV[1] .. ':e:' .. ARGV[2]
+for i = 3, #ARGV, 512 do redis.call('HDEL', e, unpack(ARGV, i, math.min(i + 511, #ARGV))) end
+return 0
+"""
+
+# ARGV: prefix, replica, engine keys... Per key: its value ('' when unknown) and the media bits
+# of the block now (1 GPU, 2 CPU).
+_RECALL = """
+local p, name = ARGV[1], ARGV[2]
+local id = redis.call('HGET', p .. ':replicas', name)
+if not id then return {} end
+id = tonumber(id)
+local e, out = p .. ':e:' .. name, {}
+for i = 3, #ARGV do
+  local v = redis.call('HGET', e, ARGV[i])
+  local media = 0
+  if v then
+    local k = p .. ':b:' .. string.sub(v, 1, 16)
+    media = redis.call('GETBIT', k, 2 * id) + 2 * redis.call('GETBIT', k, 2 * id + 1)
+  end
+  out[#out + 1] = v or ''
+  out[#out + 1] = media
+end
+return out
+"""
+
+# ARGV: prefix, replica, seq, replica, seq...
+_APPLIED = """
+for i = 2, #ARGV, 2 do redis.call('SET', ARGV[1] .. ':s:' .. ARGV[i], ARGV[i + 1]) end
+return 0
+"""
+
 # ARGV: prefix, replica, drop (1: forget the replica too)
 _CLEAR = """
 local p, name, drop = ARGV[1], ARGV[2], ARGV[3]
@@ -176,8 +226,9 @@ for _, d in ipairs(redis.call('SMEMBERS', set)) do
   redis.call('SETBIT', k, 2 * id + 1, 0)
   if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
 end
-redis.call('DEL', set, p .. ':g:' .. name)
+redis.call('DEL', set, p .. ':g:' .. name, p .. ':e:' .. name)
 if drop == '1' then
+  redis.call('DEL', p .. ':s:' .. name)
   redis.call('HDEL', p .. ':replicas', name)
   redis.call('SETBIT', p .. ':slots', id, 0)
 end
@@ -234,6 +285,11 @@ class RedisFleetIndex:
         self._remove_script = client.register_script(_REMOVE)
         self._clear_script = client.register_script(_CLEAR)
         self._gpu_count_script = client.register_script(_GPU_COUNT)
+        self._remember_script = client.register_script(_REMEMBER)
+        self._forget_script = client.register_script(_FORGET)
+        self._recall_script = client.register_script(_RECALL)
+        self._applied_script = client.register_script(_APPLIED)
+        self._applied: dict[str, int] = {}  # replica -> last batch applied, not yet written
         self._queue: list[tuple[Any, list[Any]]] = []
         self._dropped: set[str] = set()  # replicas whose drop Redis may not have had yet
         self._lock = threading.RLock()
@@ -385,6 +441,70 @@ class RedisFleetIndex:
                     self._failed(exc)
             return self.local.num_blocks_many(replicas, medium)
 
+    # ---- SharedEngineMap -------------------------------------------------------------------
+    def remember(
+        self, replica: str, engine_keys: Sequence[bytes], digests: Sequence[bytes], position: int
+    ) -> None:
+        """``engine_keys[k]`` is the block ``digests[k]``, at ``position + k``."""
+        if len(engine_keys) != len(digests):
+            raise InvalidArgumentError(f"{len(engine_keys)} engine keys for {len(digests)} digests")
+        if not digests:
+            return
+        args: list[Any] = [self.prefix, replica]
+        for k, (key, digest) in enumerate(zip(engine_keys, digests, strict=True)):
+            args += (key, digest + (position + k).to_bytes(8, "big"))
+        with self._lock:
+            self._enqueue(self._remember_script, args)
+
+    def forget(self, replica: str, engine_keys: Sequence[bytes]) -> None:
+        """The replica holds these blocks nowhere any more."""
+        if engine_keys:
+            with self._lock:
+                self._enqueue(self._forget_script, [self.prefix, replica, *engine_keys])
+
+    def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock]:
+        """The remembered ones of ``engine_keys``, with where the replica holds each now (one
+        round trip; {} while Redis is unreachable)."""
+        if not engine_keys:
+            return {}
+        with self._lock:
+            if not self.flush():
+                return {}
+            try:
+                reply = self._recall_script(
+                    keys=[self.prefix + ":replicas"], args=[self.prefix, replica, *engine_keys]
+                )
+            except redis.RedisError as exc:
+                self._failed(exc)
+                return {}
+        out: dict[bytes, EngineBlock] = {}
+        for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
+            value = _raw(value)
+            if len(value) == 24:
+                out[key] = EngineBlock(value[:16], int.from_bytes(value[16:], "big"), int(media))
+        return out
+
+    def note_applied(self, replica: str, seq: int) -> None:
+        """The replica's event batches up to ``seq`` are applied (written at the next flush)."""
+        with self._lock:
+            self._applied[replica] = seq
+
+    def last_applied(self, replica: str) -> int | None:
+        """The last batch of the replica's stream a router applied (None: unknown, or Redis
+        unreachable)."""
+        with self._lock:
+            if not self.flush():
+                return None
+            try:
+                value = self.client.get(f"{self.prefix}:s:{replica}")
+            except redis.RedisError as exc:
+                self._failed(exc)
+                return None
+        try:
+            return None if value is None else int(value)
+        except ValueError:
+            return None
+
     # ---- beyond the contract --------------------------------------------------------------
     def flush(self) -> bool:
         """Send the queued writes (resynchronising first if Redis missed some); True when Redis
@@ -392,6 +512,12 @@ class RedisFleetIndex:
         with self._lock:
             if not self._in_sync:
                 return self._try_resync()
+            if self._applied:  # one write per replica per flush, whatever the batches
+                args: list[Any] = [self.prefix]
+                for replica, seq in self._applied.items():
+                    args += (replica, seq)
+                self._applied.clear()
+                self._queue.append((self._applied_script, args))
             if not self._queue:
                 return True
             queue, self._queue = self._queue, []

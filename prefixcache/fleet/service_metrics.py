@@ -30,6 +30,7 @@ _INGEST = (
     ("sequence_gaps", "gaps in event sequence numbers"),
     ("errors", "ingest errors (index writes, undecodable messages)"),
     ("blocks_skipped", "blocks not indexed by rule (other attention groups, unnamed LoRA)"),
+    ("blocks_recalled", "blocks stored before this router joined, mapped via the shared index"),
 )
 
 
