@@ -198,6 +198,11 @@ def test_an_out_dir_the_system_refuses_is_one_error_line(
         (SCENARIO, ["--blocks", "64,128,64"], "--blocks: 64 is given twice"),
         (SCENARIO, ["--policy", "lru,lfu,lru"], "--policy: lru is given twice"),
         (
+            SCENARIO,
+            ["--rate-scale", "2", "--time-scale", "2"],
+            "--rate-scale and --time-scale need --mode serving",
+        ),
+        (
             "scenarios/traces/mooncake_sample.jsonl",
             ["--tokenizer", "tok.json"],
             "--tokenizer and --chat-template do not apply",

@@ -119,7 +119,9 @@ class ReplayConfig:
                 or not 0 < value < float("inf")
             ):
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        if self.mode != "serving" and (self.tp != 1 or self.arrival_factor != 1.0):
+        if self.mode != "serving" and (
+            self.tp != 1 or self.rate_scale != 1.0 or self.time_scale != 1.0
+        ):  # each alone: two that cancel out are still ignored
             raise ConfigError("--tp, --rate-scale and --time-scale need --mode serving")
         defaults = ReplayConfig()
         if self.mode != "serving" and (
