@@ -201,6 +201,8 @@ def test_messages_are_checked_and_flattened() -> None:
         ([], "non-empty list"),
         ([{"content": "x"}], "string 'role'"),
         ([{"role": "user", "content": 3}], "messages\\[0\\].content"),
+        # a part that is not an object was dropped: the request routed a different prompt
+        ([{"role": "user", "content": [{"type": "text", "text": "a"}, 5]}], "content\\[1\\]"),
     ]:
         with pytest.raises(InvalidArgumentError, match=message):
             chat_messages(bad)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.errors import ConfigError, FleetCapacityError, InvalidArgumentError
-from prefixcache.fleet.fleet_index import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.fleet_index import CPU, GPU, EngineBlock, ReplicaMatch
 from prefixcache.fleet.memory_index import MemoryFleetIndex
 from prefixcache.fleet.open_index import open_index
 from prefixcache.fleet.redis_index import RedisFleetIndex
@@ -153,6 +153,46 @@ def test_a_replica_dropped_while_redis_is_away_is_dropped_there_by_the_resync(re
     assert fresh.match(chain) == [ReplicaMatch("b", 2, 2)]
     fresh.client.close()
     index.client.close()
+
+
+def test_a_short_outage_sends_the_missed_writes_and_keeps_what_others_wrote(redis_server):
+    # the resync cleared every replica this instance knew and wrote back only its own view:
+    # blocks another router (or this one before a restart) indexed, and engine maps, were lost
+    prefix = f"o{os.urandom(4).hex()}"
+    chain = [os.urandom(16) for _ in range(6)]
+    other = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    other.store("pod", chain[:4])
+    other.remember("pod", [b"i1", b"i2"], chain[:2], 0)
+    other.close()
+    index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix, retry_interval=0.0)
+    index.store("pod", chain[4:5])
+    assert index.flush()
+    index._failed(redis.ConnectionError("away"))  # Redis away, with its data
+    index.store("pod", chain[5:6], CPU)
+    index.remove("pod", chain[4:5], GPU)
+    assert index.flush() and index.stats().resyncs == 1
+    fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    assert set(fresh.holdings("pod")) == {*chain[:4], chain[5]}
+    assert fresh.recall("pod", [b"i1", b"i3"]) == {b"i1": EngineBlock(chain[0], 0, 1)}
+    for x in (fresh, index):
+        x.close()
+
+
+def test_redis_losing_its_data_between_two_flushes_is_noticed(redis_server):
+    # no call failed, so the writes after went to an empty index as if nothing had happened
+    prefix = f"l{os.urandom(4).hex()}"
+    chain = [os.urandom(16) for _ in range(4)]
+    index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    index.store("pod", chain[:3])
+    assert index.flush()
+    for key in index.client.scan_iter(f"{prefix}:*"):  # a restart without persistence
+        index.client.delete(key)
+    index.store("pod", chain[3:])
+    assert index.flush() and index.stats().resyncs == 1
+    fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    assert set(fresh.holdings("pod")) == set(chain)
+    for x in (fresh, index):
+        x.close()
 
 
 def test_limits_and_bad_input():

@@ -296,8 +296,8 @@ def test_redis_index_from_live_streams_survives_a_redis_restart(redis_server):
 VLLM_TOKENS = list(range(1, 9))  # two blocks of 4
 
 
-def _vllm_batch(*events: object) -> bytes:
-    return kv_wire.encode_batch(kv_wire.KVEventBatch(1.0, list(events)))
+def _vllm_batch(*events: object, ts: float = 1.0) -> bytes:
+    return kv_wire.encode_batch(kv_wire.KVEventBatch(ts, list(events)))
 
 
 def _vllm_ingest(*batches: list[object]) -> tuple[MemoryFleetIndex, KVEventSubscriber]:
@@ -615,15 +615,35 @@ def test_a_restarted_router_on_redis_replays_only_what_it_missed(redis_server):
 
 
 def test_a_router_joining_a_restarted_replica_on_redis_clears_its_old_blocks(redis_server):
-    # batch 0 again after the index applied batch 1: a new engine, whose cache starts empty
+    # the engine restarted while no router listened: batch 3 of its new stream is a number the
+    # index already applied, on a newer batch; the old blocks stayed (batch 0 alone was caught)
     prefix = f"n{os.urandom(4).hex()}"
     index, sub = _redis_router(redis_server.url, prefix)
-    sub.ingest("pod", 0, _vllm_batch(_stored([11, 12], None, 1)))
-    sub.ingest("pod", 1, _vllm_batch(_stored([21], None, 100)))
+    for seq in range(6):
+        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
     assert index.flush()
     index.client.close()
     index, sub = _redis_router(redis_server.url, prefix)
-    sub.ingest("pod", 0, _vllm_batch(_stored([31], None, 200)))
-    assert set(index.holdings("pod")) == {_first_digest(200)}
-    assert sub.counters()["pod"].resets == 1
+    sub.ingest("pod", 3, _vllm_batch(_stored([99], None, 900), ts=100.0))
+    assert set(index.holdings("pod")) == {_first_digest(900)}
+    counters = sub.counters()["pod"]
+    assert counters.resets == 1 and counters.gaps == 1  # batches 0-2 of the new stream: lost
     index.client.close()
+
+
+def test_a_router_joining_behind_the_others_on_redis_keeps_their_blocks(redis_server):
+    # another router already applied (and wrote) the batch this one hears first
+    prefix = f"b{os.urandom(4).hex()}"
+    index, sub = _redis_router(redis_server.url, prefix)
+    for seq in range(4):
+        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
+    assert index.flush()
+    late, late_sub = _redis_router(redis_server.url, prefix)
+    late_sub.ingest("pod", 3, _vllm_batch(_stored([13], None, 300), ts=3))
+    late_sub.ingest("pod", 4, _vllm_batch(kv_wire.BlockRemoved([11], "GPU"), ts=4))
+    expected = {_first_digest(100 * k) for k in (0, 2, 3)}
+    assert set(late.holdings("pod")) == expected
+    counters = late_sub.counters()["pod"]
+    assert counters.resets == 0 and counters.recalled == 1
+    for x in (index, late):
+        x.client.close()

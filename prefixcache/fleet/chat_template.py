@@ -301,6 +301,12 @@ def chat_messages(messages: Any, content_format: str = "string") -> list[dict[st
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
             raise InvalidArgumentError(f"messages[{i}].content must be a string or a list of parts")
+        if isinstance(content, list):
+            bad = next((j for j, part in enumerate(content) if not isinstance(part, dict)), None)
+            if bad is not None:  # vLLM refuses it too; dropping it would route another prompt
+                raise InvalidArgumentError(
+                    f"messages[{i}].content[{bad}] must be an object (a content part)"
+                )
         shaped: Any
         if content_format == "parts":
             shaped = _parts(content)

@@ -62,6 +62,13 @@ class EngineBlock(NamedTuple):
     media: int  # where the replica holds it now: bit 1 GPU, bit 2 CPU (0: nowhere)
 
 
+class AppliedBatch(NamedTuple):
+    """The last event batch of a replica's stream that a router applied to a shared index."""
+
+    seq: int
+    ts: float  # the batch's own timestamp: a lower number on a newer batch is a new stream
+
+
 @runtime_checkable
 class SharedEngineMap(Protocol):
     """Kept by an index that outlives a router (Redis): each replica's engine hash -> block and
@@ -80,8 +87,9 @@ class SharedEngineMap(Protocol):
     def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock]:
         """The remembered ones of ``engine_keys`` (one round trip; {} when unreachable)."""
 
-    def note_applied(self, replica: str, seq: int) -> None:
-        """The replica's event batches up to ``seq`` are applied (written lazily)."""
+    def note_applied(self, replica: str, seq: int, ts: float) -> None:
+        """The replica's event batches up to ``seq`` (stamped ``ts``) are applied (written
+        lazily)."""
 
-    def last_applied(self, replica: str) -> int | None:
+    def last_applied(self, replica: str) -> AppliedBatch | None:
         """The last batch of the replica's stream some router applied (None: unknown)."""

@@ -21,7 +21,7 @@ class IngestCounts(NamedTuple):
     events: int = 0  # event batches or messages received
     blocks_stored: int = 0
     blocks_removed: int = 0
-    sequence_gaps: int = 0  # missed sequence numbers (messages lost before a replay)
+    sequence_gaps: int = 0  # jumps in the sequence numbers (each a run of lost messages)
     errors: int = 0  # failed index writes (e.g. Redis errors) and undecodable messages
     blocks_skipped: int = 0  # blocks not indexed by rule (other attention groups, nameless LoRA)
     blocks_recalled: int = 0  # stored before the router joined, mapped through the shared index

@@ -250,8 +250,11 @@ class KVEventSubscriber:
             return self._ingest(rep, seq, payload)
 
     def _ingest(self, rep: _Replica, seq: int, payload: bytes) -> int:
+        ts: float | None = None
         try:
-            events: Sequence[Any] | None = self._decoder.decode(payload).events
+            batch = self._decoder.decode(payload)
+            events: Sequence[Any] | None = batch.events
+            ts = batch.ts
         except WireFormatError as exc:
             rep.counts.malformed += 1
             log.warning("replica %s: malformed batch %d: %s", rep.ep.name, seq, exc)
@@ -259,15 +262,21 @@ class KVEventSubscriber:
         applied = 0
         if not rep.seen and self._engine_map is not None:
             # joining: the index holds what other routers (or this one before a restart)
-            # applied, up to the batch it says; only the batches after it are missing
+            # applied, up to the batch it names; only the batches after it are missing
             known = self._engine_map.last_applied(rep.ep.name)
-            if known is not None and seq == 0 < known:  # a new publisher since: blocks gone
+            rep.inherited = seq > 0
+            if known is not None and seq <= known.seq and ts is not None and ts > known.ts:
+                # a number already applied, on a newer batch: the engine restarted since, and
+                # its earlier blocks are gone; the new stream's first batches are a gap
                 rep.counts.resets += 1
-                log.info("replica %s: a new stream since batch %d; clearing", rep.ep.name, known)
+                log.info(
+                    "replica %s: a new stream since batch %d was applied; clearing",
+                    rep.ep.name,
+                    known.seq,
+                )
                 self._clear(rep)
             elif known is not None:
-                rep.last_seq = min(known, seq - 1)
-            rep.inherited = seq > 0
+                rep.last_seq = min(known.seq, seq - 1)
         elif seq <= rep.last_seq:
             rep.counts.resets += 1
             log.info("replica %s: sequence went back to %d; clearing", rep.ep.name, seq)
@@ -306,8 +315,8 @@ class KVEventSubscriber:
         if events is not None:
             self._apply(rep, events)
             applied += 1
-        if self._engine_map is not None:
-            self._engine_map.note_applied(rep.ep.name, seq)
+        if self._engine_map is not None and ts is not None:
+            self._engine_map.note_applied(rep.ep.name, seq, ts)
         return applied
 
     def _apply(self, rep: _Replica, events: Sequence[Any]) -> None:

@@ -17,8 +17,9 @@ bytes, replica names their UTF-8 text):
   map removals and continuations of blocks stored before it came (``SharedEngineMap``). Engine
   hashes are written ``i<decimal>`` for ints and ``b<bytes>`` for bytes. A resync after Redis
   lost its data writes the block holdings back, not this map.
-- ``P:s:<name>``   STRING the last event batch of replica ``name`` applied by a router (written at
-  each flush): a router joining the stream replays the batches after it
+- ``P:s:<name>``   STRING ``"<seq> <ts>"``: the last event batch of replica ``name`` a router
+  applied (written at each flush): a router joining the stream replays the batches after it
+- ``P:epoch``      STRING a random token naming the data: gone or changed once Redis lost it
 
 Writes run as Lua scripts (one call per stored or removed run of blocks, the whole run as
 arguments), queued and sent in pipelines of ``pipeline_size`` calls; ``flush()`` sends what is
@@ -33,10 +34,15 @@ node holds the whole index.
 
 Failures: every write is also applied to a local ``MemoryFleetIndex`` (this instance's view).
 When Redis fails (connection refused, reset, timeout), the error is counted, reads are answered
-from the local view, and the index is marked out of sync; the next call after
-``retry_interval`` seconds reconnects and resynchronises: each replica of the local view is
-cleared in Redis and written back whole. An instance that only reads has an empty local view
-and answers no holdings while Redis is away.
+from the local view, the index is marked out of sync, and the writes Redis may have missed are
+kept (up to ``max_missed_args`` arguments). The next call after ``retry_interval`` seconds
+reconnects and resynchronises. If Redis kept its data (``P:epoch``, a random token set once,
+is unchanged), the missed writes are sent again: every script is idempotent, and what other
+routers wrote (blocks this instance never saw stored, engine maps) stays. If Redis lost its
+data (a restart without persistence: the epoch is gone; also noticed at any flush), or too many
+writes were missed, each replica of the local view is cleared in Redis and written back whole
+(engine maps are not). An instance that only reads has an empty local view and answers no
+holdings while Redis is away.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Any, NamedTuple
@@ -56,7 +63,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from prefixcache.errors import ConfigError, InvalidArgumentError
-from prefixcache.fleet.fleet_index import CPU, GPU, EngineBlock, ReplicaMatch
+from prefixcache.fleet.fleet_index import CPU, GPU, AppliedBatch, EngineBlock, ReplicaMatch
 from prefixcache.fleet.memory_index import (
     DEFAULT_MAX_BLOCKS_PER_REPLICA,
     DEFAULT_MAX_REPLICAS,
@@ -258,6 +265,7 @@ class RedisFleetIndex:
         max_replicas: int = DEFAULT_MAX_REPLICAS,
         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
         locate: Callable[[], redis.Redis] | None = None,
+        max_missed_args: int = 1_000_000,
     ) -> None:
         """``locate`` (Redis Cluster) finds the client of the node serving the index's slot;
         it is called again before every resynchronisation."""
@@ -289,8 +297,14 @@ class RedisFleetIndex:
         self._forget_script = client.register_script(_FORGET)
         self._recall_script = client.register_script(_RECALL)
         self._applied_script = client.register_script(_APPLIED)
-        self._applied: dict[str, int] = {}  # replica -> last batch applied, not yet written
+        self._applied: dict[str, str] = {}  # replica -> "seq ts" of the last batch applied
         self._queue: list[tuple[Any, list[Any]]] = []
+        # writes Redis may lack since it failed (sent again when it is back with its data);
+        # None: more than max_missed_args arguments, so the local view is written back instead
+        self._missed: list[tuple[Any, list[Any]]] | None = []
+        self._missed_args = 0
+        self.max_missed_args = max_missed_args
+        self._epoch: bytes | None = None  # the data's identity in Redis, as this instance saw it
         self._dropped: set[str] = set()  # replicas whose drop Redis may not have had yet
         self._lock = threading.RLock()
         self._in_sync = True
@@ -484,12 +498,13 @@ class RedisFleetIndex:
                 out[key] = EngineBlock(value[:16], int.from_bytes(value[16:], "big"), int(media))
         return out
 
-    def note_applied(self, replica: str, seq: int) -> None:
-        """The replica's event batches up to ``seq`` are applied (written at the next flush)."""
+    def note_applied(self, replica: str, seq: int, ts: float) -> None:
+        """The replica's event batches up to ``seq`` (stamped ``ts``) are applied (written at
+        the next flush)."""
         with self._lock:
-            self._applied[replica] = seq
+            self._applied[replica] = f"{int(seq)} {float(ts)!r}"
 
-    def last_applied(self, replica: str) -> int | None:
+    def last_applied(self, replica: str) -> AppliedBatch | None:
         """The last batch of the replica's stream a router applied (None: unknown, or Redis
         unreachable)."""
         with self._lock:
@@ -500,9 +515,12 @@ class RedisFleetIndex:
             except redis.RedisError as exc:
                 self._failed(exc)
                 return None
+        if value is None:
+            return None
         try:
-            return None if value is None else int(value)
-        except ValueError:
+            seq, ts = _text(value).split()
+            return AppliedBatch(int(seq), float(ts))
+        except ValueError:  # not written by this release
             return None
 
     # ---- beyond the contract --------------------------------------------------------------
@@ -522,11 +540,14 @@ class RedisFleetIndex:
                 return True
             queue, self._queue = self._queue, []
             try:
-                results = self._send(queue)
+                if self._epoch is None:
+                    self._epoch = self._claim_epoch()
+                epoch, results = self._send(queue)
                 moved = next((r for r in results if isinstance(r, Exception)), None)
                 if moved is not None and self._moved(moved):  # the writes are idempotent
-                    results = self._send(queue)
+                    epoch, results = self._send(queue)
             except redis.RedisError as exc:
+                self._queue = queue + self._queue  # sent again once Redis is back
                 self._failed(exc)
                 return False
             for result in results:
@@ -534,19 +555,38 @@ class RedisFleetIndex:
                     if _CAP_ERROR in str(result):  # another instance filled the replica table
                         self._overflow += 1
                         continue
+                    self._queue = queue + self._queue
                     self._failed(result)
                     return False
                 self._overflow += int(result or 0)
+            if epoch != self._epoch:  # Redis lost its data since the last flush (a restart)
+                log.warning("Redis fleet index lost its data; writing the local view back")
+                self._errors += 1
+                self._in_sync, self._missed, self._last_try = False, None, 0.0
+                return self._try_resync()
             self._dropped.clear()
             return True
 
-    def _send(self, queue: list[tuple[Any, list[Any]]]) -> list[Any]:
-        """Run queued script calls in one pipeline; per-call errors come back as results."""
+    def _send(self, queue: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
+        """Run queued script calls in one pipeline, after reading the data's epoch; per-call
+        errors come back as results."""
         pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.prefix + ":epoch")
         keys = [self.prefix + ":replicas"]  # declared, so a cluster checks the slot up front
         for script, args in queue:
             script(keys=keys, args=args, client=pipe)
-        return list(pipe.execute(raise_on_error=False))
+        epoch, *results = pipe.execute(raise_on_error=False)
+        if isinstance(epoch, Exception):  # as any other call's error (a moved slot, say)
+            return None, [epoch, *results]
+        return epoch, results
+
+    def _claim_epoch(self) -> bytes:
+        """The epoch of the data in Redis, set now if it has none (a fresh or emptied Redis)."""
+        key = self.prefix + ":epoch"
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(key, uuid.uuid4().hex, nx=True)
+        pipe.get(key)
+        return _raw(pipe.execute()[1])
 
     def stats(self) -> RedisIndexStats:
         """Errors, resyncs, whether Redis is in sync, blocks refused at the cap."""
@@ -596,17 +636,28 @@ class RedisFleetIndex:
 
     def _enqueue(self, script: Any, args: list[Any]) -> None:
         if not self._in_sync:
-            return  # the resync writes the local view back whole
+            self._log_missed([(script, args)])  # sent when Redis is back
+            return
         self._queue.append((script, args))
         if len(self._queue) >= self.pipeline_size:
             self.flush()
+
+    def _log_missed(self, calls: list[tuple[Any, list[Any]]]) -> None:
+        if self._missed is None:
+            return
+        self._missed_args += sum(len(args) for _, args in calls)
+        if self._missed_args > self.max_missed_args:  # the local view is written back instead
+            self._missed, self._missed_args = None, 0
+        else:
+            self._missed.extend(calls)
 
     def _failed(self, exc: BaseException) -> None:
         self._errors += 1
         if self._in_sync:
             log.warning("Redis fleet index unreachable (%s); answering from the local view", exc)
         self._in_sync = False
-        self._queue.clear()
+        self._log_missed(self._queue)
+        self._queue = []
         self._last_try = time.monotonic()
 
     def _relocate(self) -> bool:
@@ -631,6 +682,29 @@ class RedisFleetIndex:
             return False
         return self._relocate()
 
+    def _send_missed(self, missed: list[tuple[Any, list[Any]]]) -> bool:
+        """Redis is back with its data: send the writes it missed (idempotent scripts)."""
+        try:
+            for i in range(0, len(missed), 1024):
+                epoch, results = self._send(missed[i : i + 1024])
+                for result in results:
+                    if isinstance(result, Exception) and _CAP_ERROR not in str(result):
+                        raise result
+                if epoch != self._epoch:
+                    raise redis.RedisError("the data changed while the missed writes were sent")
+        except redis.RedisError as exc:
+            self._errors += 1
+            log.debug("Redis fleet index still unreachable: %s", exc)
+            return False
+        self._in_sync = True
+        self._dropped.clear()
+        self._missed, self._missed_args = [], 0
+        self._resyncs += 1
+        log.warning(
+            "Redis fleet index back with its data; sent the %d writes it missed", len(missed)
+        )
+        return True
+
     def _try_resync(self) -> bool:
         now = time.monotonic()
         if now - self._last_try < self.retry_interval:
@@ -640,6 +714,10 @@ class RedisFleetIndex:
             return False
         try:
             self.client.ping()
+            epoch = self.client.get(self.prefix + ":epoch")
+            missed = self._missed
+            if missed is not None and self._epoch is not None and epoch == self._epoch:
+                return self._send_missed(missed)
             pipe = self.client.pipeline(transaction=False)
             keys = [self.prefix + ":replicas"]
             for replica in sorted(self._dropped):  # dropped while Redis was away
@@ -657,12 +735,14 @@ class RedisFleetIndex:
                             keys=keys, args=self._store_args(replica, medium, chunk), client=pipe
                         )
             pipe.execute()
+            self._epoch = self._claim_epoch()
         except redis.RedisError as exc:
             self._errors += 1
             log.debug("Redis fleet index still unreachable: %s", exc)
             return False
         self._in_sync = True
         self._dropped.clear()
+        self._missed, self._missed_args = [], 0
         self._resyncs += 1
         log.warning(
             "Redis fleet index back; wrote the local view of %d replicas back",
