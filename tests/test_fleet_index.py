@@ -195,6 +195,63 @@ def test_redis_losing_its_data_between_two_flushes_is_noticed(redis_server):
         x.close()
 
 
+def _empty(index: RedisFleetIndex) -> None:
+    for key in index.client.scan_iter(f"{index.prefix}:*"):  # a restart without persistence
+        index.client.delete(key)
+
+
+def test_after_redis_lost_its_data_each_router_adds_its_view_back(redis_server):
+    # the second write-back cleared each replica first: a router that joined midway (its view
+    # partial) wiped the first one's whole view
+    prefix = f"u{os.urandom(4).hex()}"
+    chain = [os.urandom(16) for _ in range(4)]
+    full = RedisFleetIndex.from_url(redis_server.url, prefix=prefix, retry_interval=0.0)
+    full.store("pod", chain)
+    assert full.flush()
+    late = RedisFleetIndex.from_url(redis_server.url, prefix=prefix, retry_interval=0.0)
+    late.store("pod", chain[3:])  # it heard only the last store
+    assert late.flush()
+    _empty(full)
+    for x in (full, late):
+        x.store("pod", chain[:1], CPU)
+        assert x.flush() and x.stats().resyncs == 1
+    fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    assert set(fresh.holdings("pod")) == set(chain)
+    for x in (fresh, full, late):
+        x.close()
+
+
+def test_a_read_notices_that_redis_lost_its_data(redis_server):
+    # while no write came, lookups answered from an empty Redis
+    prefix = f"r{os.urandom(4).hex()}"
+    chain = [os.urandom(16) for _ in range(3)]
+    index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix, retry_interval=0.0)
+    index.store("pod", chain)
+    assert index.flush()
+    _empty(index)
+    assert index.match(chain) == [ReplicaMatch("pod", 3, 3)]
+    assert index.stats().resyncs == 1
+    index.close()
+
+
+def test_a_router_that_never_reached_redis_keeps_what_redis_holds(redis_server):
+    # its first flush failed, so it had no epoch: the resync took Redis for emptied and
+    # cleared each replica it knew before writing its partial view
+    prefix = f"s{os.urandom(4).hex()}"
+    chain = [os.urandom(16) for _ in range(4)]
+    first = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    first.store("pod", chain[:3])
+    first.close()
+    index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix, retry_interval=0.0)
+    index._failed(redis.ConnectionError("paused"))  # as at its first flush
+    index.store("pod", chain[3:])
+    assert index.flush()
+    fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    assert set(fresh.holdings("pod")) == set(chain)
+    for x in (fresh, index):
+        x.close()
+
+
 def test_limits_and_bad_input():
     index = MemoryFleetIndex(max_replicas=2, max_blocks_per_replica=3)
     index.store("a", CHAIN[:5])

@@ -530,29 +530,26 @@ def test_a_restarted_router_maps_blocks_stored_before_it_through_redis(redis_ser
     """A lone router on a Redis index restarts: removals and continuations of blocks stored
     before the restart used to be unknown engine hashes (stale entries, 'unknown parent')."""
     prefix = f"j{os.urandom(4).hex()}"
+    batches = [
+        _vllm_batch(_stored([11, 12], None, 1)),
+        _vllm_batch(_stored([21], None, 100)),
+        _vllm_batch(kv_wire.BlockRemoved([21], "GPU"), _stored([13], 12, 9)),
+    ]
     index, sub = _redis_router(redis_server.url, prefix)
-    sub.ingest("pod", 0, _vllm_batch(_stored([11, 12], None, 1)))
-    sub.ingest("pod", 1, _vllm_batch(_stored([21], None, 100)))
+    sub.ingest("pod", 0, batches[0])
+    sub.ingest("pod", 1, batches[1])
     assert index.flush()
     index.client.close()
-
-    index, sub = _redis_router(redis_server.url, prefix)  # the restart; batch 2 was missed
+    index, sub = _redis_router(redis_server.url, prefix)  # the restart: it hears batch 2 next
     truth = MemoryFleetIndex()
     every = KVEventSubscriber(
         truth, [ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)]
     )
-    batches = [
-        _vllm_batch(_stored([11, 12], None, 1)),
-        _vllm_batch(_stored([21], None, 100)),
-        _vllm_batch(_stored([31], None, 200)),
-        _vllm_batch(kv_wire.BlockRemoved([21], "GPU"), _stored([13], 12, 9)),
-    ]
     for seq, payload in enumerate(batches):
         every.ingest("pod", seq, payload)
-    sub.ingest("pod", 3, batches[3])
+    sub.ingest("pod", 2, batches[2])
     assert index.flush()
-    held = set(index.holdings("pod"))
-    assert held == set(truth.holdings("pod")) - {_first_digest(200)}  # batch 2: not replayed
+    assert set(index.holdings("pod")) == set(truth.holdings("pod"))
     counters = sub.counters()["pod"]
     assert counters.malformed == 0 and counters.recalled == 2  # 21 and 12
     index.client.close()
@@ -647,3 +644,41 @@ def test_a_router_joining_behind_the_others_on_redis_keeps_their_blocks(redis_se
     assert counters.resets == 0 and counters.recalled == 1
     for x in (index, late):
         x.client.close()
+
+
+def test_a_router_joining_after_batches_no_router_applied_clears_the_replica(redis_server):
+    # the index says batch 3 was applied last; batches 4-5 (an eviction, say) reached no
+    # router and cannot be replayed: what the index holds for the replica may be stale
+    prefix = f"g{os.urandom(4).hex()}"
+    index, sub = _redis_router(redis_server.url, prefix)
+    for seq in range(4):
+        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
+    assert index.flush()
+    index.client.close()
+    index, sub = _redis_router(redis_server.url, prefix)
+    sub.ingest("pod", 6, _vllm_batch(_stored([16], None, 600), ts=6))
+    assert set(index.holdings("pod")) == {_first_digest(600)}
+    assert sub.counters()["pod"].cleared == 1
+    index.client.close()
+
+
+def test_a_new_stream_past_the_applied_number_is_told_by_its_replay(redis_server):
+    # the engine restarted while no router listened and published past batch 3: only the
+    # replay of batch 3 (stamped otherwise) tells it from the old stream
+    prefix = f"p{os.urandom(4).hex()}"
+    index, sub = _redis_router(redis_server.url, prefix)
+    for seq in range(4):
+        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
+    assert index.flush()
+    index.client.close()
+    new = {k: _vllm_batch(_stored([50 + k], None, 5000 + 100 * k), ts=100 + k) for k in range(7)}
+    index, sub = _redis_router(redis_server.url, prefix, replay="tcp://127.0.0.1:1")
+
+    def replay(rep, start, end):
+        return [(k, new[k]) for k in range(start, end)]
+
+    sub._replay = replay  # type: ignore[method-assign]  # the new engine's replay buffer
+    sub.ingest("pod", 6, new[6])
+    assert set(index.holdings("pod")) == {_first_digest(5000 + 100 * k) for k in range(7)}
+    assert sub.counters()["pod"].resets == 1
+    index.client.close()

@@ -30,9 +30,12 @@ Sequence rules, per replica:
   longer has them all, the replica is cleared (its entries may be stale) before applying. The
   first batch this subscriber sees of a replica is the exception: what the index already holds
   for it came from other routers sharing the index (or from before a router restart), so it is
-  kept; an index that keeps a shared engine map (Redis: ``SharedEngineMap``) maps the engine
-  hashes of those blocks, so their removals and continuations apply as if this subscriber had
-  seen them stored (counted as recalled);
+  kept; an index that keeps a shared engine map (Redis: ``SharedEngineMap``) names the last
+  batch applied to it, so only the batches after it are a gap (cleared when unfilled, as
+  above), tells a restarted engine (an applied number on a newer batch, or the replay of the
+  last applied batch stamped otherwise: cleared, its earlier batches a gap), and maps the
+  engine hashes of blocks stored before, so their removals and continuations apply as if this
+  subscriber had seen them stored (counted as recalled);
 - a number at or below the last one: the publisher restarted; the replica is cleared and
   counted as a reset, then the new stream's batches before this one count as a gap (above);
 - ``AllBlocksCleared`` clears the replica.
@@ -63,7 +66,7 @@ from prefixcache.errors import (
     InvalidTokensError,
     WireFormatError,
 )
-from prefixcache.fleet.fleet_index import CPU, GPU, FleetIndex, SharedEngineMap
+from prefixcache.fleet.fleet_index import CPU, GPU, AppliedBatch, FleetIndex, SharedEngineMap
 from prefixcache.fleet.ingest import IngestCounts
 from prefixcache.fleet.kv_wire import (
     END_SEQ,
@@ -260,14 +263,15 @@ class KVEventSubscriber:
             log.warning("replica %s: malformed batch %d: %s", rep.ep.name, seq, exc)
             events = None  # lost, but its number counts: the next batch is no gap
         applied = 0
+        known: AppliedBatch | None = None
         if not rep.seen and self._engine_map is not None:
             # joining: the index holds what other routers (or this one before a restart)
             # applied, up to the batch it names; only the batches after it are missing
             known = self._engine_map.last_applied(rep.ep.name)
             rep.inherited = seq > 0
-            if known is not None and seq <= known.seq and ts is not None and ts > known.ts:
-                # a number already applied, on a newer batch: the engine restarted since, and
-                # its earlier blocks are gone; the new stream's first batches are a gap
+            if known is not None and self._new_stream(rep, known, seq, ts):
+                # the engine restarted since: its earlier blocks are gone, and the new
+                # stream's first batches are a gap
                 rep.counts.resets += 1
                 log.info(
                     "replica %s: a new stream since batch %d was applied; clearing",
@@ -275,6 +279,7 @@ class KVEventSubscriber:
                     known.seq,
                 )
                 self._clear(rep)
+                known = None
             elif known is not None:
                 rep.last_seq = min(known.seq, seq - 1)
         elif seq <= rep.last_seq:
@@ -285,7 +290,15 @@ class KVEventSubscriber:
         if seq > rep.last_seq + 1:
             rep.counts.gaps += 1
             missed = self._replay(rep, rep.last_seq + 1, seq)
-            if missed is None and not rep.seen:
+            if missed is None and known is not None and not self._applied_since(rep, seq):
+                log.warning(
+                    "replica %s: batches %d..%d lost by every router; clearing",
+                    rep.ep.name,
+                    rep.last_seq + 1,
+                    seq - 1,
+                )
+                self._clear(rep)
+            elif missed is None and not rep.seen:
                 log.info(
                     "replica %s: joined its stream at batch %d; batches %d..%d not replayed, "
                     "the index keeps what it holds",
@@ -391,6 +404,27 @@ class KVEventSubscriber:
             self._engine_map.remember(name, keys, digests, pos)
         rep.counts.blocks_stored += len(digests)
 
+    def _new_stream(self, rep: _Replica, known: AppliedBatch, seq: int, ts: float | None) -> bool:
+        """Whether batch ``seq`` (stamped ``ts``) is of another stream than the last batch the
+        shared index applied: a number already applied on a newer batch, or the replay of that
+        batch stamped otherwise."""
+        if seq <= known.seq:
+            return ts is not None and ts > known.ts
+        got = self._replay(rep, known.seq, known.seq + 1)
+        if not got:
+            return False  # no replay endpoint, or it no longer has that batch: cannot tell
+        try:
+            return self._decoder.decode(got[0][1]).ts != known.ts
+        except WireFormatError:
+            return False
+
+    def _applied_since(self, rep: _Replica, seq: int) -> bool:
+        """Whether another router applied the batches before ``seq`` meanwhile (its note of
+        them may have lagged the first read)."""
+        assert self._engine_map is not None
+        again = self._engine_map.last_applied(rep.ep.name)
+        return again is not None and again.seq >= seq - 1
+
     def _recall(self, rep: _Replica, hashes: Sequence[BlockHash]) -> None:
         """Blocks of ``hashes`` unknown here that the shared engine map remembers (stored before
         this subscriber joined the stream) become known, where the replica still holds them."""
@@ -402,7 +436,7 @@ class KVEventSubscriber:
         for key, block in found.items():
             if block.media and len(rep.blocks) < self.max_blocks_per_replica:
                 rep.blocks[unknown[key]] = [block.digest, block.position, block.media]
-        rep.counts.recalled += len(found)
+                rep.counts.recalled += 1
 
     def _stored_known(self, rep: _Replica, ev: StoredBlocks, medium: str) -> None:
         """A store without tokens: another medium for blocks the replica holds already."""

@@ -39,9 +39,11 @@ kept (up to ``max_missed_args`` arguments). The next call after ``retry_interval
 reconnects and resynchronises. If Redis kept its data (``P:epoch``, a random token set once,
 is unchanged), the missed writes are sent again: every script is idempotent, and what other
 routers wrote (blocks this instance never saw stored, engine maps) stays. If Redis lost its
-data (a restart without persistence: the epoch is gone; also noticed at any flush), or too many
-writes were missed, each replica of the local view is cleared in Redis and written back whole
-(engine maps are not). An instance that only reads has an empty local view and answers no
+data (a restart without persistence: the epoch is gone; also noticed at any flush or match),
+the local view is added back (each router adds its own, a union: one that joined a stream
+midway knows less; engine maps are not written back, the last applied batches are). If too
+many writes were missed while Redis kept its data, each replica of the local view is cleared
+in Redis and written back whole. An instance that only reads has an empty local view and answers no
 holdings while Redis is away.
 """
 
@@ -298,6 +300,7 @@ class RedisFleetIndex:
         self._recall_script = client.register_script(_RECALL)
         self._applied_script = client.register_script(_APPLIED)
         self._applied: dict[str, str] = {}  # replica -> "seq ts" of the last batch applied
+        self._applied_all: dict[str, str] = {}  # the same, written or not (for a write-back)
         self._queue: list[tuple[Any, list[Any]]] = []
         # writes Redis may lack since it failed (sent again when it is back with its data);
         # None: more than max_missed_args arguments, so the local view is written back instead
@@ -402,10 +405,22 @@ class RedisFleetIndex:
 
     def _match_replies(self, digests: Sequence[bytes]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.prefix + ":epoch")
         pipe.hgetall(self.prefix + ":replicas")
         if digests:
             pipe.mget([self.prefix.encode() + b":b:" + d for d in digests])
-        return list(pipe.execute())
+        epoch, *replies = pipe.execute()
+        if self._epoch is not None and epoch != self._epoch:  # lost its data while idle
+            self._lost_data()
+            if self._try_resync():
+                return self._match_replies(digests)
+            raise redis.RedisError("Redis lost its data and the local view is not back yet")
+        return replies
+
+    def _lost_data(self) -> None:
+        log.warning("Redis fleet index lost its data; writing the local view back")
+        self._errors += 1
+        self._in_sync, self._missed, self._last_try = False, None, 0.0
 
     def replicas(self) -> list[str]:
         """Every replica the index knows, sorted."""
@@ -502,7 +517,7 @@ class RedisFleetIndex:
         """The replica's event batches up to ``seq`` (stamped ``ts``) are applied (written at
         the next flush)."""
         with self._lock:
-            self._applied[replica] = f"{int(seq)} {float(ts)!r}"
+            self._applied[replica] = self._applied_all[replica] = f"{int(seq)} {float(ts)!r}"
 
     def last_applied(self, replica: str) -> AppliedBatch | None:
         """The last batch of the replica's stream a router applied (None: unknown, or Redis
@@ -560,9 +575,7 @@ class RedisFleetIndex:
                     return False
                 self._overflow += int(result or 0)
             if epoch != self._epoch:  # Redis lost its data since the last flush (a restart)
-                log.warning("Redis fleet index lost its data; writing the local view back")
-                self._errors += 1
-                self._in_sync, self._missed, self._last_try = False, None, 0.0
+                self._lost_data()
                 return self._try_resync()
             self._dropped.clear()
             return True
@@ -716,14 +729,21 @@ class RedisFleetIndex:
             self.client.ping()
             epoch = self.client.get(self.prefix + ":epoch")
             missed = self._missed
-            if missed is not None and self._epoch is not None and epoch == self._epoch:
+            # Redis kept its data (the epoch this instance saw, or any when it never saw one)
+            kept = epoch is not None and (self._epoch is None or epoch == self._epoch)
+            if epoch is not None and kept and missed is not None:
+                self._epoch = _raw(epoch)
                 return self._send_missed(missed)
+            # Redis lost its data, or too many writes were missed: the local view goes back.
+            # Added, not put in place, after a loss: another router's view (blocks this one
+            # never saw stored) may be there already
             pipe = self.client.pipeline(transaction=False)
             keys = [self.prefix + ":replicas"]
             for replica in sorted(self._dropped):  # dropped while Redis was away
                 self._clear_script(keys=keys, args=[self.prefix, replica, 1], client=pipe)
             for replica in self.local.replicas():
-                self._clear_script(keys=keys, args=[self.prefix, replica, 0], client=pipe)
+                if kept:  # behind on writes Redis had: what this view removed must go
+                    self._clear_script(keys=keys, args=[self.prefix, replica, 0], client=pipe)
                 by_medium: dict[str, list[bytes]] = {GPU: [], CPU: []}
                 for d, media in self.local.holdings(replica).items():
                     for m in media:
@@ -734,6 +754,11 @@ class RedisFleetIndex:
                         self._store_script(
                             keys=keys, args=self._store_args(replica, medium, chunk), client=pipe
                         )
+            if self._applied_all:
+                args: list[Any] = [self.prefix]
+                for replica, value in self._applied_all.items():
+                    args += (replica, value)
+                self._applied_script(keys=keys, args=args, client=pipe)
             pipe.execute()
             self._epoch = self._claim_epoch()
         except redis.RedisError as exc:
