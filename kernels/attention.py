@@ -30,7 +30,11 @@ from prefixcache.kernels.config import (
     check_num_splits,
     choose_config,
 )
-from prefixcache.kernels.kernel_errors import KernelInputError, UnsupportedConfigError
+from prefixcache.kernels.kernel_errors import (
+    KernelDTypeError,
+    KernelInputError,
+    UnsupportedConfigError,
+)
 from prefixcache.kernels.reference import reference_paged_attention
 from prefixcache.kernels.validation import (
     AttentionShapes,
@@ -203,7 +207,7 @@ def paged_attention(
             )
         )
     if config is not None and num_splits is not None:
-        raise ValueError("pass either num_splits or config (which has num_splits), not both")
+        raise KernelInputError("pass either num_splits or config (which has num_splits), not both")
     if config is not None:
         if not isinstance(config, AttentionConfig):
             raise KernelInputError(f"config must be an AttentionConfig, got {config!r}")
@@ -222,6 +226,14 @@ def paged_attention(
     scale = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     out = torch.empty_like(q) if out is None else out
     use = resolve_backend(backend, q.device)  # a backend that cannot run is refused, batch or not
+    if use == "triton" and q.device.type != "cuda" and q.dtype == torch.bfloat16:
+        # the Triton interpreter computes a bf16 tl.dot wrongly: never return its garbage
+        if backend != "auto":
+            raise KernelDTypeError(
+                "bf16 attention needs a GPU: the Triton interpreter computes bf16 dot products "
+                "wrongly on CPU tensors; use fp16/fp32 there, or backend='torch' (or 'auto')"
+            )
+        use = "torch"
     if shapes.total_q == 0:
         return out
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from prefixcache.kernels.kernel_errors import TritonUnavailableError
+from prefixcache.kernels.kernel_errors import KernelInputError, TritonUnavailableError
 
 Backend = Literal["auto", "triton", "torch"]
 
@@ -48,7 +48,7 @@ def resolve_backend(requested: Backend, device: torch.device) -> Literal["triton
     ``TRITON_INTERPRET`` is enabled and the torch reference otherwise.
     """
     if requested not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {requested!r}")
+        raise KernelInputError(f"backend must be 'auto', 'triton' or 'torch', got {requested!r}")
     if requested == "torch":
         return "torch"
     on_cuda = device.type == "cuda"

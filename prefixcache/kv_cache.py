@@ -170,7 +170,12 @@ class PagedKVCache:
         """
         if layer is not None:
             self._check_layer(layer)
-        copies = list(copies)
+        try:
+            copies = list(copies)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"copies must be an iterable of (src, dst, num_slots), got {copies!r}"
+            ) from None
         for copy in copies:
             try:
                 src, dst, n = (_as_id(x) for x in copy)

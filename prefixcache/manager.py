@@ -506,7 +506,8 @@ class CacheManager:
         The blocks it entered into the index since its K/V was last confirmed leave the index,
         and every live request that relies on them (a hit on them, a partial copy from them, a
         fork taken before they were written) is dropped too. Returns the ids dropped, this one
-        first; requeue them all.
+        first; requeue them all, and take their slots and copies out of the step's batch: their
+        blocks may be handed out again at once (preemption makes room in the same step).
         """
         seq = self._seq(request_id)
         doomed, tops = self._dependents(seq)
@@ -628,6 +629,12 @@ class CacheManager:
         """Block tables as an int32 torch tensor ``[batch, max_blocks]`` on ``device``."""
         import torch
 
+        if (
+            isinstance(pad, bool)
+            or not isinstance(pad, int | np.integer)
+            or not -(2**31) <= pad < 2**31
+        ):
+            raise InvalidArgumentError(f"pad must be an int32 block id or marker, got {pad!r}")
         tables = [self._seq(r).table for r in request_ids]
         lens = np.array([len(t) for t in tables], dtype=np.int64)
         width = int(lens.max()) if len(tables) else 0
@@ -676,6 +683,8 @@ class CacheManager:
         Events are emitted in the middle of an operation, so a listener that raises cannot stop
         it: the error is logged and counted in ``listener_errors``, and the operation completes
         (the cache stays consistent; that listener misses the event)."""
+        if not callable(listener):
+            raise InvalidArgumentError(f"a listener is called with each event, got {listener!r}")
         self._listeners = [*self._listeners, listener]  # a new list: events being sent keep theirs
 
     def remove_listener(self, listener: EventListener) -> None:

@@ -14,7 +14,9 @@ class Copy(NamedTuple):
     copy and before its attention (``PagedKVCache.apply_copies(copies, layer)``). The copied
     slots never overlap the slots the step writes, and ``src`` may be a block whose K/V is
     written in that same step (indexed by an earlier admission of the step). The source stays
-    protected from eviction until the request's next ``append`` or its ``release``.
+    protected from eviction until ``end_step()`` (``stepped=True``), else until the request's
+    next ``append`` or its ``release``. The copies of a request aborted before the forward pass
+    must not run: its ``dst`` may be handed out again at once.
     """
 
     src: int

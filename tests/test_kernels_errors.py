@@ -151,6 +151,25 @@ def test_attention_rejects(
         _attend(batch, **override(batch))
 
 
+def test_bf16_under_the_interpreter_is_refused_or_runs_on_torch() -> None:
+    # the interpreter's bf16 tl.dot returned garbage (max error 8e8) with no error
+    b = make_paged_batch(
+        [20, 5], [3, 1], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=1,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    with pytest.raises(KernelDTypeError, match="bf16 attention needs a GPU"):
+        _attend(b, backend="triton")
+    auto = _attend(b, backend="auto")
+    torch.testing.assert_close(auto, _attend(b, backend="torch"), rtol=0, atol=0)
+
+
+def test_bad_backend_and_split_arguments_are_typed(batch: PagedBatch) -> None:
+    with pytest.raises(KernelInputError, match="backend must be"):
+        _attend(batch, backend="cuda")
+    with pytest.raises(KernelInputError, match="not both"):
+        _attend(batch, config=AttentionConfig(8, 16, 16), num_splits=2)
+
+
 @pytest.mark.parametrize(("head_dim", "block_size"), [(96, 16), (64, 12), (64, 4)])
 def test_unsupported_head_dim_and_block_size(head_dim: int, block_size: int) -> None:
     cache = torch.zeros(4, block_size, 1, head_dim)

@@ -59,6 +59,8 @@ def test_bad_ids_and_layers_are_typed_errors_and_copy_nothing():
         with pytest.raises(InvalidArgumentError):
             kv.apply_copies(copies, layer)
         assert all(torch.equal(a, b) for a, b in zip(before, (*kv.k, *kv.v), strict=True))
+    with pytest.raises(InvalidArgumentError, match="copies must be an iterable"):
+        kv.apply_copies(5, 0)  # type: ignore[arg-type]
     for bad in (2, -1, True):
         with pytest.raises(InvalidArgumentError, match="layer"):
             kv.write(bad, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [0])

@@ -515,6 +515,8 @@ def _loaded():
         (lambda m: m.append("a", True), InvalidTokensError),
         (lambda m: m.append("a", toks(0, 40)), OutOfBlocksError),
         (lambda m: m.release("b"), UnknownRequestError),
+        (lambda m: m.block_tables(["a"], pad="x"), InvalidArgumentError),
+        (lambda m: m.add_listener(5), InvalidArgumentError),
         (lambda m: m.fork("a", "a"), DuplicateRequestError),
         (lambda m: m.fork("nope", "z"), UnknownRequestError),
         (lambda m: m.block_table("nope"), UnknownRequestError),
