@@ -682,3 +682,29 @@ def test_a_new_stream_past_the_applied_number_is_told_by_its_replay(redis_server
     assert set(index.holdings("pod")) == {_first_digest(5000 + 100 * k) for k in range(7)}
     assert sub.counters()["pod"].resets == 1
     index.client.close()
+
+
+def test_a_router_joining_while_redis_is_away_clears_what_it_cannot_map(redis_server):
+    # the lookup of blocks stored before it came failed, was read as "unknown", and the removal
+    # was dropped for good: the entry stayed in Redis once it was back
+    import redis
+
+    from prefixcache.fleet.redis_index import RedisFleetIndex
+
+    prefix = f"w{os.urandom(4).hex()}"
+    index, sub = _redis_router(redis_server.url, prefix)
+    sub.ingest("pod", 0, _vllm_batch(_stored([11, 12], None, 1)))
+    sub.ingest("pod", 1, _vllm_batch(_stored([21], None, 100)))
+    assert index.flush()
+    index.client.close()
+    index, sub = _redis_router(redis_server.url, prefix)
+    index.retry_interval = 3600.0
+    index._failed(redis.ConnectionError("away"))
+    sub.ingest("pod", 2, _vllm_batch(kv_wire.BlockRemoved([21], "GPU")))
+    index.retry_interval = 0.0
+    assert index.flush()  # back with its data: the missed writes go, the clear among them
+    fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    assert fresh.holdings("pod") == {}
+    assert sub.counters()["pod"].cleared == 1
+    for x in (fresh, index):
+        x.client.close()

@@ -84,8 +84,9 @@ class SharedEngineMap(Protocol):
     def forget(self, replica: str, engine_keys: Sequence[bytes]) -> None:
         """The replica holds these blocks nowhere any more."""
 
-    def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock]:
-        """The remembered ones of ``engine_keys`` (one round trip; {} when unreachable)."""
+    def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock] | None:
+        """The remembered ones of ``engine_keys`` (one round trip; None when the index cannot
+        say now, e.g. unreachable)."""
 
     def note_applied(self, replica: str, seq: int, ts: float) -> None:
         """The replica's event batches up to ``seq`` (stamped ``ts``) are applied (written

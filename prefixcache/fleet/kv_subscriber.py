@@ -309,7 +309,10 @@ class KVEventSubscriber:
                 )
             elif missed is None:
                 log.warning(
-                    "replica %s: batches %d..%d lost; clearing", rep.ep.name, rep.last_seq + 1, seq
+                    "replica %s: batches %d..%d lost; clearing",
+                    rep.ep.name,
+                    rep.last_seq + 1,
+                    seq - 1,
                 )
                 self._clear(rep)
             else:
@@ -433,6 +436,14 @@ class KVEventSubscriber:
         if not unknown:
             return
         found = self._engine_map.recall(rep.ep.name, list(unknown))
+        if found is None:  # the index cannot say (unreachable): its entries may go stale
+            log.warning(
+                "replica %s: blocks stored before this router joined cannot be looked up now; "
+                "clearing",
+                rep.ep.name,
+            )
+            self._clear(rep)
+            return
         for key, block in found.items():
             if block.media and len(rep.blocks) < self.max_blocks_per_replica:
                 rep.blocks[unknown[key]] = [block.digest, block.position, block.media]

@@ -491,21 +491,21 @@ class RedisFleetIndex:
             with self._lock:
                 self._enqueue(self._forget_script, [self.prefix, replica, *engine_keys])
 
-    def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock]:
+    def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock] | None:
         """The remembered ones of ``engine_keys``, with where the replica holds each now (one
-        round trip; {} while Redis is unreachable)."""
+        round trip; None while Redis is unreachable)."""
         if not engine_keys:
             return {}
         with self._lock:
             if not self.flush():
-                return {}
+                return None
             try:
                 reply = self._recall_script(
                     keys=[self.prefix + ":replicas"], args=[self.prefix, replica, *engine_keys]
                 )
             except redis.RedisError as exc:
                 self._failed(exc)
-                return {}
+                return None
         out: dict[bytes, EngineBlock] = {}
         for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
             value = _raw(value)
