@@ -708,3 +708,11 @@ def test_a_router_joining_while_redis_is_away_clears_what_it_cannot_map(redis_se
     assert sub.counters()["pod"].cleared == 1
     for x in (fresh, index):
         x.client.close()
+
+
+def test_engine_map_keys_stay_short() -> None:
+    from prefixcache.fleet.kv_subscriber import _engine_key
+
+    assert _engine_key(-5) == b"i-5" and _engine_key(b"ab") == b"bab"
+    long = _engine_key(b"x" * 1000)  # an engine hash of any length maps to a short key
+    assert long[:1] == b"h" and len(long) == 17 and long != _engine_key(b"x" * 999)

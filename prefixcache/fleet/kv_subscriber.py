@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
+import xxhash
 import zmq
 
 from prefixcache.errors import (
@@ -668,5 +669,9 @@ class KVEventSubscriber:
 
 
 def _engine_key(h: BlockHash) -> bytes:
-    """An engine block hash as a shared engine map's key: ``i<decimal>`` or ``b<bytes>``."""
-    return b"i%d" % h if isinstance(h, int) else b"b" + bytes(h)
+    """An engine block hash as a shared engine map's key: ``i<decimal>``, ``b<bytes>``, or for
+    bytes longer than 64 ``h`` and their 128-bit xxh3 digest (keys stay short)."""
+    if isinstance(h, int):
+        return b"i%d" % h
+    raw = bytes(h)
+    return b"b" + raw if len(raw) <= 64 else b"h" + xxhash.xxh3_128_digest(raw)

@@ -15,8 +15,9 @@ bytes, replica names their UTF-8 text):
 - ``P:e:<name>``   HASH   replica ``name``'s engine block hash -> the block's digest (16 bytes) and
   position (8 bytes, big-endian): what a router that joins the replica's stream midway needs to
   map removals and continuations of blocks stored before it came (``SharedEngineMap``). Engine
-  hashes are written ``i<decimal>`` for ints and ``b<bytes>`` for bytes. A resync after Redis
-  lost its data writes the block holdings back, not this map.
+  hashes are written ``i<decimal>`` for ints and ``b<bytes>`` for bytes (``h`` and a 128-bit
+  digest of those longer than 64). A write-back after Redis lost its data restores the block
+  holdings, not this map.
 - ``P:s:<name>``   STRING ``"<seq> <ts>"``: the last event batch of replica ``name`` a router
   applied (written at each flush): a router joining the stream replays the batches after it
 - ``P:epoch``      STRING a random token naming the data: gone or changed once Redis lost it
@@ -179,12 +180,21 @@ return tonumber(redis.call('GET', gk))
 """
 )
 
-# ARGV: prefix, replica, engine key, value, engine key, value... (a known replica only)
+# ARGV: prefix, replica, records (a known replica only). A record: the engine key's length (2
+# bytes, big-endian), the key, then its value: digest (16 bytes), position (8 bytes).
 _REMEMBER = """
-local p, name = ARGV[1], ARGV[2]
+local p, name, blob = ARGV[1], ARGV[2], ARGV[3]
 if not redis.call('HGET', p .. ':replicas', name) then return 0 end
-local e = p .. ':e:' .. name
-for i = 3, #ARGV, 512 do redis.call('HSET', e, unpack(ARGV, i, math.min(i + 511, #ARGV))) end
+local e, i, n, fields = p .. ':e:' .. name, 1, #blob, {}
+while i <= n do
+  local a, b = string.byte(blob, i, i + 1)
+  local j = i + 2 + a * 256 + b
+  fields[#fields + 1] = string.sub(blob, i + 2, j - 1)
+  fields[#fields + 1] = string.sub(blob, j, j + 23)
+  i = j + 24
+  if #fields >= 512 then redis.call('HSET', e, unpack(fields)) fields = {} end
+end
+if #fields > 0 then redis.call('HSET', e, unpack(fields)) end
 return 0
 """
 
@@ -479,11 +489,14 @@ class RedisFleetIndex:
             raise InvalidArgumentError(f"{len(engine_keys)} engine keys for {len(digests)} digests")
         if not digests:
             return
-        args: list[Any] = [self.prefix, replica]
-        for k, (key, digest) in enumerate(zip(engine_keys, digests, strict=True)):
-            args += (key, digest + (position + k).to_bytes(8, "big"))
+        if any(len(key) > 0xFFFF for key in engine_keys):
+            raise InvalidArgumentError("engine keys must be at most 65,535 bytes")
+        blob = b"".join(
+            len(key).to_bytes(2, "big") + key + digest + (position + k).to_bytes(8, "big")
+            for k, (key, digest) in enumerate(zip(engine_keys, digests, strict=True))
+        )  # one argument: packing a command costs per argument
         with self._lock:
-            self._enqueue(self._remember_script, args)
+            self._enqueue(self._remember_script, [self.prefix, replica, blob])
 
     def forget(self, replica: str, engine_keys: Sequence[bytes]) -> None:
         """The replica holds these blocks nowhere any more."""
