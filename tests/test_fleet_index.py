@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.errors import ConfigError, FleetCapacityError, InvalidArgumentError
-from prefixcache.fleet.fleet_index import CPU, GPU, EngineBlock, ReplicaMatch
+from prefixcache.fleet import kv_wire
+from prefixcache.fleet.fleet_index import CPU, GPU, AppliedBatch, EngineBlock, ReplicaMatch
 from prefixcache.fleet.memory_index import MemoryFleetIndex
 from prefixcache.fleet.open_index import open_index
 from prefixcache.fleet.redis_index import RedisFleetIndex
@@ -249,6 +250,51 @@ def test_a_router_that_never_reached_redis_keeps_what_redis_holds(redis_server):
     fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
     assert set(fresh.holdings("pod")) == set(chain)
     for x in (fresh, index):
+        x.close()
+
+
+def test_the_last_applied_batch_never_goes_back_and_leaves_with_its_replica(redis_server):
+    # a lagging router (or a write-back) wrote an older batch over a newer one; a dropped
+    # replica's batch came back at the next flush
+    prefix = f"a{os.urandom(4).hex()}"
+    ahead = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    behind = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    ahead.store("pod", [os.urandom(16)])
+    ahead.note_applied("pod", 9, 109.0)
+    assert ahead.flush()
+    behind.note_applied("pod", 7, 107.0)
+    behind.store("pod", [os.urandom(16)])
+    assert behind.flush()
+    assert behind.last_applied("pod") == AppliedBatch(9, 109.0)
+    behind.note_applied("pod", 2, 200.0)  # a new engine's stream: newer, though a lower number
+    behind.store("pod", [os.urandom(16)])
+    assert behind.flush() and ahead.last_applied("pod") == AppliedBatch(2, 200.0)
+    ahead.drop_replica("pod")
+    assert ahead.flush()
+    ahead.store("other", [os.urandom(16)])
+    assert ahead.flush() and ahead.client.get(f"{prefix}:s:pod") is None
+    for x in (ahead, behind):
+        x.close()
+
+
+def test_engine_maps_are_written_back_after_redis_lost_its_data(redis_server):
+    # only the holdings came back: a router restarted later could not map the removals of
+    # blocks stored before the loss, and they stayed in Redis for good
+    from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
+
+    prefix = f"m{os.urandom(4).hex()}"
+    index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix, retry_interval=0.0)
+    sub = KVEventSubscriber(index, [ReplicaEndpoint("pod", block_size=4)])
+    stored = kv_wire.BlockStored([11, 12], None, list(range(8)), 4, None, "GPU", None)
+    sub.ingest("pod", 0, kv_wire.encode_batch(kv_wire.KVEventBatch(1.0, [stored])))
+    assert index.flush()
+    _empty(index)
+    index.match([bytes(16)])  # a read notices the loss and writes the local view back
+    assert index.stats().resyncs == 1
+    restarted = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    block = restarted.recall("pod", [b"i12"])
+    assert block is not None and block[b"i12"].position == 1 and block[b"i12"].media == 1
+    for x in (restarted, index):
         x.close()
 
 

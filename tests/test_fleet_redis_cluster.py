@@ -178,3 +178,19 @@ def test_a_plain_redis_behind_a_cluster_url_is_refused(tmp_path) -> None:
             open_index(f"redis+cluster://127.0.0.1:{server.port}")
     finally:
         server.kill()
+
+
+def test_engine_map_lookups_go_to_the_node_serving_the_slot(cluster: RedisClusterNodes) -> None:
+    # the lookup script ran on the client it was registered with (the URL's node), not the one
+    # serving the slot: it found nothing, and a joining router cleared the replica
+    from prefixcache.fleet.fleet_index import EngineBlock
+
+    key = "{five}:fleet:replicas"
+    index = _open(_url(_other_primary(cluster, key)), prefix="{five}:fleet")
+    digest = os.urandom(16)
+    index.store("r", [digest])
+    index.remember("r", [b"i1"], [digest], 0)
+    assert index.flush()
+    assert index.recall("r", [b"i1"]) == {b"i1": EngineBlock(digest, 0, 1)}
+    assert index.stats().errors == 0
+    index.close()

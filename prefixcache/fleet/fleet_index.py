@@ -9,7 +9,7 @@ number per replica.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 GPU = "GPU"
@@ -94,3 +94,9 @@ class SharedEngineMap(Protocol):
 
     def last_applied(self, replica: str) -> AppliedBatch | None:
         """The last batch of the replica's stream some router applied (None: unknown)."""
+
+    def attach_engine_source(
+        self, source: Callable[[str], list[tuple[bytes, bytes, int]]] | None
+    ) -> None:
+        """``source(replica)``: the (engine key, digest, position) of each block the caller
+        knows the replica holds, to write the map back if the index loses it."""

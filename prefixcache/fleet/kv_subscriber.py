@@ -174,6 +174,8 @@ class KVEventSubscriber:
         self._replicas: dict[str, _Replica] = {}
         self._versions: dict[tuple[str, str], str] = {}  # (model, adapter) -> pinned version
         self._engine_map = index if isinstance(index, SharedEngineMap) else None
+        if self._engine_map is not None:
+            self._engine_map.attach_engine_source(self._engine_entries)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for ep in endpoints:
@@ -428,6 +430,15 @@ class KVEventSubscriber:
         assert self._engine_map is not None
         again = self._engine_map.last_applied(rep.ep.name)
         return again is not None and again.seq >= seq - 1
+
+    def _engine_entries(self, name: str) -> list[tuple[bytes, bytes, int]]:
+        """(engine key, digest, position) of each block ``name`` holds, as followed here: what
+        a shared index writes back after losing its engine map. Safe from another thread."""
+        rep = self._replicas.get(name)
+        if rep is None:
+            return []
+        blocks = rep.blocks.copy()  # one step under the GIL: the ingestion may be running
+        return [(_engine_key(h), entry[0], entry[1]) for h, entry in blocks.items()]
 
     def _recall(self, rep: _Replica, hashes: Sequence[BlockHash]) -> None:
         """Blocks of ``hashes`` unknown here that the shared engine map remembers (stored before

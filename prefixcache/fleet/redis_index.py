@@ -16,10 +16,11 @@ bytes, replica names their UTF-8 text):
   position (8 bytes, big-endian): what a router that joins the replica's stream midway needs to
   map removals and continuations of blocks stored before it came (``SharedEngineMap``). Engine
   hashes are written ``i<decimal>`` for ints and ``b<bytes>`` for bytes (``h`` and a 128-bit
-  digest of those longer than 64). A write-back after Redis lost its data restores the block
-  holdings, not this map.
+  digest of those longer than 64). A write-back after Redis lost its data restores it from the
+  subscriber's own map (``attach_engine_source``).
 - ``P:s:<name>``   STRING ``"<seq> <ts>"``: the last event batch of replica ``name`` a router
-  applied (written at each flush): a router joining the stream replays the batches after it
+  applied (written at each flush, only ever by a newer batch: by timestamp, then number): a
+  router joining the stream replays the batches after it
 - ``P:epoch``      STRING a random token naming the data: gone or changed once Redis lost it
 
 Writes run as Lua scripts (one call per stored or removed run of blocks, the whole run as
@@ -42,10 +43,12 @@ is unchanged), the missed writes are sent again: every script is idempotent, and
 routers wrote (blocks this instance never saw stored, engine maps) stays. If Redis lost its
 data (a restart without persistence: the epoch is gone; also noticed at any flush or match),
 the local view is added back (each router adds its own, a union: one that joined a stream
-midway knows less; engine maps are not written back, the last applied batches are). If too
-many writes were missed while Redis kept its data, each replica of the local view is cleared
-in Redis and written back whole. An instance that only reads has an empty local view and answers no
-holdings while Redis is away.
+midway knows less), with the engine maps its subscriber keeps and the last applied batches,
+in pipelines small enough to be answered within the socket timeout. If too many writes were
+missed while Redis kept its data, each replica of the local view is cleared in Redis and
+written back whole. Redis restored from an older snapshot keeps its epoch: that is not
+noticed. An instance that only reads has an empty local view and answers no holdings while
+Redis is away.
 """
 
 from __future__ import annotations
@@ -226,9 +229,23 @@ end
 return out
 """
 
-# ARGV: prefix, replica, seq, replica, seq...
+# ARGV: prefix, replica, "seq ts", replica, "seq ts"... Only a newer batch (by its timestamp,
+# then its number) replaces the one written: lagging routers and write-backs never go back.
 _APPLIED = """
-for i = 2, #ARGV, 2 do redis.call('SET', ARGV[1] .. ':s:' .. ARGV[i], ARGV[i + 1]) end
+for i = 2, #ARGV, 2 do
+  local k = ARGV[1] .. ':s:' .. ARGV[i]
+  local seq, ts = string.match(ARGV[i + 1], '^(%S+) (%S+)$')
+  local old = redis.call('GET', k)
+  local newer = true
+  if old then
+    local oseq, ots = string.match(old, '^(%S+) (%S+)$')
+    if ots then
+      local a, b = tonumber(ts), tonumber(ots)
+      newer = a > b or (a == b and tonumber(seq) >= tonumber(oseq))
+    end
+  end
+  if newer then redis.call('SET', k, ARGV[i + 1]) end
+end
 return 0
 """
 
@@ -318,6 +335,7 @@ class RedisFleetIndex:
         self._missed_args = 0
         self.max_missed_args = max_missed_args
         self._epoch: bytes | None = None  # the data's identity in Redis, as this instance saw it
+        self._engine_source: Callable[[str], list[tuple[bytes, bytes, int]]] | None = None
         self._dropped: set[str] = set()  # replicas whose drop Redis may not have had yet
         self._lock = threading.RLock()
         self._in_sync = True
@@ -385,6 +403,8 @@ class RedisFleetIndex:
         """Forget ``replica`` entirely (removed from the fleet)."""
         with self._lock:
             self.local.drop_replica(replica)
+            self._applied.pop(replica, None)
+            self._applied_all.pop(replica, None)
             self._dropped.add(replica)  # until sent: a failed send is mended by the resync
             self._enqueue(self._clear_script, [self.prefix, replica, 1])
 
@@ -491,12 +511,19 @@ class RedisFleetIndex:
             return
         if any(len(key) > 0xFFFF for key in engine_keys):
             raise InvalidArgumentError("engine keys must be at most 65,535 bytes")
-        blob = b"".join(
-            len(key).to_bytes(2, "big") + key + digest + (position + k).to_bytes(8, "big")
+        entries = [
+            (key, digest, position + k)
             for k, (key, digest) in enumerate(zip(engine_keys, digests, strict=True))
-        )  # one argument: packing a command costs per argument
+        ]
         with self._lock:
-            self._enqueue(self._remember_script, [self.prefix, replica, blob])
+            self._enqueue(self._remember_script, self._remember_args(replica, entries))
+
+    def _remember_args(self, replica: str, entries: list[tuple[bytes, bytes, int]]) -> list[Any]:
+        blob = b"".join(
+            len(key).to_bytes(2, "big") + key + digest + pos.to_bytes(8, "big")
+            for key, digest, pos in entries
+        )  # one argument: packing a command costs per argument
+        return [self.prefix, replica, blob]
 
     def forget(self, replica: str, engine_keys: Sequence[bytes]) -> None:
         """The replica holds these blocks nowhere any more."""
@@ -510,14 +537,14 @@ class RedisFleetIndex:
         if not engine_keys:
             return {}
         with self._lock:
-            if not self.flush():
-                return None
-            try:
-                reply = self._recall_script(
-                    keys=[self.prefix + ":replicas"], args=[self.prefix, replica, *engine_keys]
+            reply = self._read(
+                lambda: self._recall_script(
+                    keys=[self.prefix + ":replicas"],
+                    args=[self.prefix, replica, *engine_keys],
+                    client=self.client,  # the node serving the slot now, not the first one
                 )
-            except redis.RedisError as exc:
-                self._failed(exc)
+            )
+            if reply is None:
                 return None
         out: dict[bytes, EngineBlock] = {}
         for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
@@ -536,19 +563,34 @@ class RedisFleetIndex:
         """The last batch of the replica's stream a router applied (None: unknown, or Redis
         unreachable)."""
         with self._lock:
-            if not self.flush():
-                return None
-            try:
-                value = self.client.get(f"{self.prefix}:s:{replica}")
-            except redis.RedisError as exc:
-                self._failed(exc)
-                return None
-        if value is None:
+            value = self._read(lambda: self.client.get(f"{self.prefix}:s:{replica}") or b"")
+        if not value:
             return None
         try:
             seq, ts = _text(value).split()
             return AppliedBatch(int(seq), float(ts))
         except ValueError:  # not written by this release
+            return None
+
+    def attach_engine_source(
+        self, source: Callable[[str], list[tuple[bytes, bytes, int]]] | None
+    ) -> None:
+        """``source(replica)``: the (engine key, digest, position) of each block the caller
+        knows ``replica`` holds; called to write engine maps back after Redis lost its data."""
+        with self._lock:
+            self._engine_source = source
+
+    def _read(self, call: Callable[[], Any]) -> Any:
+        """``call()`` after a flush, once more on a moved slot; None when Redis is away."""
+        if not self.flush():
+            return None
+        try:
+            return call()
+        except redis.RedisError as exc:
+            if self._moved(exc):
+                with suppress(redis.RedisError):
+                    return call()
+            self._failed(exc)
             return None
 
     # ---- beyond the contract --------------------------------------------------------------
@@ -750,13 +792,12 @@ class RedisFleetIndex:
             # Redis lost its data, or too many writes were missed: the local view goes back.
             # Added, not put in place, after a loss: another router's view (blocks this one
             # never saw stored) may be there already
-            pipe = self.client.pipeline(transaction=False)
-            keys = [self.prefix + ":replicas"]
+            calls: list[tuple[Any, list[Any]]] = []
             for replica in sorted(self._dropped):  # dropped while Redis was away
-                self._clear_script(keys=keys, args=[self.prefix, replica, 1], client=pipe)
+                calls.append((self._clear_script, [self.prefix, replica, 1]))
             for replica in self.local.replicas():
                 if kept:  # behind on writes Redis had: what this view removed must go
-                    self._clear_script(keys=keys, args=[self.prefix, replica, 0], client=pipe)
+                    calls.append((self._clear_script, [self.prefix, replica, 0]))
                 by_medium: dict[str, list[bytes]] = {GPU: [], CPU: []}
                 for d, media in self.local.holdings(replica).items():
                     for m in media:
@@ -764,15 +805,27 @@ class RedisFleetIndex:
                 for medium, digests in by_medium.items():
                     for i in range(0, len(digests), 1024):
                         chunk = digests[i : i + 1024]
-                        self._store_script(
-                            keys=keys, args=self._store_args(replica, medium, chunk), client=pipe
+                        calls.append((self._store_script, self._store_args(replica, medium, chunk)))
+                if self._engine_source is not None:  # and the engine map, as the caller knows it
+                    entries = self._engine_source(replica)
+                    for i in range(0, len(entries), 1024):
+                        calls.append(
+                            (
+                                self._remember_script,
+                                self._remember_args(replica, entries[i : i + 1024]),
+                            )
                         )
             if self._applied_all:
                 args: list[Any] = [self.prefix]
                 for replica, value in self._applied_all.items():
                     args += (replica, value)
-                self._applied_script(keys=keys, args=args, client=pipe)
-            pipe.execute()
+                calls.append((self._applied_script, args))
+            keys = [self.prefix + ":replicas"]
+            for i in range(0, len(calls), 16):  # pipelines Redis answers within the timeout
+                pipe = self.client.pipeline(transaction=False)
+                for script, script_args in calls[i : i + 16]:
+                    script(keys=keys, args=script_args, client=pipe)
+                pipe.execute()
             self._epoch = self._claim_epoch()
         except redis.RedisError as exc:
             self._errors += 1
