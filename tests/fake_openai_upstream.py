@@ -4,7 +4,8 @@
 
 ``POST /{name}/v1/completions`` and ``/{name}/v1/chat/completions`` answer as replica ``name``;
 with ``"stream": true`` they send ``max_tokens`` server-sent events (``delay`` seconds apart when
-the body has ``"delay"``) and ``data: [DONE]``; ``"wait"`` delays the answer itself.
+the body has ``"delay"``) and ``data: [DONE]``; ``"wait"`` delays the answer itself, and
+``"break_after": k`` cuts the connection after ``k`` events.
 ``GET /{name}/health`` answers as vLLM's does.
 """
 
@@ -35,8 +36,12 @@ async def _answer(name: str, kind: str, request: Request) -> Response:
         )  # fmt: skip
     delay = float(body.get("delay", 0.0))
 
+    broken = body.get("break_after")
+
     async def events() -> AsyncIterator[bytes]:
         for i in range(count):
+            if i == broken:  # the replica dies mid-answer: the connection is cut
+                raise RuntimeError("replica died")
             chunk = {"object": kind, "replica": name, "index": i}
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             if delay:

@@ -433,6 +433,19 @@ def test_proxy_streams_events_as_they_arrive(fleet: dict[str, Any]) -> None:
     wait_until(lambda: _in_flight(client) == 0, "the load to be released")
 
 
+def test_proxy_stream_cut_by_the_replica_ends_with_an_error_event(fleet: dict[str, Any]) -> None:
+    # it ended as a short answer, which a client could not tell from a complete one
+    client = fleet["client"]
+    body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 5, "break_after": 2}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert [json.loads(e).get("index") for e in events[:2]] == [0, 1]
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "UpstreamError" and "broke off" in error["message"]
+    wait_until(lambda: _in_flight(client) == 0, "the load to be released")
+
+
 def test_proxy_releases_on_client_disconnect(fleet: dict[str, Any]) -> None:
     client = fleet["client"]
     body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 400, "delay": 0.02}

@@ -19,6 +19,7 @@ router's rule (``ReplicaSpec.serves``).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import suppress
@@ -58,7 +59,9 @@ class _UpstreamStream(StreamingResponse):
     ) -> None:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
         headers.update(extra_headers)
-        super().__init__(_relay(upstream), status_code=upstream.status_code, headers=headers)
+        replica = extra_headers.get("x-prefixcache-replica", "the replica")
+        relay = _relay(upstream, replica)
+        super().__init__(relay, status_code=upstream.status_code, headers=headers)
         self._upstream = upstream
         self._on_close = on_close
 
@@ -72,12 +75,21 @@ class _UpstreamStream(StreamingResponse):
                 self._on_close()
 
 
-async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response, replica: str) -> AsyncIterator[bytes]:
+    """The replica's bytes as they come. If it breaks off mid-answer, a streamed answer ends
+    with an error event, as vLLM ends a stream that fails (clients raise on it; a cut-off
+    stream would read as a short answer); any other answer just ends there."""
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
-    except httpx.HTTPError:  # the replica broke off mid-answer: end the relayed answer there
-        return
+    except httpx.HTTPError as exc:
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            error = {
+                "message": f"replica {replica} broke off the answer: {type(exc).__name__}",
+                "type": "UpstreamError",
+                "code": 502,
+            }
+            yield b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
