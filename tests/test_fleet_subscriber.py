@@ -716,3 +716,24 @@ def test_engine_map_keys_stay_short() -> None:
     assert _engine_key(-5) == b"i-5" and _engine_key(b"ab") == b"bab"
     long = _engine_key(b"x" * 1000)  # an engine hash of any length maps to a short key
     assert long[:1] == b"h" and len(long) == 17 and long != _engine_key(b"x" * 999)
+
+
+def test_removals_of_blocks_skipped_by_rule_need_no_lookup(redis_server):
+    # a router that joined midway looked up every unknown removal in Redis, one round trip per
+    # event, including those of nameless-LoRA blocks it skipped itself
+    prefix = f"k{os.urandom(4).hex()}"
+    index, sub = _redis_router(redis_server.url, prefix)
+    sub.ingest("pod", 0, _vllm_batch(_stored([11], None, 1)))
+    assert index.flush()
+    index.client.close()
+    index, sub = _redis_router(redis_server.url, prefix)
+    lookups = []
+    recall = index.recall
+    index.recall = lambda replica, keys: lookups.append(keys) or recall(replica, keys)  # type: ignore[method-assign]
+    nameless = kv_wire.BlockStored([31, 32], None, list(range(8)), P, 7, "GPU", None)
+    sub.ingest("pod", 1, _vllm_batch(nameless))
+    sub.ingest("pod", 2, _vllm_batch(kv_wire.BlockRemoved([31, 32], "GPU")))
+    sub.ingest("pod", 3, _vllm_batch(kv_wire.BlockRemoved([11], "GPU")))
+    assert lookups == [[b"i11"]]  # only the block stored before it joined
+    assert index.holdings("pod") == {}
+    index.client.close()

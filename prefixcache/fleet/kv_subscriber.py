@@ -145,6 +145,7 @@ class _Replica:
     seen: bool = False  # a batch of this replica came in since it was followed
     # joined midway: the index may hold blocks stored before, known only to a shared engine map
     inherited: bool = False
+    skipped_hashes: set[BlockHash] = field(default_factory=set)  # while inherited
     counts: _Counts = field(default_factory=_Counts)
 
 
@@ -357,6 +358,8 @@ class KVEventSubscriber:
         problem = None
         if ev.group_idx not in (None, 0) or (ev.lora_id is not None and ev.lora_name is None):
             rep.counts.skipped += n  # by rule: another group's copy, or a LoRA of unknown name
+            if rep.inherited and ev.group_idx in (None, 0):  # its removals need no lookup
+                rep.skipped_hashes.update(ev.block_hashes)
             return
         if medium is None:
             problem = f"medium {ev.medium!r}"
@@ -444,7 +447,8 @@ class KVEventSubscriber:
         """Blocks of ``hashes`` unknown here that the shared engine map remembers (stored before
         this subscriber joined the stream) become known, where the replica still holds them."""
         assert self._engine_map is not None
-        unknown = {_engine_key(h): h for h in hashes if h not in rep.blocks}
+        skipped = rep.skipped_hashes
+        unknown = {_engine_key(h): h for h in hashes if h not in rep.blocks and h not in skipped}
         if not unknown:
             return
         found = self._engine_map.recall(rep.ep.name, list(unknown))
@@ -507,6 +511,8 @@ class KVEventSubscriber:
                 gone.append(h)
             digests.append(entry[0])
         self.index.remove(rep.ep.name, digests, medium)
+        if rep.skipped_hashes:
+            rep.skipped_hashes.difference_update(ev.block_hashes)
         if self._engine_map is not None and gone:
             self._engine_map.forget(rep.ep.name, [_engine_key(h) for h in gone])
         rep.counts.blocks_removed += len(digests)
@@ -514,6 +520,7 @@ class KVEventSubscriber:
     def _clear(self, rep: _Replica) -> None:
         rep.blocks.clear()
         rep.inherited = False  # the index holds nothing of it either
+        rep.skipped_hashes.clear()
         self.index.clear(rep.ep.name)
         rep.counts.cleared += 1
 
