@@ -684,29 +684,45 @@ def test_a_new_stream_past_the_applied_number_is_told_by_its_replay(redis_server
     index.client.close()
 
 
-def test_a_router_joining_while_redis_is_away_clears_what_it_cannot_map(redis_server):
-    # the lookup of blocks stored before it came failed, was read as "unknown", and the removal
-    # was dropped for good: the entry stayed in Redis once it was back
+def test_a_router_joining_while_redis_is_away_waits_to_map_the_old_blocks(redis_server):
+    # the lookup of blocks stored before it came failed: first the events were dropped (stale
+    # entries), then the replica was cleared, wiping what other routers had right in Redis
     import redis
 
     from prefixcache.fleet.redis_index import RedisFleetIndex
 
     prefix = f"w{os.urandom(4).hex()}"
-    index, sub = _redis_router(redis_server.url, prefix)
-    sub.ingest("pod", 0, _vllm_batch(_stored([11, 12], None, 1)))
-    sub.ingest("pod", 1, _vllm_batch(_stored([21], None, 100)))
-    assert index.flush()
-    index.client.close()
+    batches = [
+        _vllm_batch(_stored([11, 12], None, 1)),
+        _vllm_batch(_stored([21], None, 100)),
+        _vllm_batch(_stored([13], 12, 9)),
+        _vllm_batch(kv_wire.BlockRemoved([21], "GPU")),
+        _vllm_batch(_stored([41], None, 400)),
+    ]
+    other, other_sub = _redis_router(redis_server.url, prefix)  # follows the whole stream
+    for seq in range(2):
+        other_sub.ingest("pod", seq, batches[seq])
+    assert other.flush()
     index, sub = _redis_router(redis_server.url, prefix)
     index.retry_interval = 3600.0
     index._failed(redis.ConnectionError("away"))
-    sub.ingest("pod", 2, _vllm_batch(kv_wire.BlockRemoved([21], "GPU")))
-    index.retry_interval = 0.0
-    assert index.flush()  # back with its data: the missed writes go, the clear among them
+    sub.ingest("pod", 2, batches[2])  # a continuation of a block stored before it came
+    sub.ingest("pod", 3, batches[3])  # a removal of one
+    assert sub.counters()["pod"].blocks_stored == 0  # both wait, in order
+    index.retry_interval = 0.0  # Redis is back
+    sub.ingest("pod", 4, batches[4])
+    assert index.flush()
+    truth = MemoryFleetIndex()
+    every = KVEventSubscriber(
+        truth, [ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)]
+    )
+    for seq, payload in enumerate(batches):
+        every.ingest("pod", seq, payload)
     fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
-    assert fresh.holdings("pod") == {}
-    assert sub.counters()["pod"].cleared == 1
-    for x in (fresh, index):
+    assert set(fresh.holdings("pod")) == set(truth.holdings("pod"))
+    counters = sub.counters()["pod"]
+    assert counters.recalled == 2 and counters.cleared == 0 and counters.malformed == 0
+    for x in (fresh, index, other):
         x.client.close()
 
 

@@ -35,7 +35,10 @@ Sequence rules, per replica:
   above), tells a restarted engine (an applied number on a newer batch, or the replay of the
   last applied batch stamped otherwise: cleared, its earlier batches a gap), and maps the
   engine hashes of blocks stored before, so their removals and continuations apply as if this
-  subscriber had seen them stored (counted as recalled);
+  subscriber had seen them stored (counted as recalled). While the index cannot be asked (Redis
+  away), an event that needs such a lookup waits, and every later event of the replica with
+  it, in stream order, until the index answers (at most ``max_deferred_events``, then the
+  replica is cleared);
 - a number at or below the last one: the publisher restarted; the replica is cleared and
   counted as a reset, then the new stream's batches before this one count as a gap (above);
 - ``AllBlocksCleared`` clears the replica.
@@ -146,6 +149,8 @@ class _Replica:
     # joined midway: the index may hold blocks stored before, known only to a shared engine map
     inherited: bool = False
     skipped_hashes: set[BlockHash] = field(default_factory=set)  # while inherited
+    # events waiting, in stream order, for a lookup the shared index could not answer (away)
+    deferred: list[list[Any]] = field(default_factory=list)
     counts: _Counts = field(default_factory=_Counts)
 
 
@@ -162,6 +167,7 @@ class KVEventSubscriber:
         max_blocks_per_replica: int = 4_000_000,
         max_tokens_per_event: int = 1 << 20,
         replay_timeout: float = 2.0,
+        max_deferred_events: int = 100_000,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.index = index
@@ -169,6 +175,7 @@ class KVEventSubscriber:
         self.max_blocks_per_replica = max_blocks_per_replica
         self.max_tokens_per_event = max_tokens_per_event
         self.replay_timeout = replay_timeout
+        self.max_deferred_events = max_deferred_events
         self._ctx = context or zmq.Context.instance()
         self._decoder = BatchDecoder()
         self._lock = threading.RLock()
@@ -282,14 +289,14 @@ class KVEventSubscriber:
                     rep.ep.name,
                     known.seq,
                 )
-                self._clear(rep)
+                self._restart(rep)
                 known = None
             elif known is not None:
                 rep.last_seq = min(known.seq, seq - 1)
         elif seq <= rep.last_seq:
             rep.counts.resets += 1
             log.info("replica %s: sequence went back to %d; clearing", rep.ep.name, seq)
-            self._clear(rep)
+            self._restart(rep)
             rep.last_seq = -1  # batches 0 .. seq-1 of the new stream are a gap
         if seq > rep.last_seq + 1:
             rep.counts.gaps += 1
@@ -301,7 +308,7 @@ class KVEventSubscriber:
                     rep.last_seq + 1,
                     seq - 1,
                 )
-                self._clear(rep)
+                self._restart(rep)
             elif missed is None and not rep.seen:
                 log.info(
                     "replica %s: joined its stream at batch %d; batches %d..%d not replayed, "
@@ -318,7 +325,7 @@ class KVEventSubscriber:
                     rep.last_seq + 1,
                     seq - 1,
                 )
-                self._clear(rep)
+                self._restart(rep)
             else:
                 rep.counts.replays += 1
                 for s, p in missed:
@@ -335,22 +342,64 @@ class KVEventSubscriber:
         if events is not None:
             self._apply(rep, events)
             applied += 1
-        if self._engine_map is not None and ts is not None:
+        if self._engine_map is not None and ts is not None and not rep.deferred:
             self._engine_map.note_applied(rep.ep.name, seq, ts)
         return applied
 
     def _apply(self, rep: _Replica, events: Sequence[Any]) -> None:
         rep.counts.batches += 1
-        for event in events:
+        if rep.deferred:  # in stream order: after the events still waiting
+            rep.deferred.append(list(events))
+            self._drain(rep)
+        else:
+            k = self._apply_events(rep, events)
+            if k is not None:
+                log.warning(
+                    "replica %s: the shared index cannot be asked about blocks stored before "
+                    "this router joined; events wait until it answers",
+                    rep.ep.name,
+                )
+                rep.deferred.append(list(events[k:]))
+        waiting = sum(len(batch) for batch in rep.deferred)
+        if waiting > self.max_deferred_events:
+            log.warning("replica %s: %d events waited too long; clearing", rep.ep.name, waiting)
+            self._restart(rep)
+
+    def _apply_events(self, rep: _Replica, events: Sequence[Any]) -> int | None:
+        """Apply ``events`` in order; the index of the first that needs a lookup the shared
+        index cannot answer now (nothing of it applied), or None when all were applied."""
+        for k, event in enumerate(events):
             if isinstance(event, StoredBlocks):
-                self._stored(rep, event)
+                done = self._stored(rep, event)
             elif isinstance(event, RemovedBlocks):
-                self._removed(rep, event)
+                done = self._removed(rep, event)
             else:
                 self._clear(rep)
+                done = True
+            if not done:
+                return k
             rep.counts.events += 1
+        return None
 
-    def _stored(self, rep: _Replica, ev: StoredBlocks) -> None:
+    def _drain(self, rep: _Replica) -> None:
+        """Apply the waiting events, in order, as far as the shared index answers."""
+        while rep.deferred:
+            events = rep.deferred.pop(0)
+            k = self._apply_events(rep, events)
+            if k is not None:
+                rep.deferred.insert(0, events[k:])
+                return
+
+    def _drop_deferred(self, rep: _Replica) -> None:
+        rep.deferred = []
+
+    def _restart(self, rep: _Replica) -> None:
+        """Clear the replica for a stream that restarted or lost batches: the events still
+        waiting came before, and go too."""
+        self._drop_deferred(rep)
+        self._clear(rep)
+
+    def _stored(self, rep: _Replica, ev: StoredBlocks) -> bool:
         name = rep.ep.name
         n = len(ev.block_hashes)
         p = rep.ep.block_size
@@ -360,14 +409,13 @@ class KVEventSubscriber:
             rep.counts.skipped += n  # by rule: another group's copy, or a LoRA of unknown name
             if rep.inherited and ev.group_idx in (None, 0):  # its removals need no lookup
                 rep.skipped_hashes.update(ev.block_hashes)
-            return
+            return True
         if medium is None:
             problem = f"medium {ev.medium!r}"
         elif ev.block_size != p:
             problem = f"block_size {ev.block_size}, expected {p}"
         elif not ev.token_ids and n:
-            self._stored_known(rep, ev, medium)
-            return
+            return self._stored_known(rep, ev, medium)
         elif len(ev.token_ids) > self.max_tokens_per_event:
             problem = f"{len(ev.token_ids)} tokens (max_tokens_per_event)"
         elif len(ev.token_ids) != n * p:
@@ -382,7 +430,8 @@ class KVEventSubscriber:
         elif problem is None:
             parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
             if parent is None and rep.inherited:
-                self._recall(rep, [ev.parent_block_hash])  # type: ignore[list-item]
+                if not self._recall(rep, [ev.parent_block_hash]):  # type: ignore[list-item]
+                    return False
                 parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
             if parent is None:
                 problem = "unknown parent block"
@@ -391,7 +440,7 @@ class KVEventSubscriber:
         if problem is not None:
             rep.counts.malformed += 1
             log.warning("replica %s: stored event skipped: %s", name, problem)
-            return
+            return True
         assert medium is not None
         bit = _BIT[medium]
         blocks = rep.blocks
@@ -412,6 +461,7 @@ class KVEventSubscriber:
             keys = [_engine_key(h) for h in ev.block_hashes[: len(digests)]]
             self._engine_map.remember(name, keys, digests, pos)
         rep.counts.blocks_stored += len(digests)
+        return True
 
     def _new_stream(self, rep: _Replica, known: AppliedBatch, seq: int, ts: float | None) -> bool:
         """Whether batch ``seq`` (stamped ``ts``) is of another stream than the last batch the
@@ -443,33 +493,28 @@ class KVEventSubscriber:
         blocks = rep.blocks.copy()  # one step under the GIL: the ingestion may be running
         return [(_engine_key(h), entry[0], entry[1]) for h, entry in blocks.items()]
 
-    def _recall(self, rep: _Replica, hashes: Sequence[BlockHash]) -> None:
+    def _recall(self, rep: _Replica, hashes: Sequence[BlockHash]) -> bool:
         """Blocks of ``hashes`` unknown here that the shared engine map remembers (stored before
         this subscriber joined the stream) become known, where the replica still holds them."""
         assert self._engine_map is not None
         skipped = rep.skipped_hashes
         unknown = {_engine_key(h): h for h in hashes if h not in rep.blocks and h not in skipped}
         if not unknown:
-            return
+            return True
         found = self._engine_map.recall(rep.ep.name, list(unknown))
-        if found is None:  # the index cannot say (unreachable): its entries may go stale
-            log.warning(
-                "replica %s: blocks stored before this router joined cannot be looked up now; "
-                "clearing",
-                rep.ep.name,
-            )
-            self._clear(rep)
-            return
+        if found is None:  # the index cannot say now (away): the event waits (False)
+            return False
         for key, block in found.items():
             if block.media and len(rep.blocks) < self.max_blocks_per_replica:
                 rep.blocks[unknown[key]] = [block.digest, block.position, block.media]
                 rep.counts.recalled += 1
+        return True
 
-    def _stored_known(self, rep: _Replica, ev: StoredBlocks, medium: str) -> None:
+    def _stored_known(self, rep: _Replica, ev: StoredBlocks, medium: str) -> bool:
         """A store without tokens: another medium for blocks the replica holds already."""
         bit, blocks = _BIT[medium], rep.blocks
-        if rep.inherited:
-            self._recall(rep, ev.block_hashes)
+        if rep.inherited and not self._recall(rep, ev.block_hashes):
+            return False
         digests = []
         for h in ev.block_hashes:
             entry = blocks.get(h)
@@ -487,19 +532,20 @@ class KVEventSubscriber:
         if digests:
             self.index.store(rep.ep.name, digests, medium)
             rep.counts.blocks_stored += len(digests)
+        return True
 
-    def _removed(self, rep: _Replica, ev: RemovedBlocks) -> None:
+    def _removed(self, rep: _Replica, ev: RemovedBlocks) -> bool:
         if ev.group_idx not in (None, 0):  # another group's copy of the same hashes
-            return
+            return True
         medium = None if ev.medium is None else _MEDIA.get(ev.medium)
         if ev.medium is not None and medium is None:
             rep.counts.malformed += 1
             log.warning("replica %s: removed event skipped: medium %r", rep.ep.name, ev.medium)
-            return
+            return True
         bits = 3 if medium is None else _BIT[medium]
         blocks = rep.blocks
-        if rep.inherited:
-            self._recall(rep, ev.block_hashes)
+        if rep.inherited and not self._recall(rep, ev.block_hashes):
+            return False
         digests, gone = [], []
         for h in ev.block_hashes:
             entry = blocks.get(h)
@@ -516,6 +562,7 @@ class KVEventSubscriber:
         if self._engine_map is not None and gone:
             self._engine_map.forget(rep.ep.name, [_engine_key(h) for h in gone])
         rep.counts.blocks_removed += len(digests)
+        return True
 
     def _clear(self, rep: _Replica) -> None:
         rep.blocks.clear()
@@ -657,6 +704,10 @@ class KVEventSubscriber:
                         except zmq.Again:
                             break
                         self._on_message(name, frames)
+                with self._lock:  # events waiting for the shared index: try again
+                    for rep in self._replicas.values():
+                        if rep.deferred:
+                            self._drain(rep)
                 if ready and flush is not None:  # a remote index: send what the round wrote
                     try:
                         flush()
