@@ -479,10 +479,11 @@ class KVEventSubscriber:
 
     def _applied_since(self, rep: _Replica, seq: int) -> bool:
         """Whether another router applied the batches before ``seq`` meanwhile (its note of
-        them may have lagged the first read)."""
+        them may have lagged the first read); also when the index cannot say now (the note was
+        there a moment ago): a clear sent later would wipe what other routers hold."""
         assert self._engine_map is not None
         again = self._engine_map.last_applied(rep.ep.name)
-        return again is not None and again.seq >= seq - 1
+        return again is None or again.seq >= seq - 1
 
     def _engine_entries(self, name: str) -> list[tuple[bytes, bytes, int]]:
         """(engine key, digest, position) of each block ``name`` holds, as followed here: what
