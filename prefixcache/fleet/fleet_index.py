@@ -59,7 +59,7 @@ class EngineBlock(NamedTuple):
 
     digest: bytes  # prefixcache's digest of the block
     position: int  # the block's position in its chain
-    media: int  # where the replica holds it now: bit 1 GPU, bit 2 CPU (0: nowhere)
+    media: int  # where the replica holds it now, a mask: 1 GPU, 2 CPU, 3 both, 0 nowhere
 
 
 class AppliedBatch(NamedTuple):

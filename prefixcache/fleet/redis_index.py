@@ -13,20 +13,20 @@ bytes, replica names their UTF-8 text):
 - ``P:g:<name>``   STRING how many of them replica ``name`` holds on GPU (an integer; an index
   written before this key existed gets it counted from the set at the first call that needs it)
 - ``P:e:<name>``   HASH   replica ``name``'s engine block hash -> the block's digest (16 bytes) and
-  position (8 bytes, big-endian): what a router that joins the replica's stream midway needs to
+  position (8 bytes, big-endian), emptied by ``clear``: what a router that joins the stream needs to
   map removals and continuations of blocks stored before it came (``SharedEngineMap``). Engine
   hashes are written ``i<decimal>`` for ints and ``b<bytes>`` for bytes (``h`` and a 128-bit
   digest of those longer than 64). A write-back after Redis lost its data restores it from the
   subscriber's own map (``attach_engine_source``).
 - ``P:s:<name>``   STRING ``"<seq> <ts>"``: the last event batch of replica ``name`` a router
-  applied (written at each flush, only ever by a newer batch: by timestamp, then number): a
-  router joining the stream replays the batches after it
+  applied (written at each flush, only ever by a newer batch: by timestamp, then number;
+  deleted by ``drop_replica``): a router joining the stream replays the batches after it
 - ``P:epoch``      STRING a random token naming the data: gone or changed once Redis lost it
 
 Writes run as Lua scripts (one call per stored or removed run of blocks, the whole run as
 arguments), queued and sent in pipelines of ``pipeline_size`` calls; ``flush()`` sends what is
-queued, and every read flushes first. ``match`` is one round trip: ``MGET`` of the prompt's block
-keys plus ``HGETALL`` of the replica table.
+queued, and every read flushes first. ``match`` is one round trip: ``GET`` of ``P:epoch``, ``MGET`` of the
+prompt's block keys and ``HGETALL`` of the replica table.
 
 Redis Cluster (``redis+cluster://host:port``): the prefix must carry a hash tag (default
 ``{prefixcache:fleet}``) so that every key falls in one hash slot; the index talks to the node
@@ -275,8 +275,8 @@ return 0
 class RedisIndexStats(NamedTuple):
     """What the Redis index has been through."""
 
-    errors: int  # Redis calls that failed
-    resyncs: int  # times the local view was written back after a failure
+    errors: int  # Redis calls that failed, and data losses noticed
+    resyncs: int  # times brought back in sync (missed writes sent again, or the view written back)
     in_sync: bool  # False while Redis has missed writes
     overflow: int  # blocks refused at the per-replica cap (as Redis counted them)
 

@@ -91,7 +91,8 @@ class _FleetCollector(Collector):
             )
             yield CounterMetricFamily(
                 "prefixcache_index_resyncs",
-                "Times the local view was written back to the shared index after an outage",
+                "Times the shared index was brought back in sync after an outage (missed writes "
+                "sent again, or the local view written back)",
                 value=health.resyncs,
             )
             yield GaugeMetricFamily(
