@@ -25,8 +25,8 @@ bytes, replica names their UTF-8 text):
 
 Writes run as Lua scripts (one call per stored or removed run of blocks, the whole run as
 arguments), queued and sent in pipelines of ``pipeline_size`` calls; ``flush()`` sends what is
-queued, and every read flushes first. ``match`` is one round trip: ``GET`` of ``P:epoch``, ``MGET`` of the
-prompt's block keys and ``HGETALL`` of the replica table.
+queued, and every read flushes first. ``match`` is one round trip: ``GET`` of ``P:epoch``,
+``MGET`` of the prompt's block keys and ``HGETALL`` of the replica table.
 
 Redis Cluster (``redis+cluster://host:port``): the prefix must carry a hash tag (default
 ``{prefixcache:fleet}``) so that every key falls in one hash slot; the index talks to the node
