@@ -413,24 +413,14 @@ class RedisFleetIndex:
         (from the local view while Redis is unreachable)."""
         check_digests(digests)
         with self._lock:
-            if self.flush():
-                try:
-                    replies = self._match_replies(digests)
-                except redis.RedisError as exc:
-                    replies = None
-                    if self._moved(exc):  # the slot moved: ask the node serving it now
-                        with suppress(redis.RedisError):
-                            replies = self._match_replies(digests)
-                    if replies is None:
-                        self._failed(exc)
-                if replies is not None:
-                    slots = {k.decode(): int(v) for k, v in replies[0].items()}
-                    values = replies[1] if digests else []
-                    masks = (
-                        int.from_bytes(v.translate(_REVERSE_BITS), "little") if v else 0
-                        for v in values
-                    )
-                    return match_masks(masks, len(digests), slots)
+            replies = self._read(lambda: self._match_replies(digests))
+            if replies is not None:
+                slots = {k.decode(): int(v) for k, v in replies[0].items()}
+                values = replies[1] if digests else []
+                masks = (
+                    int.from_bytes(v.translate(_REVERSE_BITS), "little") if v else 0 for v in values
+                )
+                return match_masks(masks, len(digests), slots)
             return self.local.match(digests)
 
     def _match_replies(self, digests: Sequence[bytes]) -> list[Any]:
@@ -455,25 +445,15 @@ class RedisFleetIndex:
     def replicas(self) -> list[str]:
         """Every replica the index knows, sorted."""
         with self._lock:
-            if self.flush():
-                try:
-                    names = self.client.hkeys(self.prefix + ":replicas")
-                except redis.RedisError as exc:
-                    self._failed(exc)
-                else:
-                    return sorted(_text(n) for n in names)
-            return self.local.replicas()
+            names = self._read(lambda: self.client.hkeys(self.prefix + ":replicas"))
+            return self.local.replicas() if names is None else sorted(_text(n) for n in names)
 
     def num_blocks(self, replica: str) -> int:
         """Blocks (on any medium) the index holds for ``replica``."""
         check_replica(replica)
         with self._lock:
-            if self.flush():
-                try:
-                    return int(self.client.scard(f"{self.prefix}:r:{replica}"))
-                except redis.RedisError as exc:
-                    self._failed(exc)
-            return self.local.num_blocks(replica)
+            n = self._read(lambda: self.client.scard(f"{self.prefix}:r:{replica}"))
+            return self.local.num_blocks(replica) if n is None else int(n)
 
     def num_blocks_many(self, replicas: Sequence[str], medium: str | None = None) -> dict[str, int]:
         """Blocks held by each of ``replicas`` on ``medium`` (GPU or any medium: None), in one
@@ -484,21 +464,22 @@ class RedisFleetIndex:
             raise InvalidArgumentError(f"medium must be {GPU!r} or None, got {medium!r}")
         if not replicas:
             return {}
+
+        def counts() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            keys = [self.prefix + ":replicas"]
+            for r in replicas:
+                if medium is None:
+                    pipe.scard(f"{self.prefix}:r:{r}")
+                else:  # counted once from the set for an index without the counter
+                    self._gpu_count_script(keys=keys, args=[self.prefix, r], client=pipe)
+            return list(pipe.execute())
+
         with self._lock:
-            if self.flush():
-                try:
-                    pipe = self.client.pipeline(transaction=False)
-                    keys = [self.prefix + ":replicas"]
-                    for r in replicas:
-                        if medium is None:
-                            pipe.scard(f"{self.prefix}:r:{r}")
-                        else:  # counted once from the set for an index without the counter
-                            self._gpu_count_script(keys=keys, args=[self.prefix, r], client=pipe)
-                    counts = pipe.execute()
-                    return {r: max(0, int(n or 0)) for r, n in zip(replicas, counts, strict=True)}
-                except redis.RedisError as exc:
-                    self._failed(exc)
-            return self.local.num_blocks_many(replicas, medium)
+            got = self._read(counts)
+            if got is None:
+                return self.local.num_blocks_many(replicas, medium)
+            return {r: max(0, int(n or 0)) for r, n in zip(replicas, got, strict=True)}
 
     # ---- SharedEngineMap -------------------------------------------------------------------
     def remember(
@@ -581,7 +562,8 @@ class RedisFleetIndex:
             self._engine_source = source
 
     def _read(self, call: Callable[[], Any]) -> Any:
-        """``call()`` after a flush, once more on a moved slot; None when Redis is away."""
+        """``call()`` after a flush, once more on a moved slot (Redis Cluster); None when Redis
+        is away (the failure counted): the caller answers from the local view."""
         if not self.flush():
             return None
         try:
@@ -601,11 +583,8 @@ class RedisFleetIndex:
             if not self._in_sync:
                 return self._try_resync()
             if self._applied:  # one write per replica per flush, whatever the batches
-                args: list[Any] = [self.prefix]
-                for replica, seq in self._applied.items():
-                    args += (replica, seq)
+                self._queue.append(self._applied_call(self._applied))
                 self._applied.clear()
-                self._queue.append((self._applied_script, args))
             if not self._queue:
                 return True
             queue, self._queue = self._queue, []
@@ -647,6 +626,13 @@ class RedisFleetIndex:
         if isinstance(epoch, Exception):  # as any other call's error (a moved slot, say)
             return None, [epoch, *results]
         return epoch, results
+
+    def _applied_call(self, applied: dict[str, str]) -> tuple[Any, list[Any]]:
+        """The queued call that writes these last applied batches."""
+        args: list[Any] = [self.prefix]
+        for replica, value in applied.items():
+            args += (replica, value)
+        return self._applied_script, args
 
     def _claim_epoch(self) -> bytes:
         """The epoch of the data in Redis, set now if it has none (a fresh or emptied Redis)."""
@@ -761,17 +747,8 @@ class RedisFleetIndex:
                 if epoch != self._epoch:
                     raise redis.RedisError("the data changed while the missed writes were sent")
         except redis.RedisError as exc:
-            self._errors += 1
-            log.debug("Redis fleet index still unreachable: %s", exc)
-            return False
-        self._in_sync = True
-        self._dropped.clear()
-        self._missed, self._missed_args = [], 0
-        self._resyncs += 1
-        log.warning(
-            "Redis fleet index back with its data; sent the %d writes it missed", len(missed)
-        )
-        return True
+            return self._still_away(exc)
+        return self._back(f"back with its data; sent the {len(missed)} writes it missed")
 
     def _try_resync(self) -> bool:
         now = time.monotonic()
@@ -784,10 +761,10 @@ class RedisFleetIndex:
             self.client.ping()
             epoch = self.client.get(self.prefix + ":epoch")
             missed = self._missed
-            # Redis kept its data (the epoch this instance saw, or any when it never saw one)
-            kept = epoch is not None and (self._epoch is None or epoch == self._epoch)
-            if epoch is not None and kept and missed is not None:
-                self._epoch = _raw(epoch)
+            # Redis kept its data: the epoch this instance saw, or any when it never saw one
+            kept = None if epoch is None or self._epoch not in (None, _raw(epoch)) else _raw(epoch)
+            if kept is not None and missed is not None:
+                self._epoch = kept
                 return self._send_missed(missed)
             # Redis lost its data, or too many writes were missed: the local view goes back.
             # Added, not put in place, after a loss: another router's view (blocks this one
@@ -796,7 +773,7 @@ class RedisFleetIndex:
             for replica in sorted(self._dropped):  # dropped while Redis was away
                 calls.append((self._clear_script, [self.prefix, replica, 1]))
             for replica in self.local.replicas():
-                if kept:  # behind on writes Redis had: what this view removed must go
+                if kept is not None:  # behind on writes Redis had: what it removed must go
                     calls.append((self._clear_script, [self.prefix, replica, 0]))
                 by_medium: dict[str, list[bytes]] = {GPU: [], CPU: []}
                 for d, media in self.local.holdings(replica).items():
@@ -816,10 +793,7 @@ class RedisFleetIndex:
                             )
                         )
             if self._applied_all:
-                args: list[Any] = [self.prefix]
-                for replica, value in self._applied_all.items():
-                    args += (replica, value)
-                calls.append((self._applied_script, args))
+                calls.append(self._applied_call(self._applied_all))
             keys = [self.prefix + ":replicas"]
             for i in range(0, len(calls), 16):  # pipelines Redis answers within the timeout
                 pipe = self.client.pipeline(transaction=False)
@@ -828,17 +802,21 @@ class RedisFleetIndex:
                 pipe.execute()
             self._epoch = self._claim_epoch()
         except redis.RedisError as exc:
-            self._errors += 1
-            log.debug("Redis fleet index still unreachable: %s", exc)
-            return False
+            return self._still_away(exc)
+        return self._back(f"back; wrote the local view of {len(self.local.replicas())} replicas")
+
+    def _still_away(self, exc: BaseException) -> bool:
+        self._errors += 1
+        log.debug("Redis fleet index still unreachable: %s", exc)
+        return False
+
+    def _back(self, how: str) -> bool:
+        """In sync again: nothing is missed any more."""
         self._in_sync = True
         self._dropped.clear()
         self._missed, self._missed_args = [], 0
         self._resyncs += 1
-        log.warning(
-            "Redis fleet index back; wrote the local view of %d replicas back",
-            len(self.local.replicas()),
-        )
+        log.warning("Redis fleet index %s", how)
         return True
 
 
