@@ -81,6 +81,7 @@ from prefixcache.fleet.kv_wire import (
     decode_seq,
     encode_seq,
 )
+from prefixcache.fleet.router import pinned_adapter_versions
 from prefixcache.hashing import BlockHasher
 from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.tokens import as_token_array
@@ -218,14 +219,7 @@ class KVEventSubscriber:
             self.index.drop_replica(name)
 
     def _pin_versions(self) -> None:
-        """The version each adapter has in this fleet: the one a replica dedicated to it pins
-        (the first such replica), as the router's clients name it."""
-        versions: dict[tuple[str, str], str] = {}
-        for rep in self._replicas.values():
-            ns = rep.ep.namespace
-            if ns.adapter is not None and ns.adapter_version is not None:
-                versions.setdefault((ns.model, ns.adapter), ns.adapter_version)
-        self._versions = versions
+        self._versions = pinned_adapter_versions(r.ep.namespace for r in self._replicas.values())
 
     def counters(self) -> dict[str, ReplicaCounters]:
         """Per-replica counters, a snapshot (taken without waiting for the ingestion)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ from prefixcache.errors import (
     UnknownNamespaceError,
     UnknownReplicaError,
 )
-from prefixcache.fleet.router import ANY_ADAPTER, ReplicaSpec, served_label
+from prefixcache.fleet.router import ANY_ADAPTER, pinned_adapter_versions, served_label
 from prefixcache.fleet.service_bodies import decode_body
 from prefixcache.namespace import Namespace
 from prefixcache.tokens import TokenIds
@@ -106,12 +106,12 @@ def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
             if spec.serves(ns):
                 return ns
     if not any(spec.namespace.model == model for spec in specs):  # a LoRA adapter
+        versions = pinned_adapter_versions(spec.namespace for spec in specs)
         for spec in specs:
             own = spec.namespace
             if own.adapter == model or model in spec.adapters or ANY_ADAPTER in spec.adapters:
-                # the version a replica dedicated to the adapter pins (the fleet's ingest
-                # files every replica's blocks of it under that one)
-                version = _pinned_version(specs, own.model, model)
+                # the fleet's version of the adapter (the ingest files blocks under it)
+                version = versions.get((own.model, model))
                 ns = Namespace(own.model, model, version, salt, own.extra)
                 if spec.serves(ns):
                     return ns
@@ -120,20 +120,6 @@ def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
         f"no replica serves model {model!r}"
         + ("" if salt is None else f" with cache_salt {salt!r}")
         + f"; served: {served}"
-    )
-
-
-def _pinned_version(specs: Sequence[ReplicaSpec], model: str, adapter: str) -> str | None:
-    """The version of ``adapter`` of ``model`` in the fleet: the first dedicated replica's."""
-    return next(
-        (
-            s.namespace.adapter_version
-            for s in specs
-            if s.namespace.model == model
-            and s.namespace.adapter == adapter
-            and s.namespace.adapter_version is not None
-        ),
-        None,
     )
 
 

@@ -537,6 +537,17 @@ class Router:
         return Released(request_id, entry.replica, entry.tokens)
 
 
+def pinned_adapter_versions(namespaces: Iterable[Namespace]) -> dict[tuple[str, str], str]:
+    """(model, adapter) -> the version a replica dedicated to that adapter pins (the first
+    such namespace): the version the adapter has across the fleet, for the router's clients
+    and for the ingest of replicas that serve it without pinning one."""
+    versions: dict[tuple[str, str], str] = {}
+    for ns in namespaces:
+        if ns.adapter is not None and ns.adapter_version is not None:
+            versions.setdefault((ns.model, ns.adapter), ns.adapter_version)
+    return versions
+
+
 def served_label(spec: ReplicaSpec) -> str:
     """What a replica serves, for error messages."""
     label = spec.namespace.label()
