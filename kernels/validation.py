@@ -249,8 +249,10 @@ def check_store_args(
 
 def check_fp8_scales(k_scale: object, v_scale: object) -> tuple[float, float]:
     """Both per-tensor fp8 scales as floats; KernelInputError unless each is a finite number
-    > 0 (a Python number or a one-element tensor, read on the host)."""
+    > 0 (a Python number or a one-element tensor, read on the host; not a bool or a string)."""
     try:
+        if isinstance(k_scale, bool | str) or isinstance(v_scale, bool | str):
+            raise TypeError(k_scale, v_scale)
         k, v = float(k_scale), float(v_scale)  # type: ignore[arg-type]
     except (TypeError, ValueError, RuntimeError):
         raise KernelInputError(

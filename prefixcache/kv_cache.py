@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from prefixcache.errors import ConfigError, InvalidArgumentError
+from prefixcache.kernels.kernel_errors import KernelInputError
+from prefixcache.kernels.validation import check_fp8_scales
 
 
 class PagedKVCache:
@@ -62,7 +64,10 @@ class PagedKVCache:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim = sizes
         if kv_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_dtype must be 'auto' or 'fp8', got {kv_dtype!r}")
-        k_scale, v_scale = _scale("k_scale", k_scale), _scale("v_scale", v_scale)
+        try:  # as the kernels check them, raised as a configuration error
+            k_scale, v_scale = check_fp8_scales(k_scale, v_scale)
+        except KernelInputError as exc:
+            raise ConfigError(str(exc)) from None
         if not isinstance(host_blocks, int) or isinstance(host_blocks, bool) or host_blocks < 0:
             raise ConfigError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -308,19 +313,6 @@ class PagedKVCache:
             raise InvalidArgumentError(
                 f"layer must be an int in [0, {self.num_layers}), got {layer!r}"
             )
-
-
-def _scale(name: str, value: Any) -> float:
-    """A per-tensor fp8 scale: a finite number > 0 (ConfigError otherwise)."""
-    try:
-        if isinstance(value, bool | str):
-            raise TypeError(value)
-        scale = float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    if not 0 < scale < float("inf"):
-        raise ConfigError(f"{name} must be finite and > 0, got {value!r}")
-    return scale
 
 
 def _as_id(value: Any) -> int:
