@@ -234,15 +234,15 @@ class KVEventSubscriber:
         snapshot taken without waiting for the ingestion."""
         return {
             name: IngestCounts(
-                events=c.batches,
-                blocks_stored=c.blocks_stored,
-                blocks_removed=c.blocks_removed,
-                sequence_gaps=c.gaps,
-                errors=c.malformed,
-                blocks_skipped=c.skipped,
-                blocks_recalled=c.recalled,
+                events=rep.counts.batches,
+                blocks_stored=rep.counts.blocks_stored,
+                blocks_removed=rep.counts.blocks_removed,
+                sequence_gaps=rep.counts.gaps,
+                errors=rep.counts.malformed,
+                blocks_skipped=rep.counts.skipped,
+                blocks_recalled=rep.counts.recalled,
             )
-            for name, c in ((name, rep.counts) for name, rep in sorted(self._replicas.items()))
+            for name, rep in sorted(self._replicas.items())  # a copy made in one step
         }
 
     # ---- ingestion ------------------------------------------------------------------------
@@ -354,7 +354,7 @@ class KVEventSubscriber:
                     rep.ep.name,
                 )
                 rep.deferred.append(list(events[k:]))
-        waiting = sum(len(batch) for batch in rep.deferred)
+        waiting = sum(len(batch) for batch in rep.deferred) if rep.deferred else 0
         if waiting > self.max_deferred_events:
             log.warning("replica %s: %d events waited too long; clearing", rep.ep.name, waiting)
             self._restart(rep)
@@ -384,13 +384,10 @@ class KVEventSubscriber:
                 rep.deferred.insert(0, events[k:])
                 return
 
-    def _drop_deferred(self, rep: _Replica) -> None:
-        rep.deferred = []
-
     def _restart(self, rep: _Replica) -> None:
         """Clear the replica for a stream that restarted or lost batches: the events still
         waiting came before, and go too."""
-        self._drop_deferred(rep)
+        rep.deferred = []
         self._clear(rep)
 
     def _stored(self, rep: _Replica, ev: StoredBlocks) -> bool:

@@ -32,6 +32,7 @@ class ScaledArrivals:
                 raise ConfigError(
                     f"request {k + 1} would arrive at {arrival:g} s"
                     + ("" if f == 1.0 else f" (scaled by {f:g})")
-                    + f", past {MAX_TIME_S:g} s: raise the rate or lower --time-scale"
+                    + f", past {MAX_TIME_S:g} s: raise the arrival rate (or --rate-scale), "
+                    "or lower --time-scale"
                 )
             yield r if f == 1.0 else r._replace(arrival_s=arrival)

@@ -102,17 +102,17 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
     )
 
 
+_NO_TEXT = {  # trace formats with no text to tokenize
+    "mooncake": "a Mooncake trace (hash ids, no text)",
+    "tokens": "a token-id trace (already tokenized)",
+}
+
+
 def _refuse_options_of_other_formats(config: ReplayConfig, path: Path, fmt: str) -> None:
     """ConfigError for an option the trace's format has no use for (it would be ignored)."""
-    if fmt == "mooncake" and (config.tokenizer or config.chat_template):
+    if fmt in _NO_TEXT and (config.tokenizer or config.chat_template):
         raise ConfigError(
-            f"{path.name} is a Mooncake trace (hash ids, no text): --tokenizer and "
-            "--chat-template do not apply"
-        )
-    if fmt == "tokens" and (config.tokenizer or config.chat_template):
-        raise ConfigError(
-            f"{path.name} is a token-id trace (already tokenized): --tokenizer and "
-            "--chat-template do not apply"
+            f"{path.name} is {_NO_TEXT[fmt]}: --tokenizer and --chat-template do not apply"
         )
     if fmt == "text" and config.chat_template:
         raise ConfigError(
