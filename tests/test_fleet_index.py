@@ -156,6 +156,11 @@ def test_a_replica_dropped_while_redis_is_away_is_dropped_there_by_the_resync(re
     index.client.close()
 
 
+def _empty(index: RedisFleetIndex) -> None:
+    for key in index.client.scan_iter(f"{index.prefix}:*"):  # a restart without persistence
+        index.client.delete(key)
+
+
 def test_a_short_outage_sends_the_missed_writes_and_keeps_what_others_wrote(redis_server):
     # the resync cleared every replica this instance knew and wrote back only its own view:
     # blocks another router (or this one before a restart) indexed, and engine maps, were lost
@@ -186,19 +191,13 @@ def test_redis_losing_its_data_between_two_flushes_is_noticed(redis_server):
     index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
     index.store("pod", chain[:3])
     assert index.flush()
-    for key in index.client.scan_iter(f"{prefix}:*"):  # a restart without persistence
-        index.client.delete(key)
+    _empty(index)  # a restart without persistence
     index.store("pod", chain[3:])
     assert index.flush() and index.stats().resyncs == 1
     fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
     assert set(fresh.holdings("pod")) == set(chain)
     for x in (fresh, index):
         x.close()
-
-
-def _empty(index: RedisFleetIndex) -> None:
-    for key in index.client.scan_iter(f"{index.prefix}:*"):  # a restart without persistence
-        index.client.delete(key)
 
 
 def test_after_redis_lost_its_data_each_router_adds_its_view_back(redis_server):

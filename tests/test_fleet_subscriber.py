@@ -526,6 +526,23 @@ def _stored(hashes: list[int], parent: int | None, first_token: int) -> kv_wire.
     return kv_wire.BlockStored(hashes, parent, tokens, P, None, "GPU", None)
 
 
+def _one_block_batches(url: str, prefix: str, batches: int):
+    """A router on Redis that applied ``batches`` batches of one new block each (block ``k``:
+    engine hash 10 + k, tokens from 100 k, stamped k)."""
+    index, sub = _redis_router(url, prefix)
+    for seq in range(batches):
+        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
+    assert index.flush()
+    return index, sub
+
+
+def _rejoin_after(url: str, batches: int):
+    """The router above, restarted: a new one on the same Redis (it has heard nothing yet)."""
+    index, _ = _one_block_batches(url, f"r{os.urandom(4).hex()}", batches)
+    index.client.close()
+    return _redis_router(url, index.prefix)
+
+
 def test_a_restarted_router_maps_blocks_stored_before_it_through_redis(redis_server):
     """A lone router on a Redis index restarts: removals and continuations of blocks stored
     before the restart used to be unknown engine hashes (stale entries, 'unknown parent')."""
@@ -614,13 +631,7 @@ def test_a_restarted_router_on_redis_replays_only_what_it_missed(redis_server):
 def test_a_router_joining_a_restarted_replica_on_redis_clears_its_old_blocks(redis_server):
     # the engine restarted while no router listened: batch 3 of its new stream is a number the
     # index already applied, on a newer batch; the old blocks stayed (batch 0 alone was caught)
-    prefix = f"n{os.urandom(4).hex()}"
-    index, sub = _redis_router(redis_server.url, prefix)
-    for seq in range(6):
-        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
-    assert index.flush()
-    index.client.close()
-    index, sub = _redis_router(redis_server.url, prefix)
+    index, sub = _rejoin_after(redis_server.url, batches=6)
     sub.ingest("pod", 3, _vllm_batch(_stored([99], None, 900), ts=100.0))
     assert set(index.holdings("pod")) == {_first_digest(900)}
     counters = sub.counters()["pod"]
@@ -630,12 +641,8 @@ def test_a_router_joining_a_restarted_replica_on_redis_clears_its_old_blocks(red
 
 def test_a_router_joining_behind_the_others_on_redis_keeps_their_blocks(redis_server):
     # another router already applied (and wrote) the batch this one hears first
-    prefix = f"b{os.urandom(4).hex()}"
-    index, sub = _redis_router(redis_server.url, prefix)
-    for seq in range(4):
-        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
-    assert index.flush()
-    late, late_sub = _redis_router(redis_server.url, prefix)
+    index, _ = _one_block_batches(redis_server.url, f"b{os.urandom(4).hex()}", 4)
+    late, late_sub = _redis_router(redis_server.url, index.prefix)
     late_sub.ingest("pod", 3, _vllm_batch(_stored([13], None, 300), ts=3))
     late_sub.ingest("pod", 4, _vllm_batch(kv_wire.BlockRemoved([11], "GPU"), ts=4))
     expected = {_first_digest(100 * k) for k in (0, 2, 3)}
@@ -649,13 +656,7 @@ def test_a_router_joining_behind_the_others_on_redis_keeps_their_blocks(redis_se
 def test_a_router_joining_after_batches_no_router_applied_clears_the_replica(redis_server):
     # the index says batch 3 was applied last; batches 4-5 (an eviction, say) reached no
     # router and cannot be replayed: what the index holds for the replica may be stale
-    prefix = f"g{os.urandom(4).hex()}"
-    index, sub = _redis_router(redis_server.url, prefix)
-    for seq in range(4):
-        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
-    assert index.flush()
-    index.client.close()
-    index, sub = _redis_router(redis_server.url, prefix)
+    index, sub = _rejoin_after(redis_server.url, batches=4)
     sub.ingest("pod", 6, _vllm_batch(_stored([16], None, 600), ts=6))
     assert set(index.holdings("pod")) == {_first_digest(600)}
     assert sub.counters()["pod"].cleared == 1
@@ -665,12 +666,9 @@ def test_a_router_joining_after_batches_no_router_applied_clears_the_replica(red
 def test_a_new_stream_past_the_applied_number_is_told_by_its_replay(redis_server):
     # the engine restarted while no router listened and published past batch 3: only the
     # replay of batch 3 (stamped otherwise) tells it from the old stream
-    prefix = f"p{os.urandom(4).hex()}"
-    index, sub = _redis_router(redis_server.url, prefix)
-    for seq in range(4):
-        sub.ingest("pod", seq, _vllm_batch(_stored([10 + seq], None, 100 * seq), ts=seq))
-    assert index.flush()
-    index.client.close()
+    first, _ = _one_block_batches(redis_server.url, f"p{os.urandom(4).hex()}", 4)
+    prefix = first.prefix
+    first.client.close()
     new = {k: _vllm_batch(_stored([50 + k], None, 5000 + 100 * k), ts=100 + k) for k in range(7)}
     index, sub = _redis_router(redis_server.url, prefix, replay="tcp://127.0.0.1:1")
 
