@@ -125,14 +125,7 @@ def _relative(a: Value, b: Value) -> str:
 
 def _setup(run: Run) -> dict[str, str]:
     r = run.report
-    out = {
-        f"config.{k}": "none"
-        if v is None
-        else fmt.capacity(v)
-        if k == "capacity_blocks"
-        else str(v)
-        for k, v in r["config"].items()
-    }
+    out = {f"config.{k}": _config_value(k, v) for k, v in r["config"].items()}
     out |= {
         "workload": r["source"]["path"],
         "workload digest": r["source"]["sha256"][:16],
@@ -238,10 +231,7 @@ def sweep_section(a: Run, b: Run) -> Section:
     if matched:
         rows = []
         for pt_a, pt_b in matched:
-            row = [
-                fmt.capacity(pt_a[k]) if k == "capacity_blocks" else _cell(pt_a.get(k))
-                for k in keys
-            ]
+            row = [_cell(pt_a.get(k), k) for k in keys]
             for get in (
                 lambda p: p["token_hit_rate"],
                 lambda p: miss_share(p, "capacity"),
@@ -275,7 +265,15 @@ def sweep_section(a: Run, b: Run) -> Section:
     return section
 
 
-def _cell(value: Any) -> str:
+def _config_value(key: str, value: Any) -> str:
+    if value is None:
+        return "none"
+    return fmt.capacity(value) if key == "capacity_blocks" else str(value)
+
+
+def _cell(value: Any, key: str = "") -> str:
     if value is None:
         return fmt.NA
+    if key == "capacity_blocks":
+        return fmt.capacity(value)
     return fmt.count(value) if isinstance(value, int) else str(value)
