@@ -740,14 +740,19 @@ class CacheManager:
     def _set_priority(node: Node | None, priority: int, until: float, now: float) -> None:
         """Add a request's retention claim (kept until ``until``) to its path. A node keeps the
         claims that can still decide: the highest live priority wins, and a lower one that
-        outlives it takes over when its retention ends."""
+        outlives it takes over when its retention ends. A node that keeps the claim already has
+        it on its whole path (it was added to the path, or dropped where a claim that outlasts
+        it wins): the walk stops there, so a decoding request adds it to its new blocks only."""
+        claim = (priority, until)
         while node is not None and node.parent is not None:
-            claims = [(node.priority, node.retain_until), *node.later, (priority, until)]
+            if (node.priority, node.retain_until) == claim or claim in node.later:
+                return
+            claims = [(node.priority, node.retain_until), *node.later, claim]
             claims.sort(key=lambda c: (-c[0], -c[1]))
             kept: list[tuple[int, float]] = []
-            for claim in claims:  # a claim counts while no higher one outlasts it
-                if claim[1] > now and (not kept or claim[1] > kept[-1][1]):
-                    kept.append(claim)
+            for c in claims:  # a claim counts while no higher one outlasts it
+                if c[1] > now and (not kept or c[1] > kept[-1][1]):
+                    kept.append(c)
             node.priority, node.retain_until = kept[0] if kept else (0, 0.0)
             node.later = tuple(kept[1:])
             node = node.parent
