@@ -684,7 +684,9 @@ class CacheManager:
         it: the error is logged and counted in ``listener_errors``, and the operation completes
         (the cache stays consistent; that listener misses the event)."""
         if not callable(listener):
-            raise InvalidArgumentError(f"a listener is called with each event, got {listener!r}")
+            raise InvalidArgumentError(
+                f"a listener must be a callable (it is called with each event), got {listener!r}"
+            )
         self._listeners = [*self._listeners, listener]  # a new list: events being sent keep theirs
 
     def remove_listener(self, listener: EventListener) -> None:

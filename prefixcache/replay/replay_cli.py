@@ -512,7 +512,7 @@ def _refuse_same_points(configs: list[ReplayConfig]) -> None:
             raise ConfigError(
                 "two sweep points give the same cache: "
                 f"{_memory_label(other)} and {_memory_label(config)} "
-                f"({r.capacity_blocks:,} blocks{tiers})"
+                f"({r.capacity_blocks:,} blocks{tiers}): keep one of them"
             )
 
 

@@ -122,7 +122,7 @@ def _refuse_options_of_other_formats(config: ReplayConfig, path: Path, fmt: str)
     if fmt != "mooncake" and config.trace_block_size != ReplayConfig().trace_block_size:
         raise ConfigError(
             f"--trace-block-size is the block size of a Mooncake trace's hash ids; {path.name} "
-            f"is a {fmt} trace"
+            f"is a {fmt} trace: drop the option (--block-size sets the cache's)"
         )
 
 
