@@ -21,8 +21,8 @@ test:
 lint:
 	ruff check . && ruff format --check .
 
-typecheck:
-	$(PYTHON) -m mypy prefixcache
+typecheck:  ## mypy over prefixcache/ and kernels/ (as prefixcache.kernels)
+	$(PYTHON) .ci/typecheck.py
 
 bench:
 	$(PYTHON) bench/hash_throughput.py

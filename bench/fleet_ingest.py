@@ -21,10 +21,10 @@ import tempfile
 import time
 import tracemalloc
 
-from prefixcache.fleet import kv_wire
-from prefixcache.fleet.kv_subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.memory_index import MemoryFleetIndex
-from prefixcache.fleet.redis_index import RedisFleetIndex
+from prefixcache.fleet.events import wire as kv_wire
+from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
+from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.redis_index import RedisFleetIndex
 
 RUN = 64  # blocks per stored run, as one KV event carries them
 
@@ -73,7 +73,7 @@ def event_batches(n: int, block_size: int = 16) -> list[bytes]:
     for i in range(0, n, RUN):
         hashes = list(range(i + 1, i + RUN + 1))
         tokens = [(i * 7 + t) % 50_000 for t in range(RUN * block_size)]
-        event = kv_wire.BlockStored(hashes, None, tokens, block_size, None, "GPU", None)
+        event = kv_wire.WireBlockStored(hashes, None, tokens, block_size, None, "GPU", None)
         out.append(kv_wire.encode_batch(kv_wire.KVEventBatch(0.0, [event])))
     return out
 
@@ -82,8 +82,8 @@ def event_ingest(url: str, tag: str, batches: list[bytes], engine_map: bool) -> 
     """(blocks/s, Redis bytes per block) for ``batches`` through a subscriber."""
     index = RedisFleetIndex.from_url(url, prefix=tag)
     sub = KVEventSubscriber(index, [ReplicaEndpoint("pod-0", block_size=16)])
-    if not engine_map:
-        sub._engine_map = None  # the index alone, as before the map was kept
+    if not engine_map:  # the index alone, as before the map was kept
+        sub._engine_map = sub._events.engine_map = None
     before = int(index.client.info("memory")["used_memory"])
     t = time.perf_counter()
     for seq, payload in enumerate(batches):

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from prefixcache.hashing import BlockHasher
-from prefixcache.namespace import Namespace
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.blocks.namespace import Namespace
 
 
 def naive_chain(tokens: list[int], block_size: int) -> list[bytes]:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from prefixcache import CacheManager, PagedKVCache
-from prefixcache.transfers import Load, Offload, Transfers
+from prefixcache.manager.transfers import Load, Offload, Transfers
 
 P = 16
 

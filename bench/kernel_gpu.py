@@ -80,7 +80,7 @@ def release() -> None:
 
 
 def num_sms() -> int:
-    from prefixcache.kernels.attention import device_num_sms
+    from prefixcache.kernels.attention_launch import device_num_sms
 
     return device_num_sms(torch.device(DEV))
 
@@ -401,7 +401,7 @@ def extend_sdpa(case: ExtendCase) -> Callable[[], torch.Tensor]:
 def bench_extend(cases: list[tuple[int, int, int]], sweep: bool) -> None:
     """Extend attention TFLOP/s against the same run's dense matmul; SDPA beside it."""
     from prefixcache.kernels import AttentionConfig, choose_config
-    from prefixcache.kernels.attention import device_capability
+    from prefixcache.kernels.attention_launch import device_capability
 
     peak = matmul_tflops(8192 if DEV == "cuda" else 128)
     print(f"\n== extend (prefill over cached K/V), {DTYPE}: dense matmul {peak:,.0f} TFLOP/s")

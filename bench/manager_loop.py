@@ -28,7 +28,7 @@ from baseline_block_manager import BaselineBlockManager
 from workload import infinite_cache_hit_rate, shared_prompt_workload
 
 from prefixcache import CacheManager, Namespace
-from prefixcache.tokens import as_token_array
+from prefixcache.blocks.tokens import as_token_array
 
 
 def rss_bytes() -> int:

@@ -11,9 +11,9 @@ process, <= 5 ms over HTTP).
 Also the time to check and render a 21-message conversation through a Llama-3-style chat
 template, which a chat route adds before tokenizing.
 
-The index is the in-memory fleet index (``prefixcache.fleet.memory_index``). Every replica holds
-a different depth of one of four prompt families (0 to 100% of the prompt), so each route hashes
-all 512 blocks and each replica's match ends at another block.
+The index is the in-memory fleet index (``prefixcache.fleet.index.memory_index``). Every
+replica holds a different depth of one of four prompt families (0 to 100% of the prompt), so each
+route hashes all 512 blocks and each replica's match ends at another block.
 """
 
 from __future__ import annotations
@@ -38,16 +38,17 @@ BLOCK = 16
 
 def make_index() -> tuple[Any, str]:
     """The in-memory fleet index, and a label for it."""
-    from prefixcache.fleet.open_index import open_index
+    from prefixcache.fleet.index.open_index import open_index
 
     return open_index("memory"), "MemoryFleetIndex"
 
 
 def build(tokens: int, replicas: int) -> tuple[Any, str, list[np.ndarray]]:
     """A seeded router and the prompts to route."""
-    from prefixcache.fleet.router import ReplicaSpec, Router
-    from prefixcache.hashing import BlockHasher
-    from prefixcache.namespace import Namespace
+    from prefixcache.blocks.hashing import BlockHasher
+    from prefixcache.blocks.namespace import Namespace
+    from prefixcache.fleet.replica_spec import ReplicaSpec
+    from prefixcache.fleet.router import Router
 
     ns = Namespace(MODEL)
     rng = np.random.default_rng(0)
@@ -75,7 +76,7 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 def in_process(router: Any, prompts: list[Any], routes: int) -> tuple[float, float]:
-    from prefixcache.namespace import Namespace
+    from prefixcache.blocks.namespace import Namespace
 
     ns = Namespace(MODEL)
     times = []
@@ -92,8 +93,8 @@ def serve(port: int, tokens: int, replicas: int) -> None:
     """The service over the seeded router (run in a subprocess by the HTTP part)."""
     import uvicorn
 
-    from prefixcache.fleet.server import create_app
-    from prefixcache.fleet.service_config import parse_config
+    from prefixcache.fleet.service.app import create_app
+    from prefixcache.fleet.service.settings import parse_config
 
     router, _, _ = build(tokens, replicas)
     config = parse_config(
@@ -176,7 +177,7 @@ LLAMA_STYLE = (
 def chat_render(turns: int, chars: int, repeats: int) -> float:
     """Median seconds to check and render a conversation of ``turns`` messages through the
     chat template, as a chat route does before tokenizing."""
-    from prefixcache.fleet.chat_template import ChatTemplate, chat_messages
+    from prefixcache.text.chat_template import ChatTemplate, chat_messages
 
     template = ChatTemplate(LLAMA_STYLE, {"bos_token": "<|begin_of_text|>"})
     text = ("lorem ipsum dolor sit amet " * (chars // 27 + 1))[:chars]

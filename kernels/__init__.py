@@ -6,6 +6,12 @@ Lives in the top-level ``kernels/`` folder, imported as ``prefixcache.kernels`` 
 interpreter when TRITON_INTERPRET=1) and the torch reference otherwise; triton is optional.
 """
 
+from prefixcache.errors import (
+    KernelDTypeError,
+    KernelInputError,
+    TritonUnavailableError,
+    UnsupportedConfigError,
+)
 from prefixcache.kernels.attention import paged_attention, workspace_size
 from prefixcache.kernels.backend import (
     Backend,
@@ -15,12 +21,6 @@ from prefixcache.kernels.backend import (
 )
 from prefixcache.kernels.cascade import PrefixGroup, find_prefix_groups, group_shared_prefixes
 from prefixcache.kernels.config import AttentionConfig, choose_config
-from prefixcache.kernels.kernel_errors import (
-    KernelDTypeError,
-    KernelInputError,
-    TritonUnavailableError,
-    UnsupportedConfigError,
-)
 from prefixcache.kernels.reference import (
     gather_kv,
     reference_attention,

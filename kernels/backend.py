@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from prefixcache.kernels.kernel_errors import KernelInputError, TritonUnavailableError
+from prefixcache.errors import KernelInputError, TritonUnavailableError
 
 Backend = Literal["auto", "triton", "torch"]
 

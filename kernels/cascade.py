@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from prefixcache.kernels.kernel_errors import KernelInputError
+from prefixcache.errors import KernelInputError
 
 
 class PrefixGroup(NamedTuple):

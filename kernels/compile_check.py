@@ -21,7 +21,8 @@ def _attention_variants() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
     variants = []
     prefix = {"CAUSAL": False, "RETURN_LSE": True}  # shared-prefix pass
     suffix = {"HAS_KV_START": True, "RETURN_LSE": True}  # own-keys pass
-    for dtype, d, block_q, block_m, tile_n, splits, extra in [
+    # dtype, head_dim, block_q, block_m, tile_n, splits, constexprs that differ from the default
+    cases: list[tuple[str, int, int, int, int, int, dict[str, Any]]] = [
         ("fp16", 128, 1, 16, 64, 1, {}),
         ("bf16", 128, 1, 16, 64, 8, {}),
         ("fp32", 64, 16, 64, 64, 4, {}),
@@ -33,7 +34,8 @@ def _attention_variants() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
         ("fp16", 128, 1, 16, 64, 1, suffix),
         ("bf16", 128, 1, 16, 64, 4, suffix | {"KV_FP8": True}),
         ("fp16", 64, 16, 64, 64, 1, {"KV_FP8": True}),
-    ]:
+    ]
+    for dtype, d, block_q, block_m, tile_n, splits, extra in cases:
         const = {
             "HEAD_DIM": d,
             "BLOCK_SIZE": 16,

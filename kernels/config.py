@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixcache.kernels.kernel_errors import UnsupportedConfigError
+from prefixcache.errors import UnsupportedConfigError
 
 MAX_SPLITS = 32
 HOPPER = (9, 0)

@@ -91,7 +91,8 @@ def make_paged_batch(
     prefix_len = shared * block_size
     prefix_k, prefix_v = (randn(prefix_len, num_kv_heads, head_dim) for _ in range(2))
     table = torch.full((len(seq_lens), max(blocks_per_seq, default=1) + 1), pad_id)
-    keys, values = [], []
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     rows: list[list[int]] = []
     for b, n in enumerate(seq_lens):
         if share[b]:

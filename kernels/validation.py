@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.kernels.kernel_errors import (
+from prefixcache.errors import (
     KernelDTypeError,
     KernelInputError,
     UnsupportedConfigError,
@@ -245,6 +245,28 @@ def check_store_args(
     _same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     _last_dim_contiguous(k=k, v=v, slot_mapping=slot_mapping)
     return num_blocks, block_size
+
+
+def check_workspace(workspace: torch.Tensor, device: torch.device) -> None:
+    """A ``workspace=`` buffer's type, dtype, rank, device and layout are checked whether or not
+    a call splits, so a wrong kind of buffer fails at once; its size is checked when a call
+    splits (the size it needs depends on the shape: ``workspace_size``)."""
+    if (
+        not isinstance(workspace, torch.Tensor)
+        or workspace.dtype != torch.float32
+        or workspace.dim() != 1
+        or workspace.device != device
+        or not workspace.is_contiguous()
+    ):
+        got = (
+            f"{workspace.dtype} {tuple(workspace.shape)} on {workspace.device}"
+            if isinstance(workspace, torch.Tensor)
+            else type(workspace).__name__
+        )
+        raise KernelInputError(
+            "workspace must be a contiguous 1-D float32 tensor on the device of q "
+            f"(see workspace_size), got {got}"
+        )
 
 
 def check_fp8_scales(k_scale: object, v_scale: object) -> tuple[float, float]:

@@ -6,6 +6,9 @@ radix index maps prefixes to shared physical blocks with refcounts, eviction and
 
 from typing import TYPE_CHECKING, Any
 
+from prefixcache.blocks.eviction import POLICIES
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.errors import (
     CacheInUseError,
     ConfigError,
@@ -17,13 +20,11 @@ from prefixcache.errors import (
     RequestTooLargeError,
     UnknownRequestError,
 )
-from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefixcache.eviction import POLICIES
-from prefixcache.hashing import BlockHasher
-from prefixcache.manager import Admission, AppendResult, CacheManager, Copy, Lookup
-from prefixcache.namespace import DEFAULT_NAMESPACE, Namespace
-from prefixcache.stats import BlockCounts, CacheStats
-from prefixcache.transfers import Load, Offload, TransferModel, Transfers
+from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixcache.manager.cache_manager import CacheManager
+from prefixcache.manager.results import Admission, AppendResult, Copy, Lookup
+from prefixcache.manager.stats import BlockCounts, CacheStats
+from prefixcache.manager.transfers import Load, Offload, TransferModel, Transfers
 
 if TYPE_CHECKING:
     from prefixcache.kv_cache import PagedKVCache

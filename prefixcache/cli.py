@@ -12,9 +12,11 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "prefixcache.demo",
     "prefixcache.replay.replay_cli",
-    "prefixcache.replay.calibrate_cli",
+    "prefixcache.replay.analyze_cli",
+    "prefixcache.replay.export_cli",
+    "prefixcache.replay.calibrate.calibrate_cli",
     "prefixcache.report.report_cli",
-    "prefixcache.fleet.serve_cli",
+    "prefixcache.fleet.service.serve_cli",
 )
 
 

@@ -12,8 +12,8 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
-from prefixcache.manager import CacheManager
-from prefixcache.namespace import Namespace
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.manager.cache_manager import CacheManager
 
 
 @dataclass(frozen=True)

@@ -81,3 +81,26 @@ class NoHealthyReplicaError(PrefixCacheError, RuntimeError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+# ---- kernel wrappers ---------------------------------------------------------------------------
+# Callers tell apart a bad argument (``KernelInputError``, also a ``ValueError``), a bad dtype
+# (``KernelDTypeError``, also a ``TypeError``), an argument the kernels do not support although it
+# is valid (``UnsupportedConfigError``, a ``KernelInputError``) and a missing Triton
+# (``TritonUnavailableError``). Every message names the argument and how to fix it.
+
+
+class KernelInputError(PrefixCacheError, ValueError):
+    """An argument of a kernel wrapper is wrong: a shape, device, sequence layout or block id."""
+
+
+class UnsupportedConfigError(KernelInputError):
+    """A head dim, block size, layout or launch config that the kernels do not support."""
+
+
+class KernelDTypeError(PrefixCacheError, TypeError):
+    """A tensor has a dtype the kernels do not accept (or one that disagrees with the others)."""
+
+
+class TritonUnavailableError(PrefixCacheError, RuntimeError):
+    """The Triton backend was requested but cannot run here."""

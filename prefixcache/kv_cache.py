@@ -16,8 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from prefixcache.errors import ConfigError, InvalidArgumentError
-from prefixcache.kernels.kernel_errors import KernelInputError
+from prefixcache.errors import ConfigError, InvalidArgumentError, KernelInputError
 from prefixcache.kernels.validation import check_fp8_scales
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import uvicorn
 
-from prefixcache.fleet.ingest import CallableIngest, IngestCounts
-from prefixcache.fleet.memory_index import MemoryFleetIndex
-from prefixcache.fleet.server import create_app
-from prefixcache.fleet.service_config import build_router, load_config
-from prefixcache.hashing import BlockHasher
-from prefixcache.replay.traces import load_tokenizer
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.fleet.events.ingest import CallableIngest, IngestCounts
+from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.service.app import create_app
+from prefixcache.fleet.service.settings import build_router, load_config
+from prefixcache.text.tokenizers import load_tokenizer
 
 INGEST_COUNTS = {
     "replica-a": IngestCounts(5, 40, 2, 1, 0),

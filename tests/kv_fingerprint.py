@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from prefixcache import CacheManager, Copy, Namespace
-from prefixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 
 UNWRITTEN = np.uint64(0)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixcache.manager import CacheManager
-from prefixcache.radix import Node
+from prefixcache.blocks.radix import Node
+from prefixcache.manager.cache_manager import CacheManager
 
 
 def _node(node: Node) -> tuple[Any, ...]:

@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixcache import Namespace
 from prefixcache.errors import PrefixCacheError
-from prefixcache.fleet.kv_publisher import KVEventPublisher
+from prefixcache.fleet.events.publisher import KVEventPublisher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiny_runtime import ModelConfig, TinyDecoder, new_cache, run_requests

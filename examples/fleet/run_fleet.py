@@ -328,7 +328,7 @@ def table(results: Sequence[PolicyResult]) -> str:
 
 def iter_policies(text: str) -> Iterator[str]:
     """Comma-separated policy names, checked."""
-    from prefixcache.fleet.routing import POLICIES as KNOWN
+    from prefixcache.fleet.policies import POLICIES as KNOWN
 
     for name in text.split(","):
         if name not in KNOWN:

@@ -3,7 +3,9 @@
 ``Router`` has no HTTP in it: the service calls it from request handlers, a fleet replay calls it
 in process. It is thread-safe: hashing and the index lookup run outside its lock (the index is
 written concurrently by the event ingestion and answers on its own), the choice and the load
-bookkeeping run under it, so two concurrent routes always see each other's load.
+bookkeeping run under it, so two concurrent routes always see each other's load. What it keeps
+per replica besides its ``ReplicaSpec``: the in-flight load (``replica_load``) and whether it
+takes routes (``replica_health``).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.blocks.tokens import TokenIds, as_size, as_token_array
 from prefixcache.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
@@ -24,8 +28,8 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
-from prefixcache.fleet.fleet_index import GPU, FleetIndex, ReplicaMatch
-from prefixcache.fleet.routing import (
+from prefixcache.fleet.index.prefix_index import GPU, FleetIndex, ReplicaMatch
+from prefixcache.fleet.policies import (
     DEFAULT_POLICY,
     Policy,
     ReplicaScore,
@@ -34,46 +38,14 @@ from prefixcache.fleet.routing import (
     check_params,
     get_policy,
 )
-from prefixcache.hashing import BlockHasher
-from prefixcache.namespace import Namespace
-from prefixcache.tokens import TokenIds, as_size, as_token_array
+from prefixcache.fleet.replica_health import HealthMarks, ReplicaHealth
+from prefixcache.fleet.replica_load import InFlightLoads, Released, ReplicaLoad
+from prefixcache.fleet.replica_spec import ReplicaSpec, served_label
 
 MAX_REQUEST_ID_CHARS = 256
-ANY_ADAPTER = "*"  # in ReplicaSpec.adapters: every LoRA adapter (loaded at run time)
 
 
-class ReplicaSpec(NamedTuple):
-    """One replica as the router sees it: what it serves and how big its cache is."""
-
-    name: str
-    namespace: Namespace  # the namespace its KV events are hashed under
-    block_size: int = 16
-    capacity_blocks: int = 0  # 0: unknown (then free capacity never decides a route)
-    adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (any version);
-    # "*" (ANY_ADAPTER): every adapter, as an engine that loads adapters at run time
-
-    def serves(self, namespace: Namespace) -> bool:
-        """Whether a request in ``namespace`` may go to this replica: the same model; the
-        replica's own adapter (and version, when it has one) or one of ``adapters``; any salt and
-        extra keys unless the replica is configured with its own (then those). Salts and extra
-        keys are per request in vLLM (``cache_salt``, multimodal hashes), so any replica of the
-        model serves them."""
-        own = self.namespace
-        if namespace.model != own.model:
-            return False
-        if own.salt is not None and namespace.salt != own.salt:
-            return False
-        if own.extra and namespace.extra != own.extra:
-            return False
-        if namespace.adapter == own.adapter:
-            return own.adapter_version is None or namespace.adapter_version == own.adapter_version
-        adapters = self.adapters
-        return namespace.adapter in adapters or (
-            namespace.adapter is not None and ANY_ADAPTER in adapters
-        )
-
-
-class Lookup(NamedTuple):
+class PromptScores(NamedTuple):
     """Per-replica scores of a prompt, without routing it."""
 
     namespace: Namespace
@@ -86,39 +58,12 @@ class RouteDecision(NamedTuple):
 
     replica: str
     policy: str
-    rule: str  # the rule of the policy that decided (see routing.Choice)
+    rule: str  # the rule of the policy that decided (see policies.Choice)
     request_id: str | None  # None: the route was not recorded as load
     prompt_tokens: int
     cached_tokens: int  # on the chosen replica
     gpu_cached_tokens: int
     scores: tuple[ReplicaScore, ...]
-
-
-class ReplicaLoad(NamedTuple):
-    """In-flight requests on one replica and their prompt tokens it has to compute (those it
-    did not cache when they were routed: its prefill work)."""
-
-    name: str
-    in_flight: int
-    in_flight_tokens: int
-
-
-class ReplicaHealth(NamedTuple):
-    """Whether a replica takes routes now."""
-
-    name: str
-    up: bool
-    down_for_s: float  # seconds until it takes routes again by itself (0 when up)
-    reason: str  # why it was marked down ("" when up)
-    marked_down: int  # times it went down so far
-
-
-class Released(NamedTuple):
-    """The in-flight request that ``release`` ended."""
-
-    request_id: str
-    replica: str
-    prompt_tokens: int
 
 
 class _Matches(NamedTuple):
@@ -130,17 +75,9 @@ class _Matches(NamedTuple):
     held_blocks: dict[str, int]  # GPU blocks the index holds, for replicas with a known capacity
 
 
-class _InFlight(NamedTuple):
-    replica: str
-    tokens: int  # the prompt's
-    work: int  # of those, the ones the replica did not cache when routed (its load)
-    generation: int  # of the replica when routed: a removed and re-added replica starts afresh
-    deadline: float  # on the router's clock: the load ends then if nobody released it
-
-
 class Router:
     """Scores prompts against a ``FleetIndex`` and routes them with a policy from
-    ``routing.POLICIES``, keeping the in-flight load of every replica.
+    ``policies.POLICIES``, keeping the in-flight load of every replica.
 
     ``in_flight_timeout`` (seconds on ``clock``; None: never) ends the load of a routed request
     that was never released, e.g. because its client died: without it such loads would skew
@@ -187,14 +124,8 @@ class Router:
         )
         self._lock = threading.Lock()
         self._specs: dict[str, ReplicaSpec] = {}
-        self._load: dict[str, list[int]] = {}  # name -> [in_flight, in_flight_tokens]
-        self._generation: dict[str, int] = {}
-        self._next_generation = 0
-        self._in_flight: dict[str, _InFlight] = {}
-        self._deadlines: deque[tuple[str, _InFlight]] = deque()  # in route order (and deadline)
-        self._expired = 0
-        self._down: dict[str, tuple[float, str]] = {}  # name -> (up again at, reason)
-        self._marked_down: dict[str, int] = {}
+        self._loads = InFlightLoads(clock)
+        self._health = HealthMarks()
         self._turns: dict[tuple[str, ...], int] = {}  # by eligible replicas: bounded
         self._hashers: dict[int, BlockHasher] = {}
         for spec in replicas:
@@ -243,9 +174,7 @@ class Router:
             self._specs[spec.name] = spec._replace(
                 block_size=block_size, capacity_blocks=capacity, adapters=tuple(adapters)
             )
-            self._load[spec.name] = [0, 0]
-            self._generation[spec.name] = self._next_generation
-            self._next_generation += 1
+            self._loads.add_replica(spec.name)
 
     def remove_replica(self, name: str) -> ReplicaSpec:
         """Take a replica out of the fleet and out of the index; its in-flight requests can
@@ -254,10 +183,8 @@ class Router:
             spec = self._specs.pop(name, None) if isinstance(name, str) else None
             if spec is None:
                 raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
-            del self._load[name]
-            del self._generation[name]
-            self._down.pop(name, None)
-            self._marked_down.pop(name, None)
+            self._loads.remove_replica(name)
+            self._health.forget(name)
         self._index.drop_replica(name)
         return spec
 
@@ -274,20 +201,20 @@ class Router:
     def loads(self) -> list[ReplicaLoad]:
         """In-flight requests and tokens per replica, in fleet order."""
         with self._lock:
-            self._expire()
-            return [ReplicaLoad(name, *self._load[name]) for name in self._specs]
+            self._loads.expire()
+            return self._loads.loads(self._specs)
 
     def in_flight(self) -> int:
         """Requests routed with an id and not yet released (also those of removed replicas)."""
         with self._lock:
-            self._expire()
-            return len(self._in_flight)
+            self._loads.expire()
+            return len(self._loads.requests)
 
     def expired(self) -> int:
         """Routed requests whose load ended by the timeout, never released."""
         with self._lock:
-            self._expire()
-            return self._expired
+            self._loads.expire()
+            return self._loads.expired
 
     def mark_down(self, name: str, seconds: float, reason: str) -> None:
         """Route nothing to replica ``name`` for ``seconds`` (it failed a request or a health
@@ -298,71 +225,19 @@ class Router:
             if name not in self._specs:
                 raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
             now = self._clock()
-            if not self._is_down(name, now):  # counted when it goes down, not while it stays
-                self._marked_down[name] = self._marked_down.get(name, 0) + 1
-            self._down[name] = (now + seconds, str(reason))
+            self._health.mark_down(name, now + seconds, str(reason), now)
 
     def mark_up(self, name: str) -> None:
         """Replica ``name`` takes routes again (a health probe succeeded)."""
         with self._lock:
             if name not in self._specs:
                 raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
-            self._down.pop(name, None)
+            self._health.mark_up(name)
 
     def health(self) -> list[ReplicaHealth]:
         """Up or down, per replica, in fleet order."""
         with self._lock:
-            now = self._clock()
-            out = []
-            for name in self._specs:
-                until, reason = self._down.get(name, (0.0, ""))
-                up = until <= now
-                out.append(
-                    ReplicaHealth(
-                        name,
-                        up,
-                        0.0 if up else until - now,
-                        "" if up else reason,
-                        self._marked_down.get(name, 0),
-                    )
-                )
-            return out
-
-    def _is_down(self, name: str, now: float) -> bool:
-        entry = self._down.get(name)
-        if entry is None:
-            return False
-        if entry[0] <= now:  # its time is up: it takes routes again
-            del self._down[name]
-            return False
-        return True
-
-    def _expire(self) -> None:
-        """End the loads whose deadline has passed; call with the lock held."""
-        deadlines = self._deadlines
-        if not deadlines:
-            return
-        now = self._clock()
-        while deadlines and deadlines[0][1].deadline <= now:
-            request_id, entry = deadlines.popleft()
-            if self._in_flight.get(request_id) is not entry:  # released (or routed anew)
-                continue
-            del self._in_flight[request_id]
-            self._drop_load(entry)
-            self._expired += 1
-
-    def _compact_deadlines(self) -> None:
-        """Forget the deadlines of routes released already (they would wait for their time)."""
-        in_flight = self._in_flight
-        self._deadlines = deque(
-            (rid, entry) for rid, entry in self._deadlines if in_flight.get(rid) is entry
-        )
-
-    def _drop_load(self, entry: _InFlight) -> None:
-        if self._generation.get(entry.replica) == entry.generation:
-            load = self._load[entry.replica]
-            load[0] -= 1
-            load[1] -= entry.work
+            return self._health.health(self._specs, self._clock())
 
     # ---- lookups and routes -------------------------------------------------------------------
 
@@ -412,13 +287,16 @@ class Router:
         """Scores of the eligible replicas still in the fleet (``up_only``: of those not marked
         down); call with the lock held."""
         out = []
-        now = self._clock() if up_only and self._down else 0.0
+        health = self._health
+        any_down = up_only and bool(health.down)
+        now = self._clock() if any_down else 0.0
         found, held = matches.found, matches.held_blocks
+        loads = self._loads.load
         for spec in matches.eligible:
-            load = self._load.get(spec.name)
+            load = loads.get(spec.name)
             if load is None:  # removed since the lookup began
                 continue
-            if up_only and self._down and self._is_down(spec.name, now):
+            if any_down and health.down and health.is_down(spec.name, now):
                 continue
             match = found.get(spec.name)
             blocks, gpu = (match.blocks, match.gpu_blocks) if match is not None else (0, 0)
@@ -435,18 +313,18 @@ class Router:
             )
         return tuple(out)
 
-    def lookup(self, namespace: Namespace, tokens: TokenIds) -> Lookup:
+    def lookup(self, namespace: Namespace, tokens: TokenIds) -> PromptScores:
         """Cached prompt tokens on every replica serving ``namespace``; changes nothing.
 
         Raises InvalidTokensError, PayloadTooLargeError or UnknownNamespaceError.
         """
         matches = self._matches(namespace, tokens)
         with self._lock:
-            self._expire()
+            self._loads.expire()
             scores = self._scores(matches)
         if not scores:
             raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
-        return Lookup(namespace, matches.prompt_tokens, scores)
+        return PromptScores(namespace, matches.prompt_tokens, scores)
 
     def route(
         self,
@@ -477,16 +355,15 @@ class Router:
         matches = self._matches(namespace, tokens)
         n = matches.prompt_tokens
         with self._lock:
-            self._expire()
-            if request_id is not None and request_id in self._in_flight:
+            loads = self._loads
+            loads.expire()
+            if request_id is not None and request_id in loads.requests:
                 raise DuplicateRequestError(f"request {request_id!r} is already in flight")
             scores = self._scores(matches, up_only=True)
             if not scores:
                 if self._scores(matches):
                     now = self._clock()
-                    back = min(
-                        self._down[s.name][0] for s in matches.eligible if s.name in self._down
-                    )
+                    back = self._health.back_at(s.name for s in matches.eligible)
                     raise NoHealthyReplicaError(
                         f"every replica serving namespace {namespace.label()} is marked down "
                         "(failed requests or health probes); retry later",
@@ -498,20 +375,9 @@ class Router:
             choice = self._policy(scores, RouteContext(n, turn, self._params))
             self._turns[eligible] = turn + 1
             if request_id is not None:
-                load = self._load[choice.replica]
                 # its load is the prefill work it takes on: cached tokens cost it no compute
                 work = n - next(s for s in scores if s.name == choice.replica).cached_tokens
-                load[0] += 1
-                load[1] += work
-                timeout = self._timeout if expire else None
-                deadline = math.inf if timeout is None else self._clock() + timeout
-                generation = self._generation[choice.replica]
-                entry = _InFlight(choice.replica, n, work, generation, deadline)
-                self._in_flight[request_id] = entry
-                if timeout is not None:
-                    self._deadlines.append((request_id, entry))
-                    if len(self._deadlines) > 2 * len(self._in_flight) + 1024:
-                        self._compact_deadlines()
+                loads.charge(request_id, choice.replica, n, work, self._timeout if expire else None)
         chosen = next(s for s in scores if s.name == choice.replica)
         return RouteDecision(
             choice.replica,
@@ -528,27 +394,9 @@ class Router:
         """End an in-flight request: its replica's load drops. UnknownRequestError if the id is
         not in flight (never routed with an id, or released already)."""
         with self._lock:
-            self._expire()
-            entry = self._in_flight.pop(request_id, None) if isinstance(request_id, str) else None
-            if entry is None:
-                ended = f" (or its load ended after {self._timeout:g} s)" if self._timeout else ""
-                raise UnknownRequestError(f"request {request_id!r} is not in flight{ended}")
-            self._drop_load(entry)
-        return Released(request_id, entry.replica, entry.tokens)
-
-
-def pinned_adapter_versions(namespaces: Iterable[Namespace]) -> dict[tuple[str, str], str]:
-    """(model, adapter) -> the version a replica dedicated to that adapter pins (the first
-    such namespace): the version the adapter has across the fleet, for the router's clients
-    and for the ingest of replicas that serve it without pinning one."""
-    versions: dict[tuple[str, str], str] = {}
-    for ns in namespaces:
-        if ns.adapter is not None and ns.adapter_version is not None:
-            versions.setdefault((ns.model, ns.adapter), ns.adapter_version)
-    return versions
-
-
-def served_label(spec: ReplicaSpec) -> str:
-    """What a replica serves, for error messages."""
-    label = spec.namespace.label()
-    return f"{label} (+ adapters {', '.join(spec.adapters)})" if spec.adapters else label
+            self._loads.expire()
+            released = self._loads.release(request_id) if isinstance(request_id, str) else None
+        if released is None:
+            ended = f" (or its load ended after {self._timeout:g} s)" if self._timeout else ""
+            raise UnknownRequestError(f"request {request_id!r} is not in flight{ended}")
+        return released

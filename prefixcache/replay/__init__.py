@@ -8,15 +8,15 @@ write_run(result, "runs/rag")
 """
 
 from prefixcache.replay.model_specs import ModelConfig, get_model, parse_size
-from prefixcache.replay.replay_config import ReplayConfig
-from prefixcache.replay.replay_result import ReplayResult, write_run
-from prefixcache.replay.request import Request
+from prefixcache.replay.run_config import ReplayConfig
+from prefixcache.replay.run_result import ReplayResult, write_run
 from prefixcache.replay.runner import replay_path, replay_requests, replay_source, replay_sweep
-from prefixcache.replay.scenario import Scenario, load_scenario
-from prefixcache.replay.sources import Source, open_source
-from prefixcache.replay.traces import TraceOptions, read_trace
-from prefixcache.replay.workload import Workload
-from prefixcache.replay.workload_errors import ScenarioError, TraceFormatError
+from prefixcache.replay.workload.input_errors import ScenarioError, TraceFormatError
+from prefixcache.replay.workload.request import Request
+from prefixcache.replay.workload.scenario import Scenario, load_scenario
+from prefixcache.replay.workload.scenario_requests import Workload
+from prefixcache.replay.workload.sources import Source, open_source
+from prefixcache.replay.workload.traces import TraceOptions, read_trace
 
 __all__ = [
     "ModelConfig",

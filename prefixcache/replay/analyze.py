@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.replay.accounting import Shadow
 from prefixcache.replay.model_specs import ModelConfig
-from prefixcache.replay.sources import Source
+from prefixcache.replay.sim.accounting import Shadow
+from prefixcache.replay.workload.sources import Source
 from prefixcache.report.formatting import pct
 
 

@@ -20,18 +20,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prefixcache.replay.accounting import Accountant
-from prefixcache.replay.arrivals import ScaledArrivals
 from prefixcache.replay.progress import LINE_TRACE_KINDS, Progress, count_lines, counted
 from prefixcache.replay.progress import enabled as progress_enabled
-from prefixcache.replay.replay_config import ReplayConfig, ResolvedConfig
-from prefixcache.replay.replay_result import ReplayResult
-from prefixcache.replay.request import Request
-from prefixcache.replay.sequential import run_sequential
-from prefixcache.replay.sources import Source, open_source
+from prefixcache.replay.run_config import ReplayConfig, ResolvedConfig
+from prefixcache.replay.run_result import ReplayResult
+from prefixcache.replay.sim.accounting import Accountant
+from prefixcache.replay.sim.sequential import run_sequential
 from prefixcache.replay.sweep_executors import check_executor, open_executor
-from prefixcache.replay.tier_admission import Tiers, build_tiers
-from prefixcache.replay.tier_report import tiers_report
+from prefixcache.replay.tiers.admission import Tiers, build_tiers
+from prefixcache.replay.tiers.tier_report import tiers_report
+from prefixcache.replay.workload.arrivals import ScaledArrivals
+from prefixcache.replay.workload.request import Request
+from prefixcache.replay.workload.sources import Source, open_source
 
 T = TypeVar("T")
 
@@ -68,7 +68,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     stats = mgr.stats
     with _no_automatic_gc():
         if config.is_fleet:
-            from prefixcache.replay.fleet_replay import run_fleet
+            from prefixcache.replay.sim.fleet_replay import run_fleet
 
             fleet = run_fleet(
                 requests,
@@ -83,7 +83,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
             tiers = build_tiers(resolved, [mgr])
             truncated = run_sequential(requests, mgr, acc, tiers.admitters[0] if tiers else None)
         else:
-            from prefixcache.replay.serving import run_serving
+            from prefixcache.replay.sim.serving import run_serving
 
             tiers = build_tiers(resolved, [mgr])
             admitter = tiers.admitters[0] if tiers else None

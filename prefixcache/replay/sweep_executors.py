@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from prefixcache.errors import ConfigError
-from prefixcache.replay.replay_config import ResolvedConfig
+from prefixcache.replay.run_config import ResolvedConfig
 
 EXECUTORS = ("local", "ray")
 

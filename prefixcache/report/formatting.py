@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prefixcache.pool import UNBOUNDED
+from prefixcache.blocks.pool import UNBOUNDED
 
 NA = "n/a"
 
@@ -81,6 +81,15 @@ def flops(x: float | None) -> str:
         if abs(x) >= 10**power:
             return f"{x / 10**power:.2f} {prefix}FLOP"
     return f"{x:.0f} FLOP"
+
+
+def model_name(model: object) -> str:
+    """A run's model: its name (or id) for a model given as a mapping, else as written."""
+    if isinstance(model, dict):
+        return str(
+            model.get("name") or model.get("id") or ", ".join(f"{k}={v}" for k, v in model.items())
+        )
+    return str(model)
 
 
 def signed(text: str) -> str:

@@ -21,7 +21,7 @@ from matplotlib.ticker import (
 )
 from numpy.typing import ArrayLike
 
-from prefixcache.pool import UNBOUNDED
+from prefixcache.blocks.pool import UNBOUNDED
 from prefixcache.report.figures import (
     hit_ratio_histogram,
     ratio_percentiles,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixcache.replay.serving_figures import overload_warning
-
 
 def run_warnings(report: dict[str, Any]) -> list[str]:
     """The warnings of a report.json, most serious first."""
@@ -66,4 +64,26 @@ def _point(point: dict[str, Any]) -> str:
             "pool_blocks",
         )
         if point.get(key) is not None
+    )
+
+
+def overload_warning(serving: dict[str, Any]) -> str | None:
+    """The warning a report prints for a report.json ``serving`` section, or None."""
+    load = serving.get("load") or {}
+    if not load.get("overloaded"):
+        return None
+    scale = load.get("sustainable_rate_scale_estimate")
+    hint = f"; try --rate-scale {scale:.2g} or less" if scale else ""
+    if load.get("replicas", 1) > 1:
+        who, busy, offered = (
+            "the busiest replica",
+            load["busiest_replica_busy_s"],
+            load["offered_load_busiest"],
+        )
+    else:
+        who, busy, offered = "the GPU", load["busy_s"], load["offered_load"]
+    return (
+        f"OVERLOADED: {who} needs {busy:,.0f} s of work for "
+        f"{load['arrival_span_s']:,.0f} s of arrivals (offered load {offered:.2f}x); "
+        f"the queue grows without bound, so TTFT reflects queueing, not prefill{hint}"
     )

@@ -1,8 +1,9 @@
 """The report of one run as a format-neutral document: every section, built from the run.
 
 The sections about the run as a whole (header, headline, requests, misses, savings, prefixes),
-over time (block states, evictions, rolling hit rate, serving latency), and for sweeps (capacity,
-block size, policy) with the consistency checks.
+over time (block states, evictions, rolling hit rate), and for sweeps (capacity, block size,
+policy) with the consistency checks; the serving and fleet sections are in ``serving_sections``,
+the memory tiers' in ``tier_section``.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from prefixcache.pool import UNBOUNDED
+from prefixcache.blocks.pool import UNBOUNDED
 from prefixcache.report import formatting as fmt
 from prefixcache.report.checks import consistency_checks
 from prefixcache.report.document import Document, Field, Section, Table, TextChart
@@ -28,6 +27,7 @@ from prefixcache.report.figures import (
 from prefixcache.report.formatting import bars, sparkline
 from prefixcache.report.run_dir import Run
 from prefixcache.report.run_warnings import run_warnings
+from prefixcache.report.serving_sections import fleet, serving
 from prefixcache.report.sweep_curves import (
     VARIANT_KEYS,
     capacity_knees,
@@ -46,6 +46,7 @@ KNEE_MARK = "◀ knee"
 
 
 def build_document(run: Run) -> Document:
+    """The whole report of ``run``: its sections in reading order, with the run's warnings."""
     r = run.report
     subtitle = (
         f"{Path(r['source']['path']).name}: {r['requests']:,} requests, block size "
@@ -76,15 +77,8 @@ def build_document(run: Run) -> Document:
 # ---- the run as a whole -----------------------------------------------------------------------
 
 
-def _model_name(model: Any) -> str:
-    if isinstance(model, dict):
-        return str(
-            model.get("name") or model.get("id") or ", ".join(f"{k}={v}" for k, v in model.items())
-        )
-    return str(model)
-
-
 def header(run: Run) -> Section:
+    """What was replayed and how: workload, digests, cache size, policy, model, speed."""
     r, cfg = run.report, run.report["config"]
     ns = r["namespaces"]
     shown = ", ".join(ns[:MAX_NAMESPACES_SHOWN])
@@ -105,7 +99,7 @@ def header(run: Run) -> Section:
         Field("Policy", cfg["policy"]),
         Field("Mode", cfg["mode"]),
         Field("Seed", str(cfg["seed"])),
-        Field("Model", _model_name(cfg["model"]) if cfg["model"] is not None else fmt.NA),
+        Field("Model", fmt.model_name(cfg["model"]) if cfg["model"] is not None else fmt.NA),
         Field("Partial-block copy", "on" if cfg["partial_copy"] else "off"),
         Field(
             "Replay speed",
@@ -122,6 +116,7 @@ def header(run: Run) -> Section:
 
 
 def headline(run: Run) -> Section:
+    """Token and block hit rates against the infinite-cache upper bound."""
     r = run.report
     tok, tok_ub = r["token_hit_rate"], r["upper_bound_token_hit_rate"]
     blk, blk_ub = r["block_hit_rate"], r["upper_bound_block_hit_rate"]
@@ -150,6 +145,7 @@ def headline(run: Run) -> Section:
 
 
 def requests(run: Run) -> Section:
+    """The spread of the per-request hit ratio: percentiles and a histogram."""
     ratios = request_hit_ratios(run)
     pcts = ratio_percentiles(ratios)
     zero = run.report["zero_hit_requests"]
@@ -176,6 +172,7 @@ def requests(run: Run) -> Section:
 
 
 def misses(run: Run) -> Section:
+    """Missed prompt tokens by cause."""
     r = run.report
     total = r["prompt_tokens"] - r["hit_tokens"]
     rows: list[list[str]] = []
@@ -210,6 +207,7 @@ def misses(run: Run) -> Section:
 
 
 def savings(run: Run) -> Section:
+    """What the cache saved: prefill tokens, FLOPs, and KV memory by sharing blocks."""
     r, s = run.report, run.report["savings"]
     flops = s["flops_saved_estimate"]
     kv = s["kv_bytes_saved_by_sharing"]
@@ -246,6 +244,7 @@ def savings(run: Run) -> Section:
 
 
 def top_prefixes(run: Run) -> Section:
+    """The shared prefixes that saved the most tokens."""
     prefixes = sorted(run.report["top_prefixes"], key=lambda p: -p["tokens_saved"])
     hits = run.report["hit_tokens"]
     rows = [
@@ -276,6 +275,7 @@ def top_prefixes(run: Run) -> Section:
 
 
 def over_time(run: Run) -> Section:
+    """Block states, evictions and the rolling hit rate along the timeline."""
     section = Section("time", "Over time")
     summary = timeline_summary(run)
     if summary is None:
@@ -342,211 +342,6 @@ def over_time(run: Run) -> Section:
     return section
 
 
-def serving(run: Run) -> Section:
-    section = Section("serving", "Serving: throughput and latency (estimate)")
-    sv = run.report["serving"]
-    if sv is None:
-        section.notes.append(
-            f"Mode '{run.report['config']['mode']}' simulates no serving "
-            "timing; time to first token is estimated in serving mode only."
-        )
-        return section
-    bench = sv.get("benchmark")
-    if bench:
-        section.tables.append(benchmark_table(bench["with_cache"], bench["without_cache"]))
-    else:
-        rows = []
-        for q in PERCENTILES:
-            cached, nocache = sv[f"ttft_p{q}_s"], sv[f"ttft_nocache_p{q}_s"]
-            speedup = nocache / cached if cached > 0 else None
-            rows.append([f"p{q}", fmt.seconds(cached), fmt.seconds(nocache), fmt.ratio(speedup)])
-        section.tables.append(
-            Table(
-                ["TTFT", "With cache", "No cache", "Speed-up"],
-                rows,
-                key="ttft",
-                caption="Estimated by the replay's cost model",
-            )
-        )
-    load = sv.get("load")
-    if load:
-        section.fields += load_fields(load)
-    section.fields += [
-        Field("Preemptions", fmt.count(sv["preemptions"]), "preemptions"),
-        Field("Scheduler steps", fmt.count(sv["steps"])),
-        Field(
-            "Simulated time (first arrival to last finish)", fmt.seconds(sv["simulated_seconds"])
-        ),
-    ]
-    section.fields += assumption_fields(run.report["config"], sv.get("assumptions"))
-    if np.isfinite(run.requests["ttft_s"].astype(np.float64)).any():
-        section.plots.append("ttft")
-    return section
-
-
-def _ms(x: float) -> str:
-    return f"{1000 * x:,.1f} ms" if x < 10 else fmt.seconds(x)
-
-
-def benchmark_table(cached: dict[str, Any], nocache: dict[str, Any]) -> Table:
-    """The figures a vLLM / SGLang serving benchmark prints, with and without the cache."""
-    rows: list[list[str]] = []
-
-    def row(label: str, key: str, show: Any, higher_is_better: bool) -> None:
-        a, b = cached[key], nocache[key]
-        if higher_is_better:
-            change = a / b if b else None
-        else:
-            change = b / a if a else None
-        rows.append([label, show(a), show(b), fmt.ratio(change)])
-
-    row("Completed requests", "completed", fmt.count, True)
-    row("Duration", "duration_s", fmt.seconds, False)
-    row("Request throughput (req/s)", "request_throughput_rps", lambda x: f"{x:,.2f}", True)
-    row("Output token throughput (tok/s)", "output_token_throughput_tps", fmt.count_f, True)
-    row("Total token throughput (tok/s)", "total_token_throughput_tps", fmt.count_f, True)
-    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E latency")):
-        for stat in ("mean", "p50", "p90", "p99"):
-            row(f"{label} {stat}", f"{name}_{stat}_s", _ms, False)
-    return Table(
-        ["Figure", "With cache", "No cache", "Better by"],
-        rows,
-        key="benchmark",
-        caption="Simulated by the replay's cost model; its assumptions are listed in this section",
-    )
-
-
-def load_fields(load: dict[str, Any]) -> list[Field]:
-    """Offered load: the GPUs' busy time against the span of the arrivals."""
-    offered = load["offered_load"]
-    replicas = load.get("replicas", 1)
-    if offered is None:
-        value, note = fmt.NA, "all requests arrive at once"
-    else:
-        value = f"{offered:.2f}x (no cache {load['offered_load_nocache']:.2f}x)"
-        if replicas > 1:
-            value = (
-                f"{offered:.2f}x per replica, busiest {load['offered_load_busiest']:.2f}x "
-                f"(no cache {load['offered_load_nocache']:.2f}x per replica)"
-            )
-        if load["overloaded"]:
-            note = "OVERLOADED: queue grows without bound"
-        elif offered > 1:
-            note = "busy past the last arrival, but no queue grew"
-        else:
-            note = "sustainable"
-    busy = f"GPU busy, {replicas} replicas" if replicas > 1 else "GPU busy"
-    out = [
-        Field("Offered load", value, "offered_load", note),
-        Field(
-            f"{busy} / arrival span",
-            f"{fmt.seconds(load['busy_s'])} / {fmt.seconds(load['arrival_span_s'])}",
-            "offered_load",
-        ),
-    ]
-    scale = load.get("sustainable_rate_scale_estimate")
-    if scale:
-        out.append(Field("Rate scale at full load", f"{scale:.3g}", "offered_load", "estimate"))
-    return out
-
-
-def assumption_fields(cfg: dict[str, Any], assumptions: dict[str, Any] | None) -> list[Field]:
-    """The serving model's assumptions: GPU, parallelism, scheduler limits, efficiencies."""
-    model = _model_name(cfg["model"])
-    if cfg.get("model_defaulted"):
-        model += " (default: no --model given)"
-    out = [Field("Model", model)]
-    if assumptions:
-        tp = assumptions["tp"]
-        memory = assumptions.get("gpu_memory_bytes")
-        gpu = f"{tp} x {assumptions['gpu']}" if tp > 1 else assumptions["gpu"]
-        if memory:
-            gpu += f" ({fmt.nbytes(memory)} each)"
-        out += [
-            Field("GPU", gpu, "roofline"),
-            Field("Peak compute per GPU", fmt.flops(assumptions["peak_flops_per_gpu"]) + "/s"),
-            Field(
-                "HBM bandwidth per GPU", fmt.nbytes(assumptions["hbm_bytes_per_s_per_gpu"]) + "/s"
-            ),
-            Field("Compute efficiency (MFU)", fmt.pct(assumptions["compute_efficiency"])),
-            Field("Bandwidth efficiency", fmt.pct(assumptions["memory_efficiency"])),
-            Field("Step overhead", _ms(assumptions["step_overhead_s"])),
-        ]
-        for key, label in (
-            ("attention_efficiency", "Attention efficiency (new tokens)"),
-            ("context_attention_efficiency", "Attention efficiency (cached K/V)"),
-        ):
-            if assumptions.get(key) is not None:
-                out.append(Field(label, fmt.pct(assumptions[key])))
-        if cfg.get("gpu_profile"):
-            out.append(Field("GPU profile", str(cfg["gpu_profile"]), note="calibrated"))
-    elif cfg.get("gpu"):
-        out.append(Field("GPU", str(cfg["gpu"]), "roofline"))
-    if cfg.get("token_budget") is not None:
-        out += [
-            Field("Token budget per step", fmt.count(cfg["token_budget"])),
-            Field("Max running sequences", fmt.count(cfg["max_seqs"])),
-        ]
-    if cfg.get("rate_scale") is not None:
-        out.append(
-            Field("Arrival scaling", f"rate x{cfg['rate_scale']:g}, time x{cfg['time_scale']:g}")
-        )
-    return out
-
-
-def fleet(run: Run) -> Section:
-    """Replicas behind the router: per-replica load, hit rate and TTFT, and the pooled line."""
-    fl = run.report["fleet"]
-    section = Section("fleet", f"Fleet: {fl['replicas']} replicas routed by {fl['routing']}")
-    rows = [
-        [
-            r["name"],
-            fmt.count(r["requests"]),
-            fmt.seconds(r["busy_seconds"]),
-            fmt.pct(r["token_hit_rate"]),
-            fmt.seconds(r["ttft_p50_s"]),
-            fmt.seconds(r["ttft_p99_s"]),
-            fmt.count(r["evicted_blocks"]),
-        ]
-        for r in fl["per_replica"]
-    ]
-    pooled = fl["pooled"]
-    if pooled is not None:
-        rows.append(
-            [
-                f"pooled ({fmt.capacity(pooled['capacity_blocks'])} blocks)",
-                fmt.count(run.report["requests"]),
-                fmt.NA,
-                fmt.pct(pooled["token_hit_rate"]),
-                fmt.seconds(pooled["ttft_p50_s"]),
-                fmt.seconds(pooled["ttft_p99_s"]),
-                fmt.NA,
-            ]
-        )
-    section.tables.append(
-        Table(
-            ["Replica", "Requests", "Busy", "Token hit rate", "TTFT p50", "TTFT p99", "Evicted"],
-            rows,
-            caption="Pooled: one replica with N x the blocks and N x the compute",
-        )
-    )
-    section.fields += [
-        Field("Token hit rate (fleet)", fmt.pct(run.report["token_hit_rate"])),
-        Field(
-            "Routing misses",
-            fmt.pct(run.report["misses"]["routing"] / (run.report["prompt_tokens"] or 1)),
-            note="of prompt tokens",
-        ),
-        Field("Load imbalance", f"{fl['load_imbalance']:.2f}", note="max / mean busy time"),
-        Field("Request imbalance", f"{fl['request_imbalance']:.2f}", note="max / mean"),
-        Field(
-            "Route rules",
-            ", ".join(f"{k} {fmt.count(v)}" for k, v in fl["route_rules"].items()) or fmt.NA,
-        ),
-    ]
-    return section
-
-
 # ---- sweeps and consistency --------------------------------------------------------------------
 
 
@@ -563,6 +358,7 @@ def _cell(key: str, value: Any) -> str:
 
 
 def sweep(run: Run) -> Section:
+    """Hit rate at every sweep point, ordered by variant and capacity, with the knees."""
     section = Section("sweep", "Sweeps: hit rate against capacity, block size and policy")
     points = run.report["sweep"]
     if not points:
@@ -629,6 +425,7 @@ def sweep(run: Run) -> Section:
 
 
 def consistency(run: Run) -> Section:
+    """How many of the report's consistency checks pass, and the failed ones."""
     checks = consistency_checks(run)
     failed = [c for c in checks if not c.ok]
     section = Section(

@@ -1,0 +1,457 @@
+"""Radix index over full blocks: one tree per namespace, path-compressed, split on divergence.
+
+A node holds a run of consecutive full blocks (their digests, token ids and physical ids). Children
+are keyed by the digest of their first block, so a lookup costs one hash and one dict probe per
+node; a digest match is then confirmed by comparing token ids, so a collision never serves a
+wrong block. A request holds every node from the root down to its deepest one (``ref`` counts the
+holders), which keeps the held set, like the cached set, prefix-closed. A namespace's root exists
+only while it has children.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from prefixcache.blocks.hashing import DIGEST_SIZE, BlockHasher
+from prefixcache.blocks.namespace import Namespace
+
+D = DIGEST_SIZE
+# builds a NamedTuple from a tuple in C (the generated __new__ is a Python call): hot paths only
+_new = tuple.__new__
+MAX_GROW_BLOCKS = 256  # a node grows in place up to this many blocks, then a child takes over
+
+
+def _first_token(node: Node) -> int:
+    return int.from_bytes(node.tokens[:4], "little")
+
+
+class TokenGroup:
+    """Siblings whose first blocks start with the same token, in the order of their first
+    block's token bytes (``keys``, kept beside ``nodes``). Siblings differ within their first
+    block, and a node keeps its first block until it leaves the tree, so the order never
+    changes; the two neighbours of a query in it share the longest prefix with the query."""
+
+    __slots__ = ("keys", "nodes")
+
+    def __init__(self, keys: list[bytes], nodes: list[Node]) -> None:
+        self.keys = keys
+        self.nodes = nodes
+
+    def add(self, key: bytes, node: Node) -> None:
+        i = bisect_left(self.keys, key)
+        self.keys.insert(i, key)
+        self.nodes.insert(i, node)
+
+    def position(self, node: Node, key: bytes | bytearray) -> int:
+        i = bisect_left(self.keys, key)
+        assert self.nodes[i] is node
+        return i
+
+
+def common_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
+    """Number of leading int32 tokens two equally long LE token buffers share."""
+    if a == b:
+        return len(a) // 4
+    x = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
+    return ((x & -x).bit_length() - 1) // 32  # lowest differing bit -> its token
+
+
+class Node:
+    """A run of full blocks. The root of a namespace has no blocks; its ``digests`` is the seed.
+
+    Buffers are bytearrays so that trimming the tail (eviction) costs what it removes.
+    """
+
+    __slots__ = (
+        "blocks",
+        "by_token",
+        "children",
+        "depth",
+        "digests",
+        "heap_token",
+        "hits",
+        "last_access",
+        "later",
+        "namespace",
+        "parent",
+        "priority",
+        "ref",
+        "retain_until",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        parent: Node | None,
+        depth: int,
+        digests: bytearray | None = None,
+        tokens: bytearray | None = None,
+        blocks: array[int] | None = None,
+    ) -> None:
+        self.parent = parent
+        self.depth = depth  # blocks before this node's first block
+        self.children: dict[bytes, Node] | None = None  # first block's digest -> child
+        # first token -> the child, or the children that start with it in token order
+        self.by_token: dict[int, Node | TokenGroup] | None = None
+        self.digests = bytearray() if digests is None else digests  # 16 bytes per block
+        self.tokens = bytearray() if tokens is None else tokens  # block_size int32 LE per block
+        self.blocks = array("i") if blocks is None else blocks  # physical block ids
+        self.ref = 0
+        self.last_access = 0.0
+        self.hits = 0
+        self.priority = 0
+        self.retain_until = 0.0
+        # lower-priority claims that outlive the one above, as (priority, until), highest first
+        self.later: tuple[tuple[int, float], ...] = ()
+        self.heap_token = 0
+        self.namespace: Namespace | None = None  # of its tree (set when it joins one)
+
+    def __repr__(self) -> str:
+        return f"Node(depth={self.depth}, blocks={list(self.blocks)}, ref={self.ref})"
+
+    @property
+    def end(self) -> int:
+        """Index of the block after this node's last one."""
+        return self.depth + len(self.blocks)
+
+    def digest(self, i: int) -> bytes:
+        """Digest of the node's ``i``-th block (-1: the last; the seed on a root)."""
+        if i < 0:
+            i += len(self.digests) // D
+        return bytes(self.digests[i * D : (i + 1) * D])
+
+    def last_digest(self) -> bytes:
+        return self.digest(-1)
+
+
+class MatchResult(NamedTuple):
+    """The longest cached prefix of a sequence's full blocks."""
+
+    node: Node  # where the match ends (the root when nothing matched)
+    j: int  # matched blocks inside ``node`` (``j < len(node.blocks)``: the match stops mid-node)
+    n: int  # matched blocks in all
+    digest: bytes  # h_{n-1}: the digest of the last matched block (the seed when n == 0)
+
+
+class PartialMatch(NamedTuple):
+    """A cached block whose first ``m`` tokens equal the start of a sequence's next block."""
+
+    node: Node  # its first block is the one to copy from
+    m: int
+
+
+class RadixIndex:
+    """The trees of all namespaces plus the counts the pool's state accounting needs."""
+
+    def __init__(self, hasher: BlockHasher) -> None:
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+        self.block_bytes = 4 * hasher.block_size
+        self.roots: dict[Namespace, Node] = {}
+        self.num_blocks = 0  # blocks in any tree
+        self.active_blocks = 0  # blocks in trees whose node has ref > 0
+        self.num_nodes = 0
+
+    # ---- per-node accessors ---------------------------------------------------------------
+    def block_tokens(self, node: Node, i: int) -> bytes:
+        """The int32 LE token bytes of the node's ``i``-th block."""
+        bb = self.block_bytes
+        return bytes(node.tokens[i * bb : (i + 1) * bb])
+
+    def _group_add(self, parent: Node, node: Node, token: int, key: bytes) -> None:
+        """File ``node`` (first block's tokens ``key``) under its first token next to siblings
+        that start with it too."""
+        assert parent.by_token is not None
+        group = parent.by_token[token]
+        if isinstance(group, TokenGroup):
+            group.add(key, node)
+        else:
+            other = bytes(group.tokens[: self.block_bytes])
+            pair = [(other, group), (key, node)] if other < key else [(key, node), (other, group)]
+            parent.by_token[token] = TokenGroup([k for k, _ in pair], [n for _, n in pair])
+
+    # ---- lookup ---------------------------------------------------------------------------
+    def root(self, namespace: Namespace) -> Node:
+        """The namespace's root, created on demand."""
+        node = self.roots.get(namespace)
+        if node is None:
+            node = Node(None, 0)
+            node.digests = bytearray(self.hasher.seed(namespace))
+            node.namespace = namespace
+            self.roots[namespace] = node
+        return node
+
+    def match(self, root: Node, buf: bytes, num_full: int) -> MatchResult:
+        """Longest cached prefix of the first ``num_full`` blocks of ``buf``. Read-only."""
+        bb = self.block_bytes
+        hash_digest = self.hasher.digest
+        starts = self.hasher.block_starts(num_full)
+        node, j, n = root, 0, 0
+        digest = bytes(root.digests)
+        while n < num_full:
+            children = node.children
+            if not children:
+                break
+            child = children.get(hash_digest(digest + starts[n] + buf[n * bb : (n + 1) * bb]))
+            if child is None:
+                break
+            k = len(child.blocks)
+            if k <= num_full - n and buf.startswith(child.tokens, n * bb):  # the whole node
+                m = k
+            else:
+                m = self.common_blocks(child, buf, n, min(k, num_full - n))
+            if m == 0:  # digest collision on the first block: not a hit
+                break
+            node, j, n = child, m, n + m
+            digest = bytes(child.digests[(m - 1) * D : m * D])
+            if m < len(child.blocks):
+                break
+        return _new(MatchResult, (node, j, n, digest))
+
+    def common_blocks(self, node: Node, buf: bytes | bytearray, start: int, k: int) -> int:
+        """How many of the node's first ``k`` blocks equal the sequence's from block ``start``."""
+        bb = self.block_bytes
+        same = common_tokens(node.tokens[: k * bb], buf[start * bb : (start + k) * bb])
+        return same // self.block_size
+
+    def path_blocks(self, node: Node | None) -> list[int]:
+        """Physical ids of every block from the root down to the end of ``node``."""
+        runs = []
+        while node is not None and node.parent is not None:
+            runs.append(node.blocks)
+            node = node.parent
+        out: list[int] = []
+        for run in reversed(runs):
+            out.extend(run)
+        return out
+
+    def partial_match(self, match: MatchResult, buf: bytes, limit: int) -> PartialMatch | None:
+        """The cached block that shares the most (at most ``limit``, at least 1) leading tokens
+        with the sequence's block ``match.n``, the first one not matched in full.
+
+        Where the match stops inside a node, that node's next block is the only candidate (its
+        siblings' first blocks differ from the matched one); otherwise the children of the
+        matched node are searched in token order, whose two neighbours of the query share the
+        longest prefix with it.
+        """
+        node, j = match.node, match.j
+        start = match.n * self.block_bytes
+        query = buf[start : start + 4 * limit]
+        if j < len(node.blocks):  # the match ended inside the node
+            bb = self.block_bytes
+            m = common_tokens(node.tokens[j * bb : j * bb + 4 * limit], query)
+            return _new(PartialMatch, (node, m)) if m > 0 else None
+        group = node.by_token.get(int.from_bytes(query[:4], "little")) if node.by_token else None
+        if group is None:  # no child starts with the same token
+            return None
+        width = len(query)
+        if not isinstance(group, TokenGroup):
+            m = common_tokens(group.tokens[:width], query)
+            return _new(PartialMatch, (group, m)) if m > 0 else None
+        # the two neighbours of the query in token order share the most with it
+        keys, nodes = group.keys, group.nodes
+        i = bisect_left(keys, query)
+        lo = i - 1 if i else 0
+        best, best_m = nodes[lo], common_tokens(keys[lo][:width], query)
+        if lo + 1 < len(keys) and lo < i:
+            m = common_tokens(keys[i][:width], query)
+            if m > best_m or (m == best_m and nodes[i].last_access > best.last_access):
+                best, best_m = nodes[i], m  # the longer match; on a tie the more recent block
+        return _new(PartialMatch, (best, best_m)) if best_m > 0 else None
+
+    # ---- structure ------------------------------------------------------------------------
+    def split(self, node: Node, j: int) -> Node:
+        """Split ``node`` after ``j`` blocks; returns the new upper node. ``node`` keeps the rest
+        (and its identity, so holders that point at it stay valid)."""
+        parent = node.parent
+        assert parent is not None and parent.children is not None and parent.by_token is not None
+        assert 0 < j < len(node.blocks)
+        bb = self.block_bytes
+        token = _first_token(node)
+        group = parent.by_token[token]
+        if isinstance(group, TokenGroup):
+            i = group.position(node, bytes(node.tokens[:bb]))
+        upper = Node(
+            parent, node.depth, node.digests[: j * D], node.tokens[: j * bb], node.blocks[:j]
+        )
+        del node.digests[: j * D]
+        del node.tokens[: j * bb]
+        del node.blocks[:j]
+        upper.ref, upper.last_access, upper.hits = node.ref, node.last_access, node.hits
+        upper.priority, upper.retain_until = node.priority, node.retain_until
+        upper.later = node.later
+        upper.namespace = node.namespace
+        parent.children[upper.digest(0)] = upper
+        if isinstance(group, TokenGroup):  # same first block, same place in the order
+            group.nodes[i] = upper
+        else:
+            parent.by_token[token] = upper
+        upper.children = {node.digest(0): node}
+        upper.by_token = {_first_token(node): node}
+        node.parent = upper
+        node.depth += j
+        self.num_nodes += 1
+        return upper
+
+    def add(
+        self,
+        parent: Node,
+        digests: list[bytes],
+        tokens: bytes | bytearray,
+        blocks: list[int],
+        now: float,
+    ) -> Node:
+        """Store a run of blocks after ``parent``, held once by the caller.
+
+        Extends ``parent`` in place when the caller is its only holder and it is a leaf, so a
+        growing sequence keeps few nodes; otherwise (or once the node is long) adds a child.
+        """
+        if (
+            parent.parent is not None
+            and parent.ref == 1
+            and not parent.children
+            and len(parent.blocks) < MAX_GROW_BLOCKS
+        ):
+            node = parent
+            node.digests += b"".join(digests)
+            node.tokens += tokens
+            node.blocks.extend(blocks)
+        else:
+            node = Node(
+                parent,
+                parent.end if parent.parent is not None else 0,
+                bytearray(b"".join(digests)),
+                bytearray(tokens),
+                array("i", blocks),
+            )
+            node.ref = 1
+            node.namespace = parent.namespace
+            if parent.children is None or parent.by_token is None:
+                parent.children, parent.by_token = {}, {}
+            parent.children[digests[0]] = node
+            token = int.from_bytes(tokens[:4], "little")
+            if token in parent.by_token:
+                self._group_add(parent, node, token, bytes(tokens[: self.block_bytes]))
+            else:  # the usual case: the first child with this first token
+                parent.by_token[token] = node
+            self.num_nodes += 1
+        node.last_access = now
+        self.num_blocks += len(blocks)
+        self.active_blocks += len(blocks)
+        return node
+
+    def hold(
+        self, node: Node | None, now: float, *, hit: bool = False, upto: Node | None = None
+    ) -> None:
+        """Take one reference on every node from ``node`` up to the root, or up to (not
+        including) ``upto`` when the caller already holds that one. ``hit``: count a hit."""
+        while node is not None and node is not upto and node.parent is not None:
+            if node.ref == 0:
+                self.active_blocks += len(node.blocks)
+            node.ref += 1
+            node.last_access = now
+            node.hits += hit
+            node = node.parent
+
+    def unhold(self, node: Node | None, now: float) -> Node | None:
+        """Drop one reference from ``node`` up to the root. Returns ``node`` if it became an
+        evictable leaf (only the deepest node of a path can be a leaf)."""
+        deepest = node
+        while node is not None and node.parent is not None:
+            node.ref -= 1
+            node.last_access = now
+            if node.ref == 0:
+                self.active_blocks -= len(node.blocks)
+            node = node.parent
+        if (
+            deepest is not None
+            and deepest.parent is not None
+            and deepest.ref == 0
+            and not deepest.children
+        ):
+            return deepest
+        return None
+
+    def evict_tail(self, node: Node, k: int) -> tuple[list[int], bytes]:
+        """Remove the last ``k`` blocks of an unreferenced leaf, in O(k). Returns their ids and
+        their concatenated digests."""
+        assert node.ref == 0 and not node.children and 0 < k <= len(node.blocks)
+        if k == len(node.blocks):
+            self._detach(node)
+        ids = node.blocks[-k:].tolist()
+        digests = bytes(node.digests[-k * D :])
+        del node.blocks[-k:]
+        del node.digests[-k * D :]
+        del node.tokens[-k * self.block_bytes :]
+        self.num_blocks -= k
+        return ids, digests
+
+    def remove_subtree(self, top: Node) -> list[tuple[Node, list[int], bytes]]:
+        """Take ``top`` and everything below it out of the index (nobody may hold them).
+
+        Returns, per removed node, the node (detached), its block ids and its digests."""
+        self._detach(top)
+        out = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            assert node.ref == 0, "removing a held node"
+            if node.children:
+                stack.extend(node.children.values())
+            if node is not top:
+                self.num_nodes -= 1
+            out.append((node, node.blocks.tolist(), bytes(node.digests)))
+            self.num_blocks -= len(node.blocks)
+            node.parent = None
+        return out
+
+    def _detach(self, node: Node) -> None:
+        """Unlink ``node`` from its parent (a root left without children is dropped)."""
+        parent = node.parent
+        assert parent is not None and parent.children is not None and parent.by_token is not None
+        del parent.children[bytes(node.digests[:D])]
+        token = int.from_bytes(node.tokens[:4], "little")
+        group = parent.by_token[token]
+        if group is node:
+            del parent.by_token[token]
+        else:
+            assert isinstance(group, TokenGroup)
+            i = group.position(node, node.tokens[: self.block_bytes])  # bytes compare alike
+            del group.keys[i], group.nodes[i]
+            if len(group.nodes) == 1:
+                parent.by_token[token] = group.nodes[0]
+        if not parent.children:
+            parent.children = parent.by_token = None
+            if parent.parent is None:
+                assert parent.namespace is not None
+                del self.roots[parent.namespace]
+        node.parent = None
+        self.num_nodes -= 1
+
+    def subtree_blocks(self, node: Node) -> int:
+        """Blocks cached at or below ``node`` (computed on demand: reports, scheduling)."""
+        total, stack = 0, [node]
+        while stack:
+            cur = stack.pop()
+            total += len(cur.blocks)
+            if cur.children:
+                stack.extend(cur.children.values())
+        return total
+
+    def namespace_of(self, node: Node) -> Namespace:
+        """The namespace of the tree ``node`` is (or was last) in."""
+        assert node.namespace is not None
+        return node.namespace
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every non-root node of every tree (depth-first)."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            if node.children:
+                stack.extend(node.children.values())

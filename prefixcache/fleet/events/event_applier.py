@@ -1,0 +1,267 @@
+"""Apply one replica's decoded KV events to a fleet index.
+
+Events carry token ids, so blocks are keyed by prefixcache's own chained digests, recomputed from
+the tokens and the parent's digest: an engine's own hashes (vLLM's, SGLang's) only serve to find a
+block's parent and to map removals, through the replica's map engine hash -> (digest, position,
+media) (``ReplicaStream.blocks``).
+
+The namespace of a chain's first block is the endpoint's namespace with ``adapter`` set from
+``lora_name`` (when given; its version is the one a replica dedicated to that adapter pins, as
+the router's clients name it) and the first block's ``extra_keys``: prefixcache's publisher sends
+``(name, value)`` pairs (``adapter_version``, ``salt``, ``extra``). vLLM's keys are the LoRA name
+(dropped: ``lora_name`` carries it), multimodal keys, then ``cache_salt`` on a first block: a
+single string left after the LoRA name is that salt. Any other keys become ``Namespace.extra``
+entries, each the JSON text of one key (prompts the router cannot build, as multimodal ones).
+
+Only the main attention group (``group_idx`` 0 or absent) is indexed, for stores and removals
+alike: a hybrid model's sliding-window group evicts blocks whose hashes equal the main group's.
+Blocks of a LoRA adapter announced by ``lora_id`` alone (older vLLM layouts, SGLang) are not
+indexed either: without the adapter's name they cannot be told from the base model's. Both are
+counted as skipped, not as errors.
+A ``BlockStored`` without token ids (vLLM's CPU offload announces blocks it copied from the GPU
+that way) adds its medium to blocks the replica already holds; unknown ones are skipped.
+
+An event that does not fit (wrong block size, token count, unknown parent, too many tokens) is
+counted as malformed and logged; nothing else changes.
+
+With a shared engine map (``SharedEngineMap``, kept by a Redis index), every stored block's engine
+hash is remembered there and forgotten once the replica holds it nowhere; a replica joined midway
+(``ReplicaStream.inherited``) looks up there the blocks stored before this subscriber came, so
+their removals and continuations apply as if it had seen them stored (counted as recalled). An
+event whose lookup the index cannot answer now (away) is not applied: ``apply`` says which.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.blocks.tokens import as_token_array
+from prefixcache.errors import InvalidTokensError
+from prefixcache.fleet.events.replica_stream import ReplicaStream, engine_key
+from prefixcache.fleet.events.wire import BlockHash, RemovedBlocks, StoredBlocks
+from prefixcache.fleet.index.prefix_index import CPU, GPU, FleetIndex, SharedEngineMap
+
+log = logging.getLogger(__name__)
+
+_MEDIA = {None: GPU, "GPU": GPU, "CPU": CPU}
+_BIT = {GPU: 1, CPU: 2}
+_OWN_KEYS = ("adapter_version", "salt", "extra")
+
+
+class EventApplier:
+    """Applies events of followed replicas to ``index`` (and to ``engine_map``, when the index
+    keeps one). The caller serialises the calls (the subscriber's lock)."""
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        engine_map: SharedEngineMap | None,
+        *,
+        max_blocks_per_replica: int,
+        max_tokens_per_event: int,
+    ) -> None:
+        self.index = index
+        self.engine_map = engine_map
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self.max_tokens_per_event = max_tokens_per_event
+        # (model, adapter) -> the version the fleet pins (``pinned_adapter_versions``)
+        self.versions: dict[tuple[str, str], str] = {}
+
+    def apply(self, rep: ReplicaStream, events: Sequence[Any]) -> int | None:
+        """Apply ``events`` in order; the index of the first that needs a lookup the shared
+        index cannot answer now (nothing of it applied), or None when all were applied."""
+        for k, event in enumerate(events):
+            if isinstance(event, StoredBlocks):
+                done = self._stored(rep, event)
+            elif isinstance(event, RemovedBlocks):
+                done = self._removed(rep, event)
+            else:
+                self.clear(rep)
+                done = True
+            if not done:
+                return k
+            rep.counts.events += 1
+        return None
+
+    def clear(self, rep: ReplicaStream) -> None:
+        """The replica holds nothing any more: cleared here and in the index, and counted."""
+        rep.blocks.clear()
+        rep.inherited = False  # the index holds nothing of it either
+        rep.skipped_hashes.clear()
+        self.index.clear(rep.ep.name)
+        rep.counts.cleared += 1
+
+    def _stored(self, rep: ReplicaStream, ev: StoredBlocks) -> bool:
+        name = rep.ep.name
+        n = len(ev.block_hashes)
+        p = rep.ep.block_size
+        medium = _MEDIA.get(ev.medium)
+        problem = None
+        if ev.group_idx not in (None, 0) or (ev.lora_id is not None and ev.lora_name is None):
+            rep.counts.skipped += n  # by rule: another group's copy, or a LoRA of unknown name
+            if rep.inherited and ev.group_idx in (None, 0):  # its removals need no lookup
+                rep.skipped_hashes.update(ev.block_hashes)
+            return True
+        if medium is None:
+            problem = f"medium {ev.medium!r}"
+        elif ev.block_size != p:
+            problem = f"block_size {ev.block_size}, expected {p}"
+        elif not ev.token_ids and n:
+            return self._stored_known(rep, ev, medium)
+        elif len(ev.token_ids) > self.max_tokens_per_event:
+            problem = f"{len(ev.token_ids)} tokens (max_tokens_per_event)"
+        elif len(ev.token_ids) != n * p:
+            problem = f"{len(ev.token_ids)} tokens for {n} blocks of {p}"
+        if problem is None:
+            try:
+                body = as_token_array(ev.token_ids, allow_empty=True).tobytes()
+            except InvalidTokensError as exc:
+                problem = str(exc)
+        if problem is None and ev.parent_block_hash is None:
+            prev, pos = rep.hasher.seed(self._namespace(rep, ev)), 0
+        elif problem is None:
+            parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
+            if parent is None and rep.inherited:
+                if not self._recall(rep, [ev.parent_block_hash]):  # type: ignore[list-item]
+                    return False
+                parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
+            if parent is None:
+                problem = "unknown parent block"
+            else:
+                prev, pos = parent[0], parent[1] + 1
+        if problem is not None:
+            rep.counts.malformed += 1
+            log.warning("replica %s: stored event skipped: %s", name, problem)
+            return True
+        assert medium is not None
+        bit = _BIT[medium]
+        blocks = rep.blocks
+        chain = rep.hasher.hash_run(body, prev, pos)  # ours, one per engine hash
+        digests = []
+        for k, (h, digest) in enumerate(zip(ev.block_hashes, chain, strict=True)):
+            entry = blocks.get(h)
+            if entry is None:
+                if len(blocks) >= self.max_blocks_per_replica:
+                    rep.counts.overflow += n - k
+                    break
+                blocks[h] = [digest, pos + k, bit]
+            else:
+                entry[0], entry[1], entry[2] = digest, pos + k, entry[2] | bit
+            digests.append(digest)
+        self.index.store(name, digests, medium)
+        if self.engine_map is not None:
+            keys = [engine_key(h) for h in ev.block_hashes[: len(digests)]]
+            self.engine_map.remember(name, keys, digests, pos)
+        rep.counts.blocks_stored += len(digests)
+        return True
+
+    def _stored_known(self, rep: ReplicaStream, ev: StoredBlocks, medium: str) -> bool:
+        """A store without tokens: another medium for blocks the replica holds already."""
+        bit, blocks = _BIT[medium], rep.blocks
+        if rep.inherited and not self._recall(rep, ev.block_hashes):
+            return False
+        digests = []
+        for h in ev.block_hashes:
+            entry = blocks.get(h)
+            if entry is not None:
+                entry[2] |= bit
+                digests.append(entry[0])
+        if len(digests) < len(ev.block_hashes):
+            rep.counts.malformed += 1
+            log.warning(
+                "replica %s: %d of %d blocks stored without tokens are unknown; skipped",
+                rep.ep.name,
+                len(ev.block_hashes) - len(digests),
+                len(ev.block_hashes),
+            )
+        if digests:
+            self.index.store(rep.ep.name, digests, medium)
+            rep.counts.blocks_stored += len(digests)
+        return True
+
+    def _removed(self, rep: ReplicaStream, ev: RemovedBlocks) -> bool:
+        if ev.group_idx not in (None, 0):  # another group's copy of the same hashes
+            return True
+        medium = None if ev.medium is None else _MEDIA.get(ev.medium)
+        if ev.medium is not None and medium is None:
+            rep.counts.malformed += 1
+            log.warning("replica %s: removed event skipped: medium %r", rep.ep.name, ev.medium)
+            return True
+        bits = 3 if medium is None else _BIT[medium]
+        blocks = rep.blocks
+        if rep.inherited and not self._recall(rep, ev.block_hashes):
+            return False
+        digests, gone = [], []
+        for h in ev.block_hashes:
+            entry = blocks.get(h)
+            if entry is None or not entry[2] & bits:
+                continue
+            entry[2] &= ~bits
+            if not entry[2]:
+                del blocks[h]
+                gone.append(h)
+            digests.append(entry[0])
+        self.index.remove(rep.ep.name, digests, medium)
+        if rep.skipped_hashes:
+            rep.skipped_hashes.difference_update(ev.block_hashes)
+        if self.engine_map is not None and gone:
+            self.engine_map.forget(rep.ep.name, [engine_key(h) for h in gone])
+        rep.counts.blocks_removed += len(digests)
+        return True
+
+    def _recall(self, rep: ReplicaStream, hashes: Sequence[BlockHash]) -> bool:
+        """Blocks of ``hashes`` unknown here that the shared engine map remembers (stored before
+        this subscriber joined the stream) become known, where the replica still holds them."""
+        assert self.engine_map is not None
+        skipped = rep.skipped_hashes
+        unknown = {engine_key(h): h for h in hashes if h not in rep.blocks and h not in skipped}
+        if not unknown:
+            return True
+        found = self.engine_map.recall(rep.ep.name, list(unknown))
+        if found is None:  # the index cannot say now (away): the event waits (False)
+            return False
+        for key, block in found.items():
+            if block.media and len(rep.blocks) < self.max_blocks_per_replica:
+                rep.blocks[unknown[key]] = [block.digest, block.position, block.media]
+                rep.counts.recalled += 1
+        return True
+
+    def _namespace(self, rep: ReplicaStream, ev: StoredBlocks) -> Namespace:
+        ns = rep.ep.namespace
+        adapter = ev.lora_name if ev.lora_name is not None else ns.adapter
+        # the replica's own adapter has its version; another one the version the fleet pins
+        if adapter == ns.adapter:
+            version = ns.adapter_version
+        else:
+            version = None if adapter is None else self.versions.get((ns.model, adapter))
+        keys = ev.extra_keys[0] if ev.extra_keys else None
+        if keys and ev.lora_name is not None:  # vLLM also hashes the LoRA name as a key
+            keys = [k for k in keys if k != ev.lora_name]
+        if keys and len(keys) == 1 and isinstance(keys[0], str):  # vLLM's cache_salt
+            return Namespace(ns.model, adapter, version, keys[0], ns.extra)
+        if not keys:
+            if adapter == ns.adapter:
+                return ns
+            return Namespace(ns.model, adapter, version, ns.salt, ns.extra)
+        fields: dict[str, Any] = {"adapter_version": version, "salt": ns.salt}
+        extra: list[str] = list(ns.extra)
+        own = all(
+            isinstance(k, (list, tuple))
+            and len(k) == 2
+            and k[0] in _OWN_KEYS
+            and isinstance(k[1], str)
+            for k in keys
+        )
+        for k in keys:
+            if not own:
+                extra.append(msgspec.json.encode(k).decode())
+            elif k[0] == "extra":
+                extra.append(k[1])
+            else:
+                fields[k[0]] = k[1]
+        return Namespace(ns.model, adapter, fields["adapter_version"], fields["salt"], tuple(extra))

@@ -1,0 +1,402 @@
+"""Ingest KV event streams from many replicas into a fleet index: the stream intake.
+
+One ``ReplicaEndpoint`` per replica (an engine's data-parallel rank): its event endpoint, its
+optional replay endpoint, the namespace its blocks live in, its block size. A poller thread
+(``start()``) reads every replica's PUB endpoint, or bytes are handed to ``ingest()``. Each
+message's sequence number is checked here; its events are applied by ``event_applier`` (blocks
+keyed by prefixcache's own digests, namespaces, the rules for what is indexed) through
+``deferral`` (events waiting, in order, for a shared index that cannot answer now); missed
+batches are asked of the replica's replay endpoint by ``replay_client``.
+
+Sequence rules, per replica:
+
+- the next number: the batch is applied;
+- a jump forward (a gap, or a first batch after 0): the gap is counted, the missing batches are
+  fetched from the replay endpoint and applied first; if there is no replay endpoint, or it no
+  longer has them all, the replica is cleared (its entries may be stale) before applying. The
+  first batch this subscriber sees of a replica is the exception: what the index already holds
+  for it came from other routers sharing the index (or from before a router restart), so it is
+  kept; an index that keeps a shared engine map (Redis: ``SharedEngineMap``) names the last
+  batch applied to it, so only the batches after it are a gap (cleared when unfilled, as
+  above), tells a restarted engine (an applied number on a newer batch, or the replay of the
+  last applied batch stamped otherwise: cleared, its earlier batches a gap), and maps the
+  engine hashes of blocks stored before, so their removals and continuations apply as if this
+  subscriber had seen them stored (counted as recalled);
+- a number at or below the last one: the publisher restarted; the replica is cleared and
+  counted as a reset, then the new stream's batches before this one count as a gap (above);
+- ``AllBlocksCleared`` clears the replica.
+
+A message that does not decode is counted and logged; its sequence number still counts (the
+next message is no gap), nothing else changes.
+
+Readers of the counters (metrics scrapes) never wait for the ingestion, which may be waiting on a
+replay endpoint: they read a snapshot without its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import zmq
+
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.errors import (
+    ConfigError,
+    FleetCapacityError,
+    InvalidArgumentError,
+    WireFormatError,
+)
+from prefixcache.fleet.events.deferral import DeferringApplier
+from prefixcache.fleet.events.event_applier import EventApplier
+from prefixcache.fleet.events.ingest import IngestCounts
+from prefixcache.fleet.events.replay_client import fetch_batches
+from prefixcache.fleet.events.replica_stream import (
+    ReplicaCounters,
+    ReplicaEndpoint,
+    ReplicaStream,
+    engine_key,
+)
+from prefixcache.fleet.events.wire import BatchDecoder, decode_seq
+from prefixcache.fleet.index.prefix_index import AppliedBatch, FleetIndex, SharedEngineMap
+from prefixcache.fleet.replica_spec import pinned_adapter_versions
+
+log = logging.getLogger(__name__)
+
+
+class KVEventSubscriber:
+    """Feeds ``index`` from the replicas' event streams (``start()`` runs a poller thread) or
+    from bytes handed to ``ingest()``."""
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        endpoints: Iterable[ReplicaEndpoint] = (),
+        *,
+        max_replicas: int = 1024,
+        max_blocks_per_replica: int = 4_000_000,
+        max_tokens_per_event: int = 1 << 20,
+        replay_timeout: float = 2.0,
+        max_deferred_events: int = 100_000,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.index = index
+        self.max_replicas = max_replicas
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self.max_tokens_per_event = max_tokens_per_event
+        self.replay_timeout = replay_timeout
+        self.max_deferred_events = max_deferred_events
+        self._ctx = context or zmq.Context.instance()
+        self._decoder = BatchDecoder()
+        self._lock = threading.RLock()
+        self._replicas: dict[str, ReplicaStream] = {}
+        self._engine_map = index if isinstance(index, SharedEngineMap) else None
+        self._events = EventApplier(
+            index,
+            self._engine_map,
+            max_blocks_per_replica=max_blocks_per_replica,
+            max_tokens_per_event=max_tokens_per_event,
+        )
+        self._batches = DeferringApplier(self._events, max_deferred_events)
+        if self._engine_map is not None:
+            self._engine_map.attach_engine_source(self._engine_entries)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for ep in endpoints:
+            self.add_replica(ep)
+
+    # ---- replicas -------------------------------------------------------------------------
+    def add_replica(self, ep: ReplicaEndpoint) -> None:
+        """Follow one more replica (picked up by a running poller within its next poll)."""
+        if not isinstance(ep, ReplicaEndpoint):
+            raise InvalidArgumentError(f"expected a ReplicaEndpoint, got {type(ep).__name__}")
+        if not isinstance(ep.name, str) or not ep.name or len(ep.name) > 256:
+            raise InvalidArgumentError(
+                f"replica name must be a non-empty str of at most 256 characters: {ep.name!r}"
+            )
+        hasher = BlockHasher(ep.block_size, ep.hash_algo)  # validates both
+        with self._lock:
+            if ep.name in self._replicas:
+                raise InvalidArgumentError(f"replica {ep.name!r} is already followed")
+            if len(self._replicas) >= self.max_replicas:
+                raise FleetCapacityError(
+                    f"already following {self.max_replicas} replicas (max_replicas)"
+                )
+            self._replicas[ep.name] = ReplicaStream(ep, hasher)
+            self._pin_versions()
+
+    def remove_replica(self, name: str) -> None:
+        """Stop following ``name`` and drop it from the index."""
+        with self._lock:
+            if self._replicas.pop(name, None) is None:
+                raise InvalidArgumentError(f"replica {name!r} is not followed")
+            self._pin_versions()
+            self.index.drop_replica(name)
+
+    def _pin_versions(self) -> None:
+        self._events.versions = pinned_adapter_versions(
+            r.ep.namespace for r in self._replicas.values()
+        )
+
+    def counters(self) -> dict[str, ReplicaCounters]:
+        """Per-replica counters, a snapshot (taken without waiting for the ingestion)."""
+        replicas = sorted(self._replicas.items())  # a copy made in one step
+        return {name: rep.counters() for name, rep in replicas}
+
+    def ingest_counts(self) -> dict[str, IngestCounts]:
+        """The counters in the service's terms (``prefixcache.fleet.events.ingest.IngestStats``); a
+        snapshot taken without waiting for the ingestion."""
+        return {
+            name: IngestCounts(
+                events=rep.counts.batches,
+                blocks_stored=rep.counts.blocks_stored,
+                blocks_removed=rep.counts.blocks_removed,
+                sequence_gaps=rep.counts.gaps,
+                errors=rep.counts.malformed,
+                blocks_skipped=rep.counts.skipped,
+                blocks_recalled=rep.counts.recalled,
+            )
+            for name, rep in sorted(self._replicas.items())  # a copy made in one step
+        }
+
+    # ---- ingestion ------------------------------------------------------------------------
+    def ingest(self, replica: str, seq: int, payload: bytes) -> int:
+        """Apply one message of ``replica`` (sequence ``seq``); the batches applied (replayed
+        ones included, not a malformed message, which is counted)."""
+        with self._lock:
+            rep = self._replicas.get(replica)
+            if rep is None:
+                raise InvalidArgumentError(f"replica {replica!r} is not followed")
+            if isinstance(seq, bool) or not isinstance(seq, int):
+                raise InvalidArgumentError(f"seq must be an int, got {seq!r}")
+            return self._ingest(rep, seq, payload)
+
+    def _ingest(self, rep: ReplicaStream, seq: int, payload: bytes) -> int:
+        ts: float | None = None
+        try:
+            batch = self._decoder.decode(payload)
+            events: Sequence[Any] | None = batch.events
+            ts = batch.ts
+        except WireFormatError as exc:
+            rep.counts.malformed += 1
+            log.warning("replica %s: malformed batch %d: %s", rep.ep.name, seq, exc)
+            events = None  # lost, but its number counts: the next batch is no gap
+        applied = 0
+        known: AppliedBatch | None = None
+        if not rep.seen and self._engine_map is not None:
+            # joining: the index holds what other routers (or this one before a restart)
+            # applied, up to the batch it names; only the batches after it are missing
+            known = self._engine_map.last_applied(rep.ep.name)
+            rep.inherited = seq > 0
+            if known is not None and self._new_stream(rep, known, seq, ts):
+                # the engine restarted since: its earlier blocks are gone, and the new
+                # stream's first batches are a gap
+                rep.counts.resets += 1
+                log.info(
+                    "replica %s: a new stream since batch %d was applied; clearing",
+                    rep.ep.name,
+                    known.seq,
+                )
+                self._batches.restart(rep)
+                known = None
+            elif known is not None:
+                rep.last_seq = min(known.seq, seq - 1)
+        elif seq <= rep.last_seq:
+            rep.counts.resets += 1
+            log.info("replica %s: sequence went back to %d; clearing", rep.ep.name, seq)
+            self._batches.restart(rep)
+            rep.last_seq = -1  # batches 0 .. seq-1 of the new stream are a gap
+        if seq > rep.last_seq + 1:
+            rep.counts.gaps += 1
+            missed = self._replay(rep, rep.last_seq + 1, seq)
+            if missed is None and known is not None and not self._applied_since(rep, seq):
+                log.warning(
+                    "replica %s: batches %d..%d lost by every router; clearing",
+                    rep.ep.name,
+                    rep.last_seq + 1,
+                    seq - 1,
+                )
+                self._batches.restart(rep)
+            elif missed is None and not rep.seen:
+                log.info(
+                    "replica %s: joined its stream at batch %d; batches %d..%d not replayed, "
+                    "the index keeps what it holds",
+                    rep.ep.name,
+                    seq,
+                    rep.last_seq + 1,
+                    seq - 1,
+                )
+            elif missed is None:
+                log.warning(
+                    "replica %s: batches %d..%d lost; clearing",
+                    rep.ep.name,
+                    rep.last_seq + 1,
+                    seq - 1,
+                )
+                self._batches.restart(rep)
+            else:
+                rep.counts.replays += 1
+                for s, p in missed:
+                    try:
+                        self._batches.apply(rep, self._decoder.decode(p).events)
+                    except WireFormatError as exc:
+                        rep.counts.malformed += 1
+                        log.warning(
+                            "replica %s: malformed replayed batch %d: %s", rep.ep.name, s, exc
+                        )
+                    applied += 1
+        rep.seen = True
+        rep.last_seq = seq
+        if events is not None:
+            self._batches.apply(rep, events)
+            applied += 1
+        if self._engine_map is not None and ts is not None and not rep.deferred:
+            self._engine_map.note_applied(rep.ep.name, seq, ts)
+        return applied
+
+    def _new_stream(
+        self, rep: ReplicaStream, known: AppliedBatch, seq: int, ts: float | None
+    ) -> bool:
+        """Whether batch ``seq`` (stamped ``ts``) is of another stream than the last batch the
+        shared index applied: a number already applied on a newer batch, or the replay of that
+        batch stamped otherwise."""
+        if seq <= known.seq:
+            return ts is not None and ts > known.ts
+        got = self._replay(rep, known.seq, known.seq + 1)
+        if not got:
+            return False  # no replay endpoint, or it no longer has that batch: cannot tell
+        try:
+            return self._decoder.decode(got[0][1]).ts != known.ts
+        except WireFormatError:
+            return False
+
+    def _applied_since(self, rep: ReplicaStream, seq: int) -> bool:
+        """Whether another router applied the batches before ``seq`` meanwhile (its note of
+        them may have lagged the first read); also when the index cannot say now (the note was
+        there a moment ago): a clear sent later would wipe what other routers hold."""
+        assert self._engine_map is not None
+        again = self._engine_map.last_applied(rep.ep.name)
+        return again is None or again.seq >= seq - 1
+
+    def _engine_entries(self, name: str) -> list[tuple[bytes, bytes, int]]:
+        """(engine key, digest, position) of each block ``name`` holds, as followed here: what
+        a shared index writes back after losing its engine map. Safe from another thread."""
+        rep = self._replicas.get(name)
+        if rep is None:
+            return []
+        blocks = rep.blocks.copy()  # one step under the GIL: the ingestion may be running
+        return [(engine_key(h), entry[0], entry[1]) for h, entry in blocks.items()]
+
+    def _replay(self, rep: ReplicaStream, start: int, end: int) -> list[tuple[int, bytes]] | None:
+        """Batches ``start .. end-1`` from the replica's replay endpoint, or None when it has
+        no replay endpoint or cannot provide them all."""
+        if rep.ep.replay_endpoint is None:
+            return None
+        return fetch_batches(
+            self._ctx,
+            rep.ep.replay_endpoint,
+            start,
+            end,
+            timeout_s=self.replay_timeout,
+            replica=rep.ep.name,
+        )
+
+    # ---- the poller thread ----------------------------------------------------------------
+    def start(self) -> None:
+        """Start the poller thread (subscribes to every replica with an endpoint)."""
+        if self._thread is not None:
+            raise ConfigError("the subscriber is already running")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the poller thread and close its sockets."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> KVEventSubscriber:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        sockets: dict[str, zmq.Socket[Any]] = {}
+        names: dict[Any, str] = {}
+        refused: dict[str, str | None] = {}  # replica -> the endpoint ZMQ would not connect to
+        flush = getattr(self.index, "flush", None)
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    wanted = {n: r.ep for n, r in self._replicas.items() if r.ep.endpoint}
+                for n in [n for n in sockets if n not in wanted]:
+                    sock = sockets.pop(n)
+                    poller.unregister(sock)
+                    del names[sock]
+                    sock.close(linger=0)
+                for n, ep in wanted.items():
+                    if n not in sockets and refused.get(n) != ep.endpoint:
+                        sock = self._ctx.socket(zmq.SUB)
+                        sock.setsockopt(zmq.LINGER, 0)
+                        sock.setsockopt(zmq.SUBSCRIBE, ep.topic.encode("utf-8"))
+                        assert ep.endpoint is not None
+                        try:
+                            sock.connect(ep.endpoint)
+                        except zmq.ZMQError as exc:  # one bad endpoint must not stop the others
+                            sock.close(linger=0)
+                            refused[n] = ep.endpoint
+                            with self._lock:
+                                if n in self._replicas:
+                                    self._replicas[n].counts.malformed += 1
+                            log.error("replica %s: cannot connect to %s: %s", n, ep.endpoint, exc)
+                            continue
+                        sockets[n] = sock
+                        names[sock] = n
+                        poller.register(sock, zmq.POLLIN)
+                ready = poller.poll(50)
+                for sock, _ in ready:
+                    name = names[sock]
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_message(name, frames)
+                with self._lock:  # events waiting for the shared index: try again
+                    for rep in self._replicas.values():
+                        if rep.deferred:
+                            self._batches.drain(rep)
+                if ready and flush is not None:  # a remote index: send what the round wrote
+                    try:
+                        flush()
+                    except Exception:  # the index counts its own failures; keep ingesting
+                        log.exception("flushing the fleet index failed")
+        finally:
+            for sock in sockets.values():
+                sock.close(linger=0)
+
+    def _on_message(self, name: str, frames: list[bytes]) -> None:
+        with self._lock:
+            rep = self._replicas.get(name)
+            if rep is None:
+                return
+            try:
+                if len(frames) != 3:
+                    raise WireFormatError(f"expected 3 frames, got {len(frames)}")
+                seq = decode_seq(frames[1])
+            except WireFormatError as exc:
+                rep.counts.malformed += 1
+                log.warning("replica %s: malformed message: %s", name, exc)
+                return
+            try:
+                self._ingest(rep, seq, frames[2])
+            except Exception:  # an index failure must not stop the poller
+                rep.counts.malformed += 1
+                log.exception("replica %s: batch %d not applied", name, seq)

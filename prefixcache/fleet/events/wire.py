@@ -1,0 +1,321 @@
+"""KV cache events on the wire, as vLLM publishes them: msgpack batches of tagged events.
+
+The structs below carry the field names, order, types and struct options of
+``vllm/distributed/kv_events.py`` as defined in vLLM at commit
+``0181ea3173e53eea8cf04a86891488e3dc89bb34``: ``KVEventBatch(ts, events, data_parallel_rank)``
+and the events ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, msgspec structs with
+``omit_defaults=True, gc=False`` and, for events, ``tag=True`` (the tag is the class name under the
+key ``"type"``). Block hashes are ``bytes | int`` there; prefixcache sends its 16-byte digests.
+Here the events are ``WireBlockStored``, ``WireBlockRemoved`` and ``WireAllBlocksCleared``, each
+tagged with vLLM's class name (prefixcache's own events of those names, which the publisher turns
+into these, are in ``prefixcache.manager.block_events``).
+
+vLLM has used three layouts, all decoded here (``decode_batch`` tries each):
+
+- ``WireLayout.MAP``: the batch and its events are maps; this is how the commit above declares
+  them, and what the publisher sends by default.
+- ``WireLayout.MAP_EVENTS``: the batch is an array ``[ts, events, data_parallel_rank]`` and each
+  event a tagged map; vLLM releases between the switch of events to maps (vLLM pull request
+  42892) and the commit above publish this.
+- ``WireLayout.ARRAY``: everything is an array, an event being ``[tag, field, ...]`` in
+  declaration order; vLLM before that switch (e.g. commit
+  ``b4e69e0af33f4698e157a262cc787fe61983cd3d``) and SGLang's
+  ``python/sglang/srt/disaggregation/kv_events.py`` (commit
+  ``006d053f182f9b488d2bd841afa06d5f9120a258``, whose ``BlockStored`` stops at ``lora_id`` and
+  whose batch has no rank) publish this.
+
+On the ZMQ side a message is three frames, ``(topic, sequence number as 8 big-endian bytes,
+payload)``; replay answers are ``(sequence, payload)`` pairs ended by ``(END_SEQ, b"")``.
+
+Decoding is lenient where engines differ (fields a version does not send get their defaults,
+unknown fields are ignored) and strict about types: anything else raises ``WireFormatError``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import msgspec
+
+from prefixcache.errors import WireFormatError
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+SEQ_BYTES = 8
+END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # replay: no more batches
+BlockHash = bytes | int
+
+
+class WireLayout(str, enum.Enum):
+    """Which of vLLM's encodings a publisher sends (see the module docstring)."""
+
+    MAP = "map"
+    MAP_EVENTS = "map-events"
+    ARRAY = "array"
+
+
+# ---- vLLM's structs, as declared (encoding) -------------------------------------------------
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of every KV cache event (map layout)."""
+
+
+class WireBlockStored(KVCacheEvent, tag="BlockStored"):
+    """A run of consecutive full blocks entered the cache."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class WireBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+    """Blocks left the cache (of ``medium``)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class WireAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
+    """The cache was reset."""
+
+
+WireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    """One published message: the events of one step (map layout)."""
+
+    ts: float
+    events: list[WireEvent]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayStored(WireBlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _ArrayRemoved(WireBlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _ArrayCleared(WireAllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: int | None = None
+
+
+class _MapEventsBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[WireEvent]
+    data_parallel_rank: int | None = None
+
+
+# ---- lenient structs for decoding -----------------------------------------------------------
+
+
+class _In(msgspec.Struct, gc=False, tag=True):
+    pass
+
+
+class _InStored(_In, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _InRemoved(_In, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _InCleared(_In, tag="AllBlocksCleared"):
+    pass
+
+
+class _InStoredA(_InStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _InRemovedA(_InRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _InClearedA(_InCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+_InMapEvent = _InStored | _InRemoved | _InCleared
+
+
+class _InMapBatch(msgspec.Struct, gc=False):
+    ts: float
+    events: list[_InMapEvent]
+    data_parallel_rank: int | None = None
+
+
+class _InMapEventsBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_InMapEvent]
+    data_parallel_rank: int | None = None
+
+
+class _InArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_InStoredA | _InRemovedA | _InClearedA]
+    data_parallel_rank: int | None = None
+
+
+# ---- what decoding hands back ---------------------------------------------------------------
+
+
+class StoredBlocks(NamedTuple):
+    """A decoded ``BlockStored``."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None
+    group_idx: int | None
+    lora_id: int | None = None  # set for LoRA blocks (the only LoRA field in older layouts)
+
+
+class RemovedBlocks(NamedTuple):
+    """A decoded ``BlockRemoved``."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None
+
+
+class ClearedAll(NamedTuple):
+    """A decoded ``AllBlocksCleared``."""
+
+
+DecodedEvent = StoredBlocks | RemovedBlocks | ClearedAll
+
+
+class DecodedBatch(NamedTuple):
+    """A decoded batch and the layout it came in."""
+
+    ts: float
+    events: list[DecodedEvent]
+    data_parallel_rank: int | None
+    layout: WireLayout
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_ARRAY_TYPES: dict[type, type] = {
+    WireBlockStored: _ArrayStored,
+    WireBlockRemoved: _ArrayRemoved,
+    WireAllBlocksCleared: _ArrayCleared,
+}
+
+
+def encode_batch(batch: KVEventBatch, layout: WireLayout = WireLayout.MAP) -> bytes:
+    """The msgpack payload of ``batch`` in ``layout``."""
+    if layout is WireLayout.MAP:
+        return _ENCODER.encode(batch)
+    if layout is WireLayout.MAP_EVENTS:
+        return _ENCODER.encode(_MapEventsBatch(batch.ts, batch.events, batch.data_parallel_rank))
+    if layout is WireLayout.ARRAY:
+        events = [
+            _ARRAY_TYPES[type(e)](*(getattr(e, f) for f in e.__struct_fields__))
+            for e in batch.events
+        ]
+        return _ENCODER.encode(_ArrayBatch(batch.ts, events, batch.data_parallel_rank))
+    raise WireFormatError(f"unknown wire layout {layout!r}")
+
+
+class BatchDecoder:
+    """Decodes payloads in any of the layouts; remembers the last one that worked, which it
+    tries first next time (a stream keeps one layout)."""
+
+    def __init__(self) -> None:
+        self._decoders: list[tuple[WireLayout, msgspec.msgpack.Decoder[Any]]] = [
+            (WireLayout.MAP, msgspec.msgpack.Decoder(_InMapBatch)),
+            (WireLayout.MAP_EVENTS, msgspec.msgpack.Decoder(_InMapEventsBatch)),
+            (WireLayout.ARRAY, msgspec.msgpack.Decoder(_InArrayBatch)),
+        ]
+
+    def decode(self, payload: bytes) -> DecodedBatch:
+        """The batch in ``payload``; ``WireFormatError`` when no layout fits."""
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise WireFormatError(f"payload must be bytes, got {type(payload).__name__}")
+        errors = []
+        for k, (layout, decoder) in enumerate(self._decoders):
+            try:
+                raw = decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                errors.append(f"{layout.value}: {exc}")
+                continue
+            if k:
+                self._decoders.insert(0, self._decoders.pop(k))
+            return DecodedBatch(
+                raw.ts, [_convert(e) for e in raw.events], raw.data_parallel_rank, layout
+            )
+        raise WireFormatError(
+            "not a KV event batch in any known layout (" + "; ".join(errors) + ")"
+        )
+
+
+def _convert(event: Any) -> DecodedEvent:
+    if isinstance(event, _InStored):
+        return StoredBlocks(
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            event.medium,
+            event.lora_name,
+            event.extra_keys,
+            event.group_idx,
+            event.lora_id,
+        )
+    if isinstance(event, _InRemoved):
+        return RemovedBlocks(event.block_hashes, event.medium, event.group_idx)
+    return ClearedAll()
+
+
+_DEFAULT_DECODER = BatchDecoder()
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode one payload (any layout); ``WireFormatError`` when it is not a KV event batch."""
+    return _DEFAULT_DECODER.decode(payload)
+
+
+def encode_seq(seq: int) -> bytes:
+    """The sequence-number frame: 8 bytes, big-endian."""
+    return seq.to_bytes(SEQ_BYTES, "big")
+
+
+def decode_seq(frame: bytes) -> int:
+    """The sequence number in a frame; ``WireFormatError`` unless it is 8 bytes."""
+    if len(frame) != SEQ_BYTES:
+        raise WireFormatError(f"sequence frame must be {SEQ_BYTES} bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)

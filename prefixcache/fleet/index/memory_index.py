@@ -1,0 +1,283 @@
+"""The fleet index in one process: one dict entry per block digest, replicas as bits of a mask.
+
+Each known replica owns a slot ``r``; a digest maps to an int whose bit ``2r`` says replica ``r``
+holds the block on GPU and bit ``2r + 1`` on CPU. A block shared by many replicas is one entry, and
+the masks are interned, so the common masks exist once. ``match`` walks the prompt's digests once,
+carrying the set of replicas still matching as a mask.
+
+Limits: at most ``max_replicas`` replicas (``FleetCapacityError`` beyond) and at most
+``max_blocks_per_replica`` blocks per replica. A store that would take a replica past its cap
+refuses the blocks beyond it and counts them in ``overflow(replica)``; the blocks it refuses are
+the tail of the stored run, so the replica's holdings stay prefix-closed. (Dropping the oldest
+entries instead would need a per-replica order, which would double the memory per block.)
+
+``clear`` and ``drop_replica`` scan every entry: O(indexed blocks), for rare events.
+
+One writer (the event ingestion) and any number of readers may use it at once: every read that
+walks a map walks a copy taken in one step, so a concurrent write never breaks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from prefixcache.blocks.hashing import DIGEST_SIZE
+from prefixcache.errors import FleetCapacityError, InvalidArgumentError
+from prefixcache.fleet.index.prefix_index import CPU, GPU, MEDIA, ReplicaMatch
+
+DEFAULT_MAX_REPLICAS = 1024
+DEFAULT_MAX_BLOCKS_PER_REPLICA = 16_000_000
+
+
+def check_replica(replica: object) -> str:
+    """``replica`` if it is a usable replica name, else ``InvalidArgumentError``."""
+    if not isinstance(replica, str) or not replica or len(replica) > 256:
+        raise InvalidArgumentError(
+            f"replica must be a non-empty str of at most 256 characters, got {replica!r}"
+        )
+    return replica
+
+
+def check_digests(digests: object) -> Sequence[bytes]:
+    """``digests`` if it is a sequence of 16-byte digests, else ``InvalidArgumentError``."""
+    if isinstance(digests, (bytes, str)) or not isinstance(digests, Sequence):
+        raise InvalidArgumentError(
+            f"digests must be a sequence of {DIGEST_SIZE}-byte digests, got {type(digests)}"
+        )
+    for d in digests:
+        if type(d) is not bytes or len(d) != DIGEST_SIZE:
+            raise InvalidArgumentError(f"a digest must be {DIGEST_SIZE} bytes, got {d!r}")
+    return digests
+
+
+def check_medium(medium: object, *, allow_none: bool = False) -> str | None:
+    """``medium`` if it is one of ``MEDIA`` (or None where allowed)."""
+    if medium is None and allow_none:
+        return None
+    if medium not in MEDIA:
+        raise InvalidArgumentError(f"medium must be one of {MEDIA}, got {medium!r}")
+    return str(medium)
+
+
+class MemoryFleetIndex:
+    """``FleetIndex`` in a dict: digest -> interned int mask of (replica, medium) bits."""
+
+    def __init__(
+        self,
+        *,
+        max_replicas: int = DEFAULT_MAX_REPLICAS,
+        max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
+    ) -> None:
+        for name, value in (
+            ("max_replicas", max_replicas),
+            ("max_blocks_per_replica", max_blocks_per_replica),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        self.max_replicas = max_replicas
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self._masks: dict[bytes, int] = {}
+        self._interned: dict[int, int] = {}
+        self._slot: dict[str, int] = {}  # replica -> slot r
+        self._names: dict[int, str] = {}
+        self._free: list[int] = []  # slots given up by dropped replicas
+        self._count: dict[str, int] = {}  # blocks held (any medium)
+        self._gpu_count: dict[str, int] = {}  # blocks held on GPU
+        self._overflow: dict[str, int] = {}
+
+    # ---- FleetIndex -----------------------------------------------------------------------
+    def store(self, replica: str, digests: Sequence[bytes], medium: str = GPU) -> None:
+        """``replica`` now holds the blocks ``digests`` (16-byte digests) on ``medium``.
+
+        Blocks beyond the replica's cap are refused and counted in ``overflow``."""
+        check_digests(digests)
+        check_medium(medium)
+        r = self._register(check_replica(replica))
+        bit = 1 << (2 * r + (medium == CPU))
+        both = 3 << (2 * r)
+        masks = self._masks
+        interned = self._interned
+        count = self._count[replica]
+        added = 0
+        cap = self.max_blocks_per_replica
+        get = masks.get
+        for k, d in enumerate(digests):
+            m = get(d, 0)
+            if m & bit:
+                continue
+            if not m & both:
+                if count >= cap:
+                    self._overflow[replica] += len(digests) - k
+                    break
+                count += 1
+            added += 1
+            m |= bit
+            masks[d] = interned.setdefault(m, m)
+        self._count[replica] = count
+        if medium == GPU:
+            self._gpu_count[replica] += added
+
+    def remove(self, replica: str, digests: Sequence[bytes], medium: str | None = None) -> None:
+        """``replica`` dropped ``digests`` from ``medium`` (from every medium when None)."""
+        check_digests(digests)
+        check_medium(medium, allow_none=True)
+        r = self._slot.get(check_replica(replica))
+        if r is None:
+            return
+        both = 3 << (2 * r)
+        bits = both if medium is None else 1 << (2 * r + (medium == CPU))
+        masks = self._masks
+        interned = self._interned
+        count = self._count[replica]
+        gpu_bit = 1 << (2 * r)
+        gpu_count = self._gpu_count[replica]
+        for d in digests:
+            m = masks.get(d, 0)
+            if not m & bits:
+                continue
+            if m & bits & gpu_bit:
+                gpu_count -= 1
+            m &= ~bits
+            if not m & both:
+                count -= 1
+            if m:
+                masks[d] = interned.setdefault(m, m)
+            else:
+                del masks[d]
+        self._count[replica] = count
+        self._gpu_count[replica] = gpu_count
+        if len(interned) > 4 * len(masks) + 1024:  # masks nobody uses any more
+            self._interned = {m: m for m in masks.values()}
+
+    def clear(self, replica: str) -> None:
+        """``replica`` holds nothing any more (restart, ``AllBlocksCleared``); it stays known."""
+        r = self._slot.get(check_replica(replica))
+        if r is None:
+            return
+        self._clear_slot(r)
+        self._count[replica] = self._gpu_count[replica] = 0
+
+    def drop_replica(self, replica: str) -> None:
+        """Forget ``replica`` entirely (removed from the fleet)."""
+        r = self._slot.get(check_replica(replica))
+        if r is None:
+            return
+        self._clear_slot(r)
+        del self._slot[replica], self._names[r], self._count[replica], self._overflow[replica]
+        del self._gpu_count[replica]
+        self._free.append(r)
+
+    def match(self, digests: Sequence[bytes]) -> list[ReplicaMatch]:
+        """Leading blocks of ``digests`` each known replica holds, one entry per replica."""
+        check_digests(digests)
+        get = self._masks.get
+        # a copy of the slots (taken in one C call): the ingestion thread may add a replica
+        # while this iterates them
+        return match_masks((get(d, 0) for d in digests), len(digests), self._slot.copy())
+
+    def replicas(self) -> list[str]:
+        """Every replica the index knows, sorted."""
+        return sorted(self._slot)
+
+    def num_blocks(self, replica: str) -> int:
+        """Blocks (on any medium) the index holds for ``replica``."""
+        return self._count.get(check_replica(replica), 0)
+
+    def num_blocks_many(self, replicas: Sequence[str], medium: str | None = None) -> dict[str, int]:
+        """Blocks held by each of ``replicas`` on ``medium`` (GPU only: the KV capacity a
+        replica's free room is measured against; None: any medium)."""
+        if medium is not None and check_medium(medium) != GPU:
+            raise InvalidArgumentError(f"medium must be {GPU!r} or None, got {medium!r}")
+        counts = self._count if medium is None else self._gpu_count
+        return {r: counts.get(check_replica(r), 0) for r in replicas}
+
+    # ---- beyond the contract --------------------------------------------------------------
+    def overflow(self, replica: str) -> int:
+        """Blocks refused for ``replica`` because it was at ``max_blocks_per_replica``."""
+        return self._overflow.get(check_replica(replica), 0)
+
+    def holdings(self, replica: str) -> dict[bytes, frozenset[str]]:
+        """Every digest ``replica`` holds and on which media (O(indexed blocks); for checks and
+        resynchronisation)."""
+        r = self._slot.get(check_replica(replica))
+        if r is None:
+            return {}
+        g, c = 1 << (2 * r), 1 << (2 * r + 1)
+        out: dict[bytes, frozenset[str]] = {}
+        for d, m in list(self._masks.items()):  # a snapshot: stores may run meanwhile
+            if m & (g | c):
+                out[d] = frozenset(x for x, b in ((GPU, g), (CPU, c)) if m & b)
+        return out
+
+    def num_entries(self) -> int:
+        """Distinct digests indexed (each shared by every replica holding it)."""
+        return len(self._masks)
+
+    # ---- internals ------------------------------------------------------------------------
+    def _register(self, replica: str) -> int:
+        r = self._slot.get(replica)
+        if r is not None:
+            return r
+        if len(self._slot) >= self.max_replicas:
+            raise FleetCapacityError(
+                f"the index already knows {self.max_replicas} replicas (max_replicas); "
+                f"drop one before adding {replica!r}"
+            )
+        r = self._free.pop() if self._free else len(self._slot)
+        self._slot[replica] = r
+        self._names[r] = replica
+        self._count[replica] = self._gpu_count[replica] = 0
+        self._overflow[replica] = 0
+        return r
+
+    def _clear_slot(self, r: int) -> None:
+        both = 3 << (2 * r)
+        masks = self._masks
+        interned = self._interned
+        for d, m in list(masks.items()):
+            if m & both:
+                m &= ~both
+                if m:
+                    masks[d] = interned.setdefault(m, m)
+                else:
+                    del masks[d]
+        if len(interned) > 4 * len(masks) + 1024:  # masks nobody uses any more
+            self._interned = {m: m for m in masks.values()}
+
+
+def match_masks(masks: Iterable[int], n: int, slots: Mapping[str, int]) -> list[ReplicaMatch]:
+    """Per replica (``slots``: name -> slot ``r``), the leading blocks of a chain of ``n`` blocks
+    whose masks (bit ``2r`` GPU, ``2r + 1`` CPU) are ``masks``, in order."""
+    if not slots:
+        return []
+    any_alive = 0
+    for r in slots.values():
+        any_alive |= 1 << (2 * r)
+    gpu_alive = any_alive
+    any_len: dict[int, int] = {}
+    gpu_len: dict[int, int] = {}
+    for i, m in enumerate(masks):
+        held = (m | (m >> 1)) & any_alive
+        if held != any_alive:
+            _record(any_alive & ~held, i, any_len)
+            any_alive = held
+        gpu = m & gpu_alive
+        if gpu != gpu_alive:
+            _record(gpu_alive & ~gpu, i, gpu_len)
+            gpu_alive = gpu
+        if not any_alive:
+            break
+    _record(any_alive, n, any_len)
+    _record(gpu_alive, n, gpu_len)
+    return [
+        ReplicaMatch(name, any_len.get(r, 0), gpu_len.get(r, 0))
+        for name, r in sorted(slots.items())
+    ]
+
+
+def _record(gone: int, length: int, out: dict[int, int]) -> None:
+    """Give every replica whose even bit is set in ``gone`` the matched ``length``."""
+    while gone:
+        low = gone & -gone
+        out[(low.bit_length() - 1) >> 1] = length
+        gone ^= low

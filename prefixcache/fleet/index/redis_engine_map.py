@@ -1,0 +1,99 @@
+"""The shared engine map in Redis: each replica's engine block hash -> block (``P:e:<name>``) and
+the last event batch a router applied (``P:s:<name>``), see ``redis_scripts`` for the keys.
+
+A router that joins a replica's stream midway (a restart, a new instance) reads them to replay
+only the batches the index missed and to map removals and continuations of blocks stored before
+it came. Writes go through the index's ``RedisSync``: queued with the index's own writes, the last
+applied batches written once per flush, and both written back after Redis lost its data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prefixcache.errors import InvalidArgumentError
+from prefixcache.fleet.index.prefix_index import AppliedBatch, EngineBlock
+from prefixcache.fleet.index.redis_scripts import as_bytes, as_text, remember_args
+from prefixcache.fleet.index.redis_sync import EngineSource, RedisSync
+
+
+class RedisEngineMap:
+    """``SharedEngineMap`` over a ``RedisSync`` (the Redis index is one)."""
+
+    def __init__(self, sync: RedisSync) -> None:
+        self.sync = sync
+
+    def remember(
+        self, replica: str, engine_keys: Sequence[bytes], digests: Sequence[bytes], position: int
+    ) -> None:
+        """``engine_keys[k]`` is the block ``digests[k]``, at ``position + k``."""
+        if len(engine_keys) != len(digests):
+            raise InvalidArgumentError(f"{len(engine_keys)} engine keys for {len(digests)} digests")
+        if not digests:
+            return
+        if any(len(key) > 0xFFFF for key in engine_keys):
+            raise InvalidArgumentError("engine keys must be at most 65,535 bytes")
+        entries = [
+            (key, digest, position + k)
+            for k, (key, digest) in enumerate(zip(engine_keys, digests, strict=True))
+        ]
+        sync = self.sync
+        with sync.lock:
+            sync.enqueue(sync.scripts.remember, remember_args(sync.prefix, replica, entries))
+
+    def forget(self, replica: str, engine_keys: Sequence[bytes]) -> None:
+        """The replica holds these blocks nowhere any more."""
+        if engine_keys:
+            sync = self.sync
+            with sync.lock:
+                sync.enqueue(sync.scripts.forget, [sync.prefix, replica, *engine_keys])
+
+    def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock] | None:
+        """The remembered ones of ``engine_keys``, with where the replica holds each now (one
+        round trip; None while Redis is unreachable)."""
+        if not engine_keys:
+            return {}
+        sync = self.sync
+        with sync.lock:
+            reply = sync.read(
+                lambda: sync.scripts.recall(
+                    keys=sync.keys,
+                    args=[sync.prefix, replica, *engine_keys],
+                    client=sync.client,  # the node serving the slot now, not the first one
+                )
+            )
+            if reply is None:
+                return None
+        out: dict[bytes, EngineBlock] = {}
+        for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
+            value = as_bytes(value)
+            if len(value) == 24:
+                out[key] = EngineBlock(value[:16], int.from_bytes(value[16:], "big"), int(media))
+        return out
+
+    def note_applied(self, replica: str, seq: int, ts: float) -> None:
+        """The replica's event batches up to ``seq`` (stamped ``ts``) are applied (written at
+        the next flush)."""
+        sync = self.sync
+        with sync.lock:
+            sync.applied[replica] = sync.applied_all[replica] = f"{int(seq)} {float(ts)!r}"
+
+    def last_applied(self, replica: str) -> AppliedBatch | None:
+        """The last batch of the replica's stream a router applied (None: unknown, or Redis
+        unreachable)."""
+        sync = self.sync
+        with sync.lock:
+            value = sync.read(lambda: sync.client.get(f"{sync.prefix}:s:{replica}") or b"")
+        if not value:
+            return None
+        try:
+            seq, ts = as_text(value).split()
+            return AppliedBatch(int(seq), float(ts))
+        except ValueError:  # not written by this release
+            return None
+
+    def attach_engine_source(self, source: EngineSource | None) -> None:
+        """``source(replica)``: the (engine key, digest, position) of each block the caller
+        knows ``replica`` holds; called to write engine maps back after Redis lost its data."""
+        with self.sync.lock:
+            self.sync.engine_source = source

@@ -1,0 +1,3 @@
+"""The HTTP service: the FastAPI app, its route handlers, the proxy, the YAML settings, metrics and
+the CLI.
+"""

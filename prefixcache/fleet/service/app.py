@@ -1,0 +1,107 @@
+"""The HTTP service: a FastAPI app over a ``Router`` (``create_app``), run by ``prefixcache serve``.
+
+Endpoints (``routes``): ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
+``GET /v1/replicas``, ``GET /healthz``, ``GET /metrics``; with proxying on, also
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (``proxy``). Bad input gets a 4xx
+answer ``{"error": {"type": ..., "message": ...}}`` (``http_errors``) and changes nothing. The
+handlers share one ``FleetService``, kept in ``app.state.service``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.fleet.events.ingest import IngestSource, IngestStats
+from prefixcache.fleet.router import Router
+from prefixcache.fleet.service.fleet_service import FleetService
+from prefixcache.fleet.service.health_probe import probe_replicas
+from prefixcache.fleet.service.http_errors import http_error, typed_error
+from prefixcache.fleet.service.metrics import ServiceMetrics
+from prefixcache.fleet.service.routes import add_api_routes
+from prefixcache.fleet.service.settings import ServiceConfig
+from prefixcache.text.chat_template import ChatTemplate
+from prefixcache.text.tokenizers import Tokenizer, load_tokenizer
+
+
+def create_app(
+    router: Router,
+    config: ServiceConfig,
+    *,
+    tokenizer: Tokenizer | None = None,
+    chat_template: ChatTemplate | None = None,
+    ingest: IngestSource | None = None,
+    ingest_stats: IngestStats | None = None,
+    proxy: bool | None = None,
+) -> FastAPI:
+    """The service app over ``router``.
+
+    ``tokenizer`` encodes text prompts (default: ``config.tokenizer``, else UTF-8 bytes);
+    ``chat_template`` renders chat messages (default: ``config.chat_template``, if any).
+    ``ingest`` is started when the app starts and stopped when it stops; its counters are
+    exported when it (or ``ingest_stats``) implements ``IngestStats``. ``proxy`` overrides
+    ``config.proxy.enabled``. Raises ConfigError for an unusable combination.
+    """
+    if ingest_stats is None and isinstance(ingest, IngestStats):
+        ingest_stats = ingest
+    proxying = config.proxy.enabled if proxy is None else proxy
+    if proxying:
+        missing = [r.name for r in config.replicas if r.url is None]
+        if missing:
+            raise ConfigError(f"proxy mode needs a url for every replica; missing: {missing}")
+    service = FleetService(
+        router,
+        config,
+        tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer),
+        ServiceMetrics(router, ingest_stats),
+        chat_template
+        if chat_template is not None or config.chat_template is None
+        else ChatTemplate.load(config.chat_template),
+        ingest=ingest,
+        proxying=proxying,
+    )
+    app = FastAPI(title="prefixcache fleet service", lifespan=_lifespan, openapi_url=None)
+    app.state.service = service
+    app.exception_handler(PrefixCacheError)(typed_error)
+    app.exception_handler(StarletteHTTPException)(http_error)
+    add_api_routes(app)
+    if proxying:
+        from prefixcache.fleet.service.proxy import add_proxy_routes
+
+        add_proxy_routes(app)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The service's lifetime: the proxy's HTTP client, the ingest and the health probes run
+    from the app's start to its stop."""
+    service: FleetService = app.state.service
+    config, ingest = service.config, service.ingest
+    if service.proxying:
+        import httpx
+
+        timeout = httpx.Timeout(config.proxy.timeout_s, connect=min(10.0, config.proxy.timeout_s))
+        service.http_client = httpx.AsyncClient(timeout=timeout)
+    if ingest is not None:
+        await run_in_threadpool(ingest.start)
+    prober = None
+    if service.proxying and config.health.probe_interval_s is not None:
+        prober = asyncio.create_task(probe_replicas(service))
+    try:
+        yield
+    finally:
+        if prober is not None:
+            prober.cancel()
+            with suppress(asyncio.CancelledError):
+                await prober
+        if ingest is not None:
+            await run_in_threadpool(ingest.stop)
+        if service.http_client is not None:
+            await service.http_client.aclose()

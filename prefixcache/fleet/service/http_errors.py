@@ -1,0 +1,81 @@
+"""The service's error answers: every error is ``{"error": {"type", "message", "status"}}`` JSON,
+counted in the ``prefixcache_http_errors`` metric by endpoint and status.
+
+A typed error (``PrefixCacheError``) gets the status its kind names (``status_of``); an unknown
+path (404) or a wrong method (405) answers in the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+from http import HTTPStatus
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prefixcache.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    MalformedJSONError,
+    NoHealthyReplicaError,
+    PayloadTooLargeError,
+    PrefixCacheError,
+    UnknownNamespaceError,
+    UnknownReplicaError,
+    UnknownRequestError,
+)
+
+_STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
+    (PayloadTooLargeError, 413),
+    (UnknownNamespaceError, 404),
+    (UnknownRequestError, 404),
+    (UnknownReplicaError, 404),
+    (DuplicateRequestError, 409),
+    (NoHealthyReplicaError, 503),
+    (MalformedJSONError, 400),
+    (ConfigError, 500),
+)
+_HTTP_STATUSES = {int(status) for status in HTTPStatus}
+
+
+def error_response(status: int, kind: str, message: str) -> Response:
+    """The JSON error answer every endpoint gives."""
+    body = {"error": {"type": kind, "message": message, "status": status}}
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def status_of(exc: PrefixCacheError) -> int:
+    """HTTP status for a typed error (``_STATUS``); 422 for any other bad input."""
+    for kind, status in _STATUS:
+        if isinstance(exc, kind):
+            return status
+    return 422
+
+
+async def typed_error(request: Request, exc: PrefixCacheError) -> Response:
+    """The answer to a ``PrefixCacheError`` raised by a handler (with ``Retry-After`` when no
+    replica takes routes now)."""
+    status = status_of(exc)
+    request.app.state.service.metrics.errors.labels(request.url.path, str(status)).inc()
+    response = error_response(status, type(exc).__name__, str(exc))
+    if isinstance(exc, NoHealthyReplicaError):
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return response
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """The answer to an HTTP error of the framework: unknown paths (404) and wrong methods (405)
+    answer in the same JSON shape."""
+    status = exc.status_code
+    path = request.url.path
+    known = any(getattr(route, "path", None) == path for route in request.app.routes)
+    # an unknown path is not a label of its own: scanners would grow the metrics forever
+    errors = request.app.state.service.metrics.errors
+    errors.labels(path if known else "(unknown)", str(status)).inc()
+    kind = HTTPStatus(status).phrase.replace(" ", "") if status in _HTTP_STATUSES else "HTTP"
+    response = error_response(status, kind, f"{request.method} {request.url.path}: {exc.detail}")
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response

@@ -1,0 +1,156 @@
+"""Prometheus metrics of the service, in a registry of its own (one per app).
+
+Counted as they happen: route decisions (policy, replica, rule), the cached fraction of routed
+prompts, route latency, error responses. Read at each scrape: the index's blocks and the in-flight
+load per replica, whether each replica takes routes, the loads ended by the in-flight timeout,
+the health of a shared (Redis) index, and the counters of an ``IngestStats`` source when one is
+plugged in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefixcache.fleet.events.ingest import IngestStats
+from prefixcache.fleet.router import RouteDecision, Router
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+_LATENCY_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+_INGEST = (
+    ("events", "KV event messages ingested"),
+    ("blocks_stored", "blocks stored into the index"),
+    ("blocks_removed", "blocks removed from the index"),
+    ("sequence_gaps", "gaps in event sequence numbers"),
+    ("errors", "ingest errors (index writes, undecodable messages)"),
+    ("blocks_skipped", "blocks not indexed by rule (other attention groups, unnamed LoRA)"),
+    ("blocks_recalled", "blocks stored before this router joined, mapped via the shared index"),
+)
+
+
+class _FleetCollector(Collector):
+    """Index blocks and in-flight load per replica, and ingest counters, read at scrape time."""
+
+    def __init__(self, router: Router, ingest: IngestStats | None) -> None:
+        self._router = router
+        self._ingest = ingest
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families, read now."""
+        blocks = GaugeMetricFamily(
+            "prefixcache_index_blocks", "Blocks the index holds per replica", labels=["replica"]
+        )
+        in_flight = GaugeMetricFamily(
+            "prefixcache_replica_in_flight", "Routed requests not yet released", labels=["replica"]
+        )
+        tokens = GaugeMetricFamily(
+            "prefixcache_replica_in_flight_tokens",
+            "Prompt tokens to compute (not cached when routed) of routed requests not yet released",
+            labels=["replica"],
+        )
+        index = self._router.index
+        loads = self._router.loads()
+        held = index.num_blocks_many([load.name for load in loads])
+        for load in loads:
+            blocks.add_metric([load.name], held[load.name])
+            in_flight.add_metric([load.name], load.in_flight)
+            tokens.add_metric([load.name], load.in_flight_tokens)
+        yield blocks
+        yield in_flight
+        yield tokens
+        up = GaugeMetricFamily(
+            "prefixcache_replica_up", "1 while the replica takes routes", labels=["replica"]
+        )
+        marked = CounterMetricFamily(
+            "prefixcache_replica_marked_down",
+            "Times the replica was taken out of routing (failed requests or health probes)",
+            labels=["replica"],
+        )
+        for health in self._router.health():
+            up.add_metric([health.name], int(health.up))
+            marked.add_metric([health.name], health.marked_down)
+        yield up
+        yield marked
+        yield CounterMetricFamily(
+            "prefixcache_route_expired",
+            "Routed requests whose load ended by the in-flight timeout, never released",
+            value=self._router.expired(),
+        )
+        stats = getattr(index, "stats", None)  # a shared (Redis) index reports its health
+        if callable(stats):
+            health = stats()
+            yield CounterMetricFamily(
+                "prefixcache_index_errors",
+                "Failed calls to the shared index (answered from the local view meanwhile)",
+                value=health.errors,
+            )
+            yield CounterMetricFamily(
+                "prefixcache_index_resyncs",
+                "Times the shared index was brought back in sync after an outage (missed writes "
+                "sent again, or the local view written back)",
+                value=health.resyncs,
+            )
+            yield GaugeMetricFamily(
+                "prefixcache_index_in_sync",
+                "1 while the shared index has every write, 0 during an outage",
+                value=int(health.in_sync),
+            )
+        if self._ingest is None:
+            return
+        counts = self._ingest.ingest_counts()
+        for position, (field, text) in enumerate(_INGEST):
+            family = CounterMetricFamily(
+                f"prefixcache_ingest_{field}", f"Ingest: {text}", labels=["replica"]
+            )
+            for replica, values in sorted(counts.items()):
+                family.add_metric([replica], values[position])
+            yield family
+
+
+class ServiceMetrics:
+    """The service's metrics and the registry that exports them."""
+
+    def __init__(self, router: Router, ingest: IngestStats | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.decisions = Counter(
+            "prefixcache_route_decisions",
+            "Route decisions by policy, chosen replica and deciding rule",
+            ["policy", "replica", "rule"],
+            registry=self.registry,
+        )
+        self.cached_fraction = Histogram(
+            "prefixcache_route_cached_fraction",
+            "Fraction of each routed prompt cached on the chosen replica",
+            buckets=_FRACTION_BUCKETS,
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "prefixcache_route_latency_seconds",
+            "Time to score and route one prompt (tokens to decision)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "prefixcache_http_errors",
+            "Error responses by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.registry.register(_FleetCollector(router, ingest))
+
+    def observe_route(self, decision: RouteDecision, seconds: float) -> None:
+        """Count one route decision."""
+        self.decisions.labels(decision.policy, decision.replica, decision.rule).inc()
+        n = decision.prompt_tokens
+        self.cached_fraction.observe(decision.cached_tokens / n if n else 0.0)
+        self.latency.observe(seconds)
+
+    def render(self) -> bytes:
+        """The exposition text of every metric."""
+        return generate_latest(self.registry)

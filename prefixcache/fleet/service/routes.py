@@ -1,0 +1,167 @@
+"""The service's own endpoints: ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
+``GET /v1/replicas``, ``GET /healthz`` and ``GET /metrics``, module functions that
+``add_api_routes`` registers on the app itself (a route of an included router costs more per
+request). Each handler finds the ``FleetService`` in ``request.app.state.service``.
+
+Bodies are read within the size limit and decoded strictly before the router is called, and the
+router validates before it records anything, so bad input changes nothing. Work that may block
+(tokenizing, hashing, a remote index) runs off the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from prefixcache.fleet.index.prefix_index import GPU
+from prefixcache.fleet.policies import ReplicaScore
+from prefixcache.fleet.replica_health import ReplicaHealth
+from prefixcache.fleet.service.bodies import PromptBody, ReleaseBody, RouteBody, decode_body
+from prefixcache.fleet.service.fleet_service import FleetService
+from prefixcache.fleet.service.metrics import CONTENT_TYPE
+
+
+def _json(data: Any) -> Response:
+    return Response(msgspec.json.encode(data), media_type="application/json")
+
+
+def _score(score: ReplicaScore) -> dict[str, Any]:
+    return score._asdict()
+
+
+def _health(health: ReplicaHealth | None) -> dict[str, Any]:
+    if health is None:  # removed while the listing was built
+        return {"up": False, "down_for_s": 0.0, "down_reason": "", "marked_down": 0}
+    return {
+        "up": health.up,
+        "down_for_s": round(health.down_for_s, 3),
+        "down_reason": health.reason,
+        "marked_down": health.marked_down,
+    }
+
+
+async def lookup(request: Request) -> Response:
+    """Cached prompt tokens per replica serving the prompt's namespace."""
+    service: FleetService = request.app.state.service
+    body = decode_body(await service.read_body(request), PromptBody)
+    # tokenizing, hashing and the index (maybe Redis) block: off the event loop
+    result = await run_in_threadpool(service.lookup, body)
+    return _json(
+        {
+            "namespace": result.namespace.label(),
+            "prompt_tokens": result.prompt_tokens,
+            "replicas": [_score(s) for s in result.scores],
+        }
+    )
+
+
+async def route(request: Request) -> Response:
+    """Choose a replica for the prompt; with a request_id, count it as load."""
+    service: FleetService = request.app.state.service
+    body = decode_body(await service.read_body(request), RouteBody)
+    decision = await run_in_threadpool(service.route_body, body)
+    return _json(
+        {
+            "replica": decision.replica,
+            "url": service.urls.get(decision.replica),
+            "policy": decision.policy,
+            "rule": decision.rule,
+            "request_id": decision.request_id,
+            "prompt_tokens": decision.prompt_tokens,
+            "cached_tokens": decision.cached_tokens,
+            "gpu_cached_tokens": decision.gpu_cached_tokens,
+            "scores": [_score(s) for s in decision.scores],
+        }
+    )
+
+
+async def release(request: Request) -> Response:
+    """End a routed request's load."""
+    service: FleetService = request.app.state.service
+    body = decode_body(await service.read_body(request), ReleaseBody)
+    released = await run_in_threadpool(service.router.release, body.request_id)
+    return _json(released._asdict())
+
+
+def replica_rows(service: FleetService) -> list[dict[str, Any]]:
+    """One row per replica: its config, load and health, and the blocks the index holds for
+    it (one round trip each on a shared index)."""
+    router, config = service.router, service.config
+    loads = {load.name: load for load in router.loads()}
+    health = {h.name: h for h in router.health()}
+    specs = router.replicas()
+    names = [spec.name for spec in specs]
+    held = router.index.num_blocks_many(names)
+    on_gpu = router.index.num_blocks_many(names, GPU)
+    out = []
+    for spec in specs:
+        rc = config.replica(spec.name)
+        load = loads.get(spec.name)
+        ns = spec.namespace
+        out.append(
+            {
+                "name": spec.name,
+                "url": rc.url if rc else None,
+                "events": rc.events if rc else None,
+                "replay": rc.replay if rc else None,
+                "model": ns.model,
+                "adapter": ns.adapter,
+                "adapter_version": ns.adapter_version,
+                "salt": ns.salt,
+                "extra": list(ns.extra),
+                "namespace": ns.label(),
+                "block_size": spec.block_size,
+                "capacity_blocks": spec.capacity_blocks,
+                "in_flight": load.in_flight if load else 0,
+                "in_flight_tokens": load.in_flight_tokens if load else 0,
+                "index_blocks": held[spec.name],
+                "index_gpu_blocks": on_gpu[spec.name],
+                **_health(health.get(spec.name)),
+            }
+        )
+    return out
+
+
+async def replicas(request: Request) -> Response:
+    """Every replica: config, load and the blocks the index holds for it."""
+    service: FleetService = request.app.state.service
+    rows = await run_in_threadpool(replica_rows, service)  # the index may be remote (Redis)
+    return _json({"policy": service.router.policy, "replicas": rows})
+
+
+async def healthz(request: Request) -> Response:
+    """Liveness: the service answers and knows its replicas."""
+    service: FleetService = request.app.state.service
+    router = service.router
+    return _json(
+        {
+            "status": "ok",
+            "replicas": len(router.replicas()),
+            "replicas_up": sum(h.up for h in router.health()),
+            "policy": router.policy,
+            "proxy": service.proxying,
+            "ingest": service.ingest is not None,
+        }
+    )
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition of the service's own registry."""
+    service: FleetService = request.app.state.service
+    # off the event loop: the index may be remote, and ingest counters are read in a thread
+    body = await run_in_threadpool(service.metrics.render)
+    return Response(body, media_type=CONTENT_TYPE)
+
+
+def add_api_routes(app: FastAPI) -> None:
+    """Register the service's own endpoints on ``app``."""
+    app.add_api_route("/v1/lookup", lookup, methods=["POST"])
+    app.add_api_route("/v1/route", route, methods=["POST"])
+    app.add_api_route("/v1/release", release, methods=["POST"])
+    app.add_api_route("/v1/replicas", replicas, methods=["GET"])
+    app.add_api_route("/healthz", healthz, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])

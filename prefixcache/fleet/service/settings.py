@@ -1,0 +1,391 @@
+"""The service's YAML file: replicas, routing policy, tokenizer, index and limits, validated once.
+
+Every mistake raises ConfigError naming the file, the place (``replicas[2].block_size``) and what
+is expected; unknown keys are mistakes too, so a misspelt option never passes silently. See
+``examples/fleet/fleet.yaml`` for a complete file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from prefixcache.blocks.hashing import HASH_FUNCTIONS
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.fleet.index.open_index import check_index_url
+from prefixcache.fleet.index.prefix_index import FleetIndex
+from prefixcache.fleet.policies import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
+from prefixcache.fleet.replica_spec import ReplicaSpec
+from prefixcache.fleet.router import Router
+from prefixcache.text.chat_template import ChatTemplate
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+# tcp://host:port to connect to: ``*`` (bind to every interface) is an engine's bind address
+_ENDPOINT = re.compile(r"(tcp://[^\s:/*]+:\d{1,5}|ipc://\S+|inproc://\S+)")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One engine replica: where to reach it and what its cache holds."""
+
+    name: str
+    url: str | None  # OpenAI-compatible base URL, for proxy mode
+    events: str | None  # ZMQ endpoint of its KV events (e.g. vLLM's --kv-events-config)
+    replay: str | None  # ZMQ endpoint that replays missed events, if the engine has one
+    namespace: Namespace  # model, adapter, salt and extra keys its blocks are hashed under
+    block_size: int
+    capacity_blocks: int  # 0: unknown
+    adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (--lora-modules);
+    # "*": any adapter (an engine that loads adapters at run time)
+
+    def spec(self) -> ReplicaSpec:
+        """The router's view of this replica."""
+        return ReplicaSpec(
+            self.name, self.namespace, self.block_size, self.capacity_blocks, self.adapters
+        )
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Policy name and thresholds (see ``prefixcache.fleet.policies``)."""
+
+    policy: str = DEFAULT_POLICY
+    params: RoutingParams = field(default_factory=RoutingParams)
+    in_flight_timeout_s: float | None = 600.0  # a routed request's load ends then (None: never)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one request and the fleet may be."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_prompt_tokens: int = 262_144
+    max_replicas: int = 256
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Forwarding of OpenAI-compatible requests to the chosen replica."""
+
+    enabled: bool = False
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """When a replica stops taking routes, and how it comes back."""
+
+    probe_interval_s: float | None = 5.0  # proxy mode: GET url + probe_path this often; None: never
+    probe_timeout_s: float = 2.0
+    probe_path: str = "/health"  # vLLM's and SGLang's health endpoint
+    down_s: float = 10.0  # a failed probe or request takes the replica out for this long
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """A validated service configuration."""
+
+    replicas: tuple[ReplicaConfig, ...]
+    routing: RoutingConfig = RoutingConfig()
+    limits: Limits = Limits()
+    proxy: ProxyConfig = ProxyConfig()
+    tokenizer: str | None = None  # Hugging Face tokenizer.json; None: UTF-8 bytes
+    index: str = "memory"  # "memory", "redis://host:port/db" or "redis+cluster://host:port"
+    hash_algo: str = "xxh3_128"
+    source: str = "<config>"
+    chat_template: str | None = None  # .jinja or tokenizer_config.json; None: neutral rendering
+    health: HealthConfig = HealthConfig()
+
+    def replica(self, name: str) -> ReplicaConfig | None:
+        """The replica called ``name``, or None."""
+        return next((r for r in self.replicas if r.name == name), None)
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+
+_TOP = (
+    "replicas", "routing", "limits", "proxy", "health", "tokenizer", "chat_template", "index",
+    "hash_algo",
+)  # fmt: skip
+_HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s")
+_REPLICA = (
+    "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
+    "block_size", "capacity_blocks", "adapters",
+)  # fmt: skip
+_ROUTING = (
+    "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
+    "prefill_weight", "in_flight_timeout_s",
+)  # fmt: skip
+_LIMITS = ("max_body_bytes", "max_prompt_tokens", "max_replicas")
+_PROXY = ("enabled", "timeout_s")
+
+
+class _Reader:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, message: str) -> ConfigError:
+        return ConfigError(
+            f"{self.source}: {where}: {message}" if where else f"{self.source}: {message}"
+        )
+
+    def mapping(self, value: Any, where: str, known: tuple[str, ...]) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(where, f"expected a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in known:
+                raise self.fail(where, f"unknown key {key!r}; known keys: {', '.join(known)}")
+        return value
+
+    def string(self, value: Any, where: str, *, optional: bool = True) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not value:
+            raise self.fail(where, f"expected a non-empty string, got {value!r}")
+        return value
+
+    def integer(self, value: Any, where: str, minimum: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(where, f"expected an integer >= {minimum}, got {value!r}")
+        return value
+
+    def number(self, value: Any, where: str) -> float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < math.inf
+        ):
+            raise self.fail(where, f"expected a positive finite number, got {value!r}")
+        return float(value)
+
+    def url(self, value: Any, where: str) -> str | None:
+        text = self.string(value, where)
+        if text is None:
+            return None
+        parts = urlsplit(text)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise self.fail(where, f"expected an http(s)://host:port URL, got {text!r}")
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise self.fail(where, f"bad port in {text!r}") from None
+        return text.rstrip("/")
+
+    def endpoint(self, value: Any, where: str) -> str | None:
+        text = self.string(value, where)
+        if text is not None and text.startswith("tcp://*"):
+            raise self.fail(
+                where,
+                f"{text!r} is a bind address (the engine's); give the engine's host, e.g. "
+                f"{text.replace('*', '127.0.0.1', 1)!r}",
+            )
+        if text is not None and not _ENDPOINT.fullmatch(text):
+            raise self.fail(
+                where, f"expected a ZMQ endpoint tcp://host:port or ipc://path, got {text!r}"
+            )
+        if text is not None and text.startswith("tcp://"):
+            port = int(text.rsplit(":", 1)[1])
+            if not 0 < port < 65536:
+                raise self.fail(where, f"port {port} in {text!r} is not in 1..65535")
+        return text
+
+
+def _replica(r: _Reader, raw: Any, where: str) -> ReplicaConfig:
+    m = r.mapping(raw, where, _REPLICA)
+    name = r.string(m.get("name"), f"{where}.name", optional=False)
+    assert name is not None
+    if not _NAME.fullmatch(name):
+        raise r.fail(
+            f"{where}.name",
+            f"{name!r} is not a valid name (letters, digits, '.', '_', ':', '-'; 128 at most)",
+        )
+    model = r.string(m.get("model"), f"{where}.model", optional=False)
+    extra = m.get("extra") or []
+    if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
+        raise r.fail(f"{where}.extra", f"expected a list of strings, got {extra!r}")
+    adapters = m.get("adapters") or []
+    if not isinstance(adapters, list) or not all(isinstance(x, str) and x for x in adapters):
+        raise r.fail(f"{where}.adapters", f"expected a list of adapter names, got {adapters!r}")
+    adapter = r.string(m.get("adapter"), f"{where}.adapter")
+    adapter_version = r.string(m.get("adapter_version"), f"{where}.adapter_version")
+    salt = r.string(m.get("salt"), f"{where}.salt")
+    try:
+        namespace = Namespace(model or "", adapter, adapter_version, salt, tuple(extra))
+    except PrefixCacheError as exc:
+        raise r.fail(where, str(exc)) from None
+    return ReplicaConfig(
+        name=name,
+        url=r.url(m.get("url"), f"{where}.url"),
+        events=r.endpoint(m.get("events"), f"{where}.events"),
+        replay=r.endpoint(m.get("replay"), f"{where}.replay"),
+        namespace=namespace,
+        block_size=r.integer(m.get("block_size", 16), f"{where}.block_size", 1),
+        capacity_blocks=r.integer(m.get("capacity_blocks", 0), f"{where}.capacity_blocks", 0),
+        adapters=tuple(adapters),
+    )
+
+
+def parse_config(
+    data: Any, source: str = "<config>", base_dir: Path | None = None
+) -> ServiceConfig:
+    """A ServiceConfig from parsed YAML; relative tokenizer paths are taken from ``base_dir``."""
+    r = _Reader(source)
+    top = r.mapping(data, "", _TOP)
+    if data is None:
+        raise r.fail("", "the file is empty; it needs at least a 'replicas' list")
+
+    lim = r.mapping(top.get("limits"), "limits", _LIMITS)
+    defaults = Limits()
+    limits = Limits(
+        r.integer(
+            lim.get("max_body_bytes", defaults.max_body_bytes), "limits.max_body_bytes", 1024
+        ),
+        r.integer(
+            lim.get("max_prompt_tokens", defaults.max_prompt_tokens), "limits.max_prompt_tokens", 1
+        ),
+        r.integer(lim.get("max_replicas", defaults.max_replicas), "limits.max_replicas", 1),
+    )
+
+    raw_replicas = top.get("replicas")
+    if not isinstance(raw_replicas, list) or not raw_replicas:
+        raise r.fail("replicas", "expected a non-empty list of replicas")
+    if len(raw_replicas) > limits.max_replicas:
+        raise r.fail(
+            "replicas", f"{len(raw_replicas)} replicas, more than limits.max_replicas "
+            f"({limits.max_replicas})"
+        )  # fmt: skip
+    replicas = tuple(_replica(r, raw, f"replicas[{i}]") for i, raw in enumerate(raw_replicas))
+    seen: set[str] = set()
+    for i, rep in enumerate(replicas):
+        if rep.name in seen:
+            raise r.fail(f"replicas[{i}].name", f"duplicate replica name {rep.name!r}")
+        seen.add(rep.name)
+
+    rt = r.mapping(top.get("routing"), "routing", _ROUTING)
+    policy = rt.get("policy", DEFAULT_POLICY)
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise r.fail(
+            "routing.policy",
+            f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}",
+        )
+    d = RoutingParams()
+    try:
+        params = check_params(
+            RoutingParams(
+                rt.get("balance_abs_threshold", d.balance_abs_threshold),
+                rt.get("balance_rel_threshold", d.balance_rel_threshold),
+                rt.get("cache_threshold", d.cache_threshold),
+                rt.get("prefill_weight", d.prefill_weight),
+            )
+        )
+    except ConfigError as exc:
+        raise r.fail("routing", str(exc)) from None
+    timeout = rt.get("in_flight_timeout_s", RoutingConfig.in_flight_timeout_s)
+    if timeout is not None:  # null: loads end only when released
+        timeout = r.number(timeout, "routing.in_flight_timeout_s")
+
+    px = r.mapping(top.get("proxy"), "proxy", _PROXY)
+    enabled = px.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise r.fail("proxy.enabled", f"expected true or false, got {enabled!r}")
+    proxy = ProxyConfig(enabled, r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"))
+
+    hc = r.mapping(top.get("health"), "health", _HEALTH)
+    hd = HealthConfig()
+    interval = hc.get("probe_interval_s", hd.probe_interval_s)
+    if interval is not None:  # null: no probes (failed requests still take a replica out)
+        interval = r.number(interval, "health.probe_interval_s")
+    probe_path = hc.get("probe_path", hd.probe_path)
+    if not isinstance(probe_path, str) or not probe_path.startswith("/"):
+        raise r.fail("health.probe_path", f"expected a path starting with '/', got {probe_path!r}")
+    health = HealthConfig(
+        interval,
+        r.number(hc.get("probe_timeout_s", hd.probe_timeout_s), "health.probe_timeout_s"),
+        probe_path,
+        r.number(hc.get("down_s", hd.down_s), "health.down_s"),
+    )
+
+    tokenizer = r.string(top.get("tokenizer"), "tokenizer")
+    if tokenizer is not None and tokenizer != "bytes":
+        path = Path(tokenizer)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise r.fail("tokenizer", f"file {str(path)!r} does not exist")
+        tokenizer = str(path)
+    elif tokenizer == "bytes":
+        tokenizer = None
+    chat_template = r.string(top.get("chat_template"), "chat_template")
+    if chat_template is not None:
+        path = Path(chat_template)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise r.fail("chat_template", f"file {str(path)!r} does not exist")
+        try:
+            ChatTemplate.load(path)  # it compiles, and names a template
+        except ConfigError as exc:
+            raise r.fail("chat_template", str(exc)) from None
+        chat_template = str(path)
+
+    try:
+        index = check_index_url(top.get("index", "memory"))
+    except ConfigError as exc:
+        raise r.fail("", str(exc)) from None
+    hash_algo = top.get("hash_algo", "xxh3_128")
+    if not isinstance(hash_algo, str) or hash_algo not in HASH_FUNCTIONS:
+        raise r.fail(
+            "hash_algo", f"unknown hash {hash_algo!r}; choose one of {', '.join(HASH_FUNCTIONS)}"
+        )
+    return ServiceConfig(
+        replicas,
+        RoutingConfig(policy, params, timeout),
+        limits,
+        proxy,
+        tokenizer,
+        index,
+        hash_algo,
+        source,
+        chat_template,
+        health,
+    )
+
+
+def build_router(config: ServiceConfig, index: FleetIndex) -> Router:
+    """The router ``config`` describes (replicas, policy, limits, timeout), over ``index``."""
+    return Router(
+        index,
+        [r.spec() for r in config.replicas],
+        config.routing.policy,
+        config.routing.params,
+        hash_algo=config.hash_algo,
+        max_prompt_tokens=config.limits.max_prompt_tokens,
+        in_flight_timeout=config.routing.in_flight_timeout_s,
+    )
+
+
+def load_config(path: str | Path) -> ServiceConfig:
+    """Read and validate a service YAML file; ConfigError saying what is wrong otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    return parse_config(data, str(path), path.parent)

@@ -1,0 +1,1 @@
+"""The cache manager: CacheManager and what it hands back to a runtime."""

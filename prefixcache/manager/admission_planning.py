@@ -1,0 +1,148 @@
+"""Planning an admission without changing anything: the cached prefix a prompt reuses, a
+partially matching block to copy, the host blocks to load, and the new blocks it needs.
+
+``lookup``, ``can_admit`` and ``admit`` share the plan, so what they report agrees.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.blocks.pool import BlockPool
+from prefixcache.blocks.radix import MatchResult, Node, PartialMatch, RadixIndex
+from prefixcache.errors import RequestTooLargeError
+from prefixcache.manager.host_offload import HostOffload
+
+_new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
+
+
+class AdmissionPlan(NamedTuple):
+    """An admission sized without changing anything."""
+
+    need: int  # new blocks to take from the pool
+    held_cached: int  # matched blocks nobody holds now (an upper bound when capacity is ample)
+    match: MatchResult | None  # None: nothing cached in the namespace (or caching is off)
+    shared: int  # leading table blocks shared with the index
+    cow: bool  # every prompt block matched: the last one is copied and one token recomputed
+    partial: PartialMatch | None  # a block whose leading tokens can be copied
+    cached_len: int  # prompt tokens not computed (the copied and loaded ones included)
+    host_run: list[bytes]  # digests of the host blocks to load after the matched ones
+    host_found: int  # host blocks that continue the match (loaded or recomputed)
+
+
+class AdmissionPlanner:
+    """Matches prompts against the index and the host tier and sizes their admission."""
+
+    __slots__ = (
+        "block_size",
+        "enable_caching",
+        "hasher",
+        "index",
+        "num_blocks",
+        "offload",
+        "partial_copy",
+        "pool",
+    )
+
+    def __init__(
+        self,
+        index: RadixIndex,
+        pool: BlockPool,
+        offload: HostOffload | None,
+        *,
+        partial_copy: bool,
+        enable_caching: bool,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.hasher = index.hasher
+        self.offload = offload
+        self.block_size = index.block_size
+        self.num_blocks = pool.num_blocks
+        self.partial_copy = partial_copy
+        self.enable_caching = enable_caching
+
+    def plan(self, buf: bytes, namespace: Namespace, *, check_size: bool = True) -> AdmissionPlan:
+        """Match and size the admission of the prompt ``buf`` (int32 LE tokens).
+
+        With ``check_size``, a prompt larger than the whole pool raises RequestTooLargeError.
+        When the pool is too full to keep every matched block held while the new ones are
+        taken, the plan counts the matched blocks nobody holds, gives up a partial copy whose
+        source would not survive, and gives up copying the last block of a fully cached prompt.
+        """
+        p, t = self.block_size, len(buf) // 4
+        num_logical = -(-t // p)
+        if check_size and num_logical > self.num_blocks:
+            raise RequestTooLargeError(
+                f"{t} tokens need {num_logical} blocks of {p}, more than the pool's "
+                f"{self.num_blocks}; raise num_blocks or split the request"
+            )
+        offload = self.offload
+        root = self.index.roots.get(namespace)
+        if root is None or not self.enable_caching:
+            if root is None and offload is not None and offload.tier.entries:
+                on_host = offload.find_run(buf, t, 0, self.hasher.seed(namespace))
+                return AdmissionPlan(
+                    need=num_logical,
+                    held_cached=0,
+                    match=None,
+                    shared=0,
+                    cow=False,
+                    partial=None,
+                    cached_len=len(on_host.digests) * p,
+                    host_run=on_host.digests,
+                    host_found=on_host.found,
+                )
+            return _new(AdmissionPlan, (num_logical, 0, None, 0, False, None, 0, [], 0))
+        match = self.index.match(root, buf, t // p)
+        while True:
+            n = match.n
+            cow = n > 0 and n * p == t
+            shared = n - 1 if cow else n
+            need = num_logical - shared
+            partial = None
+            run: list[bytes] = []
+            found = 0
+            if cow:
+                cached_len = t - 1
+            else:
+                if offload is not None and offload.tier.entries:
+                    on_host = offload.find_run(buf, t, n, match.digest)
+                    run, found = on_host.digests, on_host.found
+                cached_len = (n + len(run)) * p
+                if self.partial_copy and not run and cached_len < t - 1:
+                    partial = self.index.partial_match(match, buf, min(p, t - 1 - cached_len))
+                    if partial is not None:
+                        cached_len += partial.m
+            index = self.index
+            free = self.pool.num_free + index.num_blocks - index.active_blocks
+            # the copy source block is held through the admission (our own allocation must not
+            # evict it): unheld, it is one evictable block less meanwhile
+            source = 1 if partial is not None and partial.node.ref == 0 else 0
+            if need <= free - n - source:  # fits even if every matched block were unheld now
+                plan = (need, n, match, shared, cow, partial, cached_len, run, found)
+                return _new(AdmissionPlan, plan)
+            held_cached = _unheld_matched(match)
+            if partial is not None and need > free - held_cached - source:
+                cached_len -= partial.m  # no room to keep the source: recompute those tokens
+                partial = None
+            if not cow or need <= free - held_cached:
+                plan = (need, held_cached, match, shared, cow, partial, cached_len, run, found)
+                return _new(AdmissionPlan, plan)
+            # the copy of the last block needs one block more than the prompt: with the pool
+            # that full, recompute the last block instead
+            match = self.index.match(root, buf, n - 1)
+
+
+def _unheld_matched(match: MatchResult) -> int:
+    """Matched blocks on nodes nobody holds now."""
+    unheld = 0
+    node: Node | None = match.node
+    count = match.j
+    while node is not None and node.parent is not None:
+        if node.ref == 0:
+            unheld += count
+        node = node.parent
+        count = len(node.blocks)
+    return unheld

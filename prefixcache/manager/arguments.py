@@ -1,0 +1,98 @@
+"""Checks of the arguments a runtime passes to the cache manager, raising typed errors.
+
+Each check runs before a call changes anything, so a rejected call leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import numpy as np
+
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.errors import ConfigError, InvalidArgumentError, UnknownRequestError
+from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.transfers import TransferModel
+
+UNHASHABLE = "request ids must be hashable (a str, an int, a tuple of them), got {}"
+
+
+def unhashable_error(request_id: Any) -> InvalidArgumentError:
+    """The error for a request id that cannot key a dict."""
+    return InvalidArgumentError(UNHASHABLE.format(type(request_id).__name__))
+
+
+def live_request(states: Mapping[Hashable, RequestState], request_id: Hashable) -> RequestState:
+    """The state of a live request; UnknownRequestError when it is not admitted."""
+    try:
+        state = states.get(request_id)
+    except TypeError:
+        raise unhashable_error(request_id) from None
+    if state is None:
+        raise UnknownRequestError(f"request {request_id!r} is not admitted (or was released)")
+    return state
+
+
+def is_live(states: Mapping[Hashable, RequestState], request_id: Hashable) -> bool:
+    """Whether ``request_id`` is admitted now (InvalidArgumentError when it is unhashable)."""
+    try:
+        return request_id in states
+    except TypeError:
+        raise unhashable_error(request_id) from None
+
+
+def check_namespace(namespace: Any) -> None:
+    """A namespace is a ``prefixcache.Namespace``."""
+    if not isinstance(namespace, Namespace):
+        raise InvalidArgumentError(
+            f"namespace must be a prefixcache.Namespace, got {type(namespace).__name__}; "
+            "build one with Namespace(model=..., adapter=..., salt=...)"
+        )
+
+
+def check_priority(priority: Any, retention: Any) -> None:
+    """A priority is an int; a retention is None or a number of clock units >= 0."""
+    if type(priority) is not int and not isinstance(priority, np.integer):
+        raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+    if retention is None:
+        return
+    if isinstance(retention, bool) or not isinstance(retention, int | float | np.number):
+        raise InvalidArgumentError(
+            f"retention must be a number of clock units or None, got {retention!r}"
+        )
+    if math.isnan(retention) or retention < 0:
+        raise InvalidArgumentError(f"retention must be >= 0, got {retention!r}")
+
+
+def check_pad(pad: Any) -> None:
+    """A block-table pad is an int32 value."""
+    if (
+        isinstance(pad, bool)
+        or not isinstance(pad, int | np.integer)
+        or not -(2**31) <= pad < 2**31
+    ):
+        raise InvalidArgumentError(f"pad must be an int32 block id or marker, got {pad!r}")
+
+
+def check_transfer_model(model: Any) -> None:
+    """A transfer model is a TransferModel of finite figures: block bytes, bandwidth and FLOP
+    rate above 0, the per-token and per-pair FLOPs >= 0 and not both 0."""
+    if not isinstance(model, TransferModel):
+        raise ConfigError(f"transfer_model must be a TransferModel or None, got {model!r}")
+    for name in model._fields:
+        value = getattr(model, name)
+        at_least = "a number >= 0" if name in ("flops_per_token", "flops_per_pair") else None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+            or (value == 0 and at_least is None)
+        ):
+            raise ConfigError(
+                f"transfer_model.{name} must be {at_least or 'a positive number'}, got {value!r}"
+            )
+    if model.flops_per_token == model.flops_per_pair == 0:
+        raise ConfigError("transfer_model needs flops_per_token or flops_per_pair above 0")

@@ -1,0 +1,43 @@
+"""Block events, carrying what vLLM's KV events carry, for global indexes and routers.
+
+With a host tier, an offload is ``BlockRemoved`` (GPU) then ``BlockStored`` (CPU); a load is
+``BlockRemoved`` (CPU) then the usual ``BlockStored`` (GPU); a host eviction is ``BlockRemoved``
+(CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefixcache.blocks.namespace import Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A run of consecutive full blocks entered the cache."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None  # None when the first block starts the sequence
+    token_ids: list[int]
+    block_size: int
+    namespace: Namespace
+    medium: str = "GPU"  # where the blocks now live: "GPU", or "CPU" for the host tier
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks left the cache's ``medium`` (evicted, offloaded, loaded or dropped)."""
+
+    block_hashes: list[bytes]
+    namespace: Namespace
+    medium: str = "GPU"  # "GPU", or "CPU" for the host tier
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The cache was reset."""
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+EventListener = Callable[[CacheEvent], None]

@@ -1,0 +1,151 @@
+"""Entering a request's full blocks into the radix index, where later requests find them.
+
+A block a request enters is *pending* until its K/V is confirmed written (see step_ledger.py).
+A block someone else cached already is not entered twice: the request's copy stays private (a
+duplicate) and its path moves onto the cached one. A digest collision stops the request's
+indexing for good.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.blocks.pool import BlockPool
+from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.manager.block_events import BlockStored
+from prefixcache.manager.host_offload import HostOffload
+from prefixcache.manager.listeners import Listeners
+from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.stats import CacheStats
+
+
+class BlockIndexer:
+    """Indexes requests' full blocks in order, and announces them to the listeners."""
+
+    __slots__ = ("events", "hasher", "index", "offload", "pool", "stats")
+
+    def __init__(
+        self,
+        index: RadixIndex,
+        pool: BlockPool,
+        hasher: BlockHasher,
+        stats: CacheStats,
+        events: Listeners,
+        offload: HostOffload | None,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.hasher = hasher
+        self.stats = stats
+        self.events = events
+        self.offload = offload  # host copies of blocks computed again are dropped
+
+    def index_blocks(
+        self,
+        seq: RequestState,
+        buf: bytes | bytearray,
+        upto: int,
+        digest: bytes | None,
+        now: float,
+        *,
+        owned: bool = True,
+    ) -> None:
+        """Enter the request's full blocks up to ``upto`` (``buf``: its int32 LE tokens;
+        ``digest``: the digest of its deepest indexed block when the caller knows it) into the
+        index, in order; they are pending until confirmed. ``owned``: the blocks carry
+        refcounts to drop (not so for a fresh admission's)."""
+        if seq.blocked:
+            return
+        parent = seq.deepest
+        start = parent.end if parent is not None else 0
+        if upto <= start:
+            return
+        if parent is None:
+            parent = self.index.root(seq.namespace)
+        if digest is None:
+            digest = parent.last_digest()
+        digests = self.hasher.hash_buffer(buf, digest, start, upto)
+        if parent.children and digests[0] in parent.children:  # blocks someone cached already
+            followed = self._follow_cached(seq, parent, digests, buf, now)
+            if followed is None:
+                return
+            parent = followed
+        i = parent.end if parent.parent is not None else 0
+        if i < upto:
+            prev = digests[i - start - 1] if i > start else (digest if i > 0 else None)
+            self._store(seq, parent, digests[i - start :], buf, i, upto, prev, now, owned)
+
+    def _follow_cached(
+        self,
+        seq: RequestState,
+        parent: Node,
+        digests: list[bytes],
+        buf: bytes | bytearray,
+        now: float,
+    ) -> Node | None:
+        """Move the request's path over blocks someone else cached already (its own stay
+        private duplicates). Returns the last node followed; None when a digest collision
+        stopped the request."""
+        index = self.index
+        start = i = parent.end if parent.parent is not None else 0
+        upto = start + len(digests)
+        while i < upto and parent.children:
+            child = parent.children.get(digests[i - start])
+            if child is None:
+                break
+            k = min(len(child.blocks), upto - i)
+            m = index.common_blocks(child, buf, i, k)
+            if m == 0:
+                seq.blocked = True
+                return None
+            if m < len(child.blocks):
+                child = index.split(child, m)
+            index.hold(child, now, upto=parent)
+            parent, i = child, i + m
+            seq.deepest = parent
+        return parent
+
+    def _store(
+        self,
+        seq: RequestState,
+        parent: Node,
+        digests: list[bytes],
+        buf: bytes | bytearray,
+        i: int,
+        upto: int,
+        prev: bytes | None,
+        now: float,
+        owned: bool,
+    ) -> None:
+        """Index the request's own blocks ``i .. upto-1`` (``digests``) after ``parent``; they
+        are pending. ``prev`` is the digest before them, for the event; ``owned``: they carry
+        refcounts to drop."""
+        bb = self.index.block_bytes
+        ids = seq.table[i:upto]
+        run = buf[i * bb : upto * bb]
+        node = self.index.add(parent, digests, run, ids, now)
+        if owned:
+            self.pool.to_index(ids)
+        private = seq.private
+        if private[: len(ids)] == ids:  # the usual case: the oldest private blocks
+            del private[: len(ids)]
+        else:
+            gone = set(ids)
+            seq.private = [b for b in private if b not in gone]
+        if seq.pending_start is None:
+            seq.pending_start = i
+            seq.pending = ids[:]
+        else:  # a list by now
+            seq.pending.extend(ids)  # type: ignore[union-attr]
+        self.stats.stored_blocks += len(ids)
+        offload = self.offload
+        if offload is not None:
+            entries = offload.tier.entries
+            if entries and not entries.keys().isdisjoint(digests):
+                offload.replace_recomputed(digests)
+        if self.events.callbacks:
+            tokens = np.frombuffer(run, dtype="<i4").tolist()
+            namespace = self.index.namespace_of(node)
+            self.events.emit(BlockStored(digests, prev, tokens, self.index.block_size, namespace))
+        seq.deepest = node

@@ -1,0 +1,129 @@
+"""Where a request's new blocks come from: the pool's free blocks first, then cached blocks
+evicted in policy order (offered to the host tier when there is one), and the clock that
+orders them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefixcache.blocks.eviction import Evictor
+from prefixcache.blocks.hashing import DIGEST_SIZE
+from prefixcache.blocks.pool import BlockPool
+from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.manager.block_events import BlockRemoved
+from prefixcache.manager.host_offload import HostOffload
+from prefixcache.manager.listeners import Listeners
+from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.stats import CacheStats
+
+
+class TickClock:
+    """The manager's clock when the runtime gives none: it advances one tick per reading."""
+
+    __slots__ = ("ticks",)
+
+    def __init__(self) -> None:
+        self.ticks = 0.0
+
+    def tick(self) -> float:
+        """The next tick (the bound method is the clock: cheaper to call than an instance)."""
+        self.ticks += 1.0
+        return self.ticks
+
+
+def split_digests(digests: bytes) -> list[bytes]:
+    """Concatenated digests, one per block."""
+    return [digests[i : i + DIGEST_SIZE] for i in range(0, len(digests), DIGEST_SIZE)]
+
+
+class BlockSupply:
+    """Hands out GPU blocks, evicting exactly the deficit, and takes back what requests let go
+    of (an index path nobody holds any more becomes evictable)."""
+
+    __slots__ = ("events", "evictor", "index", "now", "offload", "pool", "stats")
+
+    def __init__(
+        self,
+        index: RadixIndex,
+        pool: BlockPool,
+        evictor: Evictor,
+        stats: CacheStats,
+        events: Listeners,
+        offload: HostOffload | None,
+        now: Callable[[], float],
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.evictor = evictor
+        self.stats = stats
+        self.events = events
+        self.offload = offload  # None: evicted blocks leave the cache
+        self.now = now
+
+    def evictable(self) -> int:
+        """Cached blocks nobody holds."""
+        return self.index.num_blocks - self.index.active_blocks
+
+    def available(self, held_cached: int) -> int:
+        """Blocks an allocation can get now: the free ones and the evictable ones, less
+        ``held_cached`` evictable blocks that the caller is about to hold."""
+        index = self.index
+        return self.pool.num_free + index.num_blocks - index.active_blocks - held_cached
+
+    def take(self, k: int, *, owned: bool = True) -> list[int]:
+        """``k`` private blocks, evicting exactly the deficit (capacity was checked). Not
+        ``owned``: no refcounts yet (see ``BlockPool.take_unowned``)."""
+        deficit = k - self.pool.num_free
+        if deficit > 0:
+            self.evict(deficit)
+        return self.pool.take(k) if owned else self.pool.take_unowned(k)
+
+    def evict(self, count: int) -> None:
+        """Evict ``count`` cached blocks in policy order, each node from its tail (that many
+        are evictable: checked by the caller)."""
+        now = self.now()
+        index, evictor, events, offload = self.index, self.evictor, self.events, self.offload
+        while count > 0:
+            node = evictor.pop(now)
+            assert node is not None, "capacity check admitted more than is evictable"
+            k = min(count, len(node.blocks))
+            parent = node.parent
+            if offload is not None:  # what an offload needs, read before the tail goes
+                assert parent is not None
+                first = len(node.blocks) - k
+                prev = node.digest(first - 1) if first else parent.last_digest()
+                run = bytes(node.tokens[first * index.block_bytes :])
+                position = node.depth + first
+            ids, digests = index.evict_tail(node, k)
+            self.pool.give_back(ids)
+            self.stats.evicted_blocks += k
+            count -= k
+            if events.callbacks or offload is not None:
+                namespace = node.namespace  # kept by a node that left its tree
+                assert namespace is not None
+                if events.callbacks:
+                    events.emit(BlockRemoved(split_digests(digests), namespace))
+                if offload is not None:
+                    offload.offload(ids, split_digests(digests), run, prev, position, namespace)
+            if node.blocks:
+                evictor.push(node, now)
+            elif parent is not None and parent.parent is not None and evictor.evictable(parent):
+                evictor.push(parent, now)
+
+    def unhold(self, node: Node | None) -> None:
+        """Drop one hold on the path from the root to ``node``; a leaf nobody holds any more
+        becomes evictable."""
+        now = self.now()
+        leaf = self.index.unhold(node, now)
+        if leaf is not None:
+            self.evictor.push(leaf, now)
+            self.evictor.compact(self.index.num_nodes)
+
+    def release_request(self, seq: RequestState) -> None:
+        """Give back everything a request holds: its copy source, its index path and its
+        private blocks (it has left the live requests already)."""
+        if seq.copy_source is not None:
+            self.unhold(seq.copy_source)
+            seq.copy_source = None
+        self.unhold(seq.deepest)
+        self.pool.drop(seq.private)

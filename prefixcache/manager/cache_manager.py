@@ -1,0 +1,432 @@
+"""The runtime's view of the cache: admit, append, fork and release requests over shared blocks.
+
+Every public call validates its input and checks capacity before touching any state, so a
+rejected call raises a typed error and changes nothing.
+
+The step protocol (pending blocks, abort, copy sources held through a step) is described once,
+in docs/architecture.md ("The step protocol"); each operation's docstring says its part.
+
+The work is done by helpers built around the index (see ``_build_helpers``): planning
+(admission_planning), block tables (request_blocks), indexing (block_indexing), allocation and
+eviction (block_supply), the step ledger (step_ledger), the host tier (host_offload) and the
+listeners (listeners).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from prefixcache.blocks.eviction import Evictor, PolicyKey
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.blocks.host_tier import HostTier
+from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
+from prefixcache.blocks.pool import BlockPool
+from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.blocks.tokens import TokenIds, as_single_token, as_size, as_token_array
+from prefixcache.errors import (
+    CacheInUseError,
+    ConfigError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
+from prefixcache.manager.admission_planning import AdmissionPlanner
+from prefixcache.manager.arguments import (
+    check_namespace,
+    check_pad,
+    check_priority,
+    check_transfer_model,
+    is_live,
+    live_request,
+)
+from prefixcache.manager.block_events import AllBlocksCleared, EventListener
+from prefixcache.manager.block_indexing import BlockIndexer
+from prefixcache.manager.block_supply import BlockSupply, TickClock
+from prefixcache.manager.host_offload import HostOffload
+from prefixcache.manager.integrity import check_manager
+from prefixcache.manager.listeners import Listeners
+from prefixcache.manager.request_blocks import RequestBlocks
+from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.results import Admission, AppendResult, Lookup
+from prefixcache.manager.stats import BlockCounts, CacheStats
+from prefixcache.manager.step_ledger import StepLedger
+from prefixcache.manager.transfers import TransferModel, Transfers
+
+__all__ = ["CacheManager", "RequestState"]
+
+
+class CacheManager:
+    """Prefix-cached paged block manager for one pool of ``num_blocks`` physical blocks.
+
+    ``stepped=True``: the runtime calls ``end_step()`` after every forward pass, and the source of
+    every copy handed out in a step stays held until then (see the module docstring).
+
+    ``host_blocks=N`` adds a host-memory tier of ``N`` block slots, exclusive of the GPU index:
+    evicted blocks are offloaded to it, and an admission loads the host blocks that continue its
+    cached prefix (``take_transfers()`` hands out the copies to run; see docs/architecture.md).
+    ``transfer_model`` decides per admission whether loading beats recomputing (None: always
+    load).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        hash_algo: str = "xxh3_128",
+        policy: str | PolicyKey = "lru",
+        partial_copy: bool = True,
+        enable_caching: bool = True,
+        stepped: bool = False,
+        clock: Callable[[], float] | None = None,
+        host_blocks: int = 0,
+        transfer_model: TransferModel | None = None,
+    ) -> None:
+        self.num_blocks = as_size(num_blocks, "num_blocks", 1)
+        self.block_size = as_size(block_size, "block_size", 1)
+        num_host = as_size(host_blocks, "host_blocks")
+        if num_host and not enable_caching:
+            raise ConfigError("a host tier (host_blocks > 0) needs enable_caching=True")
+        if transfer_model is not None:
+            check_transfer_model(transfer_model)
+        self.hasher = BlockHasher(self.block_size, hash_algo)
+        self.index = RadixIndex(self.hasher)
+        self.pool = BlockPool(self.num_blocks)
+        self.evictor = Evictor(policy)
+        # settings: the helpers take them when they are built
+        self.partial_copy = partial_copy
+        self.enable_caching = enable_caching
+        self.stepped = stepped
+        self.transfer_model = transfer_model
+        self._claims_all = policy == "priority"  # a default claim (0, forever) counts too
+        self.stats = CacheStats()
+        self.host: HostTier | None = HostTier(num_host) if num_host else None
+        self._ticks = TickClock()  # the clock when none is given
+        self._clock: Callable[[], float] = self._ticks.tick if clock is None else clock
+        self._seqs: dict[Hashable, RequestState] = {}  # the live requests
+        self._pins: dict[int, Node] = {}
+        self._pin_ids = itertools.count(1)
+        self._listeners = Listeners()
+        self._offload: HostOffload | None = None
+        if self.host is not None:
+            self._offload = HostOffload(
+                self.host, self.hasher, transfer_model, self.stats, self._listeners
+            )
+        self._build_helpers()
+
+    def _build_helpers(self) -> None:
+        """The helpers that work on the current index (built again when ``reset`` replaces it)."""
+        self._supply = BlockSupply(
+            self.index,
+            self.pool,
+            self.evictor,
+            self.stats,
+            self._listeners,
+            self._offload,
+            self._clock,
+        )
+        self._planner = AdmissionPlanner(
+            self.index,
+            self.pool,
+            self._offload,
+            partial_copy=self.partial_copy,
+            enable_caching=self.enable_caching,
+        )
+        self._ledger = StepLedger(
+            self._seqs, self.index, self.pool, self._supply, self.stats, stepped=self.stepped
+        )
+        indexer = BlockIndexer(
+            self.index, self.pool, self.hasher, self.stats, self._listeners, self._offload
+        )
+        self._requests = RequestBlocks(
+            self._seqs,
+            self._supply,
+            indexer,
+            self._ledger,
+            self.stats,
+            enable_caching=self.enable_caching,
+            stepped=self.stepped,
+            claims_all=self._claims_all,
+        )
+
+    # ---- admission ------------------------------------------------------------------------
+    def lookup(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> Lookup:
+        """How much of ``tokens`` an admission would not compute, changing nothing (routing,
+        planning). Counts a partially matching block's copied tokens, as ``admit`` does."""
+        arr = as_token_array(tokens)
+        check_namespace(namespace)
+        plan = self._planner.plan(arr.tobytes(), namespace, check_size=False)
+        cached_blocks = plan.match.n if plan.match is not None else 0
+        return Lookup(plan.cached_len, cached_blocks, len(plan.host_run))
+
+    def can_admit(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> bool:
+        """Whether ``admit`` would succeed now (free plus evictable blocks suffice). False too
+        for a prompt that can never fit; ``admit`` says why."""
+        arr = as_token_array(tokens)
+        check_namespace(namespace)
+        if -(-len(arr) // self.block_size) > self.num_blocks:
+            return False
+        plan = self._planner.plan(arr.tobytes(), namespace)
+        return plan.need <= self._supply.available(plan.held_cached)
+
+    def admit(
+        self,
+        request_id: Hashable,
+        tokens: TokenIds,
+        namespace: Namespace = DEFAULT_NAMESPACE,
+        *,
+        priority: int = 0,
+        retention: float | None = None,
+    ) -> Admission:
+        """Admit a prompt: reuse its longest cached prefix, allocate the rest, index its full
+        blocks (so requests of the same step share them at once) and return its block table.
+
+        ``priority`` (with ``retention`` time units, default forever) orders eviction under the
+        ``priority`` policy: lower goes first.
+        """
+        if is_live(self._seqs, request_id):
+            raise DuplicateRequestError(f"request {request_id!r} is already admitted")
+        arr = as_token_array(tokens)
+        if type(namespace) is not Namespace:
+            check_namespace(namespace)
+        if type(priority) is not int or retention is not None:
+            check_priority(priority, retention)
+        buf = arr.tobytes()
+        plan = self._planner.plan(buf, namespace)
+        available = self._supply.available(plan.held_cached)
+        if plan.need > available:
+            raise OutOfBlocksError(
+                f"request {request_id!r} needs {plan.need} new blocks but only {available} are "
+                "free or evictable; release requests first"
+            )
+        return self._requests.admit(request_id, namespace, buf, plan, priority, retention)
+
+    # ---- decode ---------------------------------------------------------------------------
+    def can_append(self, request_id: Hashable, num_tokens: int = 1) -> bool:
+        """Whether ``append`` of ``num_tokens`` tokens would find the blocks it needs now."""
+        seq = live_request(self._seqs, request_id)
+        k = as_size(num_tokens, "num_tokens")
+        return self._requests.append_need(seq, k) <= self._supply.available(0)
+
+    def append(self, request_id: Hashable, tokens: TokenIds | int) -> AppendResult:
+        """Append generated tokens (one int, numpy or 0-d tensor scalar, or any token
+        container); allocates blocks as needed and copies a shared partial last block before
+        writing into it. Newly filled blocks enter the index."""
+        seq = live_request(self._seqs, request_id)
+        token = as_single_token(tokens)
+        if token is not None:  # the decode fast path: no array round trip for one token
+            data, k = token.to_bytes(4, "little"), 1
+        else:
+            data = as_token_array(tokens).tobytes()
+            k = len(data) // 4
+        return self._requests.append(seq, data, k)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks, the partial last
+        one too (parallel sampling, beam search). Writes copy on demand."""
+        parent = live_request(self._seqs, parent_id)
+        if is_live(self._seqs, child_id):
+            raise DuplicateRequestError(f"request {child_id!r} is already admitted")
+        self._requests.fork(parent, child_id)
+
+    def release(self, request_id: Hashable) -> None:
+        """Finish a request whose K/V has been written. Its indexed blocks stay cached
+        (evictable); private ones are freed. Use ``abort`` when its K/V was never written."""
+        seq = live_request(self._seqs, request_id)
+        del self._seqs[request_id]  # what it wrote is confirmed: nothing of it stays pending
+        self._supply.release_request(seq)
+
+    def abort(self, request_id: Hashable) -> list[Hashable]:
+        """Drop a request before the forward pass wrote its K/V (preempted while the step is
+        planned, a client gone before its prefill).
+
+        The blocks it entered into the index since its K/V was last confirmed leave the index,
+        and every live request that relies on them (a hit on them, a partial copy from them, a
+        fork taken before they were written) is dropped too. Returns the ids dropped, this one
+        first; requeue them all, and take their slots and copies out of the step's batch: their
+        blocks may be handed out again at once (preemption makes room in the same step).
+        """
+        return self._ledger.abort(live_request(self._seqs, request_id))
+
+    def end_step(self) -> None:
+        """The forward pass of the step has written every K/V it was given: pending blocks
+        become ordinary cached blocks, and the copy sources held for the step are let go."""
+        self._ledger.end_step()
+        if self._offload is not None:
+            self._offload.end_step()
+
+    def take_transfers(self) -> Transfers:
+        """The host-tier transfers planned since the last call, and forget them. Run every
+        offload, then every load, after planning the step and before its forward pass."""
+        if self._offload is None:
+            return Transfers([], [])
+        return self._offload.take_transfers()
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` cached blocks now (policy order); returns how many."""
+        count = min(as_size(num_blocks, "num_blocks"), self._supply.evictable())
+        if count:
+            self._supply.evict(count)
+        return count
+
+    # ---- pins -----------------------------------------------------------------------------
+    def pin(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> tuple[int, int]:
+        """Keep the cached prefix of ``tokens`` from eviction (system prompts, attention sinks).
+
+        Returns ``(handle, pinned_tokens)``; only what is cached and written now is pinned.
+        """
+        arr = as_token_array(tokens)
+        check_namespace(namespace)
+        index = self.index
+        root = index.roots.get(namespace)
+        if root is None:
+            return 0, 0
+        buf = arr.tobytes()
+        match = index.match(root, buf, len(arr) // self.block_size)
+        pending = self._ledger.pending_blocks()
+        if pending and match.n:  # stop before the first block whose K/V is not written yet
+            blocks = index.path_blocks(match.node)[: match.n]
+            written = next((i for i, b in enumerate(blocks) if b in pending), None)
+            if written is not None:
+                match = index.match(root, buf, written)
+        if match.n == 0:
+            return 0, 0
+        node = match.node
+        if match.j < len(node.blocks):
+            node = index.split(node, match.j)
+        index.hold(node, self._clock())
+        handle = next(self._pin_ids)
+        self._pins[handle] = node
+        return handle, match.n * self.block_size
+
+    def unpin(self, handle: int) -> None:
+        """Let a pinned prefix be evicted again (``handle`` from ``pin``; 0: pinned nothing)."""
+        if type(handle) is not int:
+            raise InvalidArgumentError(f"a pin handle is an int from pin(), got {handle!r}")
+        if handle == 0:
+            return
+        node = self._pins.pop(handle, None)
+        if node is None:
+            raise UnknownRequestError(f"pin handle {handle!r} is not active")
+        self._supply.unhold(node)
+
+    # ---- views ----------------------------------------------------------------------------
+    def block_table(self, request_id: Hashable) -> list[int]:
+        """A copy of the request's block table."""
+        return list(live_request(self._seqs, request_id).table)
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        """The request's tokens so far (prompt and appended)."""
+        return live_request(self._seqs, request_id).num_tokens
+
+    def token_ids(self, request_id: Hashable) -> np.ndarray:
+        """A copy of the request's token ids (int32)."""
+        return np.frombuffer(bytes(live_request(self._seqs, request_id).tokens), dtype="<i4")
+
+    def block_tables(
+        self, request_ids: Iterable[Hashable], device: Any = "cpu", pad: int = -1
+    ) -> Any:
+        """Block tables as an int32 torch tensor ``[batch, max_blocks]`` on ``device``."""
+        import torch
+
+        check_pad(pad)
+        tables = [live_request(self._seqs, r).table for r in request_ids]
+        lens = np.array([len(t) for t in tables], dtype=np.int64)
+        width = int(lens.max()) if len(tables) else 0
+        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
+        out = np.full((len(tables), width), pad, dtype=np.int32)
+        out[np.arange(width) < lens[:, None]] = flat  # row-major fill of each row's prefix
+        return torch.from_numpy(out).to(device)
+
+    @property
+    def requests(self) -> list[Hashable]:
+        """The live requests' ids, in admission order."""
+        return list(self._seqs)
+
+    @property
+    def states(self) -> Mapping[Hashable, RequestState]:
+        """Read-only view of every live request's state (integrity checks, tools)."""
+        return MappingProxyType(self._seqs)
+
+    @property
+    def pins(self) -> Mapping[int, Node]:
+        """Read-only view of the active pins: handle -> the deepest pinned node."""
+        return MappingProxyType(self._pins)
+
+    @property
+    def pending_blocks(self) -> frozenset[int]:
+        """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
+        return self._ledger.pending_blocks()
+
+    @property
+    def step_holds(self) -> tuple[list[Node], list[int]]:
+        """Copy sources held until ``end_step`` (stepped): index nodes and private blocks."""
+        return [node for node, _ in self._ledger.holds], list(self._ledger.refs)
+
+    @property
+    def clock_ticks(self) -> float:
+        """The internal clock used when no ``clock`` was given (advances once per event)."""
+        return self._ticks.ticks
+
+    @property
+    def listener_errors(self) -> int:
+        """Exceptions raised by listeners (logged, then ignored)."""
+        return self._listeners.errors
+
+    def block_counts(self) -> BlockCounts:
+        """Free, active (held by requests, pins or the step) and cached (evictable) blocks."""
+        active = self.index.active_blocks + self.pool.num_private
+        return BlockCounts(self.pool.num_free, active, self._supply.evictable())
+
+    # ---- events ---------------------------------------------------------------------------
+    def add_listener(self, listener: EventListener) -> None:
+        """Call ``listener`` with BlockStored / BlockRemoved / AllBlocksCleared events.
+
+        Events are emitted in the middle of an operation, so a listener that raises cannot stop
+        it: the error is logged and counted in ``listener_errors``, and the operation completes
+        (the cache stays consistent; that listener misses the event)."""
+        if not callable(listener):
+            raise InvalidArgumentError(
+                f"a listener must be a callable (it is called with each event), got {listener!r}"
+            )
+        self._listeners.add(listener)
+
+    def remove_listener(self, listener: EventListener) -> None:
+        """Stop calling ``listener`` (InvalidArgumentError when it was not added); safe from
+        inside a listener or another thread: an event being sent still reaches the others."""
+        try:
+            self._listeners.remove(listener)
+        except ValueError:
+            raise InvalidArgumentError(f"{listener!r} is not a listener of this manager") from None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def reset(self, *, force: bool = False) -> None:
+        """Drop every cached block. Refuses while requests or pins hold blocks unless forced;
+        a forced reset also drops every request and pin."""
+        in_use = self.block_counts().active
+        if in_use and not force:
+            held = self._ledger.num_holds()
+            step = f" and {held} holds of this step (end_step() ends them)" if held else ""
+            raise CacheInUseError(
+                f"{in_use} blocks are in use by {len(self._seqs)} requests and {len(self._pins)}"
+                f" pins{step}; release them first or pass force=True"
+            )
+        self._seqs.clear()
+        self._pins.clear()
+        self.index = RadixIndex(self.hasher)
+        self.pool.reset()
+        self.evictor.clear()
+        if self._offload is not None:
+            self._offload.clear()
+        self._build_helpers()
+        self._listeners.emit(AllBlocksCleared())
+
+    def check_integrity(self) -> None:
+        """Assert every invariant the bookkeeping can see (docs/architecture.md). O(cache)."""
+        check_manager(self)

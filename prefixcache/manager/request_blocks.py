@@ -1,0 +1,233 @@
+"""Requests' block tables: setting up an admitted prompt's from its plan, growing them as
+tokens are appended (copying a shared partial last block before it is written), and sharing
+them with a fork.
+
+Capacity is checked before anything changes (by the caller for an admission), so nothing
+here fails half-way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.blocks.pool import BlockPool
+from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.errors import OutOfBlocksError
+from prefixcache.manager.admission_planning import AdmissionPlan
+from prefixcache.manager.block_indexing import BlockIndexer
+from prefixcache.manager.block_supply import BlockSupply
+from prefixcache.manager.host_offload import HostOffload
+from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.results import Admission, AppendResult, Copy, slots_of
+from prefixcache.manager.retention import add_claim
+from prefixcache.manager.stats import CacheStats
+from prefixcache.manager.step_ledger import StepLedger
+
+_new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
+
+
+class RequestBlocks:
+    """Gives requests their blocks: the cached prefix they share, the new ones they write."""
+
+    __slots__ = (
+        "block_size",
+        "claims_all",
+        "enable_caching",
+        "index",
+        "indexer",
+        "ledger",
+        "now",
+        "offload",
+        "pool",
+        "seqs",
+        "stats",
+        "stepped",
+        "supply",
+    )
+
+    def __init__(
+        self,
+        seqs: dict[Hashable, RequestState],
+        supply: BlockSupply,
+        indexer: BlockIndexer,
+        ledger: StepLedger,
+        stats: CacheStats,
+        *,
+        enable_caching: bool,
+        stepped: bool,
+        claims_all: bool,
+    ) -> None:
+        self.seqs = seqs  # the live requests, shared with the manager
+        self.supply = supply
+        self.index: RadixIndex = supply.index
+        self.pool: BlockPool = supply.pool
+        self.offload: HostOffload | None = supply.offload
+        self.now: Callable[[], float] = supply.now
+        self.indexer = indexer
+        self.ledger = ledger
+        self.stats = stats
+        self.block_size = self.index.block_size
+        self.enable_caching = enable_caching
+        self.stepped = stepped
+        # under the priority policy a default request's claim (0, forever) counts too: it lifts a
+        # lower priority left by another request on the blocks it shares
+        self.claims_all = claims_all
+
+    def admit(
+        self,
+        request_id: Hashable,
+        namespace: Namespace,
+        buf: bytes,
+        plan: AdmissionPlan,
+        priority: int,
+        retention: float | None,
+    ) -> Admission:
+        """Carry out a plan (its capacity checked): hold the matched prefix, take the new
+        blocks, plan the copies and loads, index the prompt's full blocks and register the
+        request."""
+        index, p, t = self.index, self.block_size, len(buf) // 4
+        now = self.now()
+        node: Node | None = None
+        digest = None
+        matched = 0
+        match = plan.match
+        if match is not None:
+            matched = match.n
+            if matched:
+                node, digest, j = match.node, match.digest, match.j
+                if j < len(node.blocks):
+                    node = index.split(node, j)
+                index.hold(node, now, hit=True)
+        host_run = plan.host_run
+        if host_run:  # off the host tier before any offload of ours can evict them
+            assert self.offload is not None
+            host_slots = self.offload.unload(host_run, namespace)
+        partial = plan.partial
+        if partial is not None:  # the copy source must survive our own eviction (see planning)
+            source = partial.node
+            if len(source.blocks) > 1:  # hold the copied block alone, not the whole run
+                source = index.split(source, 1)
+            index.hold(source, now)
+        fresh = self.supply.take(plan.need, owned=False)  # private ones are owned after indexing
+        if host_run:
+            assert self.offload is not None
+            self.offload.plan_loads(host_slots, fresh, stepped=self.stepped)
+        cow = plan.cow
+        table = index.path_blocks(node)
+        cow_source = table[-1] if cow else -1
+        del table[plan.shared :]
+        table += fresh
+        seq = RequestState(request_id, namespace, buf, t, table, node)
+        seq.private = fresh  # a new list from the pool: the request owns it
+        st = self.stats
+        copies: list[Copy] = []
+        partial_tokens = 0
+        if cow:  # every prompt token is cached: recompute only the last one, in a copy
+            if p > 1:  # one-token blocks: nothing to copy, the block is recomputed
+                copies.append(Copy(cow_source, fresh[0], p - 1))
+                st.cow_copies += 1
+        elif partial is not None:
+            partial_tokens = partial.m  # its source is held since before our allocation
+            copies.append(Copy(source.blocks[0], fresh[0], partial_tokens))
+            seq.copy_source = source
+            st.partial_copies += 1
+            st.partial_copy_tokens += partial_tokens
+        seq.unconfirmed = True
+        if self.enable_caching:
+            self.indexer.index_blocks(seq, buf, t // p, digest, now, owned=False)
+        self.pool.own(seq.private)  # usually just the partial last block
+        if priority or retention is not None or self.claims_all:
+            seq.claim = (priority, math.inf if retention is None else now + retention)
+            add_claim(seq.deepest, seq.claim, now)
+        self.seqs[request_id] = seq
+        cached_len, loaded = plan.cached_len, len(host_run)
+        st.requests += 1
+        st.lookup_tokens += t
+        st.hit_tokens += cached_len
+        st.lookup_blocks += t // p
+        st.hit_blocks += matched + loaded
+        st.zero_hit_requests += cached_len == 0
+        if plan.host_found:
+            st.host_hit_blocks += plan.host_found
+            st.loaded_blocks += loaded
+        return _new(
+            Admission,
+            (cached_len, list(table), copies, t, p, matched, partial_tokens, cow, loaded),
+        )
+
+    def append_need(self, seq: RequestState, k: int) -> int:
+        """New blocks an append of ``k`` tokens to ``seq`` takes (a shared partial last block
+        is copied first)."""
+        p, t0 = self.block_size, seq.num_tokens
+        need = -(-(t0 + k) // p) - len(seq.table)
+        if k and t0 % p and self.pool.refcount[seq.table[-1]] > 1:
+            need += 1
+        return need
+
+    def append(self, seq: RequestState, data: bytes, k: int) -> AppendResult:
+        """Append ``k`` tokens (``data``: int32 LE) to ``seq``, taking the blocks it needs
+        (OutOfBlocksError, changing nothing, when they are not there); newly filled blocks
+        enter the index."""
+        p, t0 = self.block_size, seq.num_tokens
+        t1 = t0 + k
+        need = -(-t1 // p) - len(seq.table)  # as append_need, inline on the decode path
+        if k and t0 % p and self.pool.refcount[seq.table[-1]] > 1:
+            need += 1
+        available = self.supply.available(0)
+        if need > available:
+            raise OutOfBlocksError(
+                f"appending {k} tokens to {seq.request_id!r} needs {need} blocks but only "
+                f"{available} are free or evictable"
+            )
+        if seq.copy_source is not None:  # the prefill that ran the partial copy is planned
+            self.ledger.let_go_copy_source(seq)
+        fresh = self.supply.take(need)
+        copies: list[Copy] = []
+        if t0 % p and self.pool.refcount[seq.table[-1]] > 1:  # shared partial block: copy first
+            old, dst = seq.table[-1], fresh.pop(0)
+            copies.append(Copy(old, dst, t0 % p))
+            self.ledger.let_go_copied_block(old)
+            seq.private[seq.private.index(old)] = dst
+            seq.table[-1] = dst
+            self.stats.cow_copies += 1
+        seq.table.extend(fresh)
+        seq.private.extend(fresh)
+        if type(seq.tokens) is bytes:  # first append: the prompt's buffer becomes growable
+            seq.tokens = bytearray(seq.tokens)
+        seq.tokens += data
+        seq.num_tokens = t1
+        seq.unconfirmed = True
+        self.stats.appended_tokens += k
+        if self.enable_caching and t1 // p > t0 // p:
+            now = self.now()
+            self.indexer.index_blocks(seq, seq.tokens, t1 // p, None, now)
+            if seq.claim is not None:  # the blocks it decoded carry its claim too
+                add_claim(seq.deepest, seq.claim, now)
+        if k == 1:
+            slots = np.array([seq.table[t0 // p] * p + t0 % p], dtype=np.int64)
+        else:
+            slots = slots_of(seq.table, p, t0, t1)
+        return AppendResult(slots, copies)
+
+    def fork(self, parent: RequestState, child_id: Hashable) -> None:
+        """Start ``child_id`` sharing every block of ``parent``, the partial last one too."""
+        child = RequestState(
+            child_id,
+            parent.namespace,
+            bytearray(parent.tokens),
+            parent.num_tokens,
+            list(parent.table),
+            parent.deepest,
+        )
+        child.private = list(parent.private)
+        child.blocked = parent.blocked
+        child.claim = parent.claim
+        self.pool.share(child.private)
+        self.index.hold(child.deepest, self.now())
+        self.ledger.add_fork(parent, child)
+        self.seqs[child_id] = child
+        self.stats.forks += 1

@@ -1,0 +1,3 @@
+"""The simulations a replay runs over the real cache manager: sequential, serving and fleet, with
+their hit accounting.
+"""

@@ -1,0 +1,411 @@
+"""Hit accounting of a replay: per-request rows, totals, miss causes, upper bound, top prefixes.
+
+Hit tokens are the manager's ``Admission.cached_len``; the misses of a request (cold, capacity,
+isolation, tail, routing) add up to its prompt minus hit tokens (docs/architecture.md).
+
+Next to the real cache runs a shadow: an infinite cache with the same block size, which would hit
+every full block whose prefix it has seen in the same namespace. Keeping the set of prefix keys
+per namespace (and, when several namespaces occur, a namespace-free set) answers that in
+O(blocks) per request, and tells apart blocks the real cache lost to eviction (seen here) from
+blocks it could never have had (cold) and blocks cached only under another namespace
+(isolation).
+
+The shadow's keys are 64-bit fingerprints of every full-block prefix: ``key_k = xxh3_64(tokens
+of blocks 0..k, seed)`` with the seed from the namespace, or a fixed neutral seed for the
+namespace-free keys. A streaming hash state yields the keys block after block, and starting it at
+block ``k`` costs one bulk update, so a prefix the cache already matched is never hashed block by
+block. A 64-bit collision (about 2**-64 per pair) could only shift the upper bound or a miss
+cause by one block; the cache itself never sees these keys. The keys live in a ``KeySet`` (11-21
+bytes a unique block), the one part of a replay's memory that grows with the trace; a replay
+without the upper bound keeps none.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import xxhash
+from xxhash import xxh3_64
+
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.manager.stats import BlockCounts
+from prefixcache.replay.sim.keyset import KeySet
+from prefixcache.replay.sim.request_rows import RequestRows
+from prefixcache.replay.workload.request import Request
+
+TOP_PREFIXES = 10
+NEUTRAL_SEED = 0x5EED
+_h64 = xxhash.xxh3_64_intdigest
+_TABLE_LIMIT = 100_000  # distinct prefixes kept; beyond it the half that saved least is dropped
+
+
+@dataclass(slots=True)
+class Totals:
+    """Sums over every request of a replay (``ub_*``: the infinite cache's hits)."""
+
+    attn_units: int = 0
+    capacity: int = 0
+    cold: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    isolation: int = 0
+    output_tokens: int = 0
+    partial_copy_tokens: int = 0
+    prompt_blocks: int = 0
+    prompt_tokens: int = 0
+    rejected: int = 0
+    requests: int = 0
+    routing: int = 0
+    tail: int = 0
+    ub_blocks: int = 0
+    ub_tokens: int = 0
+    zero_hit: int = 0
+    host_hit_tokens: int = 0  # of hit_tokens: loaded from the host tier
+    pool_hit_tokens: int = 0  # of hit_tokens: loaded from the shared pool
+
+
+class Accountant:
+    def __init__(
+        self,
+        block_size: int,
+        hasher: BlockHasher,
+        *,
+        track_isolation: bool,
+        record: bool = True,
+        upper_bound: bool = True,
+    ) -> None:
+        self.p = block_size
+        self.hasher = hasher
+        self.shadow = Shadow(block_size, track_isolation, enabled=upper_bound)
+        self.totals = Totals()
+        self.log = RequestRows() if record else None
+        self.timeline = Timeline() if record else None
+        self.namespaces: dict[Namespace, int] = {}
+        self.prefixes = TopPrefixes(hasher, TOP_PREFIXES)
+        # peaks: physical blocks in use (and fragmentation then), logical blocks
+        self.physical_peak = 0
+        self.fragmentation_at_peak = 0
+        self.logical_peak = 0
+
+    def record(
+        self,
+        request_id: int,
+        req: Request,
+        buf: bytes,
+        cached_len: int,
+        cow: bool,
+        partial_tokens: int,
+        *,
+        rejected: bool = False,
+        elsewhere: int = 0,
+        host_tokens: int = 0,
+        pool_tokens: int = 0,
+    ) -> None:
+        """Account one admission (or a rejection: nothing hit). ``cow``: the whole prompt was
+        cached and its last token is recomputed in a copy; ``partial_tokens``: slots copied from
+        a partially matching block (they are part of ``cached_len``); ``elsewhere``: leading
+        full blocks of the prompt another replica of a fleet holds (0 for one cache). Blocks
+        seen before that another replica holds and this cache missed are routing misses, taken
+        out of the capacity misses. ``host_tokens`` / ``pool_tokens``: the part of
+        ``cached_len`` loaded from the host tier / the pool (the rest matched on the GPU)."""
+        p = self.p
+        t = len(req.tokens)
+        f = t // p
+        ns_index = self.namespaces.get(req.namespace)
+        if ns_index is None:
+            ns_index = self.namespaces[req.namespace] = len(self.namespaces)
+        if cow:
+            n, m = f, 0
+        else:
+            n, m = divmod(cached_len, p)
+        anchor, u, v = self.shadow.observe(buf, f, req.namespace, n)
+        routing = 0
+        if cow:
+            cold = capacity = isolation = 0
+            tail = 1
+        else:
+            tail = t - f * p - (m if n == f else 0)
+            lost = m if n < f else 0  # slots of block n that were copied, not missed
+            capacity = (u - n) * p - (lost if u > n else 0)
+            isolation = (v - u) * p - (lost if u == n < v else 0)
+            cold = (f - v) * p - (lost if v == n < f else 0)
+            w = min(elsewhere, u)
+            if w > n:  # blocks n..w-1 were on another replica: the route missed them
+                routing = (w - n) * p - lost
+                capacity = (u - w) * p
+        ub = u * p if u < f else (t - 1 if f * p == t else f * p)
+        outputs = req.output_len * req.n
+
+        tot = self.totals
+        tot.requests += 1
+        tot.prompt_tokens += t
+        tot.hit_tokens += cached_len
+        tot.prompt_blocks += f
+        tot.hit_blocks += n
+        tot.ub_tokens += ub if ub > cached_len else cached_len
+        tot.ub_blocks += u
+        tot.zero_hit += cached_len == 0
+        tot.host_hit_tokens += host_tokens
+        tot.pool_hit_tokens += pool_tokens
+        tot.cold += cold
+        tot.capacity += capacity
+        tot.isolation += isolation
+        tot.tail += tail
+        tot.routing += routing
+        tot.output_tokens += outputs
+        tot.partial_copy_tokens += partial_tokens
+        tot.rejected += rejected
+        tot.attn_units += cached_len * (cached_len + 1) // 2
+        if anchor is not None:
+            self.prefixes.add(anchor, req.tokens, req.namespace, n, cached_len)
+
+        log = self.log
+        if log is not None:
+            row = (
+                request_id,
+                ns_index,
+                t,
+                cached_len,
+                f,
+                n,
+                cold,
+                capacity,
+                isolation,
+                tail,
+                routing,
+            )
+            log.add(req.arrival_s, (*row, outputs))
+
+    def note_output(self, req: Request, full_tokens_buf: bytes) -> None:
+        """A sequence grew by its output, which a later request may reuse: the infinite cache
+        holds those blocks too (its prompt's were just recorded)."""
+        f = len(full_tokens_buf) // (4 * self.p)
+        self.shadow.observe(full_tokens_buf, f, req.namespace, len(req.tokens) // self.p)
+
+    def note_usage(self, physical: int, logical: int, fragmentation: int) -> None:
+        if physical > self.physical_peak:
+            self.physical_peak = physical
+            self.fragmentation_at_peak = fragmentation
+        if logical > self.logical_peak:
+            self.logical_peak = logical
+
+    def sample_timeline(
+        self, steps: int, clock: float, counts: BlockCounts, evicted: int, final: bool
+    ) -> None:
+        """A timeline row (blocks per state, evictions and hits so far) when one is due, and
+        always for the ``final`` one."""
+        timeline = self.timeline
+        if timeline is None or not (final or timeline.due(steps)):
+            return
+        tot = self.totals
+        row = TimelineRow(
+            round(clock, 9),
+            counts.active,
+            counts.cached,
+            counts.free,
+            evicted,
+            tot.prompt_tokens,
+            tot.hit_tokens,
+            self.rolling_hit_rate(),
+        )
+        if final:
+            timeline.finish(steps, row)
+        else:
+            timeline.add(steps, row)
+
+    def top_prefixes(self) -> list[dict[str, object]]:
+        return self.prefixes.top()
+
+    def rolling_hit_rate(self) -> float:
+        """Token hit rate of the latest requests (0 when rows are not recorded)."""
+        return self.log.rolling_hit_rate() if self.log is not None else 0.0
+
+
+# ---- the infinite cache next to the real one --------------------------------------------------
+
+
+class NamespaceSeeds:
+    """The key seed of each namespace, cached."""
+
+    def __init__(self) -> None:
+        self._seeds: dict[Namespace, int] = {}
+
+    def __call__(self, namespace: Namespace) -> int:
+        seed = self._seeds.get(namespace)
+        if seed is None:
+            seed = _h64(b"prefixcache/replay/ns\x00" + namespace.canonical_bytes())
+            self._seeds[namespace] = seed
+        return seed
+
+
+class ShadowMatch(NamedTuple):
+    """What the infinite cache knew of a sequence's full-block prefixes before it was observed."""
+
+    anchor: int | None  # the key of the last block the real cache matched; None when none
+    seen: int  # leading blocks seen before in this namespace
+    seen_any: int  # leading blocks seen before in any namespace (>= seen; == seen untracked)
+
+
+class Shadow:
+    """The full-block prefixes a replay has seen so far, per namespace and namespace-free.
+
+    ``enabled=False`` keeps nothing: every sequence is reported as seen exactly as far as the
+    real cache matched it (no upper bound, no capacity or isolation misses), in constant memory.
+    """
+
+    def __init__(self, block_size: int, track_isolation: bool, *, enabled: bool = True) -> None:
+        self.block_bytes = 4 * block_size
+        self.track_isolation = track_isolation and enabled
+        self.enabled = enabled
+        self.seen = KeySet()  # prefix keys seen, namespace in the key
+        self.seen_neutral = KeySet()  # the same prefixes without the namespace
+        self.seed = NamespaceSeeds()
+
+    @property
+    def unique_blocks(self) -> int:
+        """Blocks an infinite cache would hold now."""
+        return len(self.seen)
+
+    def observe(
+        self, buf: bytes, num_blocks: int, namespace: Namespace, known: int = 0
+    ) -> ShadowMatch:
+        """Look up, then remember, the full-block prefixes of a sequence whose first ``known``
+        blocks are known to be seen (the cache just matched them)."""
+        bb = self.block_bytes
+        state = xxh3_64(buf[: known * bb], self.seed(namespace))
+        anchor = state.intdigest() if known else None
+        if not self.enabled:
+            return ShadowMatch(anchor, known, known)
+        u = _extend(state, buf, bb, known, num_blocks, self.seen)
+        v = u
+        if self.track_isolation and u < num_blocks:
+            neutral = xxh3_64(buf[: u * bb], NEUTRAL_SEED)
+            v = _extend(neutral, buf, bb, u, num_blocks, self.seen_neutral)
+        return ShadowMatch(anchor, u, v)
+
+
+def _extend(state: xxh3_64, buf: bytes, bb: int, start: int, end: int, seen: KeySet) -> int:
+    """Walk blocks ``start .. end-1`` with a hash state holding the blocks before ``start``:
+    count the leading keys already seen, adding the others (a chain past an unseen block is
+    unseen)."""
+    update, digest, add = state.update, state.intdigest, seen.add
+    k = start
+    offset = start * bb
+    while k < end:
+        update(buf[offset : offset + bb])
+        offset += bb
+        if add(digest()):
+            rest = []
+            for o in range(offset, end * bb, bb):
+                update(buf[o : o + bb])
+                rest.append(digest())
+            seen.update(rest)
+            return k
+        k += 1
+    return end
+
+
+# ---- the prefixes that saved the most tokens --------------------------------------------------
+#
+# Every request with a hit counts toward the prefix it matched down to. Only the current leaders
+# are named by the cache's own digest (of the prefix's last block), computed when a prefix joins
+# them, so naming costs nothing for the long tail of prefixes seen once.
+
+
+class TopPrefixes:
+    """Tokens saved per deepest matched prefix; the ``k`` leaders named by their digest."""
+
+    def __init__(self, hasher: BlockHasher, k: int = 10) -> None:
+        self.hasher, self.k = hasher, k
+        self._table: dict[int, list[Any]] = {}  # key -> [name, depth, requests, tokens saved]
+        self._top: dict[int, int] = {}  # the k largest savings, always current
+        self._floor = 0  # the smallest of them once there are k
+
+    def add(self, key: int, tokens: np.ndarray, ns: Namespace, depth: int, saved: int) -> None:
+        entry = self._table.get(key)
+        if entry is None:
+            entry = self._table[key] = [None, depth, 0, 0]
+            if len(self._table) > _TABLE_LIMIT:
+                self._prune()
+        entry[2] += 1
+        total = entry[3] = entry[3] + saved
+        top = self._top
+        if key in top or len(top) < self.k:
+            top[key] = total
+        elif total > self._floor:
+            del top[min(top, key=top.__getitem__)]
+            top[key] = total
+        else:
+            return
+        if entry[0] is None:
+            digests = self.hasher.hash_blocks(tokens, self.hasher.seed(ns), 0, depth)
+            entry[0] = digests[-1][:8].hex()
+        if len(top) == self.k:
+            self._floor = min(top.values())
+
+    def _prune(self) -> None:
+        keep = dict(heapq.nlargest(_TABLE_LIMIT // 2, self._table.items(), key=lambda kv: kv[1][3]))
+        keep.update((k, self._table[k]) for k in self._top)
+        self._table = keep
+
+    def top(self) -> list[dict[str, Any]]:
+        entries = sorted((self._table[k] for k in self._top), key=lambda e: (-e[3], -e[2]))
+        return [
+            {"prefix_id": e[0], "depth_blocks": e[1], "requests": e[2], "tokens_saved": e[3]}
+            for e in entries
+        ]
+
+
+# ---- timeline.csv rows ------------------------------------------------------------------------
+
+
+class TimelineRow(NamedTuple):
+    """One row of timeline.csv (``run_format.TIMELINE_COLUMNS``)."""
+
+    t: float  # request index (sequential) or simulated seconds (serving)
+    blocks_active: int
+    blocks_cached: int
+    blocks_free: int
+    evicted_blocks_cum: int
+    prompt_tokens_cum: int
+    hit_tokens_cum: int
+    rolling_token_hit_rate: float
+
+
+class Timeline:
+    """Rows sampled evenly without knowing the length of the replay in advance.
+
+    Rows are taken every ``every`` ticks (requests or steps); whenever twice the target count is
+    reached, every other row is dropped and the interval doubles, so a replay of any length ends
+    with between ``target`` and ``2 * target`` evenly spaced rows, plus the final state.
+    """
+
+    def __init__(self, target: int = 1000) -> None:
+        self.target = target
+        self.every = 1
+        self.rows: list[TimelineRow] = []
+        self._last_tick = -1
+
+    def due(self, tick: int) -> bool:
+        return tick % self.every == 0
+
+    def add(self, tick: int, row: TimelineRow) -> None:
+        self._last_tick = tick
+        self.rows.append(row)
+        if len(self.rows) >= 2 * self.target:
+            self.rows = self.rows[::2]
+            self.every *= 2
+            if self.rows[-1] is not row:
+                self._last_tick = -1
+
+    def finish(self, tick: int, row: TimelineRow) -> None:
+        """The state at the end of the replay, always the last row."""
+        if tick == self._last_tick and self.rows:
+            self.rows[-1] = row
+        else:
+            self.rows.append(row)
+        self._last_tick = tick

@@ -1,0 +1,108 @@
+"""Admissions through the tiers of a replay: the manager's GPU and host hits, then the pool.
+
+The manager admits a prompt as usual (GPU hits, host blocks loaded after them). The prompt's
+digest chain then continues in the shared pool from the first block neither tier holds; pooled
+blocks found there are loaded over the pool link when that is cheaper than recomputing them
+(never the prompt's last token: one token is always computed). The manager has allocated and
+indexed those blocks as the request's own already, which is what a runtime does once it has
+loaded them, so only the count of tokens not computed changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.manager.cache_manager import CacheManager
+from prefixcache.manager.results import Admission
+from prefixcache.replay.run_config import ResolvedConfig
+from prefixcache.replay.tiers.shared_pool import PoolFeed, PoolTier
+from prefixcache.replay.tiers.tier_settings import TierSettings
+
+
+class TierHit(NamedTuple):
+    """Where an admission's tokens not computed came from."""
+
+    cached_len: int  # prompt tokens not computed, every tier together
+    partial_tokens: int  # slots copied from a partially matching GPU block
+    gpu_tokens: int  # matched in the GPU index (copies of GPU blocks included)
+    host_tokens: int  # loaded from the host tier
+    pool_tokens: int  # loaded from the pool
+    host_blocks: int  # blocks loaded over the host link
+    pool_blocks: int  # blocks loaded over the pool link
+
+
+class TierAdmitter:
+    """One replica's admissions through its manager and the shared pool (if any)."""
+
+    def __init__(
+        self, mgr: CacheManager, settings: TierSettings, pool: PoolTier | None = None
+    ) -> None:
+        self.mgr = mgr
+        self.settings = settings
+        self.pool = pool
+        self.feed: PoolFeed | None = None
+        if pool is not None:
+            self.feed = PoolFeed(pool)
+            mgr.add_listener(self.feed)
+        self.pool_found_blocks = 0  # pooled blocks that continued a prompt (loaded or not)
+        self.pool_loaded_blocks = 0
+
+    def admit(self, request_id: Hashable, tokens: np.ndarray, namespace: Namespace) -> Admission:
+        """``mgr.admit``, with the blocks that left the replica since its last call pooled
+        first (a block evicted by an earlier call is found in the pool, not recomputed)."""
+        if self.feed is not None:
+            self.feed.flush()
+        return self.mgr.admit(request_id, tokens, namespace)
+
+    def split(self, buf: bytes, namespace: Namespace, adm: Admission) -> TierHit:
+        """The tier split of an admission just made (``buf``: the prompt's int32 LE bytes), the
+        pool's continuation of its chain included."""
+        p = self.mgr.block_size
+        host_tokens = adm.host_blocks * p
+        gpu_tokens = adm.cached_len - host_tokens
+        base = TierHit(
+            adm.cached_len, adm.partial_tokens, gpu_tokens, host_tokens, 0, adm.host_blocks, 0
+        )
+        feed, pool = self.feed, self.pool
+        if feed is None or pool is None or adm.cow:
+            return base
+        feed.flush()  # what this admission evicted is pooled before the lookup
+        start = adm.hit_blocks + adm.host_blocks
+        limit = (len(buf) // 4 - 1) // p  # one prompt token is always computed
+        if start >= limit or not len(pool):
+            return base
+        hasher = self.mgr.hasher
+        tokens = np.frombuffer(buf, dtype="<i4")
+        digests = hasher.hash_blocks(tokens, hasher.seed(namespace), 0, limit)[start:]
+        k = pool.match(digests)
+        if not k:
+            return base
+        self.pool_found_blocks += k
+        if not self.settings.pool_transfer.should_load(k, p, start):
+            return base
+        pool.touch(digests[:k])
+        self.pool_loaded_blocks += k
+        # a partially matching GPU block is loaded whole from the pool instead of copied
+        gpu_tokens -= adm.partial_tokens
+        return TierHit((start + k) * p, 0, gpu_tokens, host_tokens, k * p, adm.host_blocks, k)
+
+
+class Tiers(NamedTuple):
+    """The tiers of one replay: their settings, the shared pool, one admitter per replica."""
+
+    settings: TierSettings
+    pool: PoolTier | None
+    admitters: list[TierAdmitter]
+
+
+def build_tiers(resolved: ResolvedConfig, managers: Sequence[CacheManager]) -> Tiers | None:
+    """One admitter per replica's manager, all sharing one pool; None without tiers."""
+    settings = resolved.tiers
+    if settings is None:
+        return None
+    pool = PoolTier(settings.pool_blocks) if settings.pool_blocks else None
+    return Tiers(settings, pool, [TierAdmitter(m, settings, pool) for m in managers])

@@ -1,0 +1,1 @@
+"""Where replayed requests come from: scenario files, traces, token synthesis and arrival times."""

@@ -1,0 +1,165 @@
+"""Open a scenario file or a trace as a stream of requests that can be iterated again."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from prefixcache.errors import ConfigError
+from prefixcache.replay.run_config import ReplayConfig
+from prefixcache.replay.workload.request import Request
+from prefixcache.replay.workload.scenario import is_scenario_path, load_scenario
+from prefixcache.replay.workload.scenario_requests import Workload
+from prefixcache.replay.workload.traces import (
+    TraceOptions,
+    detect_format,
+    read_trace,
+    trace_namespaces,
+)
+
+
+@dataclass
+class Source:
+    path: str
+    kind: str  # scenario | mooncake | tokens | prompts | text | memory
+    name: str
+    seed: int | None  # the seed the requests were generated or synthesized with
+    multi_namespace: bool  # several namespaces may occur (isolation misses possible)
+    total: int | None  # request count when known up front
+    _factory: Callable[[], Iterator[Request]]
+
+    def __iter__(self) -> Iterator[Request]:
+        return self._factory()
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        if self.kind == "memory":
+            for req in self:
+                h.update(req.tokens.tobytes())
+            return h.hexdigest()
+        with open(self.path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def head(self, n: int) -> Source:
+        """The same source cut to its first ``n`` requests."""
+        make = self._factory
+        total = n if self.total is None else min(self.total, n)
+        return replace(self, total=total, _factory=lambda: itertools.islice(make(), n))
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request], name: str = "requests") -> Source:
+        """Requests built in Python (tests, notebooks); identified by their tokens' hash."""
+        items = list(requests)
+        many = len({r.namespace for r in items}) > 1
+        return cls("<memory>", "memory", name, None, many, len(items), lambda: iter(items))
+
+
+def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
+    config = config or ReplayConfig()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such scenario or trace file")
+    if is_scenario_path(p):
+        _refuse_trace_options(config, p)
+        scenario = load_scenario(p)
+        workload = Workload(scenario, config.seed)
+        total = scenario.requests if scenario.duration_s is None else None
+        if scenario.arrivals.process == "timestamps" and scenario.session is None:
+            total = min(
+                total or len(scenario.arrivals.timestamps), len(scenario.arrivals.timestamps)
+            )
+        return Source(
+            str(p),
+            "scenario",
+            scenario.name,
+            workload.seed,
+            scenario.namespace.count > 1,
+            total,
+            workload.__iter__,
+        )
+    fmt = config.trace_format or detect_format(p, config.max_line_bytes)
+    check_block_size(fmt, config.trace_block_size, config.block_size)
+    _refuse_options_of_other_formats(config, p, fmt)
+    seed = config.seed if config.seed is not None else 0
+    options = TraceOptions(
+        format=fmt,
+        trace_block_size=config.trace_block_size,
+        seed=seed,
+        tokenizer=config.tokenizer,
+        chat_template=config.chat_template,
+        output_len=config.output_len,
+        max_line_bytes=config.max_line_bytes,
+        max_prompt_tokens=config.max_prompt_tokens,
+    )
+    return Source(
+        str(p),
+        fmt,
+        p.stem,
+        seed if fmt == "mooncake" else None,
+        trace_namespaces(p, options),
+        None,
+        lambda: read_trace(p, options),
+    )
+
+
+_NO_TEXT = {  # trace formats with no text to tokenize
+    "mooncake": "a Mooncake trace (hash ids, no text)",
+    "tokens": "a token-id trace (already tokenized)",
+}
+
+
+def _refuse_options_of_other_formats(config: ReplayConfig, path: Path, fmt: str) -> None:
+    """ConfigError for an option the trace's format has no use for (it would be ignored)."""
+    if fmt in _NO_TEXT and (config.tokenizer or config.chat_template):
+        raise ConfigError(
+            f"{path.name} is {_NO_TEXT[fmt]}: --tokenizer and --chat-template do not apply"
+        )
+    if fmt == "text" and config.chat_template:
+        raise ConfigError(
+            f"{path.name} is a text trace (one prompt a line, no chat messages): "
+            "--chat-template does not apply"
+        )
+    if fmt != "mooncake" and config.trace_block_size != ReplayConfig().trace_block_size:
+        raise ConfigError(
+            f"--trace-block-size is the block size of a Mooncake trace's hash ids; {path.name} "
+            f"is a {fmt} trace: drop the option (--block-size sets the cache's)"
+        )
+
+
+def check_block_size(kind: str, trace_block_size: int, block_size: int) -> None:
+    """A Mooncake trace's blocks must split into whole cache blocks."""
+    if kind == "mooncake" and trace_block_size % block_size:
+        raise ConfigError(
+            f"block size {block_size} does not divide the trace's {trace_block_size}"
+            "-token blocks; use a divisor (e.g. 16, 64, 512) or set --trace-block-size"
+        )
+
+
+_TRACE_FLAGS = (
+    ("trace_format", "--trace-format"),
+    ("trace_block_size", "--trace-block-size"),
+    ("tokenizer", "--tokenizer"),
+    ("chat_template", "--chat-template"),
+    ("output_len", "--output-len"),
+    ("max_prompt_tokens", "--max-prompt-tokens"),
+    ("max_line_bytes", "--max-line-bytes"),
+)
+
+
+def _refuse_trace_options(config: ReplayConfig, path: Path) -> None:
+    """ConfigError when options that only shape how a trace is read were given for a
+    scenario (they would be ignored)."""
+    defaults = ReplayConfig()
+    given = [
+        flag for attr, flag in _TRACE_FLAGS if getattr(config, attr) != getattr(defaults, attr)
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: only for traces, and {path.name} is a scenario (its file sets "
+            "lengths and outputs)"
+        )

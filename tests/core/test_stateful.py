@@ -1,0 +1,228 @@
+"""Random steps of admit / append / fork / release / abort / pin / evict against every invariant.
+
+Each step interleaves those calls in any order, then runs the forward pass through the K/V
+fingerprint runtime (stores, copies, reads) and ends the step. After every call the manager's
+integrity check runs; after every step every live request must read exactly its own K/V, every
+cached block must hold the K/V of the prefix it claims, and the block events must describe the
+index exactly. All three eviction policies, a listener attached, a small stepped pool; a pool
+of five blocks (a fully cached prompt fills it); a manager without steps, where each call is
+its own step as a simple user's would be (every call's K/V is written before the next); and a
+tiny GPU pool over a host tier, where every step runs its offloads and loads first and every host
+slot must hold the K/V of the prefix its entry claims.
+"""
+
+import os
+from typing import ClassVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from prefixcache import CacheManager, Namespace, OutOfBlocksError, RequestTooLargeError
+from tests.kv_fingerprint import FingerprintRuntime
+from tests.snapshot import snapshot
+
+P = 4
+NUM_BLOCKS = 24
+NAMESPACES = [
+    Namespace(model="m"),
+    Namespace(model="m", salt="t2"),
+    Namespace(model="m", adapter="a"),
+]
+BASES = [list(range(0, 11)), list(range(0, 6)) + [50, 51, 52, 53, 54], [7] * 9]
+
+prompts = (
+    st.tuples(
+        st.integers(0, len(BASES) - 1), st.integers(0, 11), st.lists(st.integers(0, 3), max_size=9)
+    )
+    .map(lambda t: BASES[t[0]][: t[1]] + t[2])
+    .filter(bool)
+)
+rids = st.integers(0, 40)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    policy = "lru"
+    num_blocks = NUM_BLOCKS
+    stepped = True
+    host_blocks = 0
+    steps: ClassVar[list[int]] = [0]
+    tier: ClassVar[list[int]] = [0, 0, 0]  # offloaded, loaded, host-evicted blocks
+
+    def __init__(self):
+        super().__init__()
+        self.mgr = CacheManager(
+            self.num_blocks,
+            P,
+            policy=self.policy,
+            stepped=self.stepped,
+            host_blocks=self.host_blocks,
+        )
+        self.rt = FingerprintRuntime(self.mgr)
+        self.next_id = 0
+        self.pins: list[int] = []
+        self.seen: list[tuple[list[int], int]] = []  # prompts admitted so far
+
+    def _pick(self, i):
+        ids = sorted(self.rt.live)
+        return ids[i % len(ids)] if ids else None
+
+    @rule(tokens=prompts, ns=st.integers(0, 2), priority=st.integers(0, 2))
+    def admit(self, tokens, ns, priority):
+        self._admit(tokens, ns, priority)
+
+    def _admit(self, tokens, ns, priority):
+        rid = self.next_id
+        self.next_id += 1
+        before = snapshot(self.mgr)
+        ahead = self.mgr.lookup(tokens, NAMESPACES[ns])
+        can = self.mgr.can_admit(tokens, NAMESPACES[ns])
+        loaded = self.mgr.stats.loaded_blocks
+        try:
+            cached = self.rt.admit(rid, tokens, NAMESPACES[ns], priority=priority, retention=5.0)
+        except (OutOfBlocksError, RequestTooLargeError):
+            assert not can and snapshot(self.mgr) == before
+            return
+        assert can and 0 <= cached < len(tokens)
+        assert cached == ahead.cached_len  # lookup promises exactly what admit gives
+        assert self.mgr.stats.loaded_blocks - loaded == ahead.host_blocks
+        self.seen.append((tokens, ns))
+
+    @rule(i=rids, new=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def append(self, i, new):
+        rid = self._pick(i)
+        if rid is None or rid in self.rt.finished:
+            return
+        before = snapshot(self.mgr)
+        can = self.mgr.can_append(rid, len(new))
+        try:
+            self.rt.append(rid, new)
+        except OutOfBlocksError:
+            assert not can and snapshot(self.mgr) == before
+            return
+        assert can
+
+    @rule(i=rids)
+    def fork(self, i):
+        rid = self._pick(i)
+        if rid is None or rid in self.rt.finished:
+            return
+        self.rt.fork(rid, self.next_id)
+        self.next_id += 1
+
+    @rule(i=rids)
+    def finish(self, i):
+        rid = self._pick(i)
+        if rid is not None and rid not in self.rt.finished:
+            self.rt.finish(rid)
+
+    @rule(i=rids)
+    def abort(self, i):
+        rid = self._pick(i)
+        if rid is not None and rid not in self.rt.finished:
+            dropped = self.rt.abort(rid)
+            assert dropped[0] == rid and not set(dropped) & set(self.mgr.requests)
+
+    @rule(n=st.integers(0, 6))
+    def evict(self, n):
+        cached = self.mgr.block_counts().cached
+        assert self.mgr.evict(n) == min(n, cached)
+
+    @rule(tokens=prompts, ns=st.integers(0, 2))
+    def pin(self, tokens, ns):
+        handle, _ = self.mgr.pin(tokens, NAMESPACES[ns])
+        if handle:
+            self.pins.append(handle)
+
+    @rule()
+    def unpin(self):
+        if self.pins:
+            self.mgr.unpin(self.pins.pop(0))
+
+    @rule()
+    def step(self):
+        self.rt.step()
+
+    @invariant()
+    def consistent(self):
+        type(self).steps[0] += 1
+        if not self.stepped:  # without steps, K/V is written before the next call
+            self.rt.step()
+        self.mgr.check_integrity()
+        counts = self.mgr.block_counts()
+        assert counts.total == self.num_blocks
+
+    def teardown(self):
+        st = self.mgr.stats
+        for i, n in enumerate((st.offloaded_blocks, st.loaded_blocks, st.host_evicted_blocks)):
+            type(self).tier[i] += n
+        self.rt.step()
+        for rid in list(self.rt.live):
+            self.rt.release(rid)
+        for h in self.pins:
+            self.mgr.unpin(h)
+        self.mgr.end_step()
+        self.mgr.check_integrity()
+        counts = self.mgr.block_counts()
+        assert counts.active == 0 and counts.free + counts.cached == self.num_blocks
+
+
+class HostTierMachine(CacheMachine):
+    """With a host tier: prompts seen before come back, so evicted prefixes are loaded."""
+
+    @rule(i=st.integers(0, 40))
+    def admit_again(self, i):
+        if self.seen:
+            tokens, ns = self.seen[i % len(self.seen)]
+            self._admit(tokens, ns, 0)
+
+    @rule()
+    def drain(self):
+        """Finish every request: what they wrote becomes evictable (and so offloadable)."""
+        self.rt.step()
+        for rid in list(self.rt.live):
+            self.rt.finish(rid)
+
+
+# At least 3,000 steps per policy in CI; PREFIXCACHE_STATEFUL_EXAMPLES=N runs more.
+EXAMPLES = int(os.environ.get("PREFIXCACHE_STATEFUL_EXAMPLES", "150"))
+MIN_STEPS = 3000
+
+
+@pytest.mark.parametrize(
+    "policy, num_blocks, stepped, host_blocks",
+    [
+        ("lru", NUM_BLOCKS, True, 0),
+        ("lfu", NUM_BLOCKS, True, 0),
+        ("priority", NUM_BLOCKS, True, 0),
+        ("lru", 5, True, 0),
+        ("lru", NUM_BLOCKS, False, 0),
+        ("lru", 6, True, 8),
+    ],
+)
+def test_cache_machine(policy, num_blocks, stepped, host_blocks):
+    attrs = {
+        "policy": policy,
+        "num_blocks": num_blocks,
+        "stepped": stepped,
+        "host_blocks": host_blocks,
+        "steps": [0],
+        "tier": [0, 0, 0],
+    }
+    name = f"CacheMachine_{policy}_{num_blocks}_{stepped}_{host_blocks}"
+    machine = type(name, (HostTierMachine if host_blocks else CacheMachine,), attrs)
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=50,
+            deadline=None,
+            derandomize=True,  # the same examples on every run: a coverage check cannot flake
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+    print(f"{machine.__name__}: {machine.steps[0]} stateful steps, host tier {machine.tier}")
+    assert machine.steps[0] >= MIN_STEPS, f"only {machine.steps[0]} stateful steps ran"
+    if host_blocks:  # the tier offloaded, loaded and evicted blocks
+        assert min(machine.tier) > 0, machine.tier

@@ -1,0 +1,150 @@
+"""examples/fleet: tiny replicas with real caches behind `prefixcache serve`, routed by policy.
+
+The replica's HTTP API is checked in process; the whole fleet (replica and router subprocesses
+on 127.0.0.1) runs once with round robin and once with prefix routing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from fastapi.testclient import TestClient
+
+FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"fleet_example_{name}", FLEET / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def replica_client() -> Iterator[TestClient]:
+    replica_mod = _load("replica")
+    replica = replica_mod.Replica(
+        model_name="tiny-random",
+        events="tcp://127.0.0.1:*",
+        replay="tcp://127.0.0.1:*",
+        num_blocks=32,
+        block_size=16,
+    )
+    try:
+        with TestClient(replica_mod.create_app(replica)) as client:
+            yield client
+    finally:
+        replica.close()
+
+
+def test_replica_reports_cached_prompt_tokens(replica_client: TestClient) -> None:
+    client = replica_client
+    system = list(range(40, 90))  # 50 tokens: 3 full blocks of 16
+    first = client.post(
+        "/v1/completions", json={"model": "tiny-random", "prompt": [*system, 7], "max_tokens": 3}
+    )
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert len(body["choices"][0]["token_ids"]) == 3
+    assert body["usage"]["prompt_tokens"] == 51
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    second = client.post(
+        "/v1/completions", json={"model": "tiny-random", "prompt": [*system, 9, 9], "max_tokens": 2}
+    )
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+
+    stats = client.get("/stats").json()
+    assert (stats["requests"], stats["prompt_tokens"], stats["cached_tokens"]) == (2, 103, 48)
+    assert stats["blocks"]["active"] == 0  # both requests released
+    assert stats["events_published"] >= 1
+    health = client.get("/healthz").json()
+    assert health["events"].startswith("tcp://127.0.0.1:")
+    assert health["capacity_blocks"] == 32
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "tiny-random", "prompt": [1, 600], "max_tokens": 2},  # id outside the vocab
+        {"model": "tiny-random", "prompt": [], "max_tokens": 2},
+        {"model": "tiny-random", "prompt": [1, 2], "max_tokens": 0},
+        {"model": "other", "prompt": [1, 2], "max_tokens": 2},
+        {"model": "tiny-random", "prompt": [1, 2], "stream": True},
+        {"model": "tiny-random", "prompt": list(range(500)) + [0] * 100, "max_tokens": 2},
+    ],
+)
+def test_replica_rejects_bad_requests(replica_client: TestClient, body: dict[str, object]) -> None:
+    client = replica_client
+    before = client.get("/stats").json()
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"]
+    assert client.get("/stats").json() == before
+
+
+def test_prefix_routing_beats_round_robin_on_a_real_fleet(tmp_path: Path) -> None:
+    run_fleet = _load("run_fleet")
+    processes: list[subprocess.Popen[bytes]] = []
+    system_len = 96  # 6 full blocks
+    rr, px = run_fleet.run(
+        ("round_robin", "prefix"),
+        num_replicas=2,
+        num_requests=20,
+        num_systems=3,
+        system_len=system_len,
+        max_tokens=2,
+        log_dir=tmp_path,
+        processes=processes,
+    )
+    assert processes and all(proc.returncode is not None for proc in processes)
+    assert (rr.policy, px.policy) == ("round_robin", "prefix")
+    for result in (rr, px):
+        assert result.requests == 20
+        assert sum(result.per_replica.values()) == 20
+        assert result.prompt_tokens > 20 * system_len
+        # the router's index learned the replicas' blocks from their KV events
+        assert result.ingest_events > 0
+        assert sum(result.index_blocks.values()) > 0
+        assert result.lookup_cached_tokens >= system_len
+    assert list(rr.per_replica.values()) == [10, 10]
+    assert px.cached_fraction > rr.cached_fraction
+    # with every replica's cache larger than the workload, the gap is the cold misses: round
+    # robin pays each system prompt once per replica that sees it, prefix routing once
+    assert px.cached_tokens - rr.cached_tokens >= system_len
+    print(run_fleet.table([rr, px]))
+
+
+def test_a_replica_that_fails_to_start_stops_the_fleet(tmp_path: Path) -> None:
+    run_fleet = _load("run_fleet")
+    processes: list[subprocess.Popen[bytes]] = []
+    with pytest.raises(RuntimeError, match="exited with"):
+        run_fleet.run(
+            ("prefix",),
+            num_replicas=2,
+            num_requests=2,
+            num_blocks=0,  # the replicas refuse an empty cache
+            log_dir=tmp_path,
+            processes=processes,
+        )
+    assert len(processes) == 2
+    assert all(proc.returncode is not None for proc in processes)
+
+
+def test_replica_reads_json_whatever_the_content_type(replica_client: TestClient) -> None:
+    """``curl -d '{...}'`` sends application/x-www-form-urlencoded; the body is JSON still."""
+    body = b'{"model": "tiny-random", "prompt": [1, 2, 3], "max_tokens": 2}'
+    headers = {"content-type": "application/x-www-form-urlencoded"}
+    resp = replica_client.post("/v1/completions", content=body, headers=headers)
+    assert resp.status_code == 200 and len(resp.json()["choices"][0]["token_ids"]) == 2
+    bad = replica_client.post("/v1/completions", content=b"not json", headers=headers)
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
