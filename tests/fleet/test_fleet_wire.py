@@ -110,7 +110,10 @@ def _connected(pub: KVEventPublisher, sub: zmq.Socket, mgr: CacheManager) -> Non
 @pytest.fixture
 def rig():
     mgr = CacheManager(64, 4)
-    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv")
+    # the map batch these structs declare (vLLM 0.33's array batch: test_engine_compat.py)
+    pub = KVEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", layout=kv_wire.WireLayout.MAP
+    )
     pub.attach(mgr)
     sub = _sub(pub.endpoint)
     _connected(pub, sub, mgr)
@@ -135,10 +138,10 @@ def test_publisher_bytes_decode_with_vllm_structs(rig):
     assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
     assert first.parent_block_hash is None and len(first.block_hashes) == 2
     assert first.token_ids == list(range(8)) and first.block_size == 4
-    assert first.medium == "GPU" and first.lora_name == "sql" and first.lora_id is None
-    assert first.extra_keys == [(["salt", "tenant-a"],), None]
+    assert first.medium == "GPU" and first.lora_name == "sql" and first.lora_id is not None
+    assert first.extra_keys == [("sql", "tenant-a"), ("sql",)]
     assert second.parent_block_hash == first.block_hashes[1]
-    assert second.token_ids == [99, 98, 97, 96] and second.extra_keys is None
+    assert second.token_ids == [99, 98, 97, 96] and second.extra_keys == [("sql",)]
     assert set(first.block_hashes + second.block_hashes) == manager_digests(mgr)
     assert all(isinstance(h, bytes) and len(h) == 16 for h in first.block_hashes)
     # the raw shape: a map batch of tagged maps
@@ -226,7 +229,8 @@ def test_replay_serves_buffered_batches_then_the_end_marker(rig):
         got = []
         while True:
             assert dealer.poll(TIMEOUT_MS)
-            _, seq, payload = dealer.recv_multipart()
+            _, topic, seq, payload = dealer.recv_multipart()
+            assert topic == (b"" if seq == kv_wire.END_SEQ else b"kv")
             if seq == kv_wire.END_SEQ:
                 assert payload == b""
                 break

@@ -175,7 +175,7 @@ def test_unreleased_route_load_expires(tmp_path: Path) -> None:
     # a client that routes with an id and never releases: its load ends after the timeout
     config = (
         "routing: {policy: least_loaded, in_flight_timeout_s: 0.5}\n"
-        "health: {probe_interval_s: 0.05}\n"  # no proxy: no probes, though the URL is dead
+        "health: {probe_interval_s: null}\n"  # no probes, though the URL is dead
         f"replicas:\n  - {{name: only, model: m, block_size: 4, url: 'http://127.0.0.1:{free_port()}'}}\n"
     )
     with _service(tmp_path, config) as client:

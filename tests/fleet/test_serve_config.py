@@ -152,3 +152,14 @@ def test_open_index_rejects_bad_urls() -> None:
         "rediss+cluster://h/0",
     ):
         assert check_index_url(good) == good
+
+
+def test_the_event_message_size_limit_is_configurable_and_checked(tmp_path: Path) -> None:
+    assert parse_config(BASE, "f.yaml", tmp_path).limits.max_event_message_bytes == 64 << 20
+    config = parse_config(
+        {**BASE, "limits": {"max_event_message_bytes": 1 << 20}}, "f.yaml", tmp_path
+    )
+    assert config.limits.max_event_message_bytes == 1 << 20
+    for bad in (0, 512, "64MiB", True, 1 << 41):
+        with pytest.raises(ConfigError, match=r"limits\.max_event_message_bytes"):
+            parse_config({**BASE, "limits": {"max_event_message_bytes": bad}}, "f.yaml", tmp_path)

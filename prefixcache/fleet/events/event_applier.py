@@ -18,8 +18,13 @@ alike: a hybrid model's sliding-window group evicts blocks whose hashes equal th
 Blocks of a LoRA adapter announced by ``lora_id`` alone (older vLLM layouts, SGLang) are not
 indexed either: without the adapter's name they cannot be told from the base model's. Both are
 counted as skipped, not as errors.
-A ``BlockStored`` without token ids (vLLM's CPU offload announces blocks it copied from the GPU
-that way) adds its medium to blocks the replica already holds; unknown ones are skipped.
+Media are read case-insensitively: ``GPU`` (or none given), host memory (``CPU``, SGLang's
+``CPU_PINNED``, Mooncake's ``cpu``), ``STORAGE``, and any other name, kept as a medium of its own.
+The replica's map keeps which of them hold each block; the index tells GPU from anywhere else
+(its ``CPU`` is "off the GPU"): a block leaves the index's off-GPU medium when the last of the
+replica's other media drops it. A ``BlockStored`` without token ids (the placeholders vLLM's
+offload connectors send, ``block_size`` 0, and stores whose tokens were not at hand) adds its
+medium to blocks the replica already holds; unknown ones are counted as malformed.
 
 An event that does not fit (wrong block size, token count, unknown parent, too many tokens) is
 counted as malformed and logged; nothing else changes.
@@ -48,9 +53,26 @@ from prefixcache.fleet.index.prefix_index import CPU, GPU, FleetIndex, SharedEng
 
 log = logging.getLogger(__name__)
 
-_MEDIA = {None: GPU, "GPU": GPU, "CPU": CPU}
-_BIT = {GPU: 1, CPU: 2}
+_ALIASES = {"CPU_PINNED": CPU}  # SGLang's host memory
+STORAGE = "STORAGE"
+_FIXED_BITS = {GPU: 1, CPU: 2, STORAGE: 4}  # GPU and CPU as the shared engine map keeps them
+_MAX_MEDIA = 24  # media told apart per replica; further names share the last bit
+_ALL_MEDIA = -1
 _OWN_KEYS = ("adapter_version", "salt", "extra")
+
+
+def canonical_medium(medium: str | None) -> str:
+    """The medium a wire ``medium`` names: upper-cased, ``CPU_PINNED`` as ``CPU``, GPU for
+    None."""
+    if medium is None:
+        return GPU
+    name = medium.upper()
+    return _ALIASES.get(name, name)
+
+
+def index_medium(medium: str) -> str:
+    """The index's medium for one of a replica's: GPU, or off the GPU (``CPU``)."""
+    return GPU if medium == GPU else CPU
 
 
 class EventApplier:
@@ -71,6 +93,17 @@ class EventApplier:
         self.max_tokens_per_event = max_tokens_per_event
         # (model, adapter) -> the version the fleet pins (``pinned_adapter_versions``)
         self.versions: dict[tuple[str, str], str] = {}
+        self._bits = dict(_FIXED_BITS)
+
+    def _bit(self, medium: str) -> int:
+        """The bit of ``medium`` in a block's media mask (``ReplicaStream.blocks``)."""
+        bit = self._bits.get(medium)
+        if bit is None:
+            bit = 1 << min(len(self._bits), _MAX_MEDIA - 1)
+            if len(self._bits) < _MAX_MEDIA:
+                self._bits[medium] = bit
+                log.info("medium %r is kept as a medium of its own", medium)
+        return bit
 
     def apply(self, rep: ReplicaStream, events: Sequence[Any]) -> int | None:
         """Apply ``events`` in order; the index of the first that needs a lookup the shared
@@ -100,19 +133,17 @@ class EventApplier:
         name = rep.ep.name
         n = len(ev.block_hashes)
         p = rep.ep.block_size
-        medium = _MEDIA.get(ev.medium)
+        medium = canonical_medium(ev.medium)
         problem = None
         if ev.group_idx not in (None, 0) or (ev.lora_id is not None and ev.lora_name is None):
             rep.counts.skipped += n  # by rule: another group's copy, or a LoRA of unknown name
             if rep.inherited and ev.group_idx in (None, 0):  # its removals need no lookup
                 rep.skipped_hashes.update(ev.block_hashes)
             return True
-        if medium is None:
-            problem = f"medium {ev.medium!r}"
-        elif ev.block_size != p:
-            problem = f"block_size {ev.block_size}, expected {p}"
-        elif not ev.token_ids and n:
+        if not ev.token_ids and n and ev.block_size in (0, p):  # a placeholder
             return self._stored_known(rep, ev, medium)
+        if ev.block_size != p:
+            problem = f"block_size {ev.block_size}, expected {p}"
         elif len(ev.token_ids) > self.max_tokens_per_event:
             problem = f"{len(ev.token_ids)} tokens (max_tokens_per_event)"
         elif len(ev.token_ids) != n * p:
@@ -138,8 +169,7 @@ class EventApplier:
             rep.counts.malformed += 1
             log.warning("replica %s: stored event skipped: %s", name, problem)
             return True
-        assert medium is not None
-        bit = _BIT[medium]
+        bit = self._bit(medium)
         blocks = rep.blocks
         chain = rep.hasher.hash_run(body, prev, pos)  # ours, one per engine hash
         digests = []
@@ -153,7 +183,7 @@ class EventApplier:
             else:
                 entry[0], entry[1], entry[2] = digest, pos + k, entry[2] | bit
             digests.append(digest)
-        self.index.store(name, digests, medium)
+        self.index.store(name, digests, index_medium(medium))
         if self.engine_map is not None:
             keys = [engine_key(h) for h in ev.block_hashes[: len(digests)]]
             self.engine_map.remember(name, keys, digests, pos)
@@ -162,7 +192,7 @@ class EventApplier:
 
     def _stored_known(self, rep: ReplicaStream, ev: StoredBlocks, medium: str) -> bool:
         """A store without tokens: another medium for blocks the replica holds already."""
-        bit, blocks = _BIT[medium], rep.blocks
+        bit, blocks = self._bit(medium), rep.blocks
         if rep.inherited and not self._recall(rep, ev.block_hashes):
             return False
         digests = []
@@ -180,19 +210,16 @@ class EventApplier:
                 len(ev.block_hashes),
             )
         if digests:
-            self.index.store(rep.ep.name, digests, medium)
+            self.index.store(rep.ep.name, digests, index_medium(medium))
             rep.counts.blocks_stored += len(digests)
         return True
 
     def _removed(self, rep: ReplicaStream, ev: RemovedBlocks) -> bool:
         if ev.group_idx not in (None, 0):  # another group's copy of the same hashes
             return True
-        medium = None if ev.medium is None else _MEDIA.get(ev.medium)
-        if ev.medium is not None and medium is None:
-            rep.counts.malformed += 1
-            log.warning("replica %s: removed event skipped: medium %r", rep.ep.name, ev.medium)
-            return True
-        bits = 3 if medium is None else _BIT[medium]
+        medium = None if ev.medium is None else canonical_medium(ev.medium)
+        bits = _ALL_MEDIA if medium is None else self._bit(medium)
+        off_gpu = medium is not None and medium != GPU
         blocks = rep.blocks
         if rep.inherited and not self._recall(rep, ev.block_hashes):
             return False
@@ -205,8 +232,11 @@ class EventApplier:
             if not entry[2]:
                 del blocks[h]
                 gone.append(h)
+            if off_gpu and entry[2] & ~1:  # another medium off the GPU still holds it
+                rep.counts.blocks_removed += 1
+                continue
             digests.append(entry[0])
-        self.index.remove(rep.ep.name, digests, medium)
+        self.index.remove(rep.ep.name, digests, None if medium is None else index_medium(medium))
         if rep.skipped_hashes:
             rep.skipped_hashes.difference_update(ev.block_hashes)
         if self.engine_map is not None and gone:
@@ -239,29 +269,31 @@ class EventApplier:
             version = ns.adapter_version
         else:
             version = None if adapter is None else self.versions.get((ns.model, adapter))
-        keys = ev.extra_keys[0] if ev.extra_keys else None
-        if keys and ev.lora_name is not None:  # vLLM also hashes the LoRA name as a key
-            keys = [k for k in keys if k != ev.lora_name]
-        if keys and len(keys) == 1 and isinstance(keys[0], str):  # vLLM's cache_salt
-            return Namespace(ns.model, adapter, version, keys[0], ns.extra)
-        if not keys:
+        keys = list(ev.extra_keys[0] or ()) if ev.extra_keys else []
+        if keys and ev.lora_name is not None and keys[0] == ev.lora_name:
+            keys = keys[1:]  # vLLM also hashes the LoRA name as a block's first key
+        salt = ev.cache_salt  # SGLang's field
+        if not keys and salt is None:
             if adapter == ns.adapter:
                 return ns
             return Namespace(ns.model, adapter, version, ns.salt, ns.extra)
         fields: dict[str, Any] = {"adapter_version": version, "salt": ns.salt}
         extra: list[str] = list(ns.extra)
-        own = all(
-            isinstance(k, (list, tuple))
-            and len(k) == 2
-            and k[0] in _OWN_KEYS
-            and isinstance(k[1], str)
-            for k in keys
-        )
         for k in keys:
-            if not own:
-                extra.append(msgspec.json.encode(k).decode())
-            elif k[0] == "extra":
-                extra.append(k[1])
+            if isinstance(k, str) and salt is None:  # vLLM's cache_salt
+                salt = k
+            elif (
+                isinstance(k, (list, tuple))
+                and len(k) == 2
+                and k[0] in _OWN_KEYS
+                and isinstance(k[1], str)
+            ):
+                if k[0] == "extra":
+                    extra.append(k[1])
+                else:
+                    fields[k[0]] = k[1]
             else:
-                fields[k[0]] = k[1]
+                extra.append(msgspec.json.encode(k).decode())
+        if salt is not None:
+            fields["salt"] = salt
         return Namespace(ns.model, adapter, fields["adapter_version"], fields["salt"], tuple(extra))

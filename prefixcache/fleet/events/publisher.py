@@ -4,14 +4,21 @@ The publisher listens to a manager, turns each event into a wire event (``wire``
 them until ``flush()``, which a runtime calls after ``end_step()``: one batch per flush, sent on a
 PUB socket as ``(topic, seq, payload)`` with ``seq`` counting from 0, and kept in a bounded
 replay buffer. A ROUTER socket (optional) answers replay requests, ``(identity, b"", start seq as
-8 big-endian bytes)``, with every buffered ``(seq, payload)`` from ``start`` on, then
-``(END_SEQ, b"")``; a thread serves it.
+8 big-endian bytes)``, as vLLM's does: ``(identity, b"", topic, seq, payload)`` for every
+buffered batch from ``start`` on, then ``(identity, b"", b"", END_SEQ, b"")``; a thread serves
+it.
 
-How prefixcache's events map onto the wire: block hashes are the 16-byte digests; ``medium`` is
-the event's (``"GPU"``, or ``"CPU"`` for the host tier); ``lora_name`` is the namespace's
-adapter. The rest of the namespace (salt, adapter version, extra keys) rides in ``extra_keys`` of
-the first block of a chain (the block whose ``parent_block_hash`` is None), as a tuple of
-``(name, value)`` pairs; other blocks carry None.
+How prefixcache's events map onto the wire, as vLLM 0.33 fills its fields: block hashes are the
+16-byte digests; ``medium`` is the event's (``"GPU"``, or ``"CPU"`` for the host tier);
+``lora_name`` is the namespace's adapter and ``lora_id`` a stable positive int derived from it
+(``adapter_id``); ``extra_keys`` has one entry per block: the adapter name first, then, on the
+block that starts at token 0 (the first of a chain, ``parent_block_hash`` None), the salt as
+vLLM's ``cache_salt``, and prefixcache's own ``(name, value)`` pairs for the rest of the
+namespace (``("adapter_version", v)``, ``("extra", x)`` per extra key); a block with no keys has
+None, and an event none of whose blocks has keys has ``extra_keys`` None.
+
+The batch goes out in ``WireLayout.MAP_EVENTS`` by default, the layout vLLM 0.33's decoder
+reads; ``layout`` picks another.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections import deque
 from contextlib import suppress
 from typing import Any
 
+import xxhash
 import zmq
 
 from prefixcache.blocks.namespace import Namespace
@@ -55,33 +63,52 @@ class PublisherClosedError(PrefixCacheError, RuntimeError):
 
 
 def namespace_keys(namespace: Namespace) -> tuple[tuple[str, str], ...] | None:
-    """The namespace fields beyond model and adapter, as ``extra_keys`` of a chain's first
-    block: ``("adapter_version", v)``, ``("salt", s)``, then ``("extra", x)`` per extra key."""
+    """The namespace fields vLLM has no key for, as ``(name, value)`` pairs on a chain's first
+    block: ``("adapter_version", v)``, then ``("extra", x)`` per extra key."""
     keys: list[tuple[str, str]] = []
     if namespace.adapter_version is not None:
         keys.append(("adapter_version", namespace.adapter_version))
-    if namespace.salt is not None:
-        keys.append(("salt", namespace.salt))
     keys.extend(("extra", x) for x in namespace.extra)
     return tuple(keys) or None
+
+
+def adapter_id(adapter: str) -> int:
+    """The ``lora_id`` sent for ``adapter``: a stable int in 1 .. 2**31 - 1."""
+    return xxhash.xxh32_intdigest(adapter.encode("utf-8")) % 0x7FFFFFFF + 1
+
+
+def block_extra_keys(
+    namespace: Namespace, n_blocks: int, chain_start: bool
+) -> list[tuple[Any, ...] | None] | None:
+    """``extra_keys`` of a run of ``n_blocks`` blocks as vLLM fills it: per block the adapter
+    name, then on the block at token 0 (``chain_start``) the salt and ``namespace_keys``."""
+    every: tuple[Any, ...] = () if namespace.adapter is None else (namespace.adapter,)
+    first = every
+    if chain_start:
+        if namespace.salt is not None:
+            first += (namespace.salt,)
+        first += namespace_keys(namespace) or ()
+    if not n_blocks or (not every and not first):
+        return None
+    rest = every or None
+    return [first or None] + [rest] * (n_blocks - 1)
 
 
 def to_wire(event: CacheEvent) -> WireEvent:
     """The wire event for one of the manager's events."""
     if isinstance(event, BlockStored):
-        extra: list[tuple[Any, ...] | None] | None = None
-        keys = namespace_keys(event.namespace) if event.parent_block_hash is None else None
-        if keys is not None and event.block_hashes:
-            extra = [keys] + [None] * (len(event.block_hashes) - 1)
+        adapter = event.namespace.adapter
         return WireBlockStored(
             block_hashes=list(event.block_hashes),
             parent_block_hash=event.parent_block_hash,
             token_ids=list(event.token_ids),
             block_size=event.block_size,
-            lora_id=None,
+            lora_id=None if adapter is None else adapter_id(adapter),
             medium=event.medium,
-            lora_name=event.namespace.adapter,
-            extra_keys=extra,
+            lora_name=adapter,
+            extra_keys=block_extra_keys(
+                event.namespace, len(event.block_hashes), event.parent_block_hash is None
+            ),
         )
     if isinstance(event, BlockRemoved):
         return WireBlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium)
@@ -105,7 +132,7 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         data_parallel_rank: int | None = 0,
-        layout: WireLayout = WireLayout.MAP,
+        layout: WireLayout = WireLayout.MAP_EVENTS,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         if not isinstance(buffer_steps, int) or buffer_steps < 1:
@@ -235,7 +262,7 @@ class KVEventPublisher:
                 replay = [(s, p) for s, p in self._buffer if s >= start]
             try:
                 for seq, payload in replay:
-                    router.send_multipart((identity, b"", encode_seq(seq), payload))
-                router.send_multipart((identity, b"", END_SEQ, b""))
+                    router.send_multipart((identity, b"", self.topic, encode_seq(seq), payload))
+                router.send_multipart((identity, b"", b"", END_SEQ, b""))
             except zmq.ZMQError as exc:
                 log.warning("replay to a subscriber failed: %s", exc)

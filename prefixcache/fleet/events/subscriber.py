@@ -27,7 +27,9 @@ Sequence rules, per replica:
 - ``AllBlocksCleared`` clears the replica.
 
 A message that does not decode is counted and logged; its sequence number still counts (the
-next message is no gap), nothing else changes.
+next message is no gap), nothing else changes. A message with a frame over ``max_message_bytes``
+never arrives: ZMQ (``ZMQ_MAXMSGSIZE``) drops the connection instead of allocating it, then
+reconnects; the batches lost meanwhile are a gap (above).
 
 Readers of the counters (metrics scrapes) never wait for the ingestion, which may be waiting on a
 replay endpoint: they read a snapshot without its lock.
@@ -65,6 +67,8 @@ from prefixcache.fleet.replica_spec import pinned_adapter_versions
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
 
 class KVEventSubscriber:
     """Feeds ``index`` from the replicas' event streams (``start()`` runs a poller thread) or
@@ -80,14 +84,20 @@ class KVEventSubscriber:
         max_tokens_per_event: int = 1 << 20,
         replay_timeout: float = 2.0,
         max_deferred_events: int = 100_000,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         context: zmq.Context[Any] | None = None,
     ) -> None:
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int):
+            raise ConfigError(f"max_message_bytes must be an int, got {max_message_bytes!r}")
+        if max_message_bytes < 1:
+            raise ConfigError(f"max_message_bytes must be positive, got {max_message_bytes}")
         self.index = index
         self.max_replicas = max_replicas
         self.max_blocks_per_replica = max_blocks_per_replica
         self.max_tokens_per_event = max_tokens_per_event
         self.replay_timeout = replay_timeout
         self.max_deferred_events = max_deferred_events
+        self.max_message_bytes = max_message_bytes
         self._ctx = context or zmq.Context.instance()
         self._decoder = BatchDecoder()
         self._lock = threading.RLock()
@@ -301,6 +311,7 @@ class KVEventSubscriber:
             end,
             timeout_s=self.replay_timeout,
             replica=rep.ep.name,
+            max_message_bytes=self.max_message_bytes,
         )
 
     # ---- the poller thread ----------------------------------------------------------------
@@ -329,22 +340,31 @@ class KVEventSubscriber:
     def _run(self) -> None:
         poller = zmq.Poller()
         sockets: dict[str, zmq.Socket[Any]] = {}
+        monitors: dict[str, zmq.Socket[Any]] = {}  # each SUB socket's disconnection events
         names: dict[Any, str] = {}
         refused: dict[str, str | None] = {}  # replica -> the endpoint ZMQ would not connect to
         flush = getattr(self.index, "flush", None)
+
+        def close(n: str) -> None:
+            sock, mon = sockets.pop(n), monitors.pop(n)
+            for s in (sock, mon):
+                poller.unregister(s)
+                del names[s]
+            sock.disable_monitor()
+            mon.close(linger=0)
+            sock.close(linger=0)
+
         try:
             while not self._stop.is_set():
                 with self._lock:
                     wanted = {n: r.ep for n, r in self._replicas.items() if r.ep.endpoint}
                 for n in [n for n in sockets if n not in wanted]:
-                    sock = sockets.pop(n)
-                    poller.unregister(sock)
-                    del names[sock]
-                    sock.close(linger=0)
+                    close(n)
                 for n, ep in wanted.items():
                     if n not in sockets and refused.get(n) != ep.endpoint:
                         sock = self._ctx.socket(zmq.SUB)
                         sock.setsockopt(zmq.LINGER, 0)
+                        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
                         sock.setsockopt(zmq.SUBSCRIBE, ep.topic.encode("utf-8"))
                         assert ep.endpoint is not None
                         try:
@@ -357,12 +377,22 @@ class KVEventSubscriber:
                                     self._replicas[n].counts.malformed += 1
                             log.error("replica %s: cannot connect to %s: %s", n, ep.endpoint, exc)
                             continue
-                        sockets[n] = sock
-                        names[sock] = n
+                        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                        sockets[n], monitors[n] = sock, mon
+                        names[sock] = names[mon] = n
                         poller.register(sock, zmq.POLLIN)
+                        poller.register(mon, zmq.POLLIN)
                 ready = poller.poll(50)
                 for sock, _ in ready:
-                    name = names[sock]
+                    name = names.get(sock)
+                    if name is None:  # closed in this round
+                        continue
+                    if sock is monitors.get(name):
+                        # ZMQ does not reconnect after a message over max_message_bytes (a
+                        # protocol error): a fresh socket connects in the next round
+                        log.warning("replica %s: connection dropped; reconnecting", name)
+                        close(name)
+                        continue
                     while True:
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -379,8 +409,8 @@ class KVEventSubscriber:
                     except Exception:  # the index counts its own failures; keep ingesting
                         log.exception("flushing the fleet index failed")
         finally:
-            for sock in sockets.values():
-                sock.close(linger=0)
+            for n in list(sockets):
+                close(n)
 
     def _on_message(self, name: str, frames: list[bytes]) -> None:
         with self._lock:

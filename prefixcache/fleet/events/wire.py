@@ -12,20 +12,25 @@ into these, are in ``prefixcache.manager.block_events``).
 
 vLLM has used three layouts, all decoded here (``decode_batch`` tries each):
 
-- ``WireLayout.MAP``: the batch and its events are maps; this is how the commit above declares
-  them, and what the publisher sends by default.
 - ``WireLayout.MAP_EVENTS``: the batch is an array ``[ts, events, data_parallel_rank]`` and each
-  event a tagged map; vLLM releases between the switch of events to maps (vLLM pull request
-  42892) and the commit above publish this.
+  event a map tagged ``"type"``, its required fields always present and the optional ones
+  omitted when None. vLLM 0.33 (``EventBatch`` is ``array_like``, events are not) and SGLang 0.5
+  (whose batch ends in ``attn_dp_rank``) publish this, and vLLM's own
+  ``msgspec.msgpack.Decoder(KVEventBatch)`` reads only this; the publisher sends it by default.
+- ``WireLayout.MAP``: the batch and its events are maps, as the commit above declares them.
 - ``WireLayout.ARRAY``: everything is an array, an event being ``[tag, field, ...]`` in
-  declaration order; vLLM before that switch (e.g. commit
-  ``b4e69e0af33f4698e157a262cc787fe61983cd3d``) and SGLang's
-  ``python/sglang/srt/disaggregation/kv_events.py`` (commit
+  declaration order; vLLM before events became maps (e.g. commit
+  ``b4e69e0af33f4698e157a262cc787fe61983cd3d``) and older SGLang
+  (``python/sglang/srt/disaggregation/kv_events.py`` at commit
   ``006d053f182f9b488d2bd841afa06d5f9120a258``, whose ``BlockStored`` stops at ``lora_id`` and
   whose batch has no rank) publish this.
 
+SGLang 0.5 adds ``cache_salt`` to ``BlockStored`` (decoded here), and its hashes are signed.
+
 On the ZMQ side a message is three frames, ``(topic, sequence number as 8 big-endian bytes,
-payload)``; replay answers are ``(sequence, payload)`` pairs ended by ``(END_SEQ, b"")``.
+payload)``. A replay request, from a DEALER, is ``(b"", start sequence as 8 big-endian bytes)``;
+the answer, as vLLM 0.33 and SGLang 0.5 send it, is ``(b"", topic, sequence, payload)`` per
+buffered batch from ``start`` on, then the end marker ``(b"", b"", END_SEQ, b"")``.
 
 Decoding is lenient where engines differ (fields a version does not send get their defaults,
 unknown fields are ignored) and strict about types: anything else raises ``WireFormatError``.
@@ -142,6 +147,7 @@ class _InStored(_In, tag="BlockStored"):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    cache_salt: str | None = None  # SGLang's
 
 
 class _InRemoved(_In, tag="BlockRemoved"):
@@ -202,6 +208,7 @@ class StoredBlocks(NamedTuple):
     extra_keys: list[Any] | None
     group_idx: int | None
     lora_id: int | None = None  # set for LoRA blocks (the only LoRA field in older layouts)
+    cache_salt: str | None = None  # SGLang's salt of the blocks (vLLM's is in extra_keys)
 
 
 class RemovedBlocks(NamedTuple):
@@ -257,8 +264,8 @@ class BatchDecoder:
 
     def __init__(self) -> None:
         self._decoders: list[tuple[WireLayout, msgspec.msgpack.Decoder[Any]]] = [
-            (WireLayout.MAP, msgspec.msgpack.Decoder(_InMapBatch)),
             (WireLayout.MAP_EVENTS, msgspec.msgpack.Decoder(_InMapEventsBatch)),
+            (WireLayout.MAP, msgspec.msgpack.Decoder(_InMapBatch)),
             (WireLayout.ARRAY, msgspec.msgpack.Decoder(_InArrayBatch)),
         ]
 
@@ -295,6 +302,7 @@ def _convert(event: Any) -> DecodedEvent:
             event.extra_keys,
             event.group_idx,
             event.lora_id,
+            event.cache_salt,
         )
     if isinstance(event, _InRemoved):
         return RemovedBlocks(event.block_hashes, event.medium, event.group_idx)

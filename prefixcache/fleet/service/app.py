@@ -1,10 +1,10 @@
 """The HTTP service: a FastAPI app over a ``Router`` (``create_app``), run by ``prefixcache serve``.
 
 Endpoints (``routes``): ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
-``GET /v1/replicas``, ``GET /healthz``, ``GET /metrics``; with proxying on, also
-``POST /v1/completions`` and ``POST /v1/chat/completions`` (``proxy``). Bad input gets a 4xx
-answer ``{"error": {"type": ..., "message": ...}}`` (``http_errors``) and changes nothing. The
-handlers share one ``FleetService``, kept in ``app.state.service``.
+``GET /v1/replicas``, ``GET /v1/models``, ``GET /healthz``, ``GET /health``, ``GET /metrics``;
+with proxying on, also ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``proxy``).
+Bad input gets a 4xx answer ``{"error": {"type": ..., "message": ...}}`` (``http_errors``) and
+changes nothing. The handlers share one ``FleetService``, kept in ``app.state.service``.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def create_app(
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """The service's lifetime: the proxy's HTTP client, the ingest and the health probes run
-    from the app's start to its stop."""
+    """The service's lifetime: the proxy's HTTP client, the ingest and the health probes (of the
+    replicas with a url, in either mode) run from the app's start to its stop."""
     service: FleetService = app.state.service
     config, ingest = service.config, service.ingest
     if service.proxying:
@@ -92,7 +92,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if ingest is not None:
         await run_in_threadpool(ingest.start)
     prober = None
-    if service.proxying and config.health.probe_interval_s is not None:
+    # replicas with a url are probed in both modes: a route answered with a dead replica's url
+    # is as lost as a forwarded request
+    if config.health.probe_interval_s is not None and any(service.urls.values()):
         prober = asyncio.create_task(probe_replicas(service))
     try:
         yield

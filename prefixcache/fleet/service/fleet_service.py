@@ -55,6 +55,7 @@ class FleetService:
         self.proxying = proxying  # the OpenAI-compatible endpoints forward to replicas
         self.urls = {r.name: r.url for r in config.replicas}
         self.http_client: Any = None  # httpx.AsyncClient while proxying
+        self.started_at = time.time()  # the "created" of the models it lists
 
     async def read_body(self, request: Request) -> bytes:
         """The request body, or PayloadTooLargeError past ``limits.max_body_bytes``."""

@@ -1,5 +1,6 @@
-"""Health probes of the replicas (proxy mode with ``health.probe_interval_s`` set): a replica that
-fails a probe takes no routes for a while, one that answers takes routes again."""
+"""Health probes of the replicas that have a ``url`` (``health.probe_interval_s`` set; proxy and
+route-API mode alike): a replica that fails a probe takes no routes for a while, one that answers
+takes routes again."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The service's own endpoints: ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
-``GET /v1/replicas``, ``GET /healthz`` and ``GET /metrics``, module functions that
+``GET /v1/replicas``, ``GET /v1/models``, ``GET /healthz``, ``GET /health`` and ``GET /metrics``,
+module functions that
 ``add_api_routes`` registers on the app itself (a route of an included router costs more per
 request). Each handler finds the ``FleetService`` in ``request.app.state.service``.
 
@@ -20,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from prefixcache.fleet.index.prefix_index import GPU
 from prefixcache.fleet.policies import ReplicaScore
 from prefixcache.fleet.replica_health import ReplicaHealth
+from prefixcache.fleet.replica_spec import ANY_ADAPTER
 from prefixcache.fleet.service.bodies import PromptBody, ReleaseBody, RouteBody, decode_body
 from prefixcache.fleet.service.fleet_service import FleetService
 from prefixcache.fleet.service.metrics import CONTENT_TYPE
@@ -149,6 +151,34 @@ async def healthz(request: Request) -> Response:
     )
 
 
+def served_models(service: FleetService) -> list[str]:
+    """The model names the replicas serve, as OpenAI requests name them: the base model of a
+    replica without an adapter of its own, and each LoRA adapter a replica has as its own or
+    lists (``*`` lists none), in the order of the configuration."""
+    names: dict[str, None] = {}
+    for spec in service.router.replicas():
+        own = spec.namespace
+        names[own.model if own.adapter is None else own.adapter] = None
+        names.update((a, None) for a in spec.adapters if a != ANY_ADAPTER)
+    return list(names)
+
+
+async def models(request: Request) -> Response:
+    """The served models in OpenAI's list format, as vLLM's ``GET /v1/models`` answers."""
+    service: FleetService = request.app.state.service
+    created = int(service.started_at)
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "prefixcache"}
+        for name in served_models(service)
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    """200 while the service is up, with an empty body, as vLLM's ``GET /health``."""
+    return Response(status_code=200)
+
+
 async def metrics(request: Request) -> Response:
     """Prometheus exposition of the service's own registry."""
     service: FleetService = request.app.state.service
@@ -163,5 +193,7 @@ def add_api_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/route", route, methods=["POST"])
     app.add_api_route("/v1/release", release, methods=["POST"])
     app.add_api_route("/v1/replicas", replicas, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/healthz", healthz, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])

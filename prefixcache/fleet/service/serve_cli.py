@@ -80,6 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
                 if r.events is not None
             ],
             max_replicas=config.limits.max_replicas,
+            max_message_bytes=config.limits.max_event_message_bytes,
         )
         app = create_app(router, config, proxy=args.proxy, ingest=subscriber)
     except (PrefixCacheError, OSError) as exc:

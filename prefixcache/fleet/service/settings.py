@@ -68,6 +68,8 @@ class Limits:
     max_body_bytes: int = 8 * 1024 * 1024
     max_prompt_tokens: int = 262_144
     max_replicas: int = 256
+    # a KV event message (any frame of it) larger than this is dropped by ZMQ (ZMQ_MAXMSGSIZE)
+    max_event_message_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class ProxyConfig:
 class HealthConfig:
     """When a replica stops taking routes, and how it comes back."""
 
-    probe_interval_s: float | None = 5.0  # proxy mode: GET url + probe_path this often; None: never
+    probe_interval_s: float | None = 5.0  # GET url + probe_path this often; None: never
     probe_timeout_s: float = 2.0
     probe_path: str = "/health"  # vLLM's and SGLang's health endpoint
     down_s: float = 10.0  # a failed probe or request takes the replica out for this long
@@ -123,7 +125,8 @@ _ROUTING = (
     "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
     "prefill_weight", "in_flight_timeout_s",
 )  # fmt: skip
-_LIMITS = ("max_body_bytes", "max_prompt_tokens", "max_replicas")
+_LIMITS = ("max_body_bytes", "max_prompt_tokens", "max_replicas", "max_event_message_bytes")
+MAX_EVENT_MESSAGE_BYTES = 1 << 40  # ZMQ_MAXMSGSIZE is an int64; beyond this is no limit at all
 _PROXY = ("enabled", "timeout_s")
 
 
@@ -253,7 +256,17 @@ def parse_config(
             lim.get("max_prompt_tokens", defaults.max_prompt_tokens), "limits.max_prompt_tokens", 1
         ),
         r.integer(lim.get("max_replicas", defaults.max_replicas), "limits.max_replicas", 1),
+        r.integer(
+            lim.get("max_event_message_bytes", defaults.max_event_message_bytes),
+            "limits.max_event_message_bytes",
+            1024,
+        ),
     )
+    if limits.max_event_message_bytes > MAX_EVENT_MESSAGE_BYTES:
+        raise r.fail(
+            "limits.max_event_message_bytes",
+            f"expected at most {MAX_EVENT_MESSAGE_BYTES}, got {limits.max_event_message_bytes}",
+        )
 
     raw_replicas = top.get("replicas")
     if not isinstance(raw_replicas, list) or not raw_replicas:
