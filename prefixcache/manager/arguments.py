@@ -76,6 +76,50 @@ def check_pad(pad: Any) -> None:
         raise InvalidArgumentError(f"pad must be an int32 block id or marker, got {pad!r}")
 
 
+def request_id_list(request_ids: Any) -> list[Hashable]:
+    """The ids of a batch as a list; a str, bytes or non-iterable is one id, not a batch."""
+    if isinstance(request_ids, str | bytes):
+        raise InvalidArgumentError(
+            f"request_ids is an iterable of request ids, got one id {request_ids!r}; "
+            f"pass [{request_ids!r}]"
+        )
+    try:
+        return list(request_ids)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"request_ids is an iterable of request ids, got {type(request_ids).__name__}"
+        ) from None
+
+
+def torch_device(device: Any) -> Any:
+    """``device`` as a ``torch.device`` that exists here (CPU, or a visible CUDA device)."""
+    import torch
+
+    if isinstance(device, bool) or not isinstance(device, str | int | torch.device):
+        raise InvalidArgumentError(f"device is a torch device, str or int, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"device {device!r} is not a torch device ({exc})") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise InvalidArgumentError(f"device {device!r}: block tables go to the CPU or CUDA")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (dev.index or 0) >= count:
+        raise InvalidArgumentError(
+            f"device {device!r} is not available here ({count} CUDA devices)"
+        )
+    return dev
+
+
+def check_force(force: Any) -> None:
+    """``reset(force=...)`` takes a bool: a forced reset drops every request, so no other value
+    (a string, a number) may ask for one by being truthy."""
+    if type(force) is not bool:
+        raise InvalidArgumentError(f"force must be True or False, got {force!r}")
+
+
 def check_transfer_model(model: Any) -> None:
     """A transfer model is a TransferModel of finite figures: block bytes, bandwidth and FLOP
     rate above 0, the per-token and per-pair FLOPs >= 0 and not both 0."""

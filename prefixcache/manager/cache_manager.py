@@ -38,12 +38,15 @@ from prefixcache.errors import (
 )
 from prefixcache.manager.admission_planning import AdmissionPlanner
 from prefixcache.manager.arguments import (
+    check_force,
     check_namespace,
     check_pad,
     check_priority,
     check_transfer_model,
     is_live,
     live_request,
+    request_id_list,
+    torch_device,
 )
 from prefixcache.manager.block_events import AllBlocksCleared, EventListener
 from prefixcache.manager.block_indexing import BlockIndexer
@@ -336,13 +339,14 @@ class CacheManager:
         import torch
 
         check_pad(pad)
-        tables = [live_request(self._seqs, r).table for r in request_ids]
+        dev = torch_device(device)
+        tables = [live_request(self._seqs, r).table for r in request_id_list(request_ids)]
         lens = np.array([len(t) for t in tables], dtype=np.int64)
         width = int(lens.max()) if len(tables) else 0
         flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
         out = np.full((len(tables), width), pad, dtype=np.int32)
         out[np.arange(width) < lens[:, None]] = flat  # row-major fill of each row's prefix
-        return torch.from_numpy(out).to(device)
+        return torch.from_numpy(out).to(dev)
 
     @property
     def requests(self) -> list[Hashable]:
@@ -409,6 +413,7 @@ class CacheManager:
     def reset(self, *, force: bool = False) -> None:
         """Drop every cached block. Refuses while requests or pins hold blocks unless forced;
         a forced reset also drops every request and pin."""
+        check_force(force)
         in_use = self.block_counts().active
         if in_use and not force:
             held = self._ledger.num_holds()
