@@ -340,4 +340,9 @@ def _parsed_call(call: Any, i: int) -> Any:
             raise InvalidArgumentError(
                 f"messages[{i}].tool_calls: function arguments are not valid JSON"
             ) from None
+        except (ValueError, RecursionError) as exc:  # a number past 4,300 digits, deep nesting
+            what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise InvalidArgumentError(
+                f"messages[{i}].tool_calls: function arguments cannot be read: {what}"
+            ) from None
     return {**call, "function": {**call["function"], "arguments": parsed}}

@@ -334,6 +334,55 @@ def test_malformed_json_and_duplicate_ids(fleet: dict[str, Any]) -> None:
     assert _state(client) == before
 
 
+def _deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def _tool_call(arguments: str) -> dict[str, Any]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"model": "m", "messages": [FIRST, {"role": "assistant", "tool_calls": [call]}]}
+
+
+DEEP = _deep(1000)
+HOSTILE = [  # (path, raw body, status): small bodies a client can send anywhere free-form
+    ("/v1/completions", '{"model": "m", "prompt": "hi", "x": ' + DEEP + "}", 400),
+    ("/v1/lookup", '{"model": "m", "tokens": [1], "x": ' + DEEP + "}", 422),
+    (
+        "/v1/chat/completions",
+        '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", '
+        '"text": "x", "x": ' + DEEP + "}]}]}",
+        400,
+    ),
+    ("/v1/chat/completions", json.dumps(_tool_call(_deep(5000))), 422),
+    ("/v1/chat/completions", json.dumps(_tool_call("9" * 5000)), 422),
+    ("/v1/route", json.dumps(_tool_call('{"a": ' + "9" * 5000 + "}")), 422),
+]
+HOSTILE_IDS = [
+    "proxy-unknown-field",
+    "lookup-unknown-field",
+    "content-part",
+    "tool-arguments-nested",
+    "tool-arguments-number",
+    "route-tool-arguments-number",
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), HOSTILE, ids=HOSTILE_IDS)
+def test_deep_nesting_and_huge_numbers_are_4xx_and_the_connection_stays_usable(
+    fleet: dict[str, Any], path: str, body: str, status: int
+) -> None:
+    client = fleet["client"]
+    before = _state(client)
+    errors_before = _metrics(client).get("prefixcache_http_errors_total", {})
+    response = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["status"] == status and error["message"]
+    assert _state(client) == before  # the same kept-alive connection answers on
+    key = (("endpoint", path), ("status", str(status)))
+    assert _metrics(client)["prefixcache_http_errors_total"][key] == errors_before.get(key, 0) + 1
+
+
 def _metrics(client: httpx.Client) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(client.get("/metrics").text):

@@ -22,7 +22,12 @@ from prefixcache.fleet.events.ingest import IngestSource, IngestStats
 from prefixcache.fleet.router import Router
 from prefixcache.fleet.service.fleet_service import FleetService
 from prefixcache.fleet.service.health_probe import probe_replicas
-from prefixcache.fleet.service.http_errors import http_error, typed_error
+from prefixcache.fleet.service.http_errors import (
+    http_error,
+    nesting_error,
+    typed_error,
+    unexpected_error,
+)
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.service.routes import add_api_routes
 from prefixcache.fleet.service.settings import ServiceConfig
@@ -70,6 +75,8 @@ def create_app(
     app.state.service = service
     app.exception_handler(PrefixCacheError)(typed_error)
     app.exception_handler(StarletteHTTPException)(http_error)
+    app.exception_handler(RecursionError)(nesting_error)
+    app.exception_handler(Exception)(unexpected_error)
     add_api_routes(app)
     if proxying:
         from prefixcache.fleet.service.proxy import add_proxy_routes

@@ -64,3 +64,5 @@ def decode_body(raw: bytes, kind: type[Body]) -> Body:
         raise InvalidRequestBodyError(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise MalformedJSONError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise MalformedJSONError("request body is nested too deeply") from None

@@ -2,7 +2,8 @@
 counted in the ``prefixcache_http_errors`` metric by endpoint and status.
 
 A typed error (``PrefixCacheError``) gets the status its kind names (``status_of``); an unknown
-path (404) or a wrong method (405) answers in the same shape.
+path (404) or a wrong method (405) answers in the same shape; a body nested too deeply for any
+step that reads it is a 400; anything unforeseen is a 500 in the same shape, counted too.
 """
 
 from __future__ import annotations
@@ -79,3 +80,15 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
     for name, value in (exc.headers or {}).items():
         response.headers[name] = value
     return response
+
+
+async def nesting_error(request: Request, exc: RecursionError) -> Response:
+    """A body nested so deeply that reading it ran out of stack, at whatever step: a 400."""
+    request.app.state.service.metrics.errors.labels(request.url.path, "400").inc()
+    return error_response(400, "MalformedJSONError", "request body is nested too deeply")
+
+
+async def unexpected_error(request: Request, exc: Exception) -> Response:
+    """Anything no other handler answers: a JSON 500, counted like every other error."""
+    request.app.state.service.metrics.errors.labels(request.url.path, "500").inc()
+    return error_response(500, "InternalError", f"{type(exc).__name__} while serving the request")
