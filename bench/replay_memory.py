@@ -80,6 +80,8 @@ def main() -> None:
         cmd += ["--block-size", str(args.block_size), "--out", str(run_dir), "--no-progress"]
         if args.no_upper_bound:
             cmd.append("--no-upper-bound")
+        if args.keep:
+            cmd.append("--force")  # the kept run directory is replaced on every measurement
         wall, rss = measure(cmd)
         print(f"replay: {wall:.1f} s, peak RSS {rss:,.0f} MB ({' '.join(cmd[3:])})")
         wall, rss = measure([sys.executable, "-m", "prefixcache", "report", str(run_dir)])

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
+
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")  # -1GiB, -1e-3, -.5: values, never option names
+EXIT_INTERRUPTED = 130  # as a shell reports a command that SIGINT (Ctrl-C) ended
 
 # Modules that add subcommands: each has ``register(subparsers)`` and sets ``func`` on its parsers.
 COMMAND_MODULES = (
@@ -32,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for command in sub.choices.values():
+        # "--kv-memory -1GiB" is a value, not an unknown option: the option's own check says
+        # what is wrong with it (argparse only takes plain numbers such as -1 as values)
+        command._negative_number_matcher = _NEGATIVE_VALUE
     return parser
 
 
@@ -42,9 +50,16 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the commands load
+        print("prefixcache: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
+        print(f"prefixcache {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader stopped early (``| head``): not an error
         # what is still buffered for stdout goes nowhere, so exiting does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

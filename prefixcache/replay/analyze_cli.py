@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
         help="block sizes (default 16, plus the trace block size for Mooncake)",
     )
     ap.add_argument("--model", help="to size the working set in bytes")
-    ap.add_argument("--seed", type=int, help="override the scenario's seed")
+    ap.add_argument("--seed", type=cli_args.seed, help="override the scenario's seed")
     ap.add_argument(
         "--format",
         choices=("text", "json"),

@@ -33,7 +33,19 @@ def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
 
 
 positive_int = int_at_least(1, "a positive integer")
-seed = int_at_least(0, "a non-negative integer")
+non_negative_int = int_at_least(0, "a non-negative integer")
+seed = non_negative_int
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number: {text!r}")
+    return value
 
 
 def str_list(text: str) -> list[str]:
@@ -80,15 +92,30 @@ def routing_list(text: str) -> list[str]:
 
 
 def size_list(text: str) -> list[int]:
-    """Comma-separated byte sizes such as 40GiB (``parse_size``)."""
+    """Comma-separated byte sizes such as 40GiB (``parse_size``), none negative."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    negative = next((x for x in parts if x.startswith("-")), None)
+    if negative is not None:
+        raise argparse.ArgumentTypeError(f"a size cannot be negative: {negative!r}")
     try:
-        return [parse_size(x) for x in text.split(",") if x.strip()]
+        return [parse_size(x) for x in parts]
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def positive_size_list(text: str) -> list[int]:
+    """Comma-separated byte sizes, each above zero."""
+    negative = any(x.strip().startswith("-") for x in text.split(","))
+    sizes = None if negative else size_list(text)
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, e.g. 40GiB: {text!r}")
+    return sizes
+
+
 def bandwidth(text: str) -> float:
     """Bytes per second, written as a size (55GB), positive."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"bandwidth must be positive, got {text!r}")
     try:
         value = parse_size(text)
     except ConfigError as exc:
@@ -105,7 +132,10 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("traces")
     g.add_argument("--trace-format", choices=FORMATS, help="default: detected from the file")
     g.add_argument(
-        "--trace-block-size", type=int, default=512, help="tokens per Mooncake hash id (512)"
+        "--trace-block-size",
+        type=positive_int,
+        default=512,
+        help="tokens per Mooncake hash id (512)",
     )
     g.add_argument("--tokenizer", help="tokenizer.json for text prompts (default: bytes)")
     g.add_argument(
@@ -114,7 +144,10 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
         "rendered as the engine renders them (default: a neutral rendering)",
     )
     g.add_argument(
-        "--output-len", type=int, default=128, help="output tokens for lines that give none (128)"
+        "--output-len",
+        type=non_negative_int,
+        default=128,
+        help="output tokens for lines that give none (128)",
     )
     g.add_argument(
         "--max-line-bytes",

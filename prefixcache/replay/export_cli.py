@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
     ep.add_argument("--seed", type=cli_args.seed, help="override the scenario's seed")
     ep.add_argument(
         "--block-size",
-        type=int,
+        type=cli_args.positive_int,
         default=512,
         help="tokens per Mooncake hash id (512, as in the Mooncake traces)",
     )
@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
     )
     ep.add_argument(
         "--vocab-size",
-        type=int,
+        type=cli_args.positive_int,
         default=32000,
         help="OpenAI requests: token ids are taken modulo this, the served model's vocabulary "
         "size (32000)",

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefixcache.errors import PrefixCacheError
+from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.replay.replay_options import add_replay_parser, sweep_configs
 
 EXIT_STRICT = 3  # --strict: the run finished but some requests were rejected, or it overloaded
@@ -29,6 +29,11 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         if args.out is not None:
             check_run_dir(args.out)  # before the replay, not after it
+            if not args.force and _holds_files(args.out):
+                raise ConfigError(
+                    f"--out {args.out}: the directory holds files already (an earlier run?); "
+                    "give another --out, or --force to replace the run there"
+                )
         result = replay_sweep(
             args.source,
             sweep_configs(args),
@@ -62,6 +67,14 @@ def _replay(args: argparse.Namespace) -> int:
     ):
         return EXIT_STRICT
     return 0
+
+
+def _holds_files(path: Path) -> bool:
+    """Whether ``path`` is a directory with anything in it."""
+    try:
+        return path.is_dir() and next(path.iterdir(), None) is not None
+    except OSError as exc:
+        raise ConfigError(f"--out {path}: {exc.strerror or exc}") from None
 
 
 def _render_rich_report(run_dir: Path) -> None:

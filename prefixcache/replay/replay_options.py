@@ -46,7 +46,7 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     size.add_argument(
         "--kv-memory",
-        type=cli_args.size_list,
+        type=cli_args.positive_size_list,
         metavar="SIZE",
         help="KV memory, e.g. 40GiB (needs --model in sequential mode; serving mode "
         "assumes llama-3.1-8b without one)",
@@ -82,7 +82,18 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=cli_args.seed,
         help="override the scenario's seed / trace token seed (a non-negative integer)",
     )
-    rp.add_argument("--out", type=Path, help="run directory (default runs/NAME-TIMESTAMP)")
+    rp.add_argument(
+        "--out",
+        type=Path,
+        help="run directory (default runs/NAME-TIMESTAMP); one that holds files is refused "
+        "unless --force is given",
+    )
+    rp.add_argument(
+        "--force",
+        action="store_true",
+        help="write the run into an --out directory that holds files already, replacing the "
+        "run there",
+    )
     rp.add_argument(
         "--format",
         choices=("text", "json"),
@@ -150,23 +161,27 @@ def _serving_args(rp: argparse.ArgumentParser) -> None:
     )
     serving.add_argument(
         "--tp",
-        type=int,
+        type=cli_args.positive_int,
         default=1,
         help="tensor-parallel GPUs per replica: weights and KV split over them, compute and "
         "bandwidth multiplied, communication not modelled (1)",
     )
-    serving.add_argument("--token-budget", type=int, default=8192, help="tokens per step (8192)")
-    serving.add_argument("--max-seqs", type=int, default=256, help="running sequences (256)")
+    serving.add_argument(
+        "--token-budget", type=cli_args.positive_int, default=8192, help="tokens per step (8192)"
+    )
+    serving.add_argument(
+        "--max-seqs", type=cli_args.positive_int, default=256, help="running sequences (256)"
+    )
     serving.add_argument(
         "--rate-scale",
-        type=float,
+        type=cli_args.positive_float,
         default=1.0,
         help="replay arrivals this many times as fast (2: twice the request rate) to find the "
         "load the GPU sustains (1)",
     )
     serving.add_argument(
         "--time-scale",
-        type=float,
+        type=cli_args.positive_float,
         default=1.0,
         help="multiply every arrival time (2: the trace stretched to twice its span) (1)",
     )

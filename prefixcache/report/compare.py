@@ -125,7 +125,9 @@ def _relative(a: Value, b: Value) -> str:
 
 def _setup(run: Run) -> dict[str, str]:
     r = run.report
-    out = {f"config.{k}": _config_value(k, v) for k, v in r["config"].items()}
+    out = {
+        name: _config_value(key, value) for name, key, value in _config_items("config", r["config"])
+    }
     out |= {
         "workload": r["source"]["path"],
         "workload digest": r["source"]["sha256"][:16],
@@ -216,11 +218,29 @@ def _point_label(point: Point, keys: list[str]) -> str:
     )
 
 
+def _uniform(points: list[Point], key: str) -> Any:
+    """The one value of ``key`` in every point, else None."""
+    values = {repr(p.get(key)) for p in points}
+    return points[0].get(key) if len(values) == 1 else None
+
+
 def sweep_section(a: Run, b: Run) -> Section:
-    """The sweep points of A and B matched by their setup, each compared; unmatched ones named."""
+    """The sweep points of A and B matched by their setup, each compared; unmatched ones named.
+
+    A setting that is one value in every point of A and another in every point of B (two
+    capacity sweeps with different pool sizes) is a difference of the runs, shown in their
+    setup: points are matched by what the sweeps vary, not by it."""
     pa, pb = run_points(a), run_points(b)
     # a setup key that no point sets (tiers all 0) is left out of the labels
     keys = [k for k in POINT_KEYS if any(p.get(k) for p in [*pa, *pb])]
+    apart = [
+        k
+        for k in keys
+        if _uniform(pa, k) is not None
+        and _uniform(pb, k) is not None
+        and _uniform(pa, k) != _uniform(pb, k)
+    ]
+    keys = [k for k in keys if k not in apart]
     by_b = {_point_key(p, keys): p for p in pb}
     matched = [(p, by_b[_point_key(p, keys)]) for p in pa if _point_key(p, keys) in by_b]
     matched.sort(key=lambda pair: [sort_key(v) for v in _point_key(pair[0], keys)])
@@ -241,8 +261,10 @@ def sweep_section(a: Run, b: Run) -> Section:
                 delta = _pp(vb - va) if va is not None and vb is not None else fmt.NA
                 row += [fmt.pct(va), fmt.pct(vb), delta]
             rows.append(row)
-        columns = [k.replace("_", " ").capitalize() for k in keys]
-        columns[0] = "Capacity (blocks)"
+        columns = [
+            "Capacity (blocks)" if k == "capacity_blocks" else k.replace("_", " ").capitalize()
+            for k in keys
+        ]
         columns += [
             f"{name} {side}"
             for name in ("Token hit rate", "Capacity miss", "Cold miss")
@@ -258,6 +280,11 @@ def sweep_section(a: Run, b: Run) -> Section:
         )
     else:
         section.notes.append("No sweep point of A has the same setup as a point of B.")
+    for k in apart:
+        section.notes.append(
+            f"Matched without {k.replace('_', ' ')}: {_cell(_uniform(pa, k), k)} in every point "
+            f"of A, {_cell(_uniform(pb, k), k)} in every point of B."
+        )
     for name, points in (("A", only_a), ("B", only_b)):
         if points:
             shown = "; ".join(_point_label(p, keys) for p in points)
@@ -265,10 +292,31 @@ def sweep_section(a: Run, b: Run) -> Section:
     return section
 
 
+def _config_items(prefix: str, config: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """(row name, key, value) per setting; a nested group (tiers) gives one row per setting."""
+    items: list[tuple[str, str, Any]] = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            items += _config_items(f"{prefix}.{key}", value)
+        else:
+            items.append((f"{prefix}.{key}", key, value))
+    return items
+
+
 def _config_value(key: str, value: Any) -> str:
     if value is None:
         return "none"
-    return fmt.capacity(value) if key == "capacity_blocks" else str(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if key == "capacity_blocks":
+        return fmt.capacity(int(value))
+    if key.endswith("_bytes_per_s"):
+        return f"{value / 1e9:.1f} GB/s"
+    if key.endswith("_bytes") or key.startswith("bytes_"):
+        return fmt.nbytes(value)
+    if key.endswith("_blocks"):
+        return fmt.count(value)
+    return str(value)
 
 
 def _cell(value: Any, key: str = "") -> str:

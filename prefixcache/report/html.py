@@ -94,8 +94,10 @@ def _table(t: Table, failed: bool = False) -> str:
     caption = f'<p class="caption">{escape(t.caption)}</p>' if t.caption else ""
     title = f' title="{escape(DEFINITIONS[t.key].text)}"' if t.key else ""
     cls = ' class="failed"' if failed else ""
+    # in a box of its own that scrolls sideways: a wide table (a sweep's) stays within the page
     return (
-        f"<table{title}{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>" + caption
+        f'<div class="scroll"><table{title}{cls}><thead><tr>{head}</tr></thead>'
+        f"<tbody>{body}</tbody></table></div>" + caption
     )
 
 
@@ -214,6 +216,8 @@ section { background: #fff; border: 1px solid var(--rule); border-radius: 8px;
   align-items: start; }
 @media (max-width: 900px) { .cols, .pair { grid-template-columns: minmax(0, 1fr); } }
 table.narrow { max-width: 560px; }
+.scroll { overflow-x: auto; max-width: 100%; margin-bottom: 12px; }
+.scroll table { margin-bottom: 0; }
 table { border-collapse: collapse; width: 100%; font-size: 14px; margin-bottom: 12px; }
 th, td { padding: 4px 8px; border-bottom: 1px solid var(--rule); text-align: right;
   vertical-align: top; white-space: nowrap; }

@@ -19,9 +19,11 @@ from matplotlib.ticker import (
     NullLocator,
     PercentFormatter,
 )
+from matplotlib.transforms import blended_transform_factory
 from numpy.typing import ArrayLike
 
 from prefixcache.blocks.pool import UNBOUNDED
+from prefixcache.report import formatting as fmt
 from prefixcache.report.figures import (
     hit_ratio_histogram,
     ratio_percentiles,
@@ -150,7 +152,15 @@ def timeline(run: Run) -> Figure:
         _capacity_line(blocks, capacity, int((active + cached).max(initial=0)))
     blocks.set_ylabel("blocks")
     blocks.yaxis.set_major_formatter(FuncFormatter(_thousands))
-    blocks.legend(loc="upper left", ncols=3, fontsize="small")
+    # above the axes, left (the capacity may be named on the right): the areas stay uncovered
+    blocks.legend(
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.0),
+        ncols=3,
+        fontsize="small",
+        frameon=False,
+        borderaxespad=0.2,
+    )
     evictions.plot(t, tl["evicted_blocks_cum"][idx], color=RED)
     evictions.set_ylim(bottom=0)
     evictions.yaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
@@ -245,18 +255,24 @@ def _points(run: Run) -> list[dict[str, Any]]:
 def capacity(run: Run) -> Figure:
     points = _points(run)
     by = [k for k in VARIANT_KEYS if varying(points, k)]
+    if by and not varying(points, "capacity_blocks"):  # one capacity: nothing to draw along it
+        return _variant_bars(run, points, by)
     fig, (ax,) = new_figure(WIDE if by else NARROW)
-    curves = series(points, "capacity_blocks", by)
-    knees = capacity_knees(points)
+    # an unbounded cache (--blocks inf) has no place on a capacity axis: drawn apart, at the edge
+    finite = [p for p in points if p["capacity_blocks"] < UNBOUNDED]
+    curves = series(finite, "capacity_blocks", by)
+    knees = capacity_knees(finite)
+    colors: dict[str, Any] = {}
     for label, curve in curves.items():
         xs = [p["capacity_blocks"] for p in curve]
-        ax.plot(
+        (line,) = ax.plot(
             xs,
             [p["token_hit_rate"] for p in curve],
             marker="o",
             markersize=3,
             label=label or "token hit rate",
         )
+        colors[label] = line.get_color()
         if label in knees:
             k = knees[label]
             ax.plot(
@@ -284,12 +300,14 @@ def capacity(run: Run) -> Figure:
             linestyle="--",
             label="upper bound (infinite cache)",
         )
-    ax.axvline(
-        run.report["config"]["capacity_blocks"],
-        color=GREY,
-        linestyle=":",
-        label="this run's capacity",
-    )
+    if run.report["config"]["capacity_blocks"] < UNBOUNDED:
+        ax.axvline(
+            run.report["config"]["capacity_blocks"],
+            color=GREY,
+            linestyle=":",
+            label="this run's capacity",
+        )
+    _unbounded_points(ax, [p for p in points if p["capacity_blocks"] >= UNBOUNDED], by, colors)
     ax.plot(
         [],
         [],
@@ -299,7 +317,8 @@ def capacity(run: Run) -> Figure:
         linestyle="none",
         label="knee",
     )
-    _capacity_axis(ax, sorted({p["capacity_blocks"] for p in points}))
+    if finite:
+        _capacity_axis(ax, sorted({p["capacity_blocks"] for p in finite}))
     ax.set_ylim(0, 1)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel("capacity (blocks)")
@@ -312,6 +331,80 @@ def capacity(run: Run) -> Figure:
     else:  # below the axes, clear of the curve and the knee's label
         fig.legend(fontsize="small", loc="outside lower center", ncols=2, frameon=False)
     return fig
+
+
+def _variant_bars(run: Run, points: list[dict[str, Any]], by: list[str]) -> Figure:
+    """A sweep at one capacity (routing policies of a fleet, say): a bar per sweep point."""
+    fig, (ax,) = new_figure()
+    curves = series(points, "capacity_blocks", by)
+    names = [
+        ", ".join(str(curve[0].get(k)) for k in by) for curve in curves.values()
+    ]  # the values only: the axis label names the settings
+    rates = [curve[0]["token_hit_rate"] for curve in curves.values()]
+    x = np.arange(len(names))
+    ax.bar(x, rates, 0.6, color=BLUE, label="token hit rate")
+    for xi, rate in zip(x, rates, strict=True):
+        ax.annotate(
+            fmt.pct(rate),
+            (xi, rate),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            fontsize="small",
+        )
+    ax.set_xticks(x, names, rotation=30 if len(names) > 4 else 0)
+    if run.report["upper_bound_token_hit_rate"] is not None and not varying(points, "block_size"):
+        ax.axhline(
+            run.report["upper_bound_token_hit_rate"],
+            color=GREY,
+            linestyle="--",
+            label="upper bound (infinite cache)",
+        )
+    ax.set_ylim(0, 1.08)
+    ax.yaxis.set_major_locator(FixedLocator([0, 0.2, 0.4, 0.6, 0.8, 1.0]))
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_xlabel(", ".join(k.replace("_", " ") for k in by))
+    ax.set_ylabel("token hit rate")
+    ax.set_title(f"capacity {fmt.capacity_blocks(points[0]['capacity_blocks'])}", fontsize="medium")
+    fig.legend(fontsize="small", loc="outside lower center", ncols=2, frameon=False)
+    return fig
+
+
+def _unbounded_points(
+    ax: Axes, points: list[dict[str, Any]], by: list[str], colors: dict[str, Any]
+) -> None:
+    """Sweep points of an unbounded cache: a marker per curve at the right edge of the axes,
+    at its hit rate, labelled "unbounded" (with the rate when there is one curve)."""
+    if not points:
+        return
+    edge = blended_transform_factory(ax.transAxes, ax.transData)
+    rates = []
+    for label, curve in series(points, "capacity_blocks", by).items():
+        rate = curve[0]["token_hit_rate"]
+        rates.append(rate)
+        ax.plot(
+            [0.97],
+            [rate],
+            marker=">",
+            markersize=8,
+            linestyle="none",
+            color=colors.get(label, GREY),
+            transform=edge,
+            clip_on=False,
+        )
+    text = f"unbounded: {fmt.pct(rates[0])}" if len(rates) == 1 else "unbounded"
+    below = max(rates) > 0.8  # inside the axes, which end at 100%
+    ax.annotate(
+        text,
+        (0.95, min(rates) if below else max(rates)),
+        xycoords=edge,
+        xytext=(0, -8 if below else 8),
+        textcoords="offset points",
+        ha="right",
+        va="top" if below else "bottom",
+        fontsize="small",
+        gid="unbounded_label",
+    )
 
 
 def compact_count(value: float, _pos: object = None) -> str:

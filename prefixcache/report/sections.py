@@ -48,11 +48,20 @@ KNEE_MARK = "◀ knee"
 def build_document(run: Run) -> Document:
     """The whole report of ``run``: its sections in reading order, with the run's warnings."""
     r = run.report
+    fl = r.get("fleet")
+    per_replica = " per replica" if fl else ""
     subtitle = (
         f"{Path(r['source']['path']).name}: {r['requests']:,} requests, block size "
-        f"{r['config']['block_size']}, {fmt.capacity(r['config']['capacity_blocks'])} blocks, "
-        f"{r['config']['policy']}, {r['config']['mode']}"
+        f"{r['config']['block_size']}, {fmt.capacity(r['config']['capacity_blocks'])} blocks"
+        f"{per_replica}, {r['config']['policy']}, {r['config']['mode']}"
     )
+    if fl:
+        subtitle += f", {fmt.plural(fl['replicas'], 'replica')} routed by {fl['routing']}"
+    tiers = r.get("tiers") or {}
+    if (tiers.get("host") or {}).get("blocks"):
+        subtitle += f", host tier {fmt.nbytes(tiers['host']['bytes'])}{per_replica}"
+    if (tiers.get("pool") or {}).get("blocks"):
+        subtitle += f", pool {fmt.nbytes(tiers['pool']['bytes'])} shared"
     return Document(
         title="prefixcache report",
         subtitle=subtitle,
@@ -86,6 +95,8 @@ def header(run: Run) -> Section:
     capacity = f"{fmt.capacity(cfg['capacity_blocks'])} blocks"
     if cfg["capacity_bytes"] is not None:
         capacity += f" ({fmt.nbytes(cfg['capacity_bytes'])})"
+    if r.get("fleet"):
+        capacity += f" per replica ({fmt.plural(r['fleet']['replicas'], 'replica')})"
     fields = [
         Field("Library version", r["library_version"]),
         Field("Workload", f"{r['source']['path']} ({r['source']['kind']})"),

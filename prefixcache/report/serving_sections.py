@@ -63,12 +63,26 @@ def _ms(x: float) -> str:
     return f"{1000 * x:,.1f} ms" if x < 10 else fmt.seconds(x)
 
 
+def no_tpot(figures: dict[str, Any]) -> bool:
+    """Whether no request had a second output token, so there is no time per output token:
+    the replay writes 0.0 for a TPOT over no request (a measured one is always above 0)."""
+    return not figures["tpot_mean_s"]
+
+
+def same_load(load: dict[str, Any]) -> bool:
+    """Whether the offered load reads the same with and without the cache."""
+    return f"{load['offered_load']:.2f}" == f"{load['offered_load_nocache']:.2f}"
+
+
 def benchmark_table(cached: dict[str, Any], nocache: dict[str, Any]) -> Table:
     """The figures a vLLM / SGLang serving benchmark prints, with and without the cache."""
     rows: list[list[str]] = []
 
     def row(label: str, key: str, show: Any, higher_is_better: bool) -> None:
         a, b = cached[key], nocache[key]
+        if key.startswith("tpot_") and no_tpot(cached) and no_tpot(nocache):
+            rows.append([label, fmt.NA, fmt.NA, fmt.NA])  # every output is one token
+            return
         if higher_is_better:
             change = a / b if b else None
         else:
@@ -83,12 +97,10 @@ def benchmark_table(cached: dict[str, Any], nocache: dict[str, Any]) -> Table:
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E latency")):
         for stat in ("mean", "p50", "p90", "p99"):
             row(f"{label} {stat}", f"{name}_{stat}_s", _ms, False)
-    return Table(
-        ["Figure", "With cache", "No cache", "Better by"],
-        rows,
-        key="benchmark",
-        caption="Simulated by the replay's cost model; its assumptions are listed in this section",
-    )
+    caption = "Simulated by the replay's cost model; its assumptions are listed in this section"
+    if no_tpot(cached) and no_tpot(nocache):
+        caption += ". TPOT: n/a, no request has more than one output token"
+    return Table(["Figure", "With cache", "No cache", "Better by"], rows, caption, "benchmark")
 
 
 def load_fields(load: dict[str, Any]) -> list[Field]:
@@ -98,11 +110,17 @@ def load_fields(load: dict[str, Any]) -> list[Field]:
     if offered is None:
         value, note = fmt.NA, "all requests arrive at once"
     else:
-        value = f"{offered:.2f}x (no cache {load['offered_load_nocache']:.2f}x)"
+        nocache = (
+            "the same without the cache"
+            if same_load(load)
+            else f"no cache {load['offered_load_nocache']:.2f}x"
+        )
+        value = f"{offered:.2f}x ({nocache})"
         if replicas > 1:
+            nocache += "" if same_load(load) else " per replica"
             value = (
                 f"{offered:.2f}x per replica, busiest {load['offered_load_busiest']:.2f}x "
-                f"(no cache {load['offered_load_nocache']:.2f}x per replica)"
+                f"({nocache})"
             )
         if load["overloaded"]:
             note = "OVERLOADED: queue grows without bound"

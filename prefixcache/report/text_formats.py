@@ -9,6 +9,7 @@ from typing import Any
 from prefixcache.report import formatting as fmt
 from prefixcache.report.document import Document, Field, Section, Table
 from prefixcache.report.run_warnings import run_warnings
+from prefixcache.report.serving_sections import no_tpot, same_load
 from prefixcache.report.sweep_curves import miss_causes, miss_share, varying
 
 WIDTH = 88
@@ -135,6 +136,8 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
     size = fmt.capacity_blocks(c["capacity_blocks"])
     if c["capacity_bytes"] is not None:
         size += f" ({fmt.nbytes(c['capacity_bytes'], digits=1)} of {c['model']} KV)"
+    if r.get("fleet"):
+        size += " per replica"
     prompt = r["prompt_tokens"] or 1
     lines = [
         f"replay {r['source']['path']} ({r['source']['kind']})",
@@ -264,6 +267,8 @@ def _serving_lines(c: dict[str, Any], sv: dict[str, Any]) -> list[str]:
     a, b = sv["benchmark"]["with_cache"], sv["benchmark"]["without_cache"]
 
     def lat(d: dict[str, Any], name: str) -> str:
+        if name == "tpot" and no_tpot(d):
+            return "n/a (no request has more than one output token)"
         return "  ".join(f"{s} {_dur(d[f'{name}_{s}_s'])}" for s in ("mean", "p50", "p90", "p99"))
 
     model = f"{c['model']}{' (default)' if c.get('model_defaulted') else ''}"
@@ -280,16 +285,26 @@ def _serving_lines(c: dict[str, Any], sv: dict[str, Any]) -> list[str]:
         lines.append(f"  arrivals        rate x{c['rate_scale']:g}, time x{c['time_scale']:g}")
     load = sv.get("load") or {}
     if load.get("offered_load") is not None and load.get("replicas", 1) > 1:
+        nocache = (
+            "the same without the cache"
+            if same_load(load)
+            else f"{load['offered_load_nocache']:.2f}x without"
+        )
         lines.append(
             f"  offered load    {load['offered_load']:.2f}x per replica with cache (busiest "
-            f"{load['offered_load_busiest']:.2f}x), {load['offered_load_nocache']:.2f}x without "
+            f"{load['offered_load_busiest']:.2f}x), {nocache} "
             f"(GPU busy {load['busy_s']:,.1f} s over {load['replicas']} replicas / arrivals "
             f"over {load['arrival_span_s']:,.1f} s)"
         )
     elif load.get("offered_load") is not None:
+        offered = (
+            f"{load['offered_load']:.2f}x, the same with and without the cache"
+            if same_load(load)
+            else f"{load['offered_load']:.2f}x with cache, "
+            f"{load['offered_load_nocache']:.2f}x without"
+        )
         lines.append(
-            f"  offered load    {load['offered_load']:.2f}x with cache, "
-            f"{load['offered_load_nocache']:.2f}x without (GPU busy "
+            f"  offered load    {offered} (GPU busy "
             f"{load['busy_s']:,.1f} s / arrivals over {load['arrival_span_s']:,.1f} s)"
         )
     for label, d in (("with cache", a), ("no cache", b)):

@@ -64,3 +64,12 @@ def test_a_reader_that_stops_early_is_not_an_error(argv: list[str]) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "Broken pipe" not in err
+
+
+def test_every_command_describes_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    """``prefixcache COMMAND --help`` says what the command does, not only its options."""
+    for name, parser in _parsers(build_parser()):
+        assert parser.description and len(parser.description.split()) >= 8, name
+        with pytest.raises(SystemExit):
+            main([*name.split()[1:], "--help"])
+        assert parser.description.split()[0] in capsys.readouterr().out, name

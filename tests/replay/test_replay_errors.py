@@ -113,9 +113,32 @@ def test_a_rewritten_run_is_never_half_old(tmp_path: Path, monkeypatch: pytest.M
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run_result, "_write_timeline", interrupted)
-    assert main(["replay", SCENARIO, "--blocks", "20", "--out", str(out), "--seed", "1"]) == 130
+    rerun = ["replay", SCENARIO, "--blocks", "20", "--out", str(out), "--seed", "1", "--force"]
+    assert main(rerun) == 130
     assert (out / "report.json").read_text() == before  # the old run, complete
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files
+
+
+def test_an_out_dir_holding_a_run_is_refused_without_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    out.mkdir()  # empty: fine
+    args = ["replay", SCENARIO, "--blocks", "10", "--out", str(out), "--seed", "1"]
+    assert main([*args, "--no-progress"]) == 0
+    before = (out / "report.json").read_text()
+    capsys.readouterr()
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the replay ran")
+
+    with monkeypatch.context() as m:
+        m.setattr("prefixcache.replay.runner.replay_sweep", never)
+        assert main(["replay", SCENARIO, "--blocks", "20", "--out", str(out), "--seed", "1"]) == 2
+    one_error_line(capsys, f"--out {out}", "holds files", "--force")
+    assert (out / "report.json").read_text() == before  # untouched
+    assert main(["replay", SCENARIO, "--blocks", "20", "--out", str(out), "--force"]) == 0
+    assert json.loads((out / "report.json").read_text())["config"]["capacity_blocks"] == 20
 
 
 def test_report_exits_non_zero_when_checks_fail(
@@ -274,3 +297,65 @@ def test_gpu_is_accepted_for_a_tier_sweep_with_a_zero_point(tmp_path: Path) -> N
     args = ["replay", str(scenario), "--model", "llama-3.1-8b", "--blocks", "200"]
     args += ["--host-memory", "0,1GiB", "--gpu", "a100-80gb", "--out", str(tmp_path / "run")]
     assert main([*args, "--no-progress"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "message"),
+    [
+        (["--kv-memory", "-1GiB", "--model", "llama-3.1-8b"], "--kv-memory", "must be positive"),
+        (["--kv-memory", "0", "--model", "llama-3.1-8b"], "--kv-memory", "must be positive"),
+        (["--blocks", "10", "--host-memory", "-4GiB"], "--host-memory", "cannot be negative"),
+        (["--blocks", "10", "--pool-memory", "0,-1TiB"], "--pool-memory", "cannot be negative"),
+        (["--blocks", "10", "--host-bw", "-1GB"], "--host-bw", "must be positive"),
+        (["--blocks", "-5"], "--blocks", "positive"),
+        (["--blocks", "10", "--mode", "serving", "--rate-scale", "0"], "--rate-scale", "positive"),
+        (["--blocks", "10", "--mode", "serving", "--rate-scale", "-2"], "--rate-scale", "positive"),
+        (
+            ["--blocks", "10", "--mode", "serving", "--time-scale", "-1.5"],
+            "--time-scale",
+            "positive",
+        ),
+        (["--blocks", "10", "--mode", "serving", "--tp", "0"], "--tp", "positive"),
+        (
+            ["--blocks", "10", "--mode", "serving", "--token-budget", "-1"],
+            "--token-budget",
+            "positive",
+        ),
+        (["--blocks", "10", "--mode", "serving", "--max-seqs", "0"], "--max-seqs", "positive"),
+        (["--blocks", "10", "--trace-block-size", "-512"], "--trace-block-size", "positive"),
+        (["--blocks", "10", "--output-len", "-1"], "--output-len", "non-negative"),
+    ],
+)
+def test_bad_numbers_name_their_option(
+    args: list[str], flag: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A negative or zero value reaches the option's own check, which names the option."""
+    try:
+        code = main(["replay", SCENARIO, "--no-progress", *args])
+    except SystemExit as exc:  # a usage error
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "expected one argument" not in err
+    last = err.strip().splitlines()[-1]
+    assert flag in last and message in last, last
+    assert flag.lstrip("-").replace("-", "_") + " " not in last  # the flag, not the field
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["analyze", SCENARIO, "--seed", "-1"], "--seed"),
+        (["analyze", SCENARIO, "--output-len", "-1"], "--output-len"),
+        (["export", SCENARIO, "--format", "mooncake", "--block-size", "-512"], "--block-size"),
+        (["export", SCENARIO, "--format", "openai-jsonl", "--vocab-size", "0"], "--vocab-size"),
+    ],
+)
+def test_bad_numbers_of_analyze_and_export_name_their_option(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}:" in last and "Traceback" not in last

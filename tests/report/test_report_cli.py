@@ -247,3 +247,54 @@ def test_an_unbounded_cache_reads_unbounded_everywhere(
     assert "unbounded" in text
     for huge in ("9,223,372", "9223372", "17592186044416", "17,592,186"):
         assert huge not in text, huge
+
+
+CHAT_SMALL = Path(__file__).resolve().parents[1] / "golden" / "chat_small.yaml"
+
+
+def _replay_chat(out: Path, *args: str) -> Path:
+    argv = ["replay", str(CHAT_SMALL), "--model", "llama-3.1-8b", "--jobs", "1"]
+    assert main([*argv, *args, "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_compare_shows_tier_settings_one_per_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = _replay_chat(tmp_path / "plain", "--blocks", "200")
+    tiered = _replay_chat(tmp_path / "tiered", "--blocks", "200", "--host-memory", "1GiB")
+    capsys.readouterr()
+    assert main(["compare", str(plain), str(tiered), "--no-definitions"]) == 0
+    out = capsys.readouterr().out
+    assert "{" not in out
+    table = out[out.index("What differs") : out.index("Figures")]
+    assert max(len(line) for line in table.splitlines()) <= 100
+    rows = terminal_rows(out)
+    assert rows["config.tiers.host_bytes"][0] == ["n/a", "1.00 GiB"]
+    assert rows["config.tiers.host_blocks"][0] == ["n/a", "512"]
+    assert rows["config.tiers.host_bandwidth_bytes_per_s"][0] == ["n/a", "55.0 GB/s"]
+
+
+def test_compare_matches_sweeps_that_differ_in_one_setting_throughout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two capacity sweeps with different pool sizes: the points match by capacity, and the
+    pool size is named as what differs throughout."""
+    sweep = ("--blocks", "100,200,400")
+    a = _replay_chat(tmp_path / "a", *sweep, "--pool-memory", "1GiB")
+    b = _replay_chat(tmp_path / "b", *sweep, "--pool-memory", "2GiB")
+    capsys.readouterr()
+    assert main(["compare", str(a), str(b), "--no-definitions"]) == 0
+    out = capsys.readouterr().out
+    assert "── Sweep points: 3 of A's 3 match B's 3" in out
+    assert "Matched without pool blocks: 512 in every point of A, 1,024 in every point of B" in (
+        " ".join(out.split())
+    )
+    assert "Only in" not in out
+    # points that differ in what a sweep varies are still told apart
+    c = _replay_chat(tmp_path / "c", "--blocks", "200,800", "--pool-memory", "2GiB")
+    capsys.readouterr()
+    assert main(["compare", str(a), str(c), "--no-definitions"]) == 0
+    out = capsys.readouterr().out
+    assert "── Sweep points: 1 of A's 3 match B's 2" in out
+    assert "Only in B (1): 800 blocks" in out

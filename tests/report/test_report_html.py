@@ -185,3 +185,51 @@ def test_replayed_pages_load_and_draw_every_figure(
     assert {alt for alt, *_ in sizes} == EXPECTED_PLOTS[kind]
     for alt, width, height, complete in sizes:
         assert complete and width > 300 and height > 200, (alt, width, height)
+
+
+_TABLE_EDGES = (
+    "<script>window.addEventListener('load', () => document.body.setAttribute('data-tables', "
+    "JSON.stringify([...document.querySelectorAll('section table')].map(t => {"
+    "  const section = t.closest('section').getBoundingClientRect();"
+    "  let box = t.getBoundingClientRect();"
+    "  for (let el = t.parentElement; el && el.tagName !== 'SECTION'; el = el.parentElement) {"
+    "    const o = getComputedStyle(el).overflowX;"
+    "    if (o === 'auto' || o === 'scroll') { box = el.getBoundingClientRect(); break; } }"
+    "  return [t.closest('section').id, box.right, section.right]; }))));</script>"
+)
+
+
+def test_a_wide_sweep_table_stays_within_the_page(tmp_path: Path) -> None:
+    """A sweep over replicas, routing and both tiers has a table wider than a 1,400 px page: it
+    scrolls within its section instead of running past it."""
+    out = tmp_path / "run"
+    args = ["replay", str(CHAT), "--mode", "serving", "--model", "llama-3.1-8b", "--blocks", "100"]
+    args += ["--replicas", "1,2", "--routing", "prefix_cost,round_robin", "--jobs", "1"]
+    args += ["--host-memory", "0,1GiB", "--pool-memory", "0,2GiB", "--out", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main([*args, "--no-progress"]) == 0
+    page = out / "report.html"
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text().replace("</body>", _TABLE_EDGES + "</body>"))
+    result = subprocess.run(
+        [
+            browser(),
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1400,2000",
+            "--dump-dom",
+            probe.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    found = re.search(r'data-tables="([^"]*)"', result.stdout)
+    assert found, f"the page did not finish loading:\n{result.stderr[-2000:]}"
+    edges = json.loads(unescape(found.group(1)))
+    assert "sweep" in {section for section, _, _ in edges}
+    past = [(section, right, edge) for section, right, edge in edges if right > edge + 0.5]
+    assert past == []

@@ -163,3 +163,62 @@ def test_fleet_timeline_marks_the_fleet_capacity(serving_run: Run) -> None:
     fig = plots.timeline(serving_run)
     rendered(fig)
     assert "capacity 3,000,000 blocks" in fig.axes[0].get_title(loc="right")
+
+
+def test_an_unbounded_sweep_point_is_drawn_apart_from_the_curve(sweep_run: Run) -> None:
+    """``--blocks ...,inf``: the unbounded point is not placed at x = 9.2e18 (which squashes the
+    curve into the left edge) but marked at the right edge and labelled."""
+    from prefixcache.blocks.pool import UNBOUNDED
+
+    points = sweep_run.report["sweep"]
+    finite = sorted(p["capacity_blocks"] for p in points)
+    points.append(dict(points[-1], capacity_blocks=UNBOUNDED, token_hit_rate=0.9))
+    fig = plots.capacity(sweep_run)
+    renderer = rendered(fig)
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    assert hi < finite[-1] * 4 and lo > 0, (lo, hi)
+    for line in ax.get_lines():
+        xs = np.asarray(line.get_xdata(), dtype=float)
+        assert not (xs >= UNBOUNDED).any(), line.get_label()
+    unbounded = [t for t in ax.texts if t.get_gid() == "unbounded_label"]
+    assert len(unbounded) == 1 and unbounded[0].get_text() == "unbounded: 90.00%"
+    assert ax.get_window_extent(renderer).contains(*unbounded[0].get_window_extent(renderer).p1)
+    labels = [t.get_text() for t in visible_labels(ax.get_xticklabels())]
+    assert labels and all("e+" not in t for t in labels), labels
+
+
+def test_a_sweep_at_one_capacity_is_drawn_as_bars_per_variant(sweep_run: Run) -> None:
+    """A routing-only sweep (one capacity, several routing policies) is a bar per policy, not
+    points stacked on one vertical line of a capacity axis."""
+    base = sweep_run.report["sweep"][0]
+    rates = {"round_robin": 0.5, "prefix": 0.7, "prefix_cost": 0.8}
+    sweep_run.report["sweep"] = [
+        dict(base, replicas=2, routing=name, token_hit_rate=rate) for name, rate in rates.items()
+    ]
+    fig = plots.capacity(sweep_run)
+    rendered(fig)
+    ax = fig.axes[0]
+    assert [round(b.get_height(), 3) for b in ax.patches] == list(rates.values())
+    labels = [t.get_text() for t in visible_labels(ax.get_xticklabels())]
+    assert labels == list(rates)
+    assert "routing" in ax.get_xlabel()
+    assert f"{base['capacity_blocks']:,}" in ax.get_title()
+
+
+@pytest.mark.parametrize("capacity", ["near", "far"])
+def test_the_block_chart_legend_covers_no_data(serving_run: Run, capacity: str) -> None:
+    """The legend of the blocks chart sits outside its axes, clear of the stacked areas and of
+    the capacity named above them."""
+    used = _set_capacity(serving_run, 0)
+    _set_capacity(serving_run, used + 5 if capacity == "near" else 1_000_000)
+    fig = plots.timeline(serving_run)
+    renderer = rendered(fig)
+    blocks = fig.axes[0]
+    legend = blocks.get_legend()
+    box = legend.get_window_extent(renderer)
+    assert not box.overlaps(blocks.get_window_extent(renderer))
+    assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
+    title = blocks.title if capacity == "near" else blocks._right_title
+    if title.get_text():
+        assert not box.overlaps(title.get_window_extent(renderer))

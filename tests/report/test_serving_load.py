@@ -300,3 +300,55 @@ def test_simulated_time_runs_from_the_first_arrival(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     sv = replay_path(path, serving_config()).to_report_dict()["serving"]
     assert 1.0 < sv["simulated_seconds"] < 2.0
+
+
+# unique prompts (the cache saves nothing) and one output token each (no TPOT to measure)
+ONE_TOKEN = """\
+seed: 3
+requests: 60
+arrivals: {process: poisson, rate: 20}
+prompt:
+  - unique: {length: {dist: uniform, low: 200, high: 400}}
+output: 1
+"""
+
+
+def test_one_token_outputs_and_a_cache_that_saves_nothing_read_plainly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scenario = tmp_path / "one.yaml"
+    scenario.write_text(ONE_TOKEN)
+    out = tmp_path / "run"
+    args = ["replay", str(scenario), "--mode", "serving", "--model", "llama-3.1-8b"]
+    assert main([*args, "--blocks", "2000", "--out", str(out), "--no-progress"]) == 0
+    summary = capsys.readouterr().out
+    assert "TPOT          n/a (no request has more than one output token)" in summary
+    assert "0.0 ms" not in summary
+    assert "the same with and without the cache" in summary
+    doc = build_document(load_run(out))
+    rows = terminal_rows(render_terminal(doc))
+    assert rows["TPOT mean"][0] == ["n/a", "n/a", "n/a"]
+    assert rows["TPOT p99"][0] == ["n/a", "n/a", "n/a"]
+    assert "(the same without the cache)" in rows["Offered load"][0][0]
+    assert "no cache" not in rows["Offered load"][0][0]
+
+
+def test_a_fleet_report_gives_the_capacity_per_replica(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chat = Path(__file__).resolve().parents[1] / "golden" / "chat_small.yaml"
+    out = tmp_path / "run"
+    args = ["replay", str(chat), "--mode", "serving", "--model", "llama-3.1-8b"]
+    args += ["--blocks", "300", "--replicas", "2", "--pool-memory", "8GiB"]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    assert "cache 300 blocks (600.0 MiB of llama-3.1-8b KV) per replica" in capsys.readouterr().out
+    doc = build_document(load_run(out))
+    assert doc.subtitle.endswith(
+        "300 blocks per replica, lru, serving, 2 replicas routed by prefix_cost, pool 8.00 GiB "
+        "shared"
+    )
+    rows = terminal_rows(render_terminal(doc))
+    assert rows["Capacity"][0] == ["300 blocks (600.00 MiB) per replica (2 replicas)"]
+    assert markdown_rows(render_markdown(doc))["Capacity"][0][0].startswith(
+        "300 blocks (600.00 MiB) per replica"
+    )

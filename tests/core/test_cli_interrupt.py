@@ -1,0 +1,57 @@
+"""Ctrl-C in any command ends with one line on stderr and exit code 130, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = "scenarios/traces/mooncake_sample.jsonl"
+
+# Runs the command with one function it calls replaced by one that raises KeyboardInterrupt,
+# as the interpreter does when Ctrl-C arrives while that function works.
+SCRIPT = """
+import importlib, sys
+from prefixcache.cli import main
+
+def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+module, name = sys.argv[1].rsplit(":", 1)
+setattr(importlib.import_module(module), name, interrupted)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "argv"),
+    [
+        ("prefixcache.report.report_cli:load_run", ["report", "runs/x"]),
+        ("prefixcache.report.report_cli:load_run", ["compare", "runs/a", "runs/b"]),
+        ("prefixcache.replay.analyze:analyze_source", ["analyze", TRACE]),
+        (
+            "prefixcache.replay.workload.export:mooncake_lines",
+            ["export", TRACE, "--format", "mooncake"],
+        ),
+        (
+            "prefixcache.replay.calibrate.calibrate_cli:_run",
+            ["calibrate", "--device", "cpu", "--tiny"],
+        ),
+        ("prefixcache.demo:run_demo", ["demo", "--device", "cpu"]),
+    ],
+    ids=["report", "compare", "analyze", "export", "calibrate", "demo"],
+)
+def test_ctrl_c_exits_130_with_one_line(target: str, argv: list[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, target, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"prefixcache {argv[0]}: interrupted"
