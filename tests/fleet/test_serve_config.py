@@ -163,3 +163,18 @@ def test_the_event_message_size_limit_is_configurable_and_checked(tmp_path: Path
     for bad in (0, 512, "64MiB", True, 1 << 41):
         with pytest.raises(ConfigError, match=r"limits\.max_event_message_bytes"):
             parse_config({**BASE, "limits": {"max_event_message_bytes": bad}}, "f.yaml", tmp_path)
+
+
+def test_the_replay_bounds_are_configurable_and_checked(tmp_path: Path) -> None:
+    limits = parse_config(BASE, "f.yaml", tmp_path).limits
+    assert (limits.replay_deadline_s, limits.max_replay_frames) == (2.0, 20_001)
+    raw = {"replay_deadline_s": 0.5, "max_replay_frames": 100}
+    limits = parse_config({**BASE, "limits": raw}, "f.yaml", tmp_path).limits
+    assert (limits.replay_deadline_s, limits.max_replay_frames) == (0.5, 100)
+    for key, bad in (
+        ("replay_deadline_s", 0),
+        ("replay_deadline_s", "2s"),
+        ("max_replay_frames", 1),
+    ):
+        with pytest.raises(ConfigError, match=rf"limits\.{key}"):
+            parse_config({**BASE, "limits": {key: bad}}, "f.yaml", tmp_path)

@@ -26,8 +26,11 @@ replica's other media drops it. A ``BlockStored`` without token ids (the placeho
 offload connectors send, ``block_size`` 0, and stores whose tokens were not at hand) adds its
 medium to blocks the replica already holds; unknown ones are counted as malformed.
 
-An event that does not fit (wrong block size, token count, unknown parent, too many tokens) is
-counted as malformed and logged; nothing else changes.
+An event that does not fit (wrong block size, token count, unknown parent, too many tokens, a
+block hash repeated in it, a parent among its own blocks) is counted as malformed and logged;
+nothing else changes. A block hash stored again under another parent (another digest) stands for
+the new block only: the old digest leaves the index, so the engine's removal of that hash leaves
+nothing behind.
 
 With a shared engine map (``SharedEngineMap``, kept by a Redis index), every stored block's engine
 hash is remembered there and forgotten once the replica holds it nowhere; a replica joined midway
@@ -148,6 +151,10 @@ class EventApplier:
             problem = f"{len(ev.token_ids)} tokens (max_tokens_per_event)"
         elif len(ev.token_ids) != n * p:
             problem = f"{len(ev.token_ids)} tokens for {n} blocks of {p}"
+        elif len(set(ev.block_hashes)) != n:
+            problem = "a block hash repeated in one event"
+        elif ev.parent_block_hash is not None and ev.parent_block_hash in ev.block_hashes:
+            problem = "a block given as its own parent (or a descendant's)"
         if problem is None:
             try:
                 body = as_token_array(ev.token_ids, allow_empty=True).tobytes()
@@ -180,8 +187,11 @@ class EventApplier:
                     rep.counts.overflow += n - k
                     break
                 blocks[h] = [digest, pos + k, bit]
+            elif entry[0] != digest:  # stored again under another parent: the old block goes
+                self.index.remove(name, [entry[0]], None)
+                entry[0], entry[1], entry[2] = digest, pos + k, bit
             else:
-                entry[0], entry[1], entry[2] = digest, pos + k, entry[2] | bit
+                entry[1], entry[2] = pos + k, entry[2] | bit
             digests.append(digest)
         self.index.store(name, digests, index_medium(medium))
         if self.engine_map is not None:

@@ -6,7 +6,12 @@ optional replay endpoint, the namespace its blocks live in, its block size. A po
 message's sequence number is checked here; its events are applied by ``event_applier`` (blocks
 keyed by prefixcache's own digests, namespaces, the rules for what is indexed) through
 ``deferral`` (events waiting, in order, for a shared index that cannot answer now); missed
-batches are asked of the replica's replay endpoint by ``replay_client``.
+batches are asked of the replica's replay endpoint by ``replay_client``. The poller thread only
+reads the sockets: each replica's messages are applied in order by one of ``ingest_workers``
+worker threads at a time, which lets the lock go while it waits on a replay endpoint, so a slow
+one holds up that replica alone. A replay is bounded too: it ends once the batches missed are in,
+after ``replay_deadline`` seconds, or after ``max_replay_frames`` answer frames (an unfilled gap,
+below).
 
 Sequence rules, per replica:
 
@@ -53,8 +58,13 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.events.deferral import DeferringApplier
 from prefixcache.fleet.events.event_applier import EventApplier
+from prefixcache.fleet.events.inbox import ReplicaInboxes
 from prefixcache.fleet.events.ingest import IngestCounts
-from prefixcache.fleet.events.replay_client import fetch_batches
+from prefixcache.fleet.events.replay_client import (
+    DEFAULT_MAX_REPLAY_FRAMES,
+    DEFAULT_REPLAY_DEADLINE_S,
+    fetch_batches,
+)
 from prefixcache.fleet.events.replica_stream import (
     ReplicaCounters,
     ReplicaEndpoint,
@@ -70,6 +80,16 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+class _ReplicaGone(Exception):
+    """The replica was removed while its batch waited on the replay endpoint."""
+
+
+def _int_at_least(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an int of at least {minimum}, got {value!r}")
+    return value
+
+
 class KVEventSubscriber:
     """Feeds ``index`` from the replicas' event streams (``start()`` runs a poller thread) or
     from bytes handed to ``ingest()``."""
@@ -83,21 +103,29 @@ class KVEventSubscriber:
         max_blocks_per_replica: int = 4_000_000,
         max_tokens_per_event: int = 1 << 20,
         replay_timeout: float = 2.0,
+        replay_deadline: float = DEFAULT_REPLAY_DEADLINE_S,
+        max_replay_frames: int = DEFAULT_MAX_REPLAY_FRAMES,
+        ingest_workers: int = 4,
         max_deferred_events: int = 100_000,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         context: zmq.Context[Any] | None = None,
     ) -> None:
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int):
-            raise ConfigError(f"max_message_bytes must be an int, got {max_message_bytes!r}")
-        if max_message_bytes < 1:
-            raise ConfigError(f"max_message_bytes must be positive, got {max_message_bytes}")
+        self.max_message_bytes = _int_at_least("max_message_bytes", max_message_bytes, 1)
+        if not 0 < replay_deadline < float("inf"):
+            raise ConfigError(f"replay_deadline must be positive, got {replay_deadline!r}")
+        self.replay_deadline = replay_deadline
+        self.max_replay_frames = _int_at_least("max_replay_frames", max_replay_frames, 2)
+        self.ingest_workers = _int_at_least("ingest_workers", ingest_workers, 1)
         self.index = index
         self.max_replicas = max_replicas
         self.max_blocks_per_replica = max_blocks_per_replica
         self.max_tokens_per_event = max_tokens_per_event
         self.replay_timeout = replay_timeout
+        # what the poller reads, applied on workers (a replay lets the lock go there)
+        self._inbox = ReplicaInboxes(
+            self.ingest_workers, self._on_message, getattr(index, "flush", None)
+        )
         self.max_deferred_events = max_deferred_events
-        self.max_message_bytes = max_message_bytes
         self._ctx = context or zmq.Context.instance()
         self._decoder = BatchDecoder()
         self._lock = threading.RLock()
@@ -304,15 +332,27 @@ class KVEventSubscriber:
         no replay endpoint or cannot provide them all."""
         if rep.ep.replay_endpoint is None:
             return None
-        return fetch_batches(
-            self._ctx,
-            rep.ep.replay_endpoint,
-            start,
-            end,
-            timeout_s=self.replay_timeout,
-            replica=rep.ep.name,
-            max_message_bytes=self.max_message_bytes,
-        )
+        unlock = self._inbox.on_worker  # the lock is held once there
+        if unlock:
+            self._lock.release()
+        try:
+            got = fetch_batches(
+                self._ctx,
+                rep.ep.replay_endpoint,
+                start,
+                end,
+                timeout_s=self.replay_timeout,
+                replica=rep.ep.name,
+                max_message_bytes=self.max_message_bytes,
+                deadline_s=self.replay_deadline,
+                max_frames=self.max_replay_frames,
+            )
+        finally:
+            if unlock:
+                self._lock.acquire()
+        if unlock and self._replicas.get(rep.ep.name) is not rep:
+            raise _ReplicaGone(rep.ep.name)
+        return got
 
     # ---- the poller thread ----------------------------------------------------------------
     def start(self) -> None:
@@ -320,6 +360,7 @@ class KVEventSubscriber:
         if self._thread is not None:
             raise ConfigError("the subscriber is already running")
         self._stop.clear()
+        self._inbox.start()
         self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
         self._thread.start()
 
@@ -329,6 +370,7 @@ class KVEventSubscriber:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._inbox.stop()
 
     def __enter__(self) -> KVEventSubscriber:
         self.start()
@@ -398,7 +440,7 @@ class KVEventSubscriber:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_message(name, frames)
+                        self._inbox.put(name, frames)
                 with self._lock:  # events waiting for the shared index: try again
                     for rep in self._replicas.values():
                         if rep.deferred:
@@ -427,6 +469,8 @@ class KVEventSubscriber:
                 return
             try:
                 self._ingest(rep, seq, frames[2])
+            except _ReplicaGone:
+                return
             except Exception:  # an index failure must not stop the poller
                 rep.counts.malformed += 1
                 log.exception("replica %s: batch %d not applied", name, seq)

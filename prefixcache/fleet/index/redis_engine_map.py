@@ -10,9 +10,10 @@ applied batches written once per flush, and both written back after Redis lost i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import suppress
 
-from prefixcache.errors import InvalidArgumentError
-from prefixcache.fleet.index.prefix_index import AppliedBatch, EngineBlock
+from prefixcache.errors import FleetCapacityError, InvalidArgumentError
+from prefixcache.fleet.index.prefix_index import CPU, GPU, AppliedBatch, EngineBlock
 from prefixcache.fleet.index.redis_scripts import as_bytes, as_text, remember_args
 from prefixcache.fleet.index.redis_sync import EngineSource, RedisSync
 
@@ -50,25 +51,36 @@ class RedisEngineMap:
 
     def recall(self, replica: str, engine_keys: Sequence[bytes]) -> dict[bytes, EngineBlock] | None:
         """The remembered ones of ``engine_keys``, with where the replica holds each now (one
-        round trip; None while Redis is unreachable)."""
+        round trip; None while Redis is unreachable). The blocks it still holds join the local
+        view: this instance follows them from now on, and writes them back if Redis loses its
+        data."""
         if not engine_keys:
             return {}
         sync = self.sync
+        out: dict[bytes, EngineBlock] = {}
         with sync.lock:
             reply = sync.read(
-                lambda: sync.scripts.recall(
+                lambda client: sync.scripts.recall(
                     keys=sync.keys,
                     args=[sync.prefix, replica, *engine_keys],
-                    client=sync.client,  # the node serving the slot now, not the first one
+                    client=client,  # the node serving the slot now, not the first one
                 )
             )
             if reply is None:
                 return None
-        out: dict[bytes, EngineBlock] = {}
-        for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
-            value = as_bytes(value)
-            if len(value) == 24:
-                out[key] = EngineBlock(value[:16], int.from_bytes(value[16:], "big"), int(media))
+            held: dict[str, list[bytes]] = {GPU: [], CPU: []}
+            for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
+                value = as_bytes(value)
+                if len(value) == 24:
+                    block = EngineBlock(value[:16], int.from_bytes(value[16:], "big"), int(media))
+                    out[key] = block
+                    for bit, medium in ((1, GPU), (2, CPU)):
+                        if block.media & bit:
+                            held[medium].append(block.digest)
+            for medium, digests in held.items():
+                if digests:
+                    with suppress(FleetCapacityError):  # the view is full: Redis keeps them
+                        sync.local.store(replica, digests, medium)
         return out
 
     def note_applied(self, replica: str, seq: int, ts: float) -> None:
@@ -83,7 +95,7 @@ class RedisEngineMap:
         unreachable)."""
         sync = self.sync
         with sync.lock:
-            value = sync.read(lambda: sync.client.get(f"{sync.prefix}:s:{replica}") or b"")
+            value = sync.read(lambda c: c.get(f"{sync.prefix}:s:{replica}") or b"")
         if not value:
             return None
         try:

@@ -45,7 +45,7 @@ from prefixcache.fleet.index.redis_scripts import (
     register_scripts,
     store_args,
 )
-from prefixcache.fleet.index.redis_sync import RedisIndexStats, RedisSync
+from prefixcache.fleet.index.redis_sync import DEFAULT_READ_TIMEOUT, RedisIndexStats, RedisSync
 
 
 class RedisFleetIndex(RedisEngineMap):
@@ -63,15 +63,23 @@ class RedisFleetIndex(RedisEngineMap):
         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
         locate: Callable[[], redis.Redis] | None = None,
         max_missed_args: int = 1_000_000,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
     ) -> None:
         """``locate`` (Redis Cluster) finds the client of the node serving the index's slot;
-        it is called again before every resynchronisation."""
+        it is called again before every resynchronisation. A read not answered within
+        ``read_timeout`` seconds is answered from the local view."""
         if not isinstance(prefix, str) or not prefix:
             raise ConfigError(f"prefix must be a non-empty str, got {prefix!r}")
         if not isinstance(pipeline_size, int) or pipeline_size < 1:
             raise ConfigError(f"pipeline_size must be a positive int, got {pipeline_size!r}")
         if not isinstance(retry_interval, (int, float)) or retry_interval < 0:
             raise ConfigError(f"retry_interval must be >= 0, got {retry_interval!r}")
+        if (
+            isinstance(read_timeout, bool)
+            or not isinstance(read_timeout, (int, float))
+            or not 0 < read_timeout < 3600
+        ):
+            raise ConfigError(f"read_timeout must be in (0, 3600) seconds, got {read_timeout!r}")
         if locate is not None:
             check_cluster_prefix(prefix)
         self.prefix = prefix
@@ -88,6 +96,7 @@ class RedisFleetIndex(RedisEngineMap):
                 retry_interval=float(retry_interval),
                 max_missed_args=max_missed_args,
                 locate=locate,
+                read_timeout=float(read_timeout),
             )
         )
         self._owner: ClusterSlotOwner | None = None  # set by from_url on a cluster
@@ -179,20 +188,19 @@ class RedisFleetIndex(RedisEngineMap):
         """Leading blocks of ``digests`` each known replica holds, one entry per replica
         (from the local view while Redis is unreachable)."""
         check_digests(digests)
-        with self.sync.lock:
-            replies = self.sync.read(lambda: self._match_replies(digests))
-            if replies is not None:
-                slots = {k.decode(): int(v) for k, v in replies[0].items()}
-                values = replies[1] if digests else []
-                masks = (
-                    int.from_bytes(v.translate(REVERSED_BITS), "little") if v else 0 for v in values
-                )
-                return match_masks(masks, len(digests), slots)
-            return self.local.match(digests)
+        replies = self.sync.read(lambda c: self._match_replies(c, digests), request=True)
+        if replies is not None:
+            slots = {k.decode(): int(v) for k, v in replies[0].items()}
+            values = replies[1] if digests else []
+            masks = (
+                int.from_bytes(v.translate(REVERSED_BITS), "little") if v else 0 for v in values
+            )
+            return match_masks(masks, len(digests), slots)
+        return self.local.match(digests)  # safe beside the writer without the lock
 
-    def _match_replies(self, digests: Sequence[bytes]) -> list[Any]:
+    def _match_replies(self, client: redis.Redis, digests: Sequence[bytes]) -> list[Any]:
         sync = self.sync
-        pipe = sync.client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=False)
         pipe.get(self.prefix + ":epoch")
         pipe.hgetall(self.prefix + ":replicas")
         if digests:
@@ -201,24 +209,20 @@ class RedisFleetIndex(RedisEngineMap):
         if sync.epoch is not None and epoch != sync.epoch:  # lost its data while idle
             sync.lost_data()
             if sync.try_resync():
-                return self._match_replies(digests)
+                return self._match_replies(sync.reader(), digests)
             raise redis.RedisError("Redis lost its data and the local view is not back yet")
         return replies
 
     def replicas(self) -> list[str]:
         """Every replica the index knows, sorted."""
-        sync = self.sync
-        with sync.lock:
-            names = sync.read(lambda: sync.client.hkeys(self.prefix + ":replicas"))
-            return self.local.replicas() if names is None else sorted(as_text(n) for n in names)
+        names = self.sync.read(lambda c: c.hkeys(self.prefix + ":replicas"), request=True)
+        return self.local.replicas() if names is None else sorted(as_text(n) for n in names)
 
     def num_blocks(self, replica: str) -> int:
         """Blocks (on any medium) the index holds for ``replica``."""
         check_replica(replica)
-        sync = self.sync
-        with sync.lock:
-            n = sync.read(lambda: sync.client.scard(f"{self.prefix}:r:{replica}"))
-            return self.local.num_blocks(replica) if n is None else int(n)
+        n = self.sync.read(lambda c: c.scard(f"{self.prefix}:r:{replica}"), request=True)
+        return self.local.num_blocks(replica) if n is None else int(n)
 
     def num_blocks_many(self, replicas: Sequence[str], medium: str | None = None) -> dict[str, int]:
         """Blocks held by each of ``replicas`` on ``medium`` (GPU or any medium: None), in one
@@ -231,8 +235,8 @@ class RedisFleetIndex(RedisEngineMap):
             return {}
         sync = self.sync
 
-        def counts() -> list[Any]:
-            pipe = sync.client.pipeline(transaction=False)
+        def counts(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
             for r in replicas:
                 if medium is None:
                     pipe.scard(f"{self.prefix}:r:{r}")
@@ -240,11 +244,10 @@ class RedisFleetIndex(RedisEngineMap):
                     sync.scripts.gpu_count(keys=sync.keys, args=[self.prefix, r], client=pipe)
             return list(pipe.execute())
 
-        with sync.lock:
-            got = sync.read(counts)
-            if got is None:
-                return self.local.num_blocks_many(replicas, medium)
-            return {r: max(0, int(n or 0)) for r, n in zip(replicas, got, strict=True)}
+        got = sync.read(counts, request=True)
+        if got is None:
+            return self.local.num_blocks_many(replicas, medium)
+        return {r: max(0, int(n or 0)) for r, n in zip(replicas, got, strict=True)}
 
     # ---- beyond the contract --------------------------------------------------------------
     def flush(self) -> bool:

@@ -4,20 +4,22 @@ Writes are script calls (``redis_scripts``), queued and sent in pipelines of ``p
 calls; ``flush()`` sends what is queued, and every read flushes first. Each pipeline also reads
 ``P:epoch``, a random token set once, which names the data in Redis.
 
-Every write is also applied to a local ``MemoryFleetIndex`` (this instance's view). When Redis
-fails (connection refused, reset, timeout), the error is counted, reads are answered from the
-local view, the index is marked out of sync, and the writes Redis may have missed are kept (up to
-``max_missed_args`` arguments). The next call after ``retry_interval`` seconds reconnects and
-resynchronises. If Redis kept its data (the epoch is unchanged), the missed writes are sent
-again: every script is idempotent, and what other routers wrote (blocks this instance never saw
-stored, engine maps) stays. If Redis lost its data (a restart without persistence: the epoch is
-gone; also noticed at any flush or match), the local view is added back (each router adds its
-own, a union: one that joined a stream midway knows less), with the engine maps its subscriber
-keeps and the last applied batches, in pipelines small enough to be answered within the socket
-timeout. If too many writes were missed while Redis kept its data, each replica of the local
-view is cleared in Redis and written back whole. Redis restored from an older snapshot keeps its
-epoch: that is not noticed. An instance that only reads has an empty local view and answers no
-holdings while Redis is away.
+Every write is also applied to a local ``MemoryFleetIndex`` (this instance's view). When Redis fails
+(connection refused, reset, timeout), the error is counted, reads are answered from the local view,
+the index is marked out of sync, and the writes Redis may have missed are kept (up to
+``max_missed_args`` arguments). Reads time out after ``read_timeout`` (a hung Redis is answered for
+from the local view); a request's read never waits for a reconnection: a watcher thread pings Redis
+every ``retry_interval`` seconds without holding the index's lock and resynchronises once it answers
+(a flush after ``retry_interval`` tries too). If Redis kept its data (the epoch is unchanged), the
+missed writes are sent again: every script is idempotent, and what other routers wrote (blocks this
+instance never saw stored, engine maps) stays. If Redis lost its data (a restart without
+persistence: the epoch is gone; also noticed at any flush or match), the local view is added back
+(each router adds its own, a union: one that joined a stream midway knows less), with the engine
+maps its subscriber keeps and the last applied batches, in pipelines small enough to be answered
+within the socket timeout. If too many writes were missed while Redis kept its data, each replica of
+the local view is cleared in Redis and written back whole. Redis restored from an older snapshot
+keeps its epoch: that is not noticed. An instance that only reads has an empty local view and
+answers no holdings while Redis is away.
 
 On a Redis Cluster a reply saying the slot moved makes the sync find the node serving it now and
 send once more; the node is looked up again before every resync.
@@ -51,6 +53,8 @@ log = logging.getLogger(__name__)
 ScriptCall = tuple[Any, list[Any]]  # a registered script and its arguments
 EngineSource = Callable[[str], list[tuple[bytes, bytes, int]]]
 
+DEFAULT_READ_TIMEOUT = 0.5  # seconds a read may take before it is answered from the local view
+
 
 class RedisIndexStats(NamedTuple):
     """What the Redis index has been through."""
@@ -79,6 +83,7 @@ class RedisSync:
         retry_interval: float,
         max_missed_args: int,
         locate: Callable[[], redis.Redis] | None = None,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -106,6 +111,11 @@ class RedisSync:
         self._missed: list[ScriptCall] | None = []
         self._missed_args = 0
         self._last_try = 0.0
+        self.read_timeout = read_timeout
+        self._reader: tuple[redis.Redis, redis.Redis] | None = None  # (client, its reader)
+        self._reader_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None  # reconnects while out of sync
 
     def stats(self) -> RedisIndexStats:
         """Errors, resyncs, whether Redis is in sync, blocks refused at the cap."""
@@ -121,23 +131,62 @@ class RedisSync:
         if len(self._queue) >= self.pipeline_size:
             self.flush()
 
-    def read(self, call: Callable[[], Any]) -> Any:
-        """``call()`` after a flush, once more on a moved slot (Redis Cluster); None when Redis
-        is away (the failure counted): the caller answers from the local view."""
-        if not self.flush():
-            return None
+    def read(self, call: Callable[[redis.Redis], Any], *, request: bool = False) -> Any:
+        """``call(client)`` after a flush, on a client whose calls time out after
+        ``read_timeout``, once more on a moved slot (Redis Cluster); None when Redis is away
+        (the failure counted): the caller answers from the local view. ``request``: on the
+        path of a request, which never waits for a reconnection: None at once while out of
+        sync (the watcher thread reconnects), or when the lock is not free within
+        ``read_timeout`` (a write stuck on a hung Redis holds it)."""
+        if request:
+            if not self.in_sync or not self.lock.acquire(timeout=self.read_timeout):
+                return None
+        else:
+            self.lock.acquire()
         try:
-            return call()
-        except redis.RedisError as exc:
-            if self._moved(exc):
-                with suppress(redis.RedisError):
-                    return call()
-            self.failed(exc)
-            return None
+            if request and not self.in_sync:  # went out of sync while this call waited
+                return None
+            client = self.reader()
+            if not self.flush(client if request else None):
+                return None
+            try:
+                return call(client)
+            except redis.RedisError as exc:
+                if self._moved(exc):
+                    with suppress(redis.RedisError):
+                        return call(self.reader())
+                self.failed(exc)
+                return None
+        finally:
+            self.lock.release()
 
-    def flush(self) -> bool:
-        """Send the queued writes (resynchronising first if Redis missed some); True when Redis
-        is in sync afterwards."""
+    def reader(self) -> redis.Redis:
+        """A client of the same Redis as ``client`` whose calls time out after
+        ``read_timeout``."""
+        client = self.client
+        with self._reader_lock:
+            if self._reader is not None and self._reader[0] is client:
+                return self._reader[1]
+            pool = getattr(client, "connection_pool", None)
+            if pool is None:
+                return client
+            kwargs = dict(pool.connection_kwargs)
+            kwargs["socket_timeout"] = self.read_timeout
+            connect = kwargs.get("socket_connect_timeout")
+            kwargs["socket_connect_timeout"] = min(connect or self.read_timeout, self.read_timeout)
+            reader = redis.Redis(
+                connection_pool=redis.ConnectionPool(
+                    connection_class=pool.connection_class, **kwargs
+                )
+            )
+            old, self._reader = self._reader, (client, reader)
+        if old is not None:
+            old[1].close()
+        return reader
+
+    def flush(self, client: redis.Redis | None = None) -> bool:
+        """Send the queued writes (resynchronising first if Redis missed some; on ``client``
+        when given); True when Redis is in sync afterwards."""
         with self.lock:
             if not self.in_sync:
                 return self.try_resync()
@@ -149,8 +198,8 @@ class RedisSync:
             queue, self._queue = self._queue, []
             try:
                 if self.epoch is None:
-                    self.epoch = self._claim_epoch()
-                epoch, results = self._send(queue)
+                    self.epoch = self._claim_epoch(client)
+                epoch, results = self._send(queue, client)
                 moved = next((r for r in results if isinstance(r, Exception)), None)
                 if moved is not None and self._moved(moved):  # the writes are idempotent
                     epoch, results = self._send(queue)
@@ -183,12 +232,14 @@ class RedisSync:
         self._log_missed(self._queue)
         self._queue = []
         self._last_try = time.monotonic()
+        self._watch()
 
     def lost_data(self) -> None:
         """Redis lost its data (its epoch changed): the local view goes back at the next try."""
         log.warning("Redis fleet index lost its data; writing the local view back")
         self.errors += 1
         self.in_sync, self._missed, self._last_try = False, None, 0.0
+        self._watch()
 
     def relocate(self) -> bool:
         """Point the client at the node serving the index's slot (Redis Cluster); False, and
@@ -273,16 +324,55 @@ class RedisSync:
         return calls
 
     def close(self) -> None:
-        """Send what is queued (if Redis is there) and close the connection."""
+        """Send what is queued (if Redis is there) and close the connections."""
+        self._closed.set()
         with self.lock:
             self.flush()
             self.client.close()
+            if self._reader is not None:
+                self._reader[1].close()
+
+    # ---- the watcher: reconnects off the request path -------------------------------------
+    def _watch(self) -> None:
+        """Start the watcher thread, unless it runs (call with ``lock`` held)."""
+        if self._watcher is None and not self._closed.is_set():
+            self._watcher = threading.Thread(
+                target=self._reconnect, name="redis-index-reconnect", daemon=True
+            )
+            self._watcher.start()
+
+    def _reconnect(self) -> None:
+        """While out of sync: every ``retry_interval`` a ping with the read timeout (no lock
+        held, so a hung Redis holds nobody up); once Redis answers, the resync."""
+        while not self._closed.wait(0.05):
+            if self.in_sync:
+                with self.lock:
+                    if self.in_sync:
+                        self._watcher = None
+                        return
+                continue
+            if time.monotonic() - self._last_try < self.retry_interval:
+                continue
+            if self._locate is None:  # on a cluster the resync finds the node first
+                try:
+                    self.reader().ping()
+                except Exception as exc:  # any failure: still away
+                    self._last_try = time.monotonic()
+                    log.debug("Redis fleet index still unreachable: %s", exc)
+                    continue
+            with self.lock:
+                if not self.in_sync:
+                    self.try_resync()
+        with self.lock:
+            self._watcher = None
 
     # ---- internals ------------------------------------------------------------------------
-    def _send(self, queue: list[ScriptCall]) -> tuple[Any, list[Any]]:
-        """Run queued script calls in one pipeline, after reading the data's epoch; per-call
-        errors come back as results."""
-        pipe = self.client.pipeline(transaction=False)
+    def _send(
+        self, queue: list[ScriptCall], client: redis.Redis | None = None
+    ) -> tuple[Any, list[Any]]:
+        """Run queued script calls in one pipeline (on ``client``, by default the index's),
+        after reading the data's epoch; per-call errors come back as results."""
+        pipe = (client or self.client).pipeline(transaction=False)
         pipe.get(self.prefix + ":epoch")
         keys = self.keys
         for script, args in queue:
@@ -292,10 +382,10 @@ class RedisSync:
             return None, [epoch, *results]
         return epoch, results
 
-    def _claim_epoch(self) -> bytes:
+    def _claim_epoch(self, client: redis.Redis | None = None) -> bytes:
         """The epoch of the data in Redis, set now if it has none (a fresh or emptied Redis)."""
         key = self.prefix + ":epoch"
-        pipe = self.client.pipeline(transaction=False)
+        pipe = (client or self.client).pipeline(transaction=False)
         pipe.set(key, uuid.uuid4().hex, nx=True)
         pipe.get(key)
         return as_bytes(pipe.execute()[1])

@@ -81,6 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
             ],
             max_replicas=config.limits.max_replicas,
             max_message_bytes=config.limits.max_event_message_bytes,
+            replay_deadline=config.limits.replay_deadline_s,
+            max_replay_frames=config.limits.max_replay_frames,
         )
         app = create_app(router, config, proxy=args.proxy, ingest=subscriber)
     except (PrefixCacheError, OSError) as exc:

@@ -19,6 +19,10 @@ import yaml
 from prefixcache.blocks.hashing import HASH_FUNCTIONS
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.fleet.events.replay_client import (
+    DEFAULT_MAX_REPLAY_FRAMES,
+    DEFAULT_REPLAY_DEADLINE_S,
+)
 from prefixcache.fleet.index.open_index import check_index_url
 from prefixcache.fleet.index.prefix_index import FleetIndex
 from prefixcache.fleet.policies import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
@@ -70,6 +74,9 @@ class Limits:
     max_replicas: int = 256
     # a KV event message (any frame of it) larger than this is dropped by ZMQ (ZMQ_MAXMSGSIZE)
     max_event_message_bytes: int = 64 * 1024 * 1024
+    # one replay of missed KV events ends by then, or after that many frames (an unfilled gap)
+    replay_deadline_s: float = DEFAULT_REPLAY_DEADLINE_S
+    max_replay_frames: int = DEFAULT_MAX_REPLAY_FRAMES
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,14 @@ _ROUTING = (
     "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
     "prefill_weight", "in_flight_timeout_s",
 )  # fmt: skip
-_LIMITS = ("max_body_bytes", "max_prompt_tokens", "max_replicas", "max_event_message_bytes")
+_LIMITS = (
+    "max_body_bytes",
+    "max_prompt_tokens",
+    "max_replicas",
+    "max_event_message_bytes",
+    "replay_deadline_s",
+    "max_replay_frames",
+)
 MAX_EVENT_MESSAGE_BYTES = 1 << 40  # ZMQ_MAXMSGSIZE is an int64; beyond this is no limit at all
 _PROXY = ("enabled", "timeout_s")
 
@@ -260,6 +274,12 @@ def parse_config(
             lim.get("max_event_message_bytes", defaults.max_event_message_bytes),
             "limits.max_event_message_bytes",
             1024,
+        ),
+        r.number(
+            lim.get("replay_deadline_s", defaults.replay_deadline_s), "limits.replay_deadline_s"
+        ),
+        r.integer(
+            lim.get("max_replay_frames", defaults.max_replay_frames), "limits.max_replay_frames", 2
         ),
     )
     if limits.max_event_message_bytes > MAX_EVENT_MESSAGE_BYTES:

@@ -1,0 +1,85 @@
+"""Redis loses its data after a router restarted (or joined late): the write-back of the router's
+view holds the blocks its subscriber recalled from Redis (stored before it came), not only those it
+saw stored."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from prefixcache import Namespace
+from prefixcache.fleet.events import wire as kv_wire
+from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
+from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+
+P = 4
+
+
+def _stored(hashes: list[int], parent: int | None, first_token: int, medium: str = "GPU"):
+    tokens = list(range(first_token, first_token + P * len(hashes)))
+    return kv_wire.WireBlockStored(hashes, parent, tokens, P, None, medium, None)
+
+
+def _batch(*events: object, ts: float) -> bytes:
+    return kv_wire.encode_batch(kv_wire.KVEventBatch(ts, list(events)))
+
+
+def _router(url: str, prefix: str):
+    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+
+    index = RedisFleetIndex.from_url(url, prefix=prefix, retry_interval=0.0)
+    ep = ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)
+    return index, KVEventSubscriber(index, [ep])
+
+
+@pytest.mark.parametrize("how", ["restart", "late join"])
+def test_a_write_back_after_a_restart_or_a_late_join_holds_the_recalled_blocks(how, redis_server):
+    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+
+    prefix = f"w{os.urandom(4).hex()}"
+    before = [
+        _batch(_stored([10], None, 0), ts=0),
+        _batch(_stored([11], 10, 4), _stored([20], None, 100), ts=1),
+        _batch(_stored([12], 11, 8), ts=2),
+    ]
+    after = [  # every block stored before the restart is touched: each is recalled
+        _batch(
+            _stored([13], 12, 12),
+            kv_wire.WireBlockStored([11], None, [], 0, None, "CPU", None),
+            kv_wire.WireBlockRemoved([20, 10], "GPU"),
+            ts=3,
+        ),
+        _batch(_stored([14], 13, 16), ts=4),  # after the loss: the next write notices it
+    ]
+    first, sub = _router(redis_server.url, prefix)
+    for seq, payload in enumerate(before):
+        sub.ingest("pod", seq, payload)
+    assert first.flush()
+    if how == "restart":
+        first.client.close()
+    # the restarted router, or one joining beside the first (which writes nothing more here):
+    # it hears batch 3 next
+    index, sub = _router(redis_server.url, prefix)
+    sub.ingest("pod", len(before), after[0])
+    assert index.flush()
+    assert sub.counters()["pod"].recalled == 4
+    truth = MemoryFleetIndex()
+    every = KVEventSubscriber(
+        truth, [ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)]
+    )
+    for seq, payload in enumerate(before + after):
+        every.ingest("pod", seq, payload)
+    index.client.flushall()  # Redis restarted empty
+    sub.ingest("pod", len(before) + 1, after[1])
+    assert index.flush()  # the loss noticed, the view written back
+    assert index.stats().resyncs == 1
+    fresh = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)
+    try:
+        held = fresh.holdings("pod")
+        missing = set(truth.holdings("pod")) - set(held)
+        print(f"{len(missing)} blocks missing after the write-back")
+        assert held == truth.holdings("pod")
+    finally:
+        for x in (fresh, index, first):
+            x.client.close()
