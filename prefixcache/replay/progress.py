@@ -1,5 +1,7 @@
 """A progress bar on stderr for long replays: tqdm when installed, otherwise one line that
-rewrites itself. Updates are batched, so counting costs next to nothing per request."""
+rewrites itself. Updates are batched, so counting costs next to nothing per request: the bar is
+redrawn every ``REFRESH_S`` seconds (or every ``FLUSH_EVERY`` items, whichever comes first), and
+the clock is read only every few items, as many as pass in a small share of that interval."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-FLUSH_EVERY = 4096  # counted items between redraws
+FLUSH_EVERY = 4096  # counted items between redraws, at the most
+REFRESH_S = 0.5  # seconds between redraws, at the most
+_MAX_STRIDE = 256  # counted items between reads of the clock, at the most
 _CHUNK = 1 << 20
 LINE_TRACE_KINDS = ("mooncake", "tokens", "prompts")  # one request per line
 
@@ -20,8 +24,11 @@ class Progress:
 
     def __init__(self, total: int | None, label: str, unit: str = "req") -> None:
         self.total, self.label, self.unit = total, label, unit
+        self._base_label = label
         self.count = self._pending = 0
-        self._start = time.monotonic()
+        self._start = self._drawn = time.monotonic()
+        self._check_at = 1  # pending items at which the clock is read next
+        self._width = 0  # of the line drawn last (the fallback bar)
         self._bar: Any = None
         try:
             from tqdm import tqdm
@@ -34,15 +41,36 @@ class Progress:
     def update(self, n: int = 1) -> None:
         """Count ``n`` more finished items."""
         self._pending += n
-        if self._pending >= FLUSH_EVERY:
+        if self._pending >= self._check_at:
+            self._check()
+
+    def _check(self) -> None:
+        """Redraw when ``FLUSH_EVERY`` items or ``REFRESH_S`` seconds have passed; then read the
+        clock again after about a tenth of the items the interval holds at the rate so far."""
+        pending = self._pending
+        now = time.monotonic()
+        if pending >= FLUSH_EVERY or now - self._drawn >= REFRESH_S:
             self._flush()
+            pending = 0
+        per_s = (self.count + pending) / max(now - self._start, 1e-3)
+        stride = min(max(int(per_s * REFRESH_S / 10), 1), _MAX_STRIDE)
+        self._check_at = min(pending + stride, FLUSH_EVERY)
+
+    def stage(self, name: str) -> None:
+        """Name the part of the run now counted (one pass of several under one total)."""
+        self.label = f"{self._base_label} [{name}]"
+        if self._bar is not None:
+            self._bar.set_description(self.label, refresh=False)
 
     def _flush(self) -> None:
+        self._drawn = time.monotonic()
         self.count += self._pending
         if self._bar is not None:
             self._bar.update(self._pending)
         else:
-            sys.stderr.write("\r" + self.line())
+            line = self.line()
+            sys.stderr.write("\r" + line.ljust(self._width))  # blanks what a longer one left
+            self._width = len(line)
             sys.stderr.flush()
         self._pending = 0
 

@@ -20,7 +20,12 @@ from prefixcache.replay import cli_args
 from prefixcache.replay.model_specs import gpu_names, model_names
 from prefixcache.replay.run_config import MODES, ReplayConfig
 from prefixcache.replay.sweep_executors import EXECUTORS
-from prefixcache.replay.tiers.tier_settings import DEFAULT_HOST_BANDWIDTH, DEFAULT_POOL_BANDWIDTH
+from prefixcache.replay.tiers.tier_settings import (
+    DEFAULT_HOST_BANDWIDTH,
+    DEFAULT_POOL_BANDWIDTH,
+    DEFAULT_POOL_WRITE,
+    POOL_WRITE_POLICIES,
+)
 
 
 def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -231,6 +236,12 @@ def _tier_args(p: argparse.ArgumentParser) -> None:
         metavar="BYTES_PER_S",
         help="pool <-> GPU bytes per second (25GB: one 200 Gb/s RDMA NIC)",
     )
+    g.add_argument(
+        "--pool-write",
+        choices=POOL_WRITE_POLICIES,
+        help="when a block enters the pool: when a replica evicts it (evict, the default) or "
+        "as soon as it is computed (through, as Mooncake's store is fed)",
+    )
 
 
 def sweep_configs(args: argparse.Namespace) -> list[ReplayConfig]:
@@ -268,6 +279,7 @@ def sweep_configs(args: argparse.Namespace) -> list[ReplayConfig]:
         time_scale=args.time_scale,
         host_bw=DEFAULT_HOST_BANDWIDTH if args.host_bw is None else args.host_bw,
         pool_bw=DEFAULT_POOL_BANDWIDTH if args.pool_bw is None else args.pool_bw,
+        pool_write=DEFAULT_POOL_WRITE if args.pool_write is None else args.pool_write,
         **cli_args.trace_settings(args),
         upper_bound=not args.no_upper_bound,
     )
@@ -297,6 +309,8 @@ def sweep_configs(args: argparse.Namespace) -> list[ReplayConfig]:
             raise ConfigError(
                 f"--{flag}-bw needs --{flag}-memory: without the tier it does nothing"
             )
+    if args.pool_write is not None and not any(args.pool_memory or []):
+        raise ConfigError("--pool-write needs --pool-memory: without the pool it does nothing")
     configs = [
         base.with_(block_size=bs, policy=pol, **size, **fleet, **tier)
         for size, bs, pol, fleet, tier in itertools.product(

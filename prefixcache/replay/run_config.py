@@ -16,6 +16,7 @@ from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu, get_
 from prefixcache.replay.tiers.tier_settings import (
     DEFAULT_HOST_BANDWIDTH,
     DEFAULT_POOL_BANDWIDTH,
+    DEFAULT_POOL_WRITE,
     TierSettings,
     resolve_tiers,
 )
@@ -61,6 +62,7 @@ class ReplayConfig:
     pool_memory: int | None = None  # one pool shared by all replicas, bytes (needs model)
     host_bw: float = DEFAULT_HOST_BANDWIDTH  # host <-> GPU bytes/s
     pool_bw: float = DEFAULT_POOL_BANDWIDTH  # pool <-> GPU bytes/s
+    pool_write: str = DEFAULT_POOL_WRITE  # when blocks enter the pool: evict or through
     upper_bound: bool = True  # the infinite-cache shadow (memory grows with unique blocks)
 
     def with_(self, **changes: Any) -> ReplayConfig:
@@ -174,6 +176,7 @@ class ReplayConfig:
             self.gpu,
             self.block_size,
             self.tp,
+            self.pool_write,
         )
         return ResolvedConfig(self, model, blocks, capacity_bytes, bytes_per_block, gpu, tiers)
 

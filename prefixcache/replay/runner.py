@@ -6,8 +6,9 @@ others report one line each. Workers re-open the source themselves, so nothing l
 process boundaries.
 
 Long replays show a progress bar on stderr when it is a terminal: tqdm when installed, otherwise
-a single self-rewriting line; either way updated every few thousand requests, so it costs nothing
-per request.
+a single self-rewriting line; either way redrawn about twice a second (``progress``), so it costs
+nothing per request. A serving replay's bar counts completed requests over every pass of the run
+(with and without cache; a fleet's pooled cache too), so it reaches its total when the run ends.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
         if config.is_fleet:
             from prefixcache.replay.sim.fleet_replay import run_fleet
 
-            fleet = run_fleet(
-                requests,
-                lambda: iter(arrivals),
-                acc,
-                resolved,
-            )
+            finished = False
+            try:
+                fleet = run_fleet(requests, lambda: iter(arrivals), acc, resolved, bar)
+                finished = True
+            finally:
+                if bar is not None:
+                    bar.close(finished)
             serving, stats, tiers = fleet.serving, fleet.stats, fleet.tiers
             truncated = serving.truncated
             extra["fleet"] = fleet.fleet.report_dict()
@@ -201,15 +203,20 @@ def _serving_progress(
     source: Source, resolved: ResolvedConfig, progress: bool | None
 ) -> Progress | None:
     """A serving replay's bar, counting completed requests: each request completes twice,
-    with the cache and in the no-cache simulation."""
+    with the cache and in the no-cache simulation; in a fleet replay three times, the pooled
+    cache's pass after those two (``FLEET_PASSES``)."""
     options = resolved.options
-    if options.mode != "serving" or options.is_fleet or not progress_enabled(progress):
+    if options.mode != "serving" or not progress_enabled(progress):
         return None
     total = _total(source, progress)
-    return Progress(
-        2 * total if total is not None else None,
-        f"replay {source.name} (with and without cache)",
-    )
+    if options.is_fleet:
+        from prefixcache.replay.sim.fleet_replay import FLEET_PASSES
+
+        passes = len(FLEET_PASSES)
+        label = f"replay {source.name} ({passes} passes)"
+    else:
+        passes, label = 2, f"replay {source.name} (with and without cache)"
+    return Progress(passes * total if total is not None else None, label)
 
 
 def with_progress(

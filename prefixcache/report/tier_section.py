@@ -7,6 +7,12 @@ from typing import Any
 from prefixcache.report import formatting as fmt
 from prefixcache.report.document import Field, Section, Table
 
+# how blocks enter the pool, per write policy (reports without one wrote at eviction)
+_WRITES = {
+    "evict": "written when a replica evicts them",
+    "through": "written through as computed",
+}
+
 
 def tiers_section(report: dict[str, Any]) -> Section:
     """Hit tokens per tier (GPU, host, pool, computed) and the cost of the loads."""
@@ -30,10 +36,16 @@ def tiers_section(report: dict[str, Any]) -> Section:
         Field(
             "Pool",
             f"{fmt.nbytes(pool['bytes'])} ({fmt.count(pool['blocks'])} blocks) shared at "
-            f"{pool['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+            f"{pool['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+            f"{_WRITES.get(pool.get('write'), _WRITES['evict'])}",
         ),
         Field("Blocks loaded from host", fmt.count(host["loaded_blocks"])),
         Field("Blocks loaded from the pool", fmt.count(pool["loaded_blocks"])),
+        *(
+            [Field("Blocks written to the pool", fmt.count(pool["written_blocks"]))]
+            if "written_blocks" in pool
+            else []
+        ),
         Field("Transfer time", fmt.seconds(t["transfer_seconds"]), "tier_transfer"),
         Field(
             "Prefill time saved net of transfers",

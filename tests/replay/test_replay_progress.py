@@ -10,9 +10,10 @@ from typing import ClassVar
 
 import pytest
 
-from prefixcache.replay import runner
+from prefixcache.replay import progress, runner
 from prefixcache.replay.progress import Progress, count_lines
 from prefixcache.replay.run_config import ReplayConfig
+from prefixcache.replay.sim import fleet_replay
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = ROOT / "tests" / "golden" / "chat_small.yaml"
@@ -28,13 +29,21 @@ class Recorder(Progress):
         self.total, self.label, self.unit = total, label, unit
         self.updates: list[int] = []
         self.closed: bool | None = None
+        self.stages: list[tuple[str, int]] = []  # each stage named, with the count before it
+        self.events: list[str] = []
         Recorder.made.append(self)
 
     def update(self, n: int = 1) -> None:
         self.updates.append(n)
+        self.events.append("update")
+
+    def stage(self, name: str) -> None:
+        self.stages.append((name, sum(self.updates)))
+        self.events.append("stage")
 
     def close(self, finished: bool = True) -> None:
         self.closed = finished
+        self.events.append("close")
 
 
 @pytest.fixture
@@ -93,3 +102,62 @@ def test_fallback_line_shows_share_and_time_left(monkeypatch: pytest.MonkeyPatch
         bar.close()
     assert line.startswith("replay x: 4,096/10,000 (41%) req") and "left" in line
     assert "5,000/5,000 (100%)" in err.getvalue()  # a finished run ends at its count
+
+
+def test_fleet_progress_covers_every_pass(
+    recorder: type[Recorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet replay runs the fleet, the fleet without cache and the pooled cache: the bar
+    counts each request completing in every pass and closes, finished, after the last."""
+    passes: list[str] = []
+    run_pooled = fleet_replay.run_pooled
+
+    def pooled(*args: object, **kwargs: object) -> object:
+        passes.append("pooled ran")
+        return run_pooled(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fleet_replay, "run_pooled", pooled)
+    config = ReplayConfig(
+        capacity_blocks=300, mode="serving", model="llama-3.1-8b", replicas=2, max_seqs=16
+    )
+    result = runner.replay_path(CHAT, config, progress=True)
+    (bar,) = recorder.made
+    n = result.acc.totals.requests
+    assert passes == ["pooled ran"]
+    assert bar.total == 3 * n
+    # each pass is named when it starts, after the passes before it completed every request
+    assert bar.stages == [("fleet", 0), ("fleet without cache", n), ("pooled cache", 2 * n)]
+    assert sum(bar.updates) == 3 * n and bar.closed is True
+    assert bar.events[-1] == "close" and bar.events.count("close") == 1
+    # counted as requests complete in every pass, not all at once
+    chunks = [e for e in "".join("s" if e == "stage" else "u" for e in bar.events).split("s")]
+    assert [len(c) > 5 for c in chunks[1:]] == [True, True, True]
+
+
+def test_the_bar_is_redrawn_by_time_between_strides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slow items (a fleet step can take milliseconds) still move the bar about twice a
+    second: the bar is redrawn after REFRESH_S seconds even short of FLUSH_EVERY items."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    now = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    err = io.StringIO()
+    with redirect_stderr(err):
+        bar = Progress(10_000, "replay x")
+        for _ in range(100):  # 100 items in 10 s, one every 0.1 s
+            now[0] += 0.1
+            bar.update()
+        drawn = err.getvalue()
+        bar.close()
+    assert drawn.count("\r") >= 15  # at least one redraw a second
+    assert "replay x: 95/10,000" in drawn or "replay x: 96/10,000" in drawn
+
+
+def test_stage_names_the_pass_on_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    with redirect_stderr(io.StringIO()):
+        bar = Progress(10, "replay x (2 passes)")
+        bar.stage("fleet")
+        bar.stage("pooled cache")
+        line = bar.line()
+        bar.close()
+    assert line.startswith("replay x (2 passes) [pooled cache]: 0/10")

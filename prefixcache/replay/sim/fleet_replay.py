@@ -43,6 +43,7 @@ from prefixcache.fleet.replica_spec import ANY_ADAPTER, ReplicaSpec
 from prefixcache.fleet.router import Router
 from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.manager.stats import BlockCounts, CacheStats
+from prefixcache.replay.progress import Progress
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
@@ -51,6 +52,9 @@ from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
 from prefixcache.replay.workload.request import Request
 from prefixcache.run_format import nearest_rank, rate
+
+# the passes of a fleet replay, in order: each completes every request once
+FLEET_PASSES = ("fleet", "fleet without cache", "pooled cache")
 
 
 class ReplicaStats(NamedTuple):
@@ -191,8 +195,10 @@ class FleetSimulator:
         namespace: Namespace,
         *,
         caching: bool = True,
+        on_finish: Callable[[int], None] | None = None,
     ) -> None:
-        """Every replica serves ``namespace``'s model, with any adapter and salt."""
+        """Every replica serves ``namespace``'s model, with any adapter and salt. ``on_finish``
+        is told how many requests each replica step completed (a progress bar)."""
         o = cfg.options
         self.model = namespace.model
         namespace = Namespace(namespace.model)
@@ -222,6 +228,7 @@ class FleetSimulator:
         ]
         for k, rep in enumerate(self.replicas):
             rep.elsewhere = self._elsewhere_of(k)
+            rep.on_finish = on_finish
         # host tiers per replica, one pool shared by all of them
         self.tiers = build_tiers(cfg, [r.mgr for r in self.replicas]) if caching else None
         if self.tiers is not None:
@@ -394,12 +401,18 @@ def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
     )
 
 
-def run_pooled(requests: Iterable[Request], cfg: ResolvedConfig) -> PooledLine:
-    """Replay ``requests`` through the pooled cache of ``pooled_config(cfg)``."""
+def run_pooled(
+    requests: Iterable[Request],
+    cfg: ResolvedConfig,
+    on_finish: Callable[[int], None] | None = None,
+) -> PooledLine:
+    """Replay ``requests`` through the pooled cache of ``pooled_config(cfg)``; ``on_finish`` is
+    told how many requests each step completed."""
     pooled = pooled_config(cfg)
     mgr = pooled.cache_manager()
     acc = Accountant(pooled.options.block_size, mgr.hasher, track_isolation=False, record=False)
     sim = Simulator(mgr, pooled, acc)
+    sim.on_finish = on_finish
     tiers = build_tiers(pooled, [mgr])
     sim.tiers = tiers.admitters[0] if tiers is not None else None
     sim.run(requests)
@@ -427,10 +440,12 @@ def run_fleet(
     reopen: Callable[[], Iterable[Request]],
     acc: Accountant,
     cfg: ResolvedConfig,
+    progress: Progress | None = None,
 ) -> FleetRun:
     """Replay through the fleet, then a no-cache fleet (same routing) for the no-cache TTFTs and
     the pooled cache for the upper bound. ``reopen()`` yields the requests again. Every replica
-    serves the model of the first request, with any adapter and salt (tenants)."""
+    serves the model of the first request, with any adapter and salt (tenants). ``progress``
+    counts the requests completed in each of the ``FLEET_PASSES`` passes, named as it goes."""
     it = iter(requests)
     first = next(it, None)
     namespace = first.namespace if first is not None else Namespace("default")
@@ -440,11 +455,16 @@ def run_fleet(
             yield first
         yield from it
 
-    sim = FleetSimulator(cfg, acc, namespace)
+    on_finish = progress.update if progress is not None else None
+    stage = progress.stage if progress is not None else lambda name: None
+    stage(FLEET_PASSES[0])
+    sim = FleetSimulator(cfg, acc, namespace, on_finish=on_finish)
     sim.run(chain())
-    plain = FleetSimulator(cfg, None, namespace, caching=False)
+    stage(FLEET_PASSES[1])
+    plain = FleetSimulator(cfg, None, namespace, caching=False, on_finish=on_finish)
     plain.run(reopen())
-    pooled = run_pooled(reopen(), cfg)
+    stage(FLEET_PASSES[2])
+    pooled = run_pooled(reopen(), cfg, on_finish)
     times = sim.times
     o = cfg.options
     serving = ServingStats(

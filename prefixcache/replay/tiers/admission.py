@@ -6,6 +6,12 @@ blocks found there are loaded over the pool link when that is cheaper than recom
 (never the prompt's last token: one token is always computed). The manager has allocated and
 indexed those blocks as the request's own already, which is what a runtime does once it has
 loaded them, so only the count of tokens not computed changes.
+
+How blocks reach the pool follows the pool write policy (``tier_settings``): ``evict`` pools
+the blocks that leave the replica (``PoolFeed``); ``through`` writes the prompt's full blocks
+that the admission computes (those past every tier's hits, in chain order) right after the
+lookup, so another replica finds them while this one still holds them. Output blocks written
+during decode are not written through.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ class TierAdmitter:
         self.settings = settings
         self.pool = pool
         self.feed: PoolFeed | None = None
-        if pool is not None:
+        self.write_through = pool is not None and settings.pool_write == "through"
+        if pool is not None and not self.write_through:
             self.feed = PoolFeed(pool)
             mgr.add_listener(self.feed)
         self.pool_found_blocks = 0  # pooled blocks that continued a prompt (loaded or not)
@@ -67,28 +74,38 @@ class TierAdmitter:
         base = TierHit(
             adm.cached_len, adm.partial_tokens, gpu_tokens, host_tokens, 0, adm.host_blocks, 0
         )
-        feed, pool = self.feed, self.pool
-        if feed is None or pool is None or adm.cow:
+        pool = self.pool
+        if pool is None or adm.cow:
             return base
-        feed.flush()  # what this admission evicted is pooled before the lookup
+        if self.feed is not None:
+            self.feed.flush()  # what this admission evicted is pooled before the lookup
         start = adm.hit_blocks + adm.host_blocks
-        limit = (len(buf) // 4 - 1) // p  # one prompt token is always computed
-        if start >= limit or not len(pool):
+        t = len(buf) // 4
+        limit = (t - 1) // p  # one prompt token is always computed
+        full = t // p if self.write_through else limit  # blocks hashed
+        if start >= full or (not len(pool) and not self.write_through):
             return base
         hasher = self.mgr.hasher
         tokens = np.frombuffer(buf, dtype="<i4")
-        digests = hasher.hash_blocks(tokens, hasher.seed(namespace), 0, limit)[start:]
-        k = pool.match(digests)
-        if not k:
-            return base
-        self.pool_found_blocks += k
-        if not self.settings.pool_transfer.should_load(k, p, start):
-            return base
-        pool.touch(digests[:k])
-        self.pool_loaded_blocks += k
-        # a partially matching GPU block is loaded whole from the pool instead of copied
-        gpu_tokens -= adm.partial_tokens
-        return TierHit((start + k) * p, 0, gpu_tokens, host_tokens, k * p, adm.host_blocks, k)
+        digests = hasher.hash_blocks(tokens, hasher.seed(namespace), 0, full)[start:]
+        k = pool.match(digests[: max(limit - start, 0)])
+        hit = base
+        if k:
+            self.pool_found_blocks += k
+            if self.settings.pool_transfer.should_load(k, p, start):
+                pool.touch(digests[:k])
+                self.pool_loaded_blocks += k
+                # a partially matching GPU block is loaded whole from the pool instead of copied
+                gpu_tokens -= adm.partial_tokens
+                hit = TierHit(
+                    (start + k) * p, 0, gpu_tokens, host_tokens, k * p, adm.host_blocks, k
+                )
+            else:
+                k = 0  # found but recomputed: written again below
+        if self.write_through:
+            for d in digests[k:]:
+                pool.put(d)
+        return hit
 
 
 class Tiers(NamedTuple):

@@ -1,13 +1,14 @@
 """A pooled KV tier shared by every replica of a replay: an LRU of block digests.
 
-The pool models a disaggregated KV store (Mooncake's store, LMCache's remote backend). Blocks
-enter it when they leave a replica's lowest local tier: host evictions when replicas have a host
-tier, GPU evictions otherwise. A block's 16-byte digest chains over its whole prefix and its
-namespace, so a digest names the block together with its chain; a pooled block is found only as
-a continuation of a prompt's chain past what the replica's GPU and host tiers matched. A load
-copies the block out and leaves it pooled (refreshed). Eviction is plain LRU over blocks: a
-pooled block whose parent was evicted stays until it ages out, unreachable, as in an LRU store
-that knows nothing of chains.
+The pool models a disaggregated KV store (Mooncake's store, LMCache's remote backend). Under the
+``evict`` write policy blocks enter it when they leave a replica's lowest local tier (host
+evictions when replicas have a host tier, GPU evictions otherwise; ``PoolFeed``); under
+``through`` as soon as a replica computes them (``admission``). A block's 16-byte digest chains
+over its whole prefix and its namespace, so a digest names the block together with its chain; a
+pooled block is found only as a continuation of a prompt's chain past what the replica's GPU and
+host tiers matched. A load copies the block out and leaves it pooled (refreshed). Eviction is
+plain LRU over blocks: a pooled block whose parent was evicted stays until it ages out,
+unreachable, as in an LRU store that knows nothing of chains.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class PoolTier:
         self.capacity = capacity
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self.stored_blocks = 0  # blocks put into the pool (refreshes not counted)
+        self.written_blocks = 0  # blocks sent to the pool (refreshes counted: each is a copy)
         self.evicted_blocks = 0
 
     def __len__(self) -> int:
@@ -34,8 +36,9 @@ class PoolTier:
         return digest in self._blocks
 
     def put(self, digest: bytes) -> None:
-        """Store a block leaving a replica (or refresh it), evicting the least recent."""
+        """Store a block sent by a replica (or refresh it), evicting the least recent."""
         blocks = self._blocks
+        self.written_blocks += 1
         if digest in blocks:
             blocks.move_to_end(digest)
             return

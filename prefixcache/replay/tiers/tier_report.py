@@ -13,7 +13,12 @@ from prefixcache.run_format import rate
 
 def tiers_report(tiers: Tiers, totals: Totals, stats: CacheStats) -> dict[str, Any]:
     """Prompt tokens by where their K/V came from (GPU, host, pool, computed), per-tier
-    traffic, and the prefill seconds saved by every hit less the seconds spent loading."""
+    traffic, and the prefill seconds saved by every hit less the seconds spent loading.
+
+    Writes into the pool (``written_blocks``, every block sent, refreshes included) are link
+    traffic too, reported with their link time (``write_seconds``) but not added to
+    ``transfer_seconds``: they leave the GPU in the other direction of the link, after the
+    blocks are computed, and delay no prefill."""
     settings, pool, admitters = tiers.settings, tiers.pool, tiers.admitters
     prompt = totals.prompt_tokens
     host = totals.host_hit_tokens
@@ -23,6 +28,7 @@ def tiers_report(tiers: Tiers, totals: Totals, stats: CacheStats) -> dict[str, A
     host_loaded = stats.loaded_blocks
     pool_loaded = sum(a.pool_loaded_blocks for a in admitters)
     transfer_s = settings.load_seconds(host_loaded, pool_loaded)
+    written = pool.written_blocks if pool is not None else 0
     saved_s = totals.hit_tokens * settings.recompute_seconds_per_token
     return {
         "gpu_hit_tokens": gpu,
@@ -49,6 +55,9 @@ def tiers_report(tiers: Tiers, totals: Totals, stats: CacheStats) -> dict[str, A
             "loaded_blocks": pool_loaded,
             "stored_blocks": pool.stored_blocks if pool is not None else 0,
             "evicted_blocks": pool.evicted_blocks if pool is not None else 0,
+            "write": settings.pool_write,
+            "written_blocks": written,
+            "write_seconds": written * settings.bytes_per_block / settings.pool_bandwidth,
         },
         "transfer_seconds": transfer_s,
         "prefill_seconds_saved": saved_s,

@@ -3,7 +3,14 @@
 ``--host-memory`` gives every replica a host-memory tier (the manager's ``host_blocks``): blocks
 evicted from the GPU are offloaded there and loaded back over PCIe. ``--pool-memory`` adds one
 pool shared by all replicas (a disaggregated KV store such as Mooncake's store or LMCache's
-remote backend), fed by blocks leaving a replica's lowest local tier and read over the network.
+remote backend), read over the network. ``--pool-write`` says when a block enters the pool:
+
+* ``evict`` (the default): when it leaves a replica's lowest local tier (host evictions with a
+  host tier, GPU evictions without), so a block a replica still holds is in no other replica's
+  reach. The default, so that runs without the option replay as before.
+* ``through``: as soon as a replica computes it (every full prompt block an admission computes),
+  as Mooncake's store and LMCache's remote backends are fed: a block one replica holds is found
+  by every other replica too.
 
 Default link bandwidths, per direction:
 
@@ -33,6 +40,8 @@ from prefixcache.replay.model_specs import (
 
 DEFAULT_HOST_BANDWIDTH = 55e9  # bytes/s: PCIe Gen5 x16, per direction, achieved
 DEFAULT_POOL_BANDWIDTH = 25e9  # bytes/s: one 200 Gb/s RDMA NIC
+POOL_WRITE_POLICIES = ("evict", "through")  # when a block enters the pool
+DEFAULT_POOL_WRITE = "evict"
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class TierSettings:
     recompute_mfu: float  # the serving roofline's compute efficiency it assumes
     host_transfer: TransferModel
     pool_transfer: TransferModel
+    pool_write: str = DEFAULT_POOL_WRITE  # POOL_WRITE_POLICIES
 
     def load_seconds(self, host_blocks: int, pool_blocks: int) -> float:
         """Seconds to move ``host_blocks`` over the host link and ``pool_blocks`` over the
@@ -66,6 +76,7 @@ class TierSettings:
             "pool_blocks": self.pool_blocks,
             "pool_bytes": self.pool_bytes,
             "pool_bandwidth_bytes_per_s": self.pool_bandwidth,
+            "pool_write": self.pool_write,
             "recompute_mfu": self.recompute_mfu,
         }
 
@@ -80,10 +91,20 @@ def resolve_tiers(
     gpu_name: str,
     block_size: int,
     tp: int,
+    pool_write: str = DEFAULT_POOL_WRITE,
 ) -> TierSettings | None:
     """Size the tiers of a replay (``gpu``: the serving GPU, else ``gpu_name`` is looked up
     for the recompute cost); None when neither is asked for. Raises ConfigError with what
     to change."""
+    if pool_write not in POOL_WRITE_POLICIES:
+        raise ConfigError(
+            f"unknown pool write policy {pool_write!r}; choose one of "
+            f"{', '.join(POOL_WRITE_POLICIES)}"
+        )
+    if pool_write != DEFAULT_POOL_WRITE and pool_memory is None:
+        raise ConfigError(
+            f"--pool-write {pool_write} needs --pool-memory: without a pool it does nothing"
+        )
     if host_memory is None and pool_memory is None:
         return None
     for name, value in (("--host-memory", host_memory), ("--pool-memory", pool_memory)):
@@ -130,4 +151,5 @@ def resolve_tiers(
         mfu,
         TransferModel(bpb, float(host_bandwidth), flops_per_token, flops, pair),
         TransferModel(bpb, float(pool_bandwidth), flops_per_token, flops, pair),
+        pool_write,
     )
