@@ -16,6 +16,15 @@ Endpoints:
   ``prompt_tokens``, ``completion_tokens`` and ``prompt_tokens_details.cached_tokens`` (prompt
   tokens served from the prefix cache, as vLLM reports them). Text is tokenized as UTF-8 bytes
   (the router's default tokenizer); generated ids below 256 are decoded the same way.
+  With ``"stream": true`` the answer is ``text/event-stream``: one ``text_completion`` chunk
+  per generated token, a last chunk with the ``finish_reason`` (and the ``usage`` when
+  ``stream_options.include_usage`` is set), then ``data: [DONE]``, as vLLM streams. The cache
+  work is the same; the tokens are decoded first and then streamed.
+- ``POST /v1/chat/completions``: ``{"model", "messages", "max_tokens"}``, streamed or not, in
+  OpenAI's chat format (``chat.completion``, or ``chat.completion.chunk`` with ``delta``). The
+  messages are rendered as ``prefixcache serve`` renders them without a ``chat_template`` (the
+  neutral rendering of ``prefixcache.text``) and tokenized as UTF-8 bytes, so the blocks this
+  replica caches are the ones the router computes for the conversation.
 - ``GET /health``: 200 while serving, as vLLM and SGLang answer the router's health probe.
 - ``GET /healthz``: status, model, block size, capacity and the bound ZMQ endpoints (binding
   ``tcp://127.0.0.1:*`` picks free ports; /healthz tells which).
@@ -25,11 +34,13 @@ Endpoints:
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,11 +49,13 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixcache import Namespace
 from prefixcache.errors import PrefixCacheError
 from prefixcache.fleet.events.publisher import KVEventPublisher
+from prefixcache.text.chat_template import chat_messages
+from prefixcache.text.tokenizers import render_chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiny_runtime import ModelConfig, TinyDecoder, new_cache, run_requests
@@ -162,64 +175,175 @@ def parse_prompt(body: dict[str, Any]) -> list[int]:
     raise BadRequestError("'prompt' must be a string or a list of token ids (one prompt)")
 
 
+def parse_messages(body: dict[str, Any]) -> list[int]:
+    """The messages of a chat body as token ids: rendered as the service renders a conversation
+    without a chat template, then UTF-8 bytes (the service's default tokenizer)."""
+    text = render_chat(chat_messages(body.get("messages")))
+    return list(text.encode("utf-8"))
+
+
+def token_texts(token_ids: list[int]) -> Iterator[str]:
+    """The text each generated id adds, decoded incrementally as ``decode_text`` decodes them
+    all (a character split over several byte ids comes with its last one)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for i, t in enumerate(token_ids):
+        last = i == len(token_ids) - 1
+        yield decoder.decode(bytes([t]) if t < 256 else b"", final=last)
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(
         {"error": {"type": "BadRequest", "message": message, "status": status}}, status
     )
 
 
+def _usage(done: Completion) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": len(done.token_ids),
+        "total_tokens": done.prompt_tokens + len(done.token_ids),
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise BadRequestError("'stream_options' must be an object with a boolean include_usage")
+    return bool(options.get("include_usage", False))
+
+
 def create_app(replica: Replica) -> FastAPI:
     """The replica's HTTP API."""
     app = FastAPI(title="tiny replica", openapi_url=None)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        """An OpenAI-style completion, with vLLM's cached-token usage detail. The body is read
-        as JSON whatever its Content-Type (``curl -d`` sends a form type), as vLLM reads it."""
+    async def read_json(request: Request) -> dict[str, Any] | JSONResponse:
+        """The body as a JSON object whatever its Content-Type (``curl -d`` sends a form
+        type), as vLLM reads it; or the 400 to answer."""
         try:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
-        return await run_in_threadpool(_complete, body)
+        return body
 
-    def _complete(body: dict[str, Any]) -> JSONResponse:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """An OpenAI-style completion, with vLLM's cached-token usage detail, streamed or not."""
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
+        return await run_in_threadpool(_serve, body, parse_prompt, _completion, _completion_chunks)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """An OpenAI-style chat completion, streamed or not."""
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
+        return await run_in_threadpool(_serve, body, parse_messages, _chat, _chat_chunks)
+
+    def _serve(
+        body: dict[str, Any],
+        prompt_of: Callable[[dict[str, Any]], list[int]],
+        answer: Callable[[Completion], dict[str, Any]],
+        chunks: Callable[[Completion, bool], Iterator[dict[str, Any]]],
+    ) -> Response:
+        """Check the body, run the request, and answer as one JSON or as server-sent events."""
         try:
-            if body.get("stream"):
-                raise BadRequestError("streaming is not supported by this replica")
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise BadRequestError("'stream' must be true or false")
+            include_usage = _include_usage(body) if stream else False
             model = body.get("model", replica.model_name)
             if model != replica.model_name:
                 raise BadRequestError(f"this replica serves {replica.model_name!r}, not {model!r}")
             max_tokens = body.get("max_tokens", 16)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
                 raise BadRequestError("max_tokens must be an integer")
-            done = replica.complete(parse_prompt(body), max_tokens)
+            done = replica.complete(prompt_of(body), max_tokens)
         except (BadRequestError, PrefixCacheError) as exc:
             return _error(400, str(exc))
-        return JSONResponse(
-            {
-                "id": done.request_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": replica.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": decode_text(done.token_ids),
-                        "token_ids": done.token_ids,
-                        "logprobs": None,
-                        "finish_reason": "length",
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": done.prompt_tokens,
-                    "completion_tokens": len(done.token_ids),
-                    "total_tokens": done.prompt_tokens + len(done.token_ids),
-                    "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-                },
-            }
+        if not stream:
+            return JSONResponse(answer(done))
+        return StreamingResponse(
+            _events(chunks(done, include_usage)), media_type="text/event-stream"
         )
+
+    def _events(chunks: Iterator[dict[str, Any]]) -> Iterator[str]:
+        for chunk in chunks:
+            yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    def _completion(done: Completion) -> dict[str, Any]:
+        return {
+            "id": done.request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": replica.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": decode_text(done.token_ids),
+                    "token_ids": done.token_ids,
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": _usage(done),
+        }
+
+    def _completion_chunks(done: Completion, include_usage: bool) -> Iterator[dict[str, Any]]:
+        head = {
+            "id": done.request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": replica.model_name,
+        }
+        for token, text in zip(done.token_ids, token_texts(done.token_ids), strict=True):
+            choice = {"index": 0, "text": text, "token_ids": [token], "logprobs": None}
+            yield {**head, "choices": [{**choice, "finish_reason": None}]}
+        last = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        yield {**head, "choices": [last], **({"usage": _usage(done)} if include_usage else {})}
+
+    def _chat(done: Completion) -> dict[str, Any]:
+        return {
+            "id": done.request_id.replace("cmpl-", "chatcmpl-", 1),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": replica.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": decode_text(done.token_ids)},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": _usage(done),
+        }
+
+    def _chat_chunks(done: Completion, include_usage: bool) -> Iterator[dict[str, Any]]:
+        head = {
+            "id": done.request_id.replace("cmpl-", "chatcmpl-", 1),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": replica.model_name,
+        }
+        first = {"role": "assistant", "content": ""}
+        yield {**head, "choices": [{"index": 0, "delta": first, "finish_reason": None}]}
+        for text in token_texts(done.token_ids):
+            delta = {"content": text}
+            yield {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        last = {"index": 0, "delta": {}, "finish_reason": "length"}
+        yield {**head, "choices": [last], **({"usage": _usage(done)} if include_usage else {})}
 
     @app.get("/health")
     def health() -> Response:

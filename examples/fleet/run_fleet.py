@@ -190,6 +190,53 @@ def ingest_events(metrics_text: str) -> int:
     return int(total)
 
 
+class Fleet(NamedTuple):
+    """A started fleet: the service's URL and the replicas behind it."""
+
+    service: str
+    replicas: list[StartedReplica]
+
+
+@contextlib.contextmanager
+def start_fleet(
+    policy: str,
+    procs: Processes,
+    client: httpx.Client,
+    *,
+    num_replicas: int,
+    num_blocks: int,
+) -> Iterator[Fleet]:
+    """Start ``num_replicas`` fresh replicas and ``prefixcache serve --proxy`` with ``policy``
+    in front of them; every process is stopped when the block exits."""
+    try:
+        starting = []
+        for i in range(num_replicas):
+            name, port = f"replica-{i}", free_port()
+            proc = procs.start(
+                f"{policy}-{name}",
+                [str(HERE / "replica.py"), "--port", str(port), "--model", MODEL,
+                 "--blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE)],
+            )  # fmt: skip
+            starting.append((name, f"http://127.0.0.1:{port}", proc))
+        replicas = [
+            StartedReplica(name, url, wait_healthy(client, procs, f"{policy}-{name}", proc, url))
+            for name, url, proc in starting
+        ]
+        config = procs.log_dir / f"{policy}-fleet.yaml"
+        config.write_text(yaml.safe_dump(fleet_config(policy, replicas), sort_keys=False))
+        port = free_port()
+        service = f"http://127.0.0.1:{port}"
+        proc = procs.start(
+            f"{policy}-serve",
+            ["-m", "prefixcache", "serve", "--config", str(config), "--host", "127.0.0.1",
+             "--port", str(port), "--proxy", "--log-level", "warning"],
+        )  # fmt: skip
+        wait_healthy(client, procs, f"{policy}-serve", proc, service)
+        yield Fleet(service, replicas)
+    finally:
+        procs.stop_all()
+
+
 def run_policy(
     policy: str,
     workload: Workload,
@@ -200,50 +247,25 @@ def run_policy(
     max_tokens: int,
 ) -> PolicyResult:
     """Start fresh replicas and a router with ``policy``, send the workload, measure, stop."""
-    try:
-        with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
-            starting = []
-            for i in range(num_replicas):
-                name, port = f"replica-{i}", free_port()
-                proc = procs.start(
-                    f"{policy}-{name}",
-                    [str(HERE / "replica.py"), "--port", str(port), "--model", MODEL,
-                     "--blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE)],
-                )  # fmt: skip
-                starting.append((name, f"http://127.0.0.1:{port}", proc))
-            replicas = [
-                StartedReplica(
-                    name, url, wait_healthy(client, procs, f"{policy}-{name}", proc, url)
-                )
-                for name, url, proc in starting
-            ]
-            config = procs.log_dir / f"{policy}-fleet.yaml"
-            config.write_text(yaml.safe_dump(fleet_config(policy, replicas), sort_keys=False))
-            port = free_port()
-            service = f"http://127.0.0.1:{port}"
-            proc = procs.start(
-                f"{policy}-serve",
-                ["-m", "prefixcache", "serve", "--config", str(config), "--host", "127.0.0.1",
-                 "--port", str(port), "--proxy", "--log-level", "warning"],
-            )  # fmt: skip
-            wait_healthy(client, procs, f"{policy}-serve", proc, service)
+    with (
+        httpx.Client(timeout=HTTP_TIMEOUT_S) as client,
+        start_fleet(policy, procs, client, num_replicas=num_replicas, num_blocks=num_blocks) as fl,
+    ):
+        service, replicas = fl
+        served_by: list[str] = []
+        for prompt in workload.prompts:
+            resp = client.post(
+                f"{service}/v1/completions",
+                json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+            )
+            resp.raise_for_status()
+            served_by.append(resp.headers["x-prefixcache-replica"])
 
-            served_by: list[str] = []
-            for prompt in workload.prompts:
-                resp = client.post(
-                    f"{service}/v1/completions",
-                    json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
-                )
-                resp.raise_for_status()
-                served_by.append(resp.headers["x-prefixcache-replica"])
-
-            stats = {r.name: client.get(f"{r.url}/stats").json() for r in replicas}
-            last, last_replica = workload.prompts[-1], served_by[-1]
-            lookup_cached = _wait_for_lookup(client, service, last, last_replica)
-            listed = client.get(f"{service}/v1/replicas").json()["replicas"]
-            events = ingest_events(client.get(f"{service}/metrics").text)
-    finally:
-        procs.stop_all()
+        stats = {r.name: client.get(f"{r.url}/stats").json() for r in replicas}
+        last, last_replica = workload.prompts[-1], served_by[-1]
+        lookup_cached = _wait_for_lookup(client, service, last, last_replica)
+        listed = client.get(f"{service}/v1/replicas").json()["replicas"]
+        events = ingest_events(client.get(f"{service}/metrics").text)
     return PolicyResult(
         policy=policy,
         requests=sum(s["requests"] for s in stats.values()),
