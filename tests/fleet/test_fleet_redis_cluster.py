@@ -194,3 +194,20 @@ def test_engine_map_lookups_go_to_the_node_serving_the_slot(cluster: RedisCluste
     assert index.recall("r", [b"i1"]) == {b"i1": EngineBlock(digest, 0, 1)}
     assert index.stats().errors == 0
     index.close()
+
+
+def test_deployments_with_their_own_prefix_share_one_cluster(cluster: RedisClusterNodes) -> None:
+    url = _url(cluster.nodes[0])
+    team_a, team_b = _open(url + "?prefix={team-a}"), _open(url, prefix="{team-b}")
+    assert (team_a.prefix, team_b.prefix) == ("{team-a}", "{team-b}")
+    team_a.store("replica-0", PROMPT[:4])
+    team_b.store("replica-0", PROMPT[:2])
+    assert team_a.flush() and team_b.flush()
+    fresh_a, fresh_b = _open(url, prefix="{team-a}"), _open(url + "?prefix={team-b}")
+    assert fresh_a.match(PROMPT) == [ReplicaMatch("replica-0", 4, 4)]
+    assert fresh_b.match(PROMPT) == [ReplicaMatch("replica-0", 2, 2)]
+    team_a.drop_replica("replica-0")
+    assert team_a.flush()
+    assert fresh_a.replicas() == [] and fresh_b.replicas() == ["replica-0"]
+    for index in (team_a, team_b, fresh_a, fresh_b):
+        index.close()

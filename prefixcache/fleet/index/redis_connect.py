@@ -20,6 +20,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from prefixcache.errors import ConfigError
+from prefixcache.fleet.index.open_index import redact
 
 DEFAULT_PREFIX = "prefixcache:fleet"
 DEFAULT_CLUSTER_PREFIX = "{prefixcache:fleet}"  # the hash tag puts every key in one slot
@@ -54,7 +55,7 @@ def open_client(url: str, original: str | None = None) -> redis.Redis:
     try:
         return redis.Redis.from_url(url, **CLIENT_OPTIONS)
     except ValueError as exc:
-        raise ConfigError(f"not a Redis URL: {original or url!r} ({exc})") from None
+        raise ConfigError(f"not a Redis URL: {redact(original or url)!r} ({exc})") from None
 
 
 def check_cluster_prefix(prefix: str) -> None:

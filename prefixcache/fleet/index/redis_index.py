@@ -27,6 +27,12 @@ from prefixcache.fleet.index.memory_index import (
     check_replica,
     match_masks,
 )
+from prefixcache.fleet.index.open_index import (
+    check_index_prefix,
+    is_cluster_url,
+    redact,
+    split_prefix,
+)
 from prefixcache.fleet.index.prefix_index import CPU, GPU, ReplicaMatch
 from prefixcache.fleet.index.redis_connect import (
     DEFAULT_CLUSTER_PREFIX,
@@ -105,7 +111,16 @@ class RedisFleetIndex(RedisEngineMap):
     def from_url(cls, url: str, **options: Any) -> RedisFleetIndex:
         """An index on the Redis at ``url`` (``redis://host:port/db``, or
         ``redis+cluster://host:port`` for a Redis Cluster); short timeouts and no client-side
-        retries, so a dead server is noticed at once and answered locally."""
+        retries, so a dead server is noticed at once and answered locally. The URL's
+        ``?prefix=`` is the key prefix (ConfigError if ``options`` name another)."""
+        url, in_url = split_prefix(url)
+        if in_url is not None:
+            check_index_prefix(in_url, "?prefix", cluster=is_cluster_url(url))
+            if options.setdefault("prefix", in_url) != in_url:
+                raise ConfigError(
+                    f"two key prefixes for one index: {in_url!r} in the URL and "
+                    f"{options['prefix']!r}; give one"
+                )
         target = parse_index_url(url)
         client = open_client(target.url, url)
         if not target.cluster:
@@ -120,7 +135,7 @@ class RedisFleetIndex(RedisEngineMap):
             if not_a_cluster(exc):
                 client.close()
                 raise ConfigError(
-                    f"{url}: that Redis is not a cluster; use redis://host:port/db"
+                    f"{redact(url)}: that Redis is not a cluster; use redis://host:port/db"
                 ) from None
             index.sync.failed(exc)
         else:

@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--port must be in 1..65535, got {args.port}")
         config = load_config(args.config)
         index_url = check_index_url(args.index, "--index") if args.index else config.index
-        index = open_index(index_url)
+        index = open_index(index_url, prefix=config.index_prefix)
         router = build_router(config, index)
         # every replica with an event endpoint is followed from the app's start to its stop
         subscriber = KVEventSubscriber(

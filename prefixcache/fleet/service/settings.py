@@ -23,7 +23,12 @@ from prefixcache.fleet.events.replay_client import (
     DEFAULT_MAX_REPLAY_FRAMES,
     DEFAULT_REPLAY_DEADLINE_S,
 )
-from prefixcache.fleet.index.open_index import check_index_url
+from prefixcache.fleet.index.open_index import (
+    check_index_prefix,
+    check_index_url,
+    is_cluster_url,
+    split_prefix,
+)
 from prefixcache.fleet.index.prefix_index import FleetIndex
 from prefixcache.fleet.policies import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
 from prefixcache.fleet.replica_spec import ReplicaSpec
@@ -111,6 +116,9 @@ class ServiceConfig:
     source: str = "<config>"
     chat_template: str | None = None  # .jinja or tokenizer_config.json; None: neutral rendering
     health: HealthConfig = HealthConfig()
+    # Redis key prefix of the index (None: the URL's ?prefix=, else "prefixcache:fleet", or
+    # "{prefixcache:fleet}" on a cluster); deployments sharing one Redis each need their own
+    index_prefix: str | None = None
 
     def replica(self, name: str) -> ReplicaConfig | None:
         """The replica called ``name``, or None."""
@@ -121,7 +129,7 @@ class ServiceConfig:
 
 _TOP = (
     "replicas", "routing", "limits", "proxy", "health", "tokenizer", "chat_template", "index",
-    "hash_algo",
+    "index_prefix", "hash_algo",
 )  # fmt: skip
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s")
 _REPLICA = (
@@ -374,6 +382,18 @@ def parse_config(
         index = check_index_url(top.get("index", "memory"))
     except ConfigError as exc:
         raise r.fail("", str(exc)) from None
+    index_prefix = top.get("index_prefix")
+    if index_prefix is not None:
+        try:
+            check_index_prefix(index_prefix, "index_prefix", cluster=is_cluster_url(index))
+        except ConfigError as exc:
+            raise r.fail("", str(exc)) from None
+        in_url = split_prefix(index)[1] if index != "memory" else None
+        if in_url is not None and in_url != index_prefix:
+            raise r.fail(
+                "index_prefix",
+                f"{index_prefix!r}, but the index URL names the prefix {in_url!r}; give one",
+            )
     hash_algo = top.get("hash_algo", "xxh3_128")
     if not isinstance(hash_algo, str) or hash_algo not in HASH_FUNCTIONS:
         raise r.fail(
@@ -390,6 +410,7 @@ def parse_config(
         source,
         chat_template,
         health,
+        index_prefix,
     )
 
 
