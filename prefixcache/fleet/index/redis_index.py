@@ -18,6 +18,12 @@ from typing import Any
 import redis
 
 from prefixcache.errors import ConfigError, InvalidArgumentError
+from prefixcache.fleet.index.index_url import (
+    check_index_prefix,
+    is_cluster_url,
+    redact,
+    split_prefix,
+)
 from prefixcache.fleet.index.memory_index import (
     DEFAULT_MAX_BLOCKS_PER_REPLICA,
     DEFAULT_MAX_REPLICAS,
@@ -26,12 +32,6 @@ from prefixcache.fleet.index.memory_index import (
     check_medium,
     check_replica,
     match_masks,
-)
-from prefixcache.fleet.index.open_index import (
-    check_index_prefix,
-    is_cluster_url,
-    redact,
-    split_prefix,
 )
 from prefixcache.fleet.index.prefix_index import CPU, GPU, ReplicaMatch
 from prefixcache.fleet.index.redis_connect import (

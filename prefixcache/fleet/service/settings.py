@@ -23,7 +23,7 @@ from prefixcache.fleet.events.replay_client import (
     DEFAULT_MAX_REPLAY_FRAMES,
     DEFAULT_REPLAY_DEADLINE_S,
 )
-from prefixcache.fleet.index.open_index import (
+from prefixcache.fleet.index.index_url import (
     check_index_prefix,
     check_index_url,
     is_cluster_url,
