@@ -44,7 +44,8 @@ class MissingDependencyError(PrefixCacheError, ImportError):
 def _plotters() -> dict[str, Plotter]:
     """Each plot as a function from the run to a base64 PNG and whether it is wide."""
     try:
-        from prefixcache.report.plots import RUN_PLOTS, SWEEP_PLOTS, png_base64
+        from prefixcache.report.plots import RUN_PLOTS, png_base64
+        from prefixcache.report.sweep_plots import SWEEP_PLOTS
     except ModuleNotFoundError as exc:
         if exc.name is not None and exc.name.split(".")[0] == "matplotlib":
             raise MissingDependencyError(

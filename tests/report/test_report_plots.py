@@ -14,7 +14,7 @@ from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 from test_report_runs import write_run
 
-from prefixcache.report import load_run, plots
+from prefixcache.report import load_run, plots, sweep_plots
 from prefixcache.report.run_dir import Run
 
 
@@ -78,11 +78,11 @@ def test_capacity_tick_labels_do_not_overlap(sweep_run: Run) -> None:
         }
         for c in capacities
     ]
-    fig = plots.capacity(sweep_run)
+    fig = sweep_plots.capacity(sweep_run)
     renderer = rendered(fig)
     ax = fig.axes[0]
     labels = visible_labels(ax.get_xticklabels())
-    assert 3 <= len(labels) <= plots.MAX_CAPACITY_TICKS
+    assert 3 <= len(labels) <= sweep_plots.MAX_CAPACITY_TICKS
     assert labels[0].get_text() == "64"
     assert labels[-1].get_text() == plots.compact_count(capacities[-1])
     boxes = [t.get_window_extent(renderer) for t in labels]
@@ -99,7 +99,7 @@ def test_compact_capacity_labels() -> None:
 
 
 def test_legend_leaves_the_knee_label_visible(sweep_run: Run) -> None:
-    fig = plots.capacity(sweep_run)
+    fig = sweep_plots.capacity(sweep_run)
     renderer = rendered(fig)
     ax = fig.axes[0]
     knee = [t for t in ax.texts if t.get_gid() == "knee_label"]
@@ -173,7 +173,7 @@ def test_an_unbounded_sweep_point_is_drawn_apart_from_the_curve(sweep_run: Run) 
     points = sweep_run.report["sweep"]
     finite = sorted(p["capacity_blocks"] for p in points)
     points.append(dict(points[-1], capacity_blocks=UNBOUNDED, token_hit_rate=0.9))
-    fig = plots.capacity(sweep_run)
+    fig = sweep_plots.capacity(sweep_run)
     renderer = rendered(fig)
     ax = fig.axes[0]
     lo, hi = ax.get_xlim()
@@ -196,7 +196,7 @@ def test_a_sweep_at_one_capacity_is_drawn_as_bars_per_variant(sweep_run: Run) ->
     sweep_run.report["sweep"] = [
         dict(base, replicas=2, routing=name, token_hit_rate=rate) for name, rate in rates.items()
     ]
-    fig = plots.capacity(sweep_run)
+    fig = sweep_plots.capacity(sweep_run)
     rendered(fig)
     ax = fig.axes[0]
     assert [round(b.get_height(), 3) for b in ax.patches] == list(rates.values())
