@@ -36,8 +36,9 @@ from prefixcache.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from prefixcache.manager.admission_planning import AdmissionPlanner
-from prefixcache.manager.arguments import (
+from prefixcache.manager.block_events import AllBlocksCleared, EventListener
+from prefixcache.manager.bookkeeping.admission_planning import AdmissionPlanner
+from prefixcache.manager.bookkeeping.arguments import (
     check_force,
     check_namespace,
     check_pad,
@@ -48,17 +49,16 @@ from prefixcache.manager.arguments import (
     request_id_list,
     torch_device,
 )
-from prefixcache.manager.block_events import AllBlocksCleared, EventListener
-from prefixcache.manager.block_indexing import BlockIndexer
-from prefixcache.manager.block_supply import BlockSupply, TickClock
-from prefixcache.manager.host_offload import HostOffload
+from prefixcache.manager.bookkeeping.block_indexing import BlockIndexer
+from prefixcache.manager.bookkeeping.block_supply import BlockSupply, TickClock
+from prefixcache.manager.bookkeeping.host_offload import HostOffload
+from prefixcache.manager.bookkeeping.listeners import Listeners
+from prefixcache.manager.bookkeeping.request_blocks import RequestBlocks
+from prefixcache.manager.bookkeeping.request_state import RequestState
+from prefixcache.manager.bookkeeping.step_ledger import StepLedger
 from prefixcache.manager.integrity import check_manager
-from prefixcache.manager.listeners import Listeners
-from prefixcache.manager.request_blocks import RequestBlocks
-from prefixcache.manager.request_state import RequestState
 from prefixcache.manager.results import Admission, AppendResult, Lookup
 from prefixcache.manager.stats import BlockCounts, CacheStats
-from prefixcache.manager.step_ledger import StepLedger
 from prefixcache.manager.transfers import TransferModel, Transfers
 
 __all__ = ["CacheManager", "RequestState"]

@@ -23,8 +23,8 @@ def register(subparsers: Any) -> None:
 def _replay(args: argparse.Namespace) -> int:
     from prefixcache.replay.run_result import check_run_dir, default_run_dir, write_run
     from prefixcache.replay.runner import replay_sweep
+    from prefixcache.report.render.text_formats import format_summary
     from prefixcache.report.run_warnings import run_warnings
-    from prefixcache.report.text_formats import format_summary
 
     try:
         if args.out is not None:

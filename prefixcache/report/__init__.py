@@ -8,7 +8,13 @@ figure's definition from :mod:`prefixcache.report.definitions`.
 from prefixcache.report.checks import Check, consistency_checks
 from prefixcache.report.compare import compare_document
 from prefixcache.report.definitions import DEFINITIONS, Definition
-from prefixcache.report.html import MissingDependencyError, html_report, render_all, render_html
+from prefixcache.report.render.html import (
+    MissingDependencyError,
+    html_report,
+    render_all,
+    render_html,
+)
+from prefixcache.report.render.text_formats import format_summary, render_markdown, render_terminal
 from prefixcache.report.run_dir import (
     ReportSchemaError,
     Run,
@@ -18,7 +24,6 @@ from prefixcache.report.run_dir import (
     validate_report,
 )
 from prefixcache.report.sections import build_document
-from prefixcache.report.text_formats import format_summary, render_markdown, render_terminal
 from prefixcache.run_format import SCHEMA_VERSION
 
 __all__ = [

@@ -12,10 +12,10 @@ from prefixcache.atomic_files import write_text_atomic
 from prefixcache.errors import PrefixCacheError
 from prefixcache.report.checks import consistency_checks
 from prefixcache.report.compare import compare_document
-from prefixcache.report.html import render_html
+from prefixcache.report.render.html import render_html
+from prefixcache.report.render.text_formats import render_markdown, render_terminal
 from prefixcache.report.run_dir import load_run
 from prefixcache.report.sections import build_document
-from prefixcache.report.text_formats import render_markdown, render_terminal
 
 EXIT_INCONSISTENT = 1  # the report was printed, but report.json disagrees with its CSV files
 EXIT_BAD_INPUT = 2  # no report: the run directory is missing, unreadable or not a valid run

@@ -240,7 +240,7 @@ def test_fleet_run_passes_its_consistency_checks(small: Path, tmp_path: Path) ->
     times = run.timeline["t"].astype(float)
     assert len(times) > 10 and (times[1:] >= times[:-1]).all()
     from prefixcache.report import build_document
-    from prefixcache.report.text_formats import render_terminal
+    from prefixcache.report.render.text_formats import render_terminal
 
     assert f"0–{3 * BLOCKS}" in render_terminal(build_document(run))
 

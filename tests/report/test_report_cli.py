@@ -113,7 +113,7 @@ def test_html_without_matplotlib_fails_clearly(
 ) -> None:
     run = write_run(tmp_path / "run", n=30, sweep="none")
     for name in [m for m in sys.modules if m.startswith("matplotlib")] + [
-        "prefixcache.report.plots",
+        "prefixcache.report.render.plots",
     ]:
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, "matplotlib", None)

@@ -20,8 +20,8 @@ import pytest
 from test_report_runs import write_run
 
 from prefixcache.report import DEFINITIONS, build_document, load_run
-from prefixcache.report.html import render_html
-from prefixcache.report.text_formats import render_markdown, render_terminal
+from prefixcache.report.render.html import render_html
+from prefixcache.report.render.text_formats import render_markdown, render_terminal
 
 Rows = dict[str, list[list[str]]]
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")

@@ -14,7 +14,8 @@ from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 from test_report_runs import write_run
 
-from prefixcache.report import load_run, plots, sweep_plots
+from prefixcache.report import load_run
+from prefixcache.report.render import plots, sweep_plots
 from prefixcache.report.run_dir import Run
 
 

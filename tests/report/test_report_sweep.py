@@ -13,6 +13,7 @@ from test_report_runs import write_run
 from prefixcache.cli import main
 from prefixcache.report import build_document, html_report, load_run, render_markdown
 from prefixcache.report import formatting as fmt
+from prefixcache.report.render.text_formats import render_terminal
 from prefixcache.report.sweep_curves import (
     capacity_knees,
     extra_keys,
@@ -20,7 +21,6 @@ from prefixcache.report.sweep_curves import (
     series,
     use_log_x,
 )
-from prefixcache.report.text_formats import render_terminal
 from prefixcache.run_format import MISS_CAUSES
 
 GOLDEN_CHAT = Path(__file__).resolve().parents[1] / "golden" / "chat_small.yaml"

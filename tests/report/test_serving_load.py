@@ -16,8 +16,8 @@ from prefixcache.replay import ReplayConfig, replay_path
 from prefixcache.replay.model_specs import get_gpu, get_model
 from prefixcache.replay.sim.roofline import Roofline
 from prefixcache.report import build_document, load_run
-from prefixcache.report.html import render_html
-from prefixcache.report.text_formats import render_markdown, render_terminal
+from prefixcache.report.render.html import render_html
+from prefixcache.report.render.text_formats import render_markdown, render_terminal
 
 # 40 requests of ~6k tokens in one simulated second: far more prefill than one L40S does in it
 HEAVY = """\

@@ -22,7 +22,7 @@ from numpy.typing import ArrayLike
 
 from prefixcache.blocks.pool import UNBOUNDED
 from prefixcache.report import formatting as fmt
-from prefixcache.report.plots import BLUE, GREY, NARROW, RED, WIDE, compact_count, new_figure
+from prefixcache.report.render.plots import BLUE, GREY, NARROW, RED, WIDE, compact_count, new_figure
 from prefixcache.report.run_dir import Run
 from prefixcache.report.sweep_curves import (
     VARIANT_KEYS,

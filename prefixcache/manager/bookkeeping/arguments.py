@@ -13,7 +13,7 @@ import numpy as np
 
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError, InvalidArgumentError, UnknownRequestError
-from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.bookkeeping.request_state import RequestState
 from prefixcache.manager.transfers import TransferModel
 
 UNHASHABLE = "request ids must be hashable (a str, an int, a tuple of them), got {}"

@@ -12,7 +12,7 @@ from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import MatchResult, Node, PartialMatch, RadixIndex
 from prefixcache.errors import RequestTooLargeError
-from prefixcache.manager.host_offload import HostOffload
+from prefixcache.manager.bookkeeping.host_offload import HostOffload
 
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
 

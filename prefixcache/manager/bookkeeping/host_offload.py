@@ -16,7 +16,7 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.host_tier import HostEntry, HostTier
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.manager.block_events import BlockRemoved, BlockStored
-from prefixcache.manager.listeners import Listeners
+from prefixcache.manager.bookkeeping.listeners import Listeners
 from prefixcache.manager.stats import CacheStats
 from prefixcache.manager.transfers import Load, Offload, TransferModel, Transfers
 

@@ -17,15 +17,15 @@ from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
 from prefixcache.errors import OutOfBlocksError
-from prefixcache.manager.admission_planning import AdmissionPlan
-from prefixcache.manager.block_indexing import BlockIndexer
-from prefixcache.manager.block_supply import BlockSupply
-from prefixcache.manager.host_offload import HostOffload
-from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.bookkeeping.admission_planning import AdmissionPlan
+from prefixcache.manager.bookkeeping.block_indexing import BlockIndexer
+from prefixcache.manager.bookkeeping.block_supply import BlockSupply
+from prefixcache.manager.bookkeeping.host_offload import HostOffload
+from prefixcache.manager.bookkeeping.request_state import RequestState
+from prefixcache.manager.bookkeeping.retention import add_claim
+from prefixcache.manager.bookkeeping.step_ledger import StepLedger
 from prefixcache.manager.results import Admission, AppendResult, Copy, slots_of
-from prefixcache.manager.retention import add_claim
 from prefixcache.manager.stats import CacheStats
-from prefixcache.manager.step_ledger import StepLedger
 
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
 from prefixcache.manager.block_events import BlockRemoved
-from prefixcache.manager.block_supply import BlockSupply, split_digests
-from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.bookkeeping.block_supply import BlockSupply, split_digests
+from prefixcache.manager.bookkeeping.request_state import RequestState
 from prefixcache.manager.stats import CacheStats
 
 

@@ -14,9 +14,9 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
 from prefixcache.manager.block_events import BlockStored
-from prefixcache.manager.host_offload import HostOffload
-from prefixcache.manager.listeners import Listeners
-from prefixcache.manager.request_state import RequestState
+from prefixcache.manager.bookkeeping.host_offload import HostOffload
+from prefixcache.manager.bookkeeping.listeners import Listeners
+from prefixcache.manager.bookkeeping.request_state import RequestState
 from prefixcache.manager.stats import CacheStats
 
 

@@ -15,9 +15,9 @@ from prefixcache.atomic_files import write_text_atomic
 from prefixcache.errors import PrefixCacheError
 from prefixcache.report.definitions import DEFINITIONS
 from prefixcache.report.document import Document, Field, Section, Table
+from prefixcache.report.render.text_formats import render_markdown
 from prefixcache.report.run_dir import Run, load_run
 from prefixcache.report.sections import build_document
-from prefixcache.report.text_formats import render_markdown
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -44,8 +44,8 @@ class MissingDependencyError(PrefixCacheError, ImportError):
 def _plotters() -> dict[str, Plotter]:
     """Each plot as a function from the run to a base64 PNG and whether it is wide."""
     try:
-        from prefixcache.report.plots import RUN_PLOTS, png_base64
-        from prefixcache.report.sweep_plots import SWEEP_PLOTS
+        from prefixcache.report.render.plots import RUN_PLOTS, png_base64
+        from prefixcache.report.render.sweep_plots import SWEEP_PLOTS
     except ModuleNotFoundError as exc:
         if exc.name is not None and exc.name.split(".")[0] == "matplotlib":
             raise MissingDependencyError(
