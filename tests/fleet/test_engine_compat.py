@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from vllm_structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from prefixcache import CacheManager, Namespace
 from prefixcache.blocks.hashing import BlockHasher
@@ -24,53 +25,6 @@ P = 4
 TOKENS = list(range(100, 108))  # two blocks of P
 TIMEOUT_MS = 5000
 END_SEQ = b"\xff" * 8
-
-# ---- vLLM 0.33.0's structs (vllm/distributed/kv_events.py), mirrored ------------------------
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
 
 VLLM_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 

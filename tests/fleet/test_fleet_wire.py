@@ -3,57 +3,17 @@ real PUB/ROUTER sockets, and the decoder's layouts and errors."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 import pytest
 import zmq
 from fleet_support import manager_digests
+from vllm_structs import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm_structs import MapKVEventBatch as KVEventBatch
 
 from prefixcache import CacheManager, Namespace
 from prefixcache.errors import ConfigError, WireFormatError
 from prefixcache.fleet.events import wire as kv_wire
 from prefixcache.fleet.events.publisher import KVEventPublisher, PublisherClosedError
-
-# ---- vLLM's structs, written from vllm/distributed/kv_events.py (commit 0181ea3) ------------
-
-
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 # The layout before events became maps (and SGLang's): tagged arrays.
