@@ -1,12 +1,19 @@
 """Manager loop on a shared-prompt workload: admit (hashing included), then release.
 
     python bench/manager_loop.py [--requests 2000] [--blocks 20000] [--repeats 5]
+    python bench/manager_loop.py --scale [--requests 20000] [--blocks 200000]
 
 Prints requests/s (median of repeats, each on a fresh manager) for int32 arrays and for Python
 lists (what most schedulers hold) next to a conventional per-block baseline run interleaved in
 the same process, the cost of turning a list into token ids next to the plain numpy conversion,
 the token hit rate next to the infinite-cache bound, and memory per cached block (RSS delta and
 tracemalloc).
+
+``--scale`` runs the workload once at scale instead (20,000 requests, about 159M prompt tokens,
+a 200,000-block pool by default) and prints the cost per request while the pool fills (before the
+first eviction) and once it is full, their ratio, and the requests after the pool filled run again
+on a pool that never fills, so that the cost of eviction shows apart from that of the longer
+prompts late in the workload.
 """
 
 from __future__ import annotations
@@ -81,13 +88,69 @@ def measure_memory(prompts: list[np.ndarray], blocks: int, block_size: int) -> N
     print(f"  bytes/cached blk  {rss / cached:10.1f}  (RSS delta, incl. allocator overhead)")
 
 
+def scale_phases(
+    prompts: list[np.ndarray], blocks: int, block_size: int
+) -> tuple[list[float], int | None, CacheManager]:
+    """Seconds per request, and the request at which the pool first evicted (None: never)."""
+    mgr = CacheManager(blocks, block_size)
+    ns = Namespace(model="bench")
+    admit, release, stats, clock = mgr.admit, mgr.release, mgr.stats, time.perf_counter
+    times = []
+    full_at = None
+    for i, p in enumerate(prompts):
+        t0 = clock()
+        admit(i, p, ns)
+        release(i)
+        times.append(clock() - t0)
+        if full_at is None and stats.evicted_blocks:
+            full_at = i
+    return times, full_at, mgr
+
+
+def scale(args: argparse.Namespace) -> None:
+    requests = args.requests or 20_000
+    blocks = args.blocks or 200_000
+    prompts = shared_prompt_workload(requests)
+    tokens = sum(len(p) for p in prompts)
+    print(
+        f"scale: {requests} requests, {tokens / 1e6:.1f}M prompt tokens, "
+        f"block_size={args.block_size}, pool={blocks} blocks"
+    )
+    gc.collect()
+    times, full_at, mgr = scale_phases(prompts, blocks, args.block_size)
+    if full_at is None:
+        print("  the pool never filled: raise --requests or lower --blocks")
+        return
+    fill, full = statistics.fmean(times[:full_at]), statistics.fmean(times[full_at:])
+    print(f"  filling           {fill * 1e6:10.1f}  us/request (requests 0-{full_at - 1})")
+    print(
+        f"  full              {full * 1e6:10.1f}  us/request (requests {full_at}-{requests - 1}, "
+        f"{mgr.stats.evicted_blocks:,} blocks evicted)"
+    )
+    print(f"  full / filling    {full / fill:10.2f}  (target <= 2)")
+    del mgr
+    gc.collect()
+    same = scale_phases(prompts, 2**62, args.block_size)[0]
+    unbounded = statistics.fmean(same[full_at:])
+    print(
+        f"  never full        {unbounded * 1e6:10.1f}  us/request (the same requests on a pool "
+        f"that never fills; full / never full {full / unbounded:.2f})"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--blocks", type=int, default=20_000)
+    ap.add_argument("--requests", type=int, default=None, help="default 2000 (--scale: 20000)")
+    ap.add_argument("--blocks", type=int, default=None, help="default 20000 (--scale: 200000)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--scale", action="store_true", help="the cost per request as the pool fills")
     args = ap.parse_args()
+    if args.scale:
+        scale(args)
+        return
+    args.requests = args.requests or 2000
+    args.blocks = args.blocks or 20_000
     prompts = shared_prompt_workload(args.requests)
     tokens = sum(len(p) for p in prompts)
     print(

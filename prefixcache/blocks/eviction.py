@@ -75,10 +75,16 @@ class Evictor:
             _, _, token, node = heapq.heappop(self._expiring)
             if token == node.heap_token and self.evictable(node):
                 self.push(node, now)
-        heap = self._heap
+        heap, pop = self._heap, heapq.heappop
         while heap:
-            _, _, token, node = heapq.heappop(heap)
-            if token == node.heap_token and self.evictable(node):
+            _, _, token, node = pop(heap)
+            if (  # ``evictable``, inline
+                token == node.heap_token
+                and node.ref == 0
+                and not node.children
+                and node.parent is not None
+                and node.blocks
+            ):
                 return node
         return None
 

@@ -24,10 +24,6 @@ _new = tuple.__new__
 MAX_GROW_BLOCKS = 256  # a node grows in place up to this many blocks, then a child takes over
 
 
-def _first_token(node: Node) -> int:
-    return int.from_bytes(node.tokens[:4], "little")
-
-
 class TokenGroup:
     """Siblings whose first blocks start with the same token, in the order of their first
     block's token bytes (``keys``, kept beside ``nodes``). Siblings differ within their first
@@ -270,27 +266,24 @@ class RadixIndex:
         assert parent is not None and parent.children is not None and parent.by_token is not None
         assert 0 < j < len(node.blocks)
         bb = self.block_bytes
-        token = _first_token(node)
+        tokens, digests = node.tokens, node.digests
+        token = int.from_bytes(tokens[:4], "little")
         group = parent.by_token[token]
-        if isinstance(group, TokenGroup):
-            i = group.position(node, bytes(node.tokens[:bb]))
-        upper = Node(
-            parent, node.depth, node.digests[: j * D], node.tokens[: j * bb], node.blocks[:j]
-        )
-        del node.digests[: j * D]
-        del node.tokens[: j * bb]
+        upper = Node(parent, node.depth, digests[: j * D], tokens[: j * bb], node.blocks[:j])
+        if isinstance(group, TokenGroup):  # same first block, same place in the order
+            group.nodes[group.position(node, upper.tokens[:bb])] = upper
+        else:
+            parent.by_token[token] = upper
+        del digests[: j * D]
+        del tokens[: j * bb]
         del node.blocks[:j]
         upper.ref, upper.last_access, upper.hits = node.ref, node.last_access, node.hits
         upper.priority, upper.retain_until = node.priority, node.retain_until
         upper.later = node.later
         upper.namespace = node.namespace
-        parent.children[upper.digest(0)] = upper
-        if isinstance(group, TokenGroup):  # same first block, same place in the order
-            group.nodes[i] = upper
-        else:
-            parent.by_token[token] = upper
-        upper.children = {node.digest(0): node}
-        upper.by_token = {_first_token(node): node}
+        parent.children[bytes(upper.digests[:D])] = upper
+        upper.children = {bytes(digests[:D]): node}
+        upper.by_token = {int.from_bytes(tokens[:4], "little"): node}
         node.parent = upper
         node.depth += j
         self.num_nodes += 1
@@ -356,6 +349,25 @@ class RadixIndex:
             node.hits += hit
             node = node.parent
 
+    def hold_table(self, node: Node | None, now: float) -> list[int]:
+        """``hold(node, now, hit=True)`` and ``path_blocks(node)`` in one walk: a hit on the
+        path from the root to ``node``, and the physical ids of its blocks."""
+        runs = []
+        active = 0
+        while node is not None and node.parent is not None:
+            if node.ref == 0:
+                active += len(node.blocks)
+            node.ref += 1
+            node.last_access = now
+            node.hits += 1
+            runs.append(node.blocks)
+            node = node.parent
+        self.active_blocks += active
+        out: list[int] = []
+        for run in reversed(runs):
+            out += run
+        return out
+
     def unhold(self, node: Node | None, now: float) -> Node | None:
         """Drop one reference from ``node`` up to the root. Returns ``node`` if it became an
         evictable leaf (only the deepest node of a path can be a leaf)."""
@@ -378,16 +390,20 @@ class RadixIndex:
     def evict_tail(self, node: Node, k: int) -> tuple[list[int], bytes]:
         """Remove the last ``k`` blocks of an unreferenced leaf, in O(k). Returns their ids and
         their concatenated digests."""
+        digests = bytes(node.digests[-k * D :])
+        return self.trim_tail(node, k), digests
+
+    def trim_tail(self, node: Node, k: int) -> list[int]:
+        """``evict_tail`` without the digests: returns the ids of the blocks removed."""
         assert node.ref == 0 and not node.children and 0 < k <= len(node.blocks)
         if k == len(node.blocks):
             self._detach(node)
         ids = node.blocks[-k:].tolist()
-        digests = bytes(node.digests[-k * D :])
         del node.blocks[-k:]
         del node.digests[-k * D :]
         del node.tokens[-k * self.block_bytes :]
         self.num_blocks -= k
-        return ids, digests
+        return ids
 
     def remove_subtree(self, top: Node) -> list[tuple[Node, list[int], bytes]]:
         """Take ``top`` and everything below it out of the index (nobody may hold them).

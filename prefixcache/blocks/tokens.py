@@ -35,9 +35,9 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
     ):
         return tokens
     if isinstance(tokens, list) and cls is list and tokens:
-        fast = _list_to_array(tokens)
-        if fast is not None:
-            return fast
+        packed = _pack_list(tokens)
+        if packed is not None:
+            return np.frombuffer(bytearray(packed), dtype=_INT32)
     if cls.__module__.startswith("torch"):
         tokens = _torch_to_numpy(tokens)
     if isinstance(tokens, np.ma.MaskedArray):
@@ -73,12 +73,33 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
     return np.ascontiguousarray(arr, dtype=_INT32)
 
 
+def as_token_bytes(tokens: TokenIds) -> bytes:
+    """``as_token_array(tokens).tobytes()`` (the int32 LE token bytes), without the array
+    round trip for the containers a runtime holds: an int32 array or a list of ints."""
+    cls = type(tokens)
+    if (
+        isinstance(tokens, np.ndarray)
+        and cls is np.ndarray
+        and tokens.dtype == _INT32
+        and tokens.ndim == 1
+        and tokens.size
+        and tokens.flags.c_contiguous
+        and np.minimum.reduce(tokens) >= 0
+    ):
+        return tokens.tobytes()
+    if isinstance(tokens, list) and cls is list and tokens:
+        packed = _pack_list(tokens)
+        if packed is not None:
+            return packed
+    return as_token_array(tokens).tobytes()
+
+
 _BOOL_DTYPES = ("bool", "torch.bool")  # 0-d arrays and tensors in a list (list(tensor))
 
 
-def _list_to_array(tokens: list[Any]) -> np.ndarray | None:
-    """A list of integers straight to int32, or None for the general path (which says what is
-    wrong with anything else).
+def _pack_list(tokens: list[Any]) -> bytes | None:
+    """A list of integers straight to int32 LE bytes, or None for the general path (which says
+    what is wrong with anything else).
 
     ``struct`` packs only integers (not floats, strings or numpy bools) within int32's range;
     a bool packs as 0 or 1, so only those values need their type looked at.
@@ -97,15 +118,16 @@ def _list_to_array(tokens: list[Any]) -> np.ndarray | None:
                 else f"token ids must be >= 0 (valid: [0, 2**31)), got {bad}"
             ) from None
         return None
-    arr = np.frombuffer(bytearray(packed), dtype=_INT32)
+    arr = np.frombuffer(packed, dtype=_INT32)
     lo = int(np.minimum.reduce(arr))
     if lo < 0:
         raise InvalidTokensError(f"token ids must be >= 0 (valid: [0, 2**31)), got {lo}")
-    for i in np.flatnonzero(arr <= 1).tolist():
-        t = tokens[i]  # a bool, or a 0-d bool array or tensor (list(tensor) gives those)
-        if type(t) is bool or str(getattr(t, "dtype", "")) in _BOOL_DTYPES:
-            raise InvalidTokensError(f"token ids must be integers, got {t!r} at {i}")
-    return arr
+    if lo <= 1:  # bools pack as 0 or 1: only those values need their type looked at
+        for i in np.flatnonzero(arr <= 1).tolist():
+            t = tokens[i]  # a bool, or a 0-d bool array or tensor (list(tensor) gives those)
+            if type(t) is bool or str(getattr(t, "dtype", "")) in _BOOL_DTYPES:
+                raise InvalidTokensError(f"token ids must be integers, got {t!r} at {i}")
+    return packed
 
 
 def _has_bool(tokens: list[Any] | tuple[Any, ...]) -> bool:

@@ -27,7 +27,13 @@ from prefixcache.blocks.host_tier import HostTier
 from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
-from prefixcache.blocks.tokens import TokenIds, as_single_token, as_size, as_token_array
+from prefixcache.blocks.tokens import (
+    TokenIds,
+    as_single_token,
+    as_size,
+    as_token_array,
+    as_token_bytes,
+)
 from prefixcache.errors import (
     CacheInUseError,
     ConfigError,
@@ -195,12 +201,11 @@ class CacheManager:
         """
         if is_live(self._seqs, request_id):
             raise DuplicateRequestError(f"request {request_id!r} is already admitted")
-        arr = as_token_array(tokens)
+        buf = as_token_bytes(tokens)
         if type(namespace) is not Namespace:
             check_namespace(namespace)
         if type(priority) is not int or retention is not None:
             check_priority(priority, retention)
-        buf = arr.tobytes()
         plan = self._planner.plan(buf, namespace)
         available = self._supply.available(plan.held_cached)
         if plan.need > available:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prefixcache import BlockHasher, ConfigError, InvalidTokensError, Namespace
-from prefixcache.blocks.tokens import as_token_array
+from prefixcache.blocks.tokens import as_token_array, as_token_bytes
 
 TOKENS = np.arange(1000, 1000 + 70, dtype="<i4")
 
@@ -119,6 +119,7 @@ def test_wire_format_is_documented_layout():
 def test_token_containers_accepted(tokens):
     arr = as_token_array(tokens)
     assert arr.dtype == np.dtype("<i4") and arr.tolist() == [1, 2, 3]
+    assert as_token_bytes(tokens) == np.array([1, 2, 3], dtype="<i4").tobytes()
 
 
 @pytest.mark.parametrize(
@@ -136,11 +137,24 @@ def test_token_containers_accepted(tokens):
         ([1, "a"], "integers"),
         (np.array([-3], dtype=np.int32), ">= 0"),
         ([2**70], "integers|2\\*\\*31"),
+        ([5, True, 7], "integers"),
+        ([0, 9, False], "integers"),
+        ([np.bool_(True), 4], "integers"),
+        ([3, torch.tensor(True)], "integers"),
     ],
 )
 def test_bad_tokens_rejected(tokens, match):
     with pytest.raises(InvalidTokensError, match=match):
         as_token_array(tokens)
+    with pytest.raises(InvalidTokensError, match=match):
+        as_token_bytes(tokens)
+
+
+def test_list_tokens_with_ids_zero_and_one_are_plain_ints():
+    # 0 and 1 are where a bool would pack too: plain ints there pass
+    tokens = [0, 1, 2**31 - 1, 1, 0]
+    assert as_token_bytes(tokens) == np.array(tokens, dtype="<i4").tobytes()
+    assert as_token_array(tokens).tolist() == tokens
 
 
 def test_long_and_short_runs_hash_alike():

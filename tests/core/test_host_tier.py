@@ -81,6 +81,25 @@ def test_offload_on_eviction_then_a_hit_loads_from_host() -> None:
     mgr.check_integrity()
 
 
+def test_loaded_blocks_and_new_ones_after_them_are_indexed_under_their_chain() -> None:
+    mgr, rt = manager(gpu=5)
+    run(rt, "a", A)
+    run(rt, "b", B)  # evicts a's last two indexed blocks into the host tier; its first stays
+    longer = [*A[:12], 400, 401, 402, 403, 7]  # a's blocks, then a new full block and a token
+    assert set(mgr.host.entries) == set(digests(mgr, A)[1:])
+    events: list = []
+    mgr.add_listener(events.append)
+    assert rt.admit("c", longer, NS) == 12  # one block hit on the GPU, two loaded from host
+    assert (mgr.stats.loaded_blocks, mgr.stats.hit_blocks) == (2, 3)
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"]
+    assert [d for e in stored for d in e.block_hashes] == digests(mgr, longer)[1:]
+    mgr.check_integrity()  # every stored digest continues the chain
+    rt.step()
+    rt.release("c")
+    rt.check_cached()
+    assert run(rt, "c2", longer) == 16
+
+
 def test_loaded_kv_is_read_back_exactly() -> None:
     mgr, rt = manager()
     run(rt, "a", A)

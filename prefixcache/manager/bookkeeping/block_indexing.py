@@ -50,11 +50,14 @@ class BlockIndexer:
         now: float,
         *,
         owned: bool = True,
+        known: list[bytes] | None = None,
     ) -> None:
         """Enter the request's full blocks up to ``upto`` (``buf``: its int32 LE tokens;
         ``digest``: the digest of its deepest indexed block when the caller knows it) into the
         index, in order; they are pending until confirmed. ``owned``: the blocks carry
-        refcounts to drop (not so for a fresh admission's)."""
+        refcounts to drop (not so for a fresh admission's). ``known``: the digests of the
+        blocks right after the deepest indexed one, when the caller has them (loaded host
+        blocks), so they are not hashed again."""
         if seq.blocked:
             return
         parent = seq.deepest
@@ -65,7 +68,12 @@ class BlockIndexer:
             parent = self.index.root(seq.namespace)
         if digest is None:
             digest = parent.last_digest()
-        digests = self.hasher.hash_buffer(buf, digest, start, upto)
+        if known:
+            known = known[: upto - start]
+            tail = self.hasher.hash_buffer(buf, known[-1], start + len(known), upto)
+            digests = known + tail if tail else known
+        else:
+            digests = self.hasher.hash_buffer(buf, digest, start, upto)
         if parent.children and digests[0] in parent.children:  # blocks someone cached already
             followed = self._follow_cached(seq, parent, digests, buf, now)
             if followed is None:

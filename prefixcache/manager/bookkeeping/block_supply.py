@@ -83,6 +83,24 @@ class BlockSupply:
         are evictable: checked by the caller)."""
         now = self.now()
         index, evictor, events, offload = self.index, self.evictor, self.events, self.offload
+        if offload is None and not events.callbacks:  # nobody needs the digests: drop the tails
+            give_back = self.pool.give_back
+            evicted = count
+            while count > 0:
+                node = evictor.pop(now)
+                assert node is not None, "capacity check admitted more than is evictable"
+                k = len(node.blocks)
+                if count < k:
+                    k = count
+                parent = node.parent
+                give_back(index.trim_tail(node, k))
+                count -= k
+                if node.blocks:
+                    evictor.push(node, now)
+                elif parent is not None and parent.parent is not None and evictor.evictable(parent):
+                    evictor.push(parent, now)
+            self.stats.evicted_blocks += evicted
+            return
         while count > 0:
             node = evictor.pop(now)
             assert node is not None, "capacity check admitted more than is evictable"

@@ -7,7 +7,7 @@ recorded as an ``Offload`` or ``Load`` until ``take_transfers`` hands them out.
 
 from __future__ import annotations
 
-from itertools import groupby
+from itertools import groupby, repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -108,7 +108,7 @@ class HostOffload:
             self.stats.host_evicted_blocks += len(evicted)
             self.emit_removed(evicted)
         stored = len(slots)
-        self.offloads += [_new(Offload, pair) for pair in zip(ids, slots, strict=False)]
+        self.offloads += map(_new, repeat(Offload, stored), zip(ids, slots, strict=False))
         if stored < len(digests):  # no room: they leave the cache, with what is below them
             for gone in digests[stored:]:
                 self.drop_below(gone)
@@ -132,7 +132,7 @@ class HostOffload:
     def plan_loads(self, slots: list[int], blocks: list[int], *, stepped: bool) -> None:
         """Record the loads of host ``slots`` into GPU ``blocks``. Without steps the caller
         runs them before its next call, so their slots are free again at once."""
-        self.loads += [_new(Load, pair) for pair in zip(slots, blocks, strict=False)]
+        self.loads += map(_new, repeat(Load, len(slots)), zip(slots, blocks, strict=False))
         if not stepped:
             self.tier.release_deferred()
 

@@ -94,6 +94,7 @@ class RequestBlocks:
         node: Node | None = None
         digest = None
         matched = 0
+        table: list[int] = []
         match = plan.match
         if match is not None:
             matched = match.n
@@ -101,7 +102,7 @@ class RequestBlocks:
                 node, digest, j = match.node, match.digest, match.j
                 if j < len(node.blocks):
                     node = index.split(node, j)
-                index.hold(node, now, hit=True)
+                table = index.hold_table(node, now)  # held nodes: eviction leaves the table be
         host_run = plan.host_run
         if host_run:  # off the host tier before any offload of ours can evict them
             assert self.offload is not None
@@ -117,7 +118,6 @@ class RequestBlocks:
             assert self.offload is not None
             self.offload.plan_loads(host_slots, fresh, stepped=self.stepped)
         cow = plan.cow
-        table = index.path_blocks(node)
         cow_source = table[-1] if cow else -1
         del table[plan.shared :]
         table += fresh
@@ -138,7 +138,7 @@ class RequestBlocks:
             st.partial_copy_tokens += partial_tokens
         seq.unconfirmed = True
         if self.enable_caching:
-            self.indexer.index_blocks(seq, buf, t // p, digest, now, owned=False)
+            self.indexer.index_blocks(seq, buf, t // p, digest, now, owned=False, known=host_run)
         self.pool.own(seq.private)  # usually just the partial last block
         if priority or retention is not None or self.claims_all:
             seq.claim = (priority, math.inf if retention is None else now + retention)
