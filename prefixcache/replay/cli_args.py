@@ -14,7 +14,12 @@ from prefixcache.blocks.pool import UNBOUNDED
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.policies import POLICIES as ROUTING_POLICIES
 from prefixcache.replay.model_specs import parse_size
-from prefixcache.replay.workload.traces import FORMATS, MAX_LINE_BYTES, MAX_PROMPT_TOKENS
+from prefixcache.replay.workload.traces import (
+    FORMATS,
+    MAX_LINE_BYTES,
+    MAX_PROMPT_TOKENS,
+    MOONCAKE_CONTINUATIONS,
+)
 
 
 def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
@@ -150,6 +155,12 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
         help="output tokens for lines that give none (128)",
     )
     g.add_argument(
+        "--continuations",
+        choices=("on", "off"),
+        help="Mooncake traces: a turn that extends an earlier request's prompt and output hits "
+        f"the blocks that request decoded (default: {'on' if MOONCAKE_CONTINUATIONS else 'off'})",
+    )
+    g.add_argument(
         "--max-line-bytes",
         type=positive_int,
         default=MAX_LINE_BYTES,
@@ -173,4 +184,5 @@ def trace_settings(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len,
         "max_line_bytes": args.max_line_bytes,
         "max_prompt_tokens": args.max_prompt_tokens,
+        "continuations": None if args.continuations is None else args.continuations == "on",
     }

@@ -56,6 +56,7 @@ class ReplayConfig:
     output_len: int = 128  # for trace lines without an output length
     max_line_bytes: int = MAX_LINE_BYTES  # longer trace lines are rejected
     max_prompt_tokens: int = MAX_PROMPT_TOKENS  # longer trace prompts are rejected
+    continuations: bool | None = None  # Mooncake multi-turn continuations; None: the default
     record: bool = True  # per-request rows and timeline (off in sweep workers)
     # memory tiers below the GPU cache (prefixcache.replay.tiers.tier_settings)
     host_memory: int | None = None  # host-memory tier per replica, bytes (needs model)

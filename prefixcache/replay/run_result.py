@@ -27,6 +27,7 @@ from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.request_rows import format_number, write_requests_csv
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad
 from prefixcache.replay.tiers.tier_report import tiers_row
+from prefixcache.replay.workload.sources import continuations_of
 from prefixcache.run_format import (
     MISS_CAUSES,
     PERCENTILES,
@@ -94,7 +95,10 @@ class ReplayResult:
         return str(self.source.get("name", "run"))
 
     def config_dict(self) -> dict[str, Any]:
-        return self.config.report_dict(self.seed)
+        out = self.config.report_dict(self.seed)
+        if continuations_of(str(self.source.get("kind")), self.config.options):
+            out["continuations"] = True  # absent: off (and the digest of older runs kept)
+        return out
 
     def summary_row(self) -> dict[str, Any]:
         """One line of a sweep table."""

@@ -224,6 +224,10 @@ def with_progress(
 ) -> Iterator[T]:
     """``items`` with a progress bar on stderr counting them; None: when it is a terminal."""
     if not progress_enabled(enabled):
-        yield from items
-        return
+        return iter(items)  # nothing to count: no generator between the replay and its source
+    return _with_bar(items, total, label)
+
+
+def _with_bar(items: Iterable[T], total: int | None, label: str) -> Iterator[T]:
+    """``items`` counted on a bar, which appears when the first item is taken."""
     yield from counted(items, Progress(total, label))

@@ -21,6 +21,7 @@ POINT_KEYS = (
     "policy",
     "host_blocks",
     "pool_blocks",
+    "pool_write",
     "replicas",
     "routing",
 )
@@ -190,9 +191,10 @@ def run_points(run: Run) -> list[Point]:
     setup |= {
         "host_blocks": (tiers.get("host") or {}).get("blocks", 0),
         "pool_blocks": (tiers.get("pool") or {}).get("blocks", 0),
+        "pool_write": (tiers.get("pool") or {}).get("write"),  # None without a pool
     }
     if r["sweep"]:  # a point leaves out what it shares with the run's configuration
-        return [setup | p for p in r["sweep"]]
+        return [_pool_write(setup | p) for p in r["sweep"]]
     point: Point = {
         **setup,
         "capacity_blocks": cfg["capacity_blocks"],
@@ -202,7 +204,14 @@ def run_points(run: Run) -> list[Point]:
         "prompt_tokens": r["prompt_tokens"],
         "misses": r["misses"],
     }
-    return [point]
+    return [_pool_write(point)]
+
+
+def _pool_write(point: Point) -> Point:
+    """A point without a pool has no pool write policy (so it matches a run without tiers)."""
+    if not point.get("pool_blocks"):
+        point["pool_write"] = None
+    return point
 
 
 def _point_key(point: Point, keys: list[str]) -> tuple[Any, ...]:

@@ -28,6 +28,15 @@ _ALL = (
         "of N blocks keeps at most N − 1 reusable (shared, full) blocks for it.",
     ),
     Definition(
+        "continuations",
+        "Multi-turn continuations",
+        "Mooncake traces name blocks by hash id, and the next turn's copy of a block the last "
+        "turn's output filled gets a new id. On, a request whose ids and length extend an "
+        "earlier request's prompt plus output gets that request's decoded tokens there, so it "
+        "can hit the blocks the earlier request wrote as it decoded; off, every block is "
+        "synthesized from its id and no replay can hit them.",
+    ),
+    Definition(
         "replay_speed",
         "Replay speed",
         "Requests replayed per second of wall-clock time on this machine.",

@@ -27,7 +27,7 @@ from prefixcache.report.figures import (
 from prefixcache.report.formatting import bars, sparkline
 from prefixcache.report.run_dir import Run
 from prefixcache.report.run_warnings import run_warnings
-from prefixcache.report.serving_sections import fleet, serving
+from prefixcache.report.serving_sections import continuation_fields, fleet, serving
 from prefixcache.report.sweep_curves import (
     VARIANT_KEYS,
     capacity_knees,
@@ -112,6 +112,7 @@ def header(run: Run) -> Section:
         Field("Seed", str(cfg["seed"])),
         Field("Model", fmt.model_name(cfg["model"]) if cfg["model"] is not None else fmt.NA),
         Field("Partial-block copy", "on" if cfg["partial_copy"] else "off"),
+        *(continuation_fields(r) if cfg["mode"] != "serving" else []),  # else: assumptions
         Field(
             "Replay speed",
             f"{fmt.count(round(r['requests_per_second']))} requests/s "

@@ -54,6 +54,7 @@ def serving(run: Run) -> Section:
         ),
     ]
     section.fields += assumption_fields(run.report["config"], sv.get("assumptions"))
+    section.fields += continuation_fields(run.report)
     if np.isfinite(run.requests["ttft_s"].astype(np.float64)).any():
         section.plots.append("ttft")
     return section
@@ -141,6 +142,21 @@ def load_fields(load: dict[str, Any]) -> list[Field]:
     if scale:
         out.append(Field("Rate scale at full load", f"{scale:.3g}", "offered_load", "estimate"))
     return out
+
+
+def continuation_fields(report: dict[str, Any]) -> list[Field]:
+    """Whether a Mooncake trace's turns were linked (none for other workloads)."""
+    if report["source"]["kind"] != "mooncake":
+        return []
+    return [
+        Field(
+            "Multi-turn continuations",
+            "on: later turns can hit the blocks earlier turns decoded"
+            if report["config"].get("continuations")
+            else "off: every block is synthesized from its hash id",
+            "continuations",
+        )
+    ]
 
 
 def assumption_fields(cfg: dict[str, Any], assumptions: dict[str, Any] | None) -> list[Field]:

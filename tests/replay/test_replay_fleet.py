@@ -299,3 +299,23 @@ def test_a_fleet_refuses_a_workload_of_several_models(
     assert main([*args, "--out", str(tmp_path / "run"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "serves one model" in err and "Traceback" not in err
+
+
+def test_strict_fires_in_fleet_mode(tmp_path: Path) -> None:
+    """A fleet replay whose request outgrows a replica's cache is rejected, counted and
+    reported as in a single-cache replay, so --strict exits 3; without the big request it
+    exits 0."""
+    rows = [
+        {"token_ids": list(range(k * 1000, k * 1000 + 400)), "arrival_s": k * 0.5} for k in range(6)
+    ]
+    big = {"token_ids": list(range(90_000, 93_000)), "arrival_s": 1.2}  # 188 blocks > 100
+    fine, rejected = tmp_path / "fine.jsonl", tmp_path / "rejected.jsonl"
+    fine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rejected.write_text("".join(json.dumps(r) + "\n" for r in [*rows[:3], big, *rows[3:]]))
+    args = ["--mode", "serving", "--blocks", "100", "--replicas", "2", "--output-len", "4"]
+    args += ["--no-progress", "--strict"]
+    assert main(["replay", str(fine), *args, "--out", str(tmp_path / "a")]) == 0
+    assert main(["replay", str(rejected), *args, "--out", str(tmp_path / "b")]) == 3
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert report["rejected_requests"] == 1 and report["config"]["replicas"] == 2
+    assert {"benchmark", "load", "assumptions"} <= set(report["serving"])

@@ -46,6 +46,34 @@ def test_keyset_agrees_with_a_python_set_through_growth() -> None:
     assert len(ks) == len(ref) and all(k in ks for k in more)
 
 
+def test_keyset_chain_counts_the_leading_keys_it_held() -> None:
+    rng = np.random.default_rng(4)
+    ks, ref = KeySet(), set()
+    for _ in range(3000):  # chains of fresh keys, old keys, small keys and 0, through growth
+        fresh = [int(k) for k in rng.integers(0, 2**64, int(rng.integers(0, 9)), dtype=np.uint64)]
+        old = [int(k) for k in rng.choice(sorted(ref), int(rng.integers(0, 4)))] if ref else []
+        keys = old + fresh + [int(k) for k in rng.integers(0, 3, int(rng.integers(0, 2)))]
+        leading = next((k for k, key in enumerate(keys) if key not in ref), len(keys))
+        assert ks.add_chain(keys) == leading
+        ref.update(keys)
+        assert len(ks) == len(ref)
+    assert all(k in ks for k in ref)
+
+
+def test_rows_keep_the_rolling_hit_rate_across_flushes() -> None:
+    rows = RequestRows()
+    hits = [(i * 37) % 101 for i in range(9000)]
+    for i, hit in enumerate(hits):
+        rows.add(0.0, (i, 0, 100 + i % 3, hit, 6, 1, 0, 0, 0, 4, 0, 8))
+        if i in (0, 150, 4095, 4096, 4200, 8191, 8999):
+            last = range(max(0, i - 199), i + 1)
+            want = sum(hits[k] for k in last) / sum(100 + k % 3 for k in last)
+            assert rows.rolling_hit_rate() == want
+    assert len(rows) == 9000
+    rows.finish()
+    assert rows.rolling_hit_rate() == want and len(rows) == 9000
+
+
 def test_rows_reach_disk_while_the_replay_runs() -> None:
     rows = RequestRows()
     for i in range(20_000):

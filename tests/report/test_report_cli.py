@@ -298,3 +298,25 @@ def test_compare_matches_sweeps_that_differ_in_one_setting_throughout(
     out = capsys.readouterr().out
     assert "── Sweep points: 1 of A's 3 match B's 2" in out
     assert "Only in B (1): 800 blocks" in out
+
+
+def test_compare_tells_pool_write_policies_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two sweeps that differ only in when blocks enter the pool: the points match by capacity
+    and the write policy is named as what differs throughout, in the setup and the sweep."""
+    sweep = ("--blocks", "100,200", "--pool-memory", "1GiB")
+    a = _replay_chat(tmp_path / "a", *sweep, "--pool-write", "evict")
+    b = _replay_chat(tmp_path / "b", *sweep, "--pool-write", "through")
+    capsys.readouterr()
+    assert main(["compare", str(a), str(b), "--no-definitions"]) == 0
+    out = capsys.readouterr().out
+    assert terminal_rows(out)["config.tiers.pool_write"][0] == ["evict", "through"]
+    assert "── Sweep points: 2 of A's 2 match B's 2" in out
+    assert "Matched without pool write: evict in every point of A, through in every point of B" in (
+        " ".join(out.split())
+    )
+    # the same policy on both sides: the column says which
+    capsys.readouterr()
+    assert main(["compare", str(b), str(b), "--no-definitions"]) == 0
+    assert "Pool write" in capsys.readouterr().out

@@ -112,3 +112,26 @@ def test_load_run_rejects_broken_directories(tmp_path: Path) -> None:
     (run / "requests.csv").write_text("\n".join([lines[0], ",".join(cells), *lines[2:]]) + "\n")
     with pytest.raises(RunDirError, match="'prompt_tokens' is not numeric"):
         load_run(run)
+
+
+def test_tier_blocks_are_in_the_schema(tmp_path: Path) -> None:
+    """A run with a host tier and a write-through pool validates, and its ``tiers`` objects
+    (the figures and the config's settings) are checked, not just allowed."""
+    from prefixcache.cli import main
+
+    chat = Path(__file__).resolve().parents[1] / "golden" / "chat_small.yaml"
+    out = tmp_path / "run"
+    argv = ["replay", str(chat), "--model", "llama-3.1-8b", "--blocks", "200"]
+    argv += ["--host-memory", "1GiB", "--pool-memory", "1GiB", "--pool-write", "through"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert schema_problems(report) == []
+    for path, value, message in [
+        ("tiers.pool.write", "sometimes", "$.tiers.pool.write: 'sometimes' is not one of"),
+        ("tiers.host_token_hit_rate", 2, "$.tiers.host_token_hit_rate: 2 > maximum 1"),
+        ("tiers.host.loaded_blocks", -1, "$.tiers.host.loaded_blocks: -1 < minimum 0"),
+        ("tiers.transfer_seconds", _DELETE, "$.tiers: missing key 'transfer_seconds'"),
+        ("config.tiers.pool_write", None, "$.config.tiers.pool_write: expected string"),
+    ]:
+        problems = schema_problems(_set(report, path, value))
+        assert any(p.startswith(message) for p in problems), (path, problems)

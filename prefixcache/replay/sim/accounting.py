@@ -113,16 +113,17 @@ class Accountant:
         out of the capacity misses. ``host_tokens`` / ``pool_tokens``: the part of
         ``cached_len`` loaded from the host tier / the pool (the rest matched on the GPU)."""
         p = self.p
-        t = len(req.tokens)
+        arrival_s, tokens, output_len, namespace, samples = req[:5]
+        t = len(tokens)
         f = t // p
-        ns_index = self.namespaces.get(req.namespace)
+        ns_index = self.namespaces.get(namespace)
         if ns_index is None:
-            ns_index = self.namespaces[req.namespace] = len(self.namespaces)
+            ns_index = self.namespaces[namespace] = len(self.namespaces)
         if cow:
             n, m = f, 0
         else:
             n, m = divmod(cached_len, p)
-        anchor, u, v = self.shadow.observe(buf, f, req.namespace, n)
+        anchor, u, v = self.shadow.observe(buf, f, namespace, n)
         routing = 0
         if cow:
             cold = capacity = isolation = 0
@@ -138,7 +139,7 @@ class Accountant:
                 routing = (w - n) * p - lost
                 capacity = (u - w) * p
         ub = u * p if u < f else (t - 1 if f * p == t else f * p)
-        outputs = req.output_len * req.n
+        outputs = output_len * samples
 
         tot = self.totals
         tot.requests += 1
@@ -161,24 +162,27 @@ class Accountant:
         tot.rejected += rejected
         tot.attn_units += cached_len * (cached_len + 1) // 2
         if anchor is not None:
-            self.prefixes.add(anchor, req.tokens, req.namespace, n, cached_len)
+            self.prefixes.add(anchor, tokens, namespace, n, cached_len)
 
         log = self.log
         if log is not None:
-            row = (
-                request_id,
-                ns_index,
-                t,
-                cached_len,
-                f,
-                n,
-                cold,
-                capacity,
-                isolation,
-                tail,
-                routing,
+            log.add(
+                arrival_s,
+                (
+                    request_id,
+                    ns_index,
+                    t,
+                    cached_len,
+                    f,
+                    n,
+                    cold,
+                    capacity,
+                    isolation,
+                    tail,
+                    routing,
+                    outputs,
+                ),
             )
-            log.add(req.arrival_s, (*row, outputs))
 
     def note_output(self, req: Request, full_tokens_buf: bytes) -> None:
         """A sequence grew by its output, which a later request may reuse: the infinite cache
@@ -232,13 +236,13 @@ class NamespaceSeeds:
     """The key seed of each namespace, cached."""
 
     def __init__(self) -> None:
-        self._seeds: dict[Namespace, int] = {}
+        self.known: dict[Namespace, int] = {}  # the seeds computed so far
 
     def __call__(self, namespace: Namespace) -> int:
-        seed = self._seeds.get(namespace)
+        seed = self.known.get(namespace)
         if seed is None:
             seed = _h64(b"prefixcache/replay/ns\x00" + namespace.canonical_bytes())
-            self._seeds[namespace] = seed
+            self.known[namespace] = seed
         return seed
 
 
@@ -276,7 +280,10 @@ class Shadow:
         """Look up, then remember, the full-block prefixes of a sequence whose first ``known``
         blocks are known to be seen (the cache just matched them)."""
         bb = self.block_bytes
-        state = xxh3_64(buf[: known * bb], self.seed(namespace))
+        seed = self.seed.known.get(namespace)
+        if seed is None:
+            seed = self.seed(namespace)
+        state = xxh3_64(buf[: known * bb], seed)
         anchor = state.intdigest() if known else None
         if not self.enabled:
             return ShadowMatch(anchor, known, known)
@@ -292,21 +299,12 @@ def _extend(state: xxh3_64, buf: bytes, bb: int, start: int, end: int, seen: Key
     """Walk blocks ``start .. end-1`` with a hash state holding the blocks before ``start``:
     count the leading keys already seen, adding the others (a chain past an unseen block is
     unseen)."""
-    update, digest, add = state.update, state.intdigest, seen.add
-    k = start
-    offset = start * bb
-    while k < end:
+    update, digest = state.update, state.intdigest
+    keys = []
+    for offset in range(start * bb, end * bb, bb):
         update(buf[offset : offset + bb])
-        offset += bb
-        if add(digest()):
-            rest = []
-            for o in range(offset, end * bb, bb):
-                update(buf[o : o + bb])
-                rest.append(digest())
-            seen.update(rest)
-            return k
-        k += 1
-    return end
+        keys.append(digest())
+    return start + seen.add_chain(keys)
 
 
 # ---- the prefixes that saved the most tokens --------------------------------------------------

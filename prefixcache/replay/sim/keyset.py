@@ -78,11 +78,14 @@ class KeySet:
 
     def update(self, keys: list[int]) -> None:
         """Insert every key of ``keys`` (as ``add`` does, one call for all of them)."""
+        slots, mask, limit = self._slots, self._mask, self._limit
+        size = self._size
         for key in keys:
             if key == 0:
-                self.add(0)
+                if not self._has_zero:
+                    self._has_zero = True
+                    size += 1
                 continue
-            slots, mask = self._slots, self._mask
             i = key & mask
             while True:
                 v = slots[i]
@@ -90,11 +93,43 @@ class KeySet:
                     break
                 if v == 0:
                     slots[i] = key
+                    size += 1
+                    if size > limit:
+                        self._size = size
+                        self._grow()
+                        slots, mask, limit = self._slots, self._mask, self._limit
+                    break
+                i = (i + 1) & mask
+        self._size = size
+
+    def add_chain(self, keys: list[int]) -> int:
+        """Insert every key of ``keys`` (as ``update`` does); returns how many leading keys
+        were in the set already, ``len(keys)`` when all of them were."""
+        slots, mask = self._slots, self._mask
+        count = len(keys)
+        for k in range(count):  # the leading keys the set holds
+            key = keys[k]
+            if key == 0:
+                if self._has_zero:
+                    continue
+                break
+            i = key & mask
+            while True:
+                v = slots[i]
+                if v == key:
+                    break
+                if v == 0:
+                    slots[i] = key  # the first absent key, in the empty slot its probe ended at
                     self._size += 1
                     if self._size > self._limit:
                         self._grow()
-                    break
+                    self.update(keys[k + 1 :])
+                    return k
                 i = (i + 1) & mask
+        else:
+            return count
+        self.update(keys[k:])  # from the absent key 0 on
+        return k
 
     def _grow(self) -> None:
         """Double the table, moving the keys over a slice of the old one at a time, so growing

@@ -30,6 +30,8 @@ INT_COLUMNS = tuple(
     c for c in REQUEST_COLUMNS if c not in ("arrival_s", "ttft_s", "ttft_nocache_s")
 )
 _WIDTH = len(INT_COLUMNS)
+_PROMPT = INT_COLUMNS.index("prompt_tokens")
+_HIT = INT_COLUMNS.index("hit_tokens")
 
 
 def format_number(x: float) -> str:
@@ -50,36 +52,39 @@ class RequestRows:
         self._ints_file, self._arrivals_file = files
         self._ints = array("q")
         self._arrivals = array("d")
-        self._count = 0
+        self._flushed = 0  # rows written to the files
         self._open = True
-        self._prompt = [0] * ROLLING_WINDOW
-        self._hit = [0] * ROLLING_WINDOW
+        self._tail = array("q")  # the last rows flushed (for the rolling hit rate)
         self._cleanup = weakref.finalize(self, _remove, list(self._paths), files)
 
     def __len__(self) -> int:
-        return self._count
+        return self._flushed + len(self._arrivals)
 
     def add(self, arrival_s: float, row: tuple[int, ...]) -> None:
         """One request: ``row`` holds the ``INT_COLUMNS`` values (namespace as its index)."""
         self._ints.extend(row)
-        self._arrivals.append(arrival_s)
-        slot = self._count % ROLLING_WINDOW
-        self._prompt[slot] = row[2]
-        self._hit[slot] = row[3]
-        self._count += 1
-        if len(self._arrivals) >= _FLUSH_ROWS:
+        arrivals = self._arrivals
+        arrivals.append(arrival_s)
+        if len(arrivals) >= _FLUSH_ROWS:
             self._flush()
 
     def _flush(self) -> None:
-        self._ints.tofile(self._ints_file)
+        ints = self._ints
+        if len(ints):
+            self._tail = (self._tail + ints)[-ROLLING_WINDOW * _WIDTH :]
+        ints.tofile(self._ints_file)
         self._arrivals.tofile(self._arrivals_file)
+        self._flushed += len(self._arrivals)
         self._ints = array("q")
         self._arrivals = array("d")
 
     def rolling_hit_rate(self) -> float:
         """Hit tokens over prompt tokens of the last ``ROLLING_WINDOW`` requests."""
-        prompt = sum(self._prompt)
-        return sum(self._hit) / prompt if prompt else 0.0
+        span = ROLLING_WINDOW * _WIDTH
+        ints = self._ints
+        last = ints[-span:] if len(ints) >= span else (self._tail + ints)[-span:]
+        prompt = sum(last[_PROMPT::_WIDTH])
+        return sum(last[_HIT::_WIDTH]) / prompt if prompt else 0.0
 
     def finish(self) -> None:
         """Flush the rows; no more can be added."""

@@ -41,9 +41,9 @@ def run_sequential(
     truncated = 0
     i = -1
     for i, req in enumerate(requests):
-        tokens = req.tokens
+        tokens, namespace = req.tokens, req.namespace
         try:
-            adm = admit(i, tokens, req.namespace)
+            adm = admit(i, tokens, namespace)
         except RequestTooLargeError:
             record(i, req, tokens.tobytes(), 0, False, 0, rejected=True)
             continue
@@ -51,7 +51,7 @@ def run_sequential(
         if tiers is None:
             record(i, req, buf, adm.cached_len, adm.cow, adm.partial_tokens)
         else:
-            hit = tiers.split(buf, req.namespace, adm)
+            hit = tiers.split(buf, namespace, adm)
             record(
                 i,
                 req,
@@ -63,18 +63,18 @@ def run_sequential(
                 pool_tokens=hit.pool_tokens,
             )
         t = len(tokens)
-        due = timeline is not None and timeline.due(i)
+        due = timeline is not None and i % timeline.every == 0  # Timeline.due, inline
         if req.n == 1 and req.output_tokens is None:
             # Alone in the cache, a request uses exactly its table's blocks plus the source of
             # each copy (a partial match, or a fully cached prompt's last block), which it reads
             # as it would a shared block: both counts include the sources. (The manager pins the
             # whole radix node around a source, so its active count would overstate them.)
-            logical = active = len(adm.block_table) + len(adm.copies)
-            used = counts() if due else None
+            table = adm.block_table
+            logical = active = len(table) + len(adm.copies)
             if active > acc.physical_peak or logical > acc.logical_peak:
-                note_usage(active, logical, len(adm.block_table) * p - t)
-            if due and used is not None:
-                acc.sample_timeline(i, i, used, stats.evicted_blocks, final=False)
+                note_usage(active, logical, len(table) * p - t)
+            if due:
+                acc.sample_timeline(i, i, counts(), stats.evicted_blocks, final=False)
             release(i)
             continue
         written = _write_outputs(mgr, i, req, buf, acc, samples)

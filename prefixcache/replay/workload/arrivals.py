@@ -26,13 +26,23 @@ class ScaledArrivals:
     def __iter__(self) -> Iterator[Request]:
         """Each request, its arrival time scaled."""
         f = self.factor
+        if f == 1.0:  # the requests themselves, each still checked
+            for k, r in enumerate(self.requests):
+                if not r.arrival_s <= MAX_TIME_S:
+                    raise _too_late(k, r.arrival_s, f)
+                yield r
+            return
         for k, r in enumerate(self.requests):
             arrival = r.arrival_s * f
             if not arrival <= MAX_TIME_S:  # a tiny rate, or a large scale: no simulated clock
-                raise ConfigError(
-                    f"request {k + 1} would arrive at {arrival:g} s"
-                    + ("" if f == 1.0 else f" (scaled by {f:g})")
-                    + f", past {MAX_TIME_S:g} s: raise the arrival rate (or --rate-scale), "
-                    "or lower --time-scale"
-                )
-            yield r if f == 1.0 else r._replace(arrival_s=arrival)
+                raise _too_late(k, arrival, f)
+            yield r._replace(arrival_s=arrival)
+
+
+def _too_late(k: int, arrival: float, f: float) -> ConfigError:
+    return ConfigError(
+        f"request {k + 1} would arrive at {arrival:g} s"
+        + ("" if f == 1.0 else f" (scaled by {f:g})")
+        + f", past {MAX_TIME_S:g} s: raise the arrival rate (or --rate-scale), "
+        "or lower --time-scale"
+    )

@@ -14,6 +14,7 @@ from prefixcache.replay.workload.request import Request
 from prefixcache.replay.workload.scenario import is_scenario_path, load_scenario
 from prefixcache.replay.workload.scenario_requests import Workload
 from prefixcache.replay.workload.traces import (
+    MOONCAKE_CONTINUATIONS,
     TraceOptions,
     detect_format,
     read_trace,
@@ -95,6 +96,7 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
         output_len=config.output_len,
         max_line_bytes=config.max_line_bytes,
         max_prompt_tokens=config.max_prompt_tokens,
+        continuations=bool(continuations_of(fmt, config)),
     )
     return Source(
         str(p),
@@ -124,11 +126,24 @@ def _refuse_options_of_other_formats(config: ReplayConfig, path: Path, fmt: str)
             f"{path.name} is a text trace (one prompt a line, no chat messages): "
             "--chat-template does not apply"
         )
+    if fmt != "mooncake" and config.continuations is not None:
+        raise ConfigError(
+            f"--continuations links the turns of a Mooncake trace by their hash ids; {path.name} "
+            f"is a {fmt} trace, whose prompts already hold their context: drop the option"
+        )
     if fmt != "mooncake" and config.trace_block_size != ReplayConfig().trace_block_size:
         raise ConfigError(
             f"--trace-block-size is the block size of a Mooncake trace's hash ids; {path.name} "
             f"is a {fmt} trace: drop the option (--block-size sets the cache's)"
         )
+
+
+def continuations_of(kind: str, config: ReplayConfig) -> bool | None:
+    """Whether a Mooncake trace is read with multi-turn continuations (None: not a Mooncake
+    trace, where they do not apply)."""
+    if kind != "mooncake":
+        return None
+    return MOONCAKE_CONTINUATIONS if config.continuations is None else config.continuations
 
 
 def check_block_size(kind: str, trace_block_size: int, block_size: int) -> None:
@@ -148,6 +163,7 @@ _TRACE_FLAGS = (
     ("output_len", "--output-len"),
     ("max_prompt_tokens", "--max-prompt-tokens"),
     ("max_line_bytes", "--max-line-bytes"),
+    ("continuations", "--continuations"),
 )
 
 

@@ -38,6 +38,7 @@ from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.blocks.tokens import as_token_array
 from prefixcache.errors import ConfigError, InvalidArgumentError, InvalidTokensError
 from prefixcache.replay.workload.arrivals import MAX_TIME_S
+from prefixcache.replay.workload.continuations import Continuations, plan_continuations
 from prefixcache.replay.workload.input_errors import TraceFormatError
 from prefixcache.replay.workload.request import Request
 from prefixcache.replay.workload.synth import FULL_VOCAB, blocks_tokens, mix64, stream_key
@@ -50,6 +51,7 @@ PROMPT_KEYS = ("prompt", "text", "messages")
 NAMESPACE_KEYS = ("model", "adapter", "adapter_version", "salt")
 MAX_LINE_BYTES = 16 << 20  # a 2M-token prompt as token ids fits
 MAX_PROMPT_TOKENS = 2 << 20
+MOONCAKE_CONTINUATIONS = False  # the default of --continuations (see BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class TraceOptions:
     namespace: Namespace = DEFAULT_NAMESPACE
     max_line_bytes: int = MAX_LINE_BYTES  # longest line read
     max_prompt_tokens: int = MAX_PROMPT_TOKENS  # longest prompt built
+    continuations: bool = False  # Mooncake: later turns hit the blocks earlier turns decoded
 
 
 def detect_format(path: str | Path, limit: int = MAX_LINE_BYTES) -> str:
@@ -204,7 +207,11 @@ def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
     block = opt.trace_block_size
     synth = MooncakeTokens(block, opt.seed, opt.vocab_size)
     ns = opt.namespace
-    for lineno, line in _lines(path, opt.max_line_bytes):
+    turns = None
+    if opt.continuations:
+        plan = plan_continuations(_lines(path, opt.max_line_bytes), block)
+        turns = Continuations(plan, opt.seed, synth.vocab) if plan else None
+    for index, (lineno, line) in enumerate(_lines(path, opt.max_line_bytes)):
         obj = _parse(line, path, lineno)
         length = _int(obj, "input_length", path, lineno, 1)
         _check_prompt(length, opt, path, lineno)
@@ -220,11 +227,15 @@ def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
                 f"ceil({length} / {block}) = {-(-length // block)} (one per {block}-token block)",
             )
         try:
+            context = turns.parent_context(index) if turns is not None else None
+            if context is not None:
+                synth.fix(ids, *context)
             tokens = synth.tokens(ids, length)
         except (TypeError, ValueError, OverflowError):
             raise TraceFormatError(path, lineno, "'hash_ids' must be integers >= 0") from None
         arrival = _time(obj, ("timestamp",), 1e-3, path, lineno, 0.0)
-        yield Request(arrival, tokens, output, ns)
+        out = turns.output_of(index, tokens, output, block) if turns is not None else None
+        yield Request(arrival, tokens, output, ns, 1, out)
 
 
 def _namespace(obj: dict[str, Any], base: Namespace, path: str, lineno: int) -> Namespace:
@@ -353,6 +364,7 @@ class MooncakeTokens:
         self.vocab = vocab_size or FULL_VOCAB
         self._salt = np.uint64(stream_key("mooncake", seed))
         self._cache: dict[int, np.ndarray] = {}
+        self._fixed: dict[int, np.ndarray] = {}  # blocks a continuation rebuilt, kept for good
         self._limit = max_cached_blocks
 
     def tokens(self, hash_ids: list[int], length: int) -> np.ndarray:
@@ -364,7 +376,8 @@ class MooncakeTokens:
                 raise ValueError("hash ids must be integers >= 0")
             if len(cache) + len(missing) > self._limit:
                 cache.clear()  # a crude bound: blocks are regenerated identically when needed
-                missing = list(dict.fromkeys(hash_ids))
+                cache.update(self._fixed)
+                missing = [h for h in dict.fromkeys(hash_ids) if h not in cache]
             ids = np.asarray(missing, dtype=np.uint64)
             rows = blocks_tokens(mix64(ids ^ self._salt), self.block_size, self.vocab)
             for h, row in zip(missing, rows, strict=True):
@@ -372,3 +385,17 @@ class MooncakeTokens:
         if len(hash_ids) == 1:
             return cache[hash_ids[0]][:length]
         return np.concatenate([cache[h] for h in hash_ids])[:length]
+
+    def fix(self, hash_ids: list[int], start: int, context: np.ndarray) -> None:
+        """Rebuild the blocks of ``hash_ids`` that cover positions ``start ..
+        start + len(context)`` with ``context`` there (a continued turn's prompt tail and
+        output), the rest synthesized; each id keeps its first rebuilt block for good."""
+        p, end = self.block_size, start + len(context)
+        for b in range(start // p, min(len(hash_ids), -(-end // p))):
+            h = hash_ids[b]
+            if h in self._fixed:
+                continue
+            row = self.tokens([h], p).copy()
+            lo, hi = max(start, b * p), min(end, (b + 1) * p)
+            row[lo - b * p : hi - b * p] = context[lo - start : hi - start]
+            self._fixed[h] = self._cache[h] = row
