@@ -1,7 +1,7 @@
-"""Fleet index figures: ingest blocks/s (memory, Redis pipelined), bytes per (block, replica) for
-the memory index, match latency for a 512-block prompt over 16 replicas, and KV events through
-the subscriber into Redis with and without the shared engine map (alternating; blocks/s and
-Redis memory per block). Medians of repeats.
+"""Fleet index figures: ingest blocks/s (memory, memory+compact, Redis pipelined), bytes per
+(block, replica) for the in-process indexes (digests included), match latency for a 512-block
+prompt over 16 replicas, and KV events through the subscriber into Redis with and without
+the shared engine map (alternating; blocks/s and Redis memory per block). Medians of repeats.
 
     python bench/fleet_ingest.py [--blocks 200000] [--repeats 5] [--redis-url URL]
 
@@ -23,6 +23,7 @@ import tracemalloc
 
 from prefixcache.fleet.events import wire as kv_wire
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
+from prefixcache.fleet.index.compact_index import CompactFleetIndex
 from prefixcache.fleet.index.memory_index import MemoryFleetIndex
 from prefixcache.fleet.index.redis_index import RedisFleetIndex
 
@@ -38,20 +39,20 @@ def ingest_rate(index, digests) -> float:
     return len(digests) / (time.perf_counter() - t)
 
 
-def bytes_per_block(n: int, replicas: int) -> tuple[float, float]:
-    """(index structures only, including the digest objects) per (block, replica); each block
-    held by ``replicas`` replicas."""
-    digests = [os.urandom(16) for _ in range(n)]
-    index = MemoryFleetIndex()
+def bytes_per_block(kind, n: int, replicas: int) -> float:
+    """Bytes the index keeps per (block, replica), digests included: each run's digest objects
+    are made inside the measurement and dropped after the store, as the event intake drops
+    them, so whatever the index keeps of them counts. Each block held by ``replicas``
+    replicas."""
+    index = kind()
+    runs = [os.urandom(16 * RUN) for _ in range(0, n, RUN)]  # one object per run, made before
     tracemalloc.start()
     for r in range(replicas):
-        for i in range(0, n, RUN):
-            index.store(f"pod-{r}", digests[i : i + RUN])
+        for raw in runs:
+            index.store(f"pod-{r}", [raw[i : i + 16] for i in range(0, len(raw), 16)])
     structures, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    keys = n * (len(digests[0]) + 33)  # a 16-byte bytes object
-    pairs = n * replicas
-    return structures / pairs, (structures + keys) / pairs
+    return structures / (len(runs) * RUN * replicas)
 
 
 def match_latency(index, repeats: int) -> tuple[float, float]:
@@ -96,6 +97,45 @@ def event_ingest(url: str, tag: str, batches: list[bytes], engine_map: bool) -> 
     return len(batches) * RUN / seconds, used / (len(batches) * RUN)
 
 
+def unplaced_batches(n: int, orphan: bool, block_size: int = 16) -> list[bytes]:
+    """Batches of RUN-block runs, each under its own first block (``orphan``: under a parent
+    never stored, as a router that joined late sees them)."""
+    out = []
+    for i in range(0, n, RUN):
+        hashes = list(range(i + 1, i + RUN + 1))
+        parent = (1 << 40) + i if orphan else None
+        tokens = [(i * 7 + t) % 50_000 for t in range(RUN * block_size)]
+        event = kv_wire.WireBlockStored(hashes, parent, tokens, block_size, None, "GPU", None)
+        out.append(kv_wire.encode_batch(kv_wire.KVEventBatch(0.0, [event])))
+    return out
+
+
+def unplaced_ingest(batches: list[bytes]) -> float:
+    """Blocks/s of ``batches`` through a subscriber (engine keys on) into a memory index."""
+    from prefixcache.fleet.events.engine_keys import EngineHashSpec
+
+    spec = EngineHashSpec("vllm", "sha256_cbor")
+    sub = KVEventSubscriber(MemoryFleetIndex(), [ReplicaEndpoint("pod-0", engine_hash=spec)])
+    t = time.perf_counter()
+    for seq, payload in enumerate(batches):
+        sub.ingest("pod-0", seq, payload)
+    return len(batches) * RUN / (time.perf_counter() - t)
+
+
+def unplaced_figures(n: int, repeats: int) -> None:
+    """Events whose parents are known (placed, digests) against ones whose parents were never
+    seen (kept unplaced by engine hash), alternating; medians and their ratio."""
+    kinds = {False: unplaced_batches(n, False), True: unplaced_batches(n, True)}
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for k in range(repeats):
+        for orphan in (k % 2 == 0, k % 2 == 1):
+            rates[orphan].append(unplaced_ingest(kinds[orphan]))
+    placed, kept = (statistics.median(rates[x]) for x in (False, True))
+    print(f"events via subscriber, parents known (placed):   {placed:,.0f} blocks/s")
+    print(f"events via subscriber, parents unseen (unplaced): {kept:,.0f} blocks/s")
+    print(f"unplaced/placed ingest rate ratio: {kept / placed:.2f}")
+
+
 def start_redis() -> tuple[subprocess.Popen[bytes], str] | None:
     if shutil.which("redis-server") is None:
         return None
@@ -125,20 +165,28 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--redis-url", help="an index URL to measure instead of a fresh redis-server")
+    ap.add_argument("--unplaced", action="store_true", help="only blocks under unseen parents")
     args = ap.parse_args()
     n = args.blocks
-    rates = []
-    for _ in range(args.repeats):
-        rates.append(ingest_rate(MemoryFleetIndex(), [os.urandom(16) for _ in range(n)]))
-    print(f"memory ingest: {statistics.median(rates):,.0f} blocks/s")
-    for replicas in (1, 4):
-        only, total = bytes_per_block(n, replicas)
-        print(
-            f"memory bytes per (block, replica), {replicas} replica(s) per block: "
-            f"{only:.1f} (structures), {total:.1f} (with the digest objects)"
-        )
-    p50, p99 = match_latency(MemoryFleetIndex(), 1000)
-    print(f"memory match, 512 blocks x 16 replicas: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    if args.unplaced:
+        unplaced_figures(n, args.repeats)
+        return
+    kinds = {"memory": MemoryFleetIndex, "memory+compact": CompactFleetIndex}
+    rates: dict[str, list[float]] = {name: [] for name in kinds}
+    for _ in range(args.repeats):  # the two in-process indexes alternate
+        digests = [os.urandom(16) for _ in range(n)]
+        for name, kind in kinds.items():
+            rates[name].append(ingest_rate(kind(), digests))
+    for name, kind in kinds.items():
+        print(f"{name} ingest: {statistics.median(rates[name]):,.0f} blocks/s")
+        for replicas in (1, 4):
+            per_pair = bytes_per_block(kind, n, replicas)
+            print(
+                f"{name} bytes per (block, replica), {replicas} replica(s) per block, digests "
+                f"included: {per_pair:.1f}"
+            )
+        p50, p99 = match_latency(kind(), 1000)
+        print(f"{name} match, 512 blocks x 16 replicas: p50 {p50:.0f} us, p99 {p99:.0f} us")
     proc = None
     if args.redis_url:
         url = args.redis_url

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from prefixcache.errors import ConfigError, FleetCapacityError, InvalidArgumentError
 from prefixcache.fleet.events import wire as kv_wire
+from prefixcache.fleet.index.compact_index import CompactFleetIndex
 from prefixcache.fleet.index.memory_index import MemoryFleetIndex
 from prefixcache.fleet.index.open_index import open_index
 from prefixcache.fleet.index.prefix_index import CPU, GPU, AppliedBatch, EngineBlock, ReplicaMatch
@@ -62,10 +63,14 @@ def _expected(model, digests):
     return out
 
 
+IN_PROCESS_INDEXES = (MemoryFleetIndex, CompactFleetIndex)
+
+
+@pytest.mark.parametrize("kind", IN_PROCESS_INDEXES)
 @settings(max_examples=150, deadline=None)
 @given(OPS, st.integers(0, 11))
-def test_memory_index_equals_a_dict_of_sets(ops, start):
-    index, model = MemoryFleetIndex(), {}
+def test_memory_index_equals_a_dict_of_sets(kind, ops, start):
+    index, model = kind(), {}
     for op in ops:
         _apply(index, model, op)
     for digests in (CHAIN, CHAIN[start:], []):
@@ -297,8 +302,9 @@ def test_engine_maps_are_written_back_after_redis_lost_its_data(redis_server):
         x.close()
 
 
-def test_limits_and_bad_input():
-    index = MemoryFleetIndex(max_replicas=2, max_blocks_per_replica=3)
+@pytest.mark.parametrize("kind", IN_PROCESS_INDEXES)
+def test_limits_and_bad_input(kind):
+    index = kind(max_replicas=2, max_blocks_per_replica=3)
     index.store("a", CHAIN[:5])
     assert index.num_blocks("a") == 3 and index.overflow("a") == 2
     assert index.match(CHAIN) == [ReplicaMatch("a", 3, 3)]
@@ -320,15 +326,17 @@ def test_limits_and_bad_input():
     with pytest.raises(ConfigError):
         open_index("postgres://x")
     assert isinstance(open_index("memory"), MemoryFleetIndex)
+    assert isinstance(open_index("memory+compact"), CompactFleetIndex)
 
 
-def test_matches_run_while_the_ingestion_thread_adds_and_drops_replicas() -> None:
+@pytest.mark.parametrize("kind", IN_PROCESS_INDEXES)
+def test_matches_run_while_the_ingestion_thread_adds_and_drops_replicas(kind) -> None:
     """The router matches outside any lock while the subscriber's thread registers replicas (on
     their first store) and drops them: no read may fail on a map changing under it."""
     import sys
     import threading
 
-    index = MemoryFleetIndex()
+    index = kind()
     digests = [bytes([k]) * 16 for k in range(1, 9)]
     index.store("base", digests)
     errors: list[BaseException] = []

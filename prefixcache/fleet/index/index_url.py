@@ -60,11 +60,14 @@ def _has_hash_tag(prefix: str) -> bool:
     return end > start + 1
 
 
+IN_PROCESS = ("memory", "memory+compact")  # index URLs of this process's own index
+
+
 def check_index_url(url: Any, where: str = "index") -> str:
-    """``url`` if it names an index backend ("memory", "redis://host[:port][/db]" or
-    "redis+cluster://host[:port]")."""
-    if url == "memory":
-        return url
+    """``url`` if it names an index backend ("memory", "memory+compact",
+    "redis://host[:port][/db]" or "redis+cluster://host[:port]")."""
+    if url in IN_PROCESS:
+        return str(url)
     parts = urlsplit(url) if isinstance(url, str) else None
     schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster")
     ok = parts is not None and parts.scheme in schemes and bool(parts.hostname)

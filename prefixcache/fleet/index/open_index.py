@@ -27,7 +27,8 @@ __all__ = ["check_index_prefix", "check_index_url", "open_index"]
 def open_index(
     url: str, prefix: str | None = None, **options: Any
 ) -> MemoryFleetIndex | RedisFleetIndex:
-    """The index ``url`` names: ``"memory"`` (this process), ``redis://host:port/db`` (shared;
+    """The index ``url`` names: ``"memory"`` (this process; ``"memory+compact"``: in at most 64
+    bytes per block and replica, slower to write), ``redis://host:port/db`` (shared;
     ``rediss://`` too) or ``redis+cluster://host:port`` (a Redis Cluster). ``prefix`` (or the
     URL's ``?prefix=``) is the Redis key prefix; None: the default. The in-memory index shares
     nothing and ignores it. ``options`` go to the index's constructor. Raises ConfigError for any
@@ -39,6 +40,10 @@ def open_index(
         from prefixcache.fleet.index.memory_index import MemoryFleetIndex
 
         return MemoryFleetIndex(**options)
+    if url == "memory+compact":
+        from prefixcache.fleet.index.compact_index import CompactFleetIndex
+
+        return CompactFleetIndex(**options)
     from prefixcache.fleet.index.redis_index import RedisFleetIndex
 
     if prefix is not None:
