@@ -1,6 +1,7 @@
 """Route latency: 8k-token prompts across 16 replicas, in process and over loopback HTTP.
 
     python bench/route_latency.py [--routes 400] [--repeats 5] [--tokens 8192] [--replicas 16]
+    python bench/route_latency.py --auth [--routes 300] [--repeats 6]
 
 In process: ``Router.route`` on an int32 array and on a Python list (what a JSON body gives),
 each route counted as load and released. Over HTTP: the service in a uvicorn subprocess on
@@ -10,6 +11,14 @@ process, <= 5 ms over HTTP).
 
 Also the time to check and render a 21-message conversation through a Llama-3-style chat
 template, which a chat route adds before tokenizing.
+
+``--auth`` adds the cost of access control: two services side by side, one as without keys (plain
+uvicorn, no limits) and one with an API key of a tenant, per-key rate and in-flight limits, and
+the config's connection and read limits (``server``); routes alternate between them one by one
+(ABBA) and the ratio of the medians of their p50s and p99s is printed (target: at most 1.05).
+The same comparison runs first through the two ASGI apps in this process, which leaves out the
+sockets and the second process (and their noise on a busy machine). Each
+service's index holds the prompts under the namespace its routes see, so both do the same work.
 
 The index is the in-memory fleet index (``prefixcache.fleet.index.memory_index``). Every
 replica holds a different depth of one of four prompt families (0 to 100% of the prompt), so each
@@ -43,8 +52,8 @@ def make_index() -> tuple[Any, str]:
     return open_index("memory"), "MemoryFleetIndex"
 
 
-def build(tokens: int, replicas: int) -> tuple[Any, str, list[np.ndarray]]:
-    """A seeded router and the prompts to route."""
+def build(tokens: int, replicas: int, salt: str | None = None) -> tuple[Any, str, list[np.ndarray]]:
+    """A seeded router and the prompts to route (indexed under ``salt``)."""
     from prefixcache.blocks.hashing import BlockHasher
     from prefixcache.blocks.namespace import Namespace
     from prefixcache.fleet.replica_spec import ReplicaSpec
@@ -55,7 +64,8 @@ def build(tokens: int, replicas: int) -> tuple[Any, str, list[np.ndarray]]:
     families = [rng.integers(0, 128_000, tokens).astype("<i4") for _ in range(4)]
     index, label = make_index()
     hasher = BlockHasher(BLOCK)
-    chains = [hasher.hash_prompt(f, ns) for f in families]
+    seeded = Namespace(MODEL, salt=salt)
+    chains = [hasher.hash_prompt(f, seeded) for f in families]
     blocks = tokens // BLOCK
     for i in range(replicas):
         depth = blocks * (i + 1) // replicas
@@ -89,21 +99,183 @@ def in_process(router: Any, prompts: list[Any], routes: int) -> tuple[float, flo
     return percentiles(times)
 
 
-def serve(port: int, tokens: int, replicas: int) -> None:
-    """The service over the seeded router (run in a subprocess by the HTTP part)."""
+BENCH_KEY = "sk-bench-route-latency-0123456789"
+KEYS_ENV = "PREFIXCACHE_BENCH_KEYS"
+
+
+def serve(port: int, tokens: int, replicas: int, secure: bool = False) -> None:
+    """The service over the seeded router (run in a subprocess by the HTTP part); ``secure``:
+    with a tenant's API key, per-key limits and the connection and read limits."""
     import uvicorn
+
+    from prefixcache.fleet.service.transport import uvicorn_config
+
+    app, config = _app(tokens, replicas, secure)
+    if secure:
+        uvicorn.Server(uvicorn_config(app, config, "127.0.0.1", port, "warning")).run()
+    else:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def _start(args: argparse.Namespace, secure: bool) -> tuple[subprocess.Popen[bytes], str]:
+    """A service subprocess on a free port, and its base URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, __file__, "--serve", str(port), "--tokens", str(args.tokens)]
+    cmd += ["--replicas", str(args.replicas)] + (["--secure"] if secure else [])
+    return subprocess.Popen(cmd, cwd=ROOT), f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(client: Any, proc: subprocess.Popen[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if client.get("/healthz").status_code == 200:
+                return
+        except httpx.TransportError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _app(tokens: int, replicas: int, secure: bool) -> tuple[Any, Any]:
+    """The service app over a seeded router (with keys and per-key limits when ``secure``),
+    and its config."""
+    import os
 
     from prefixcache.fleet.service.app import create_app
     from prefixcache.fleet.service.settings import parse_config
 
-    router, _, _ = build(tokens, replicas)
-    config = parse_config(
-        {
-            "replicas": [{"name": s.name, "model": MODEL} for s in router.replicas()],
-            "limits": {"max_body_bytes": 64 * tokens, "max_prompt_tokens": 2 * tokens},
+    router, _, _ = build(tokens, replicas, "tenant:bench" if secure else None)
+    data: dict[str, Any] = {
+        "replicas": [{"name": s.name, "model": MODEL} for s in router.replicas()],
+        "limits": {"max_body_bytes": 64 * tokens, "max_prompt_tokens": 2 * tokens},
+    }
+    if secure:
+        os.environ[KEYS_ENV] = f"{{{BENCH_KEY}: bench}}"
+        data["auth"] = {
+            "keys_env": KEYS_ENV,
+            "max_in_flight_per_key": 1000,
+            "rate_per_s": 1e6,
+            "burst": 1000000,
         }
-    )
-    uvicorn.run(create_app(router, config), host="127.0.0.1", port=port, log_level="warning")
+        data["server"] = {"max_connections": 1000, "header_timeout_s": 10, "body_timeout_s": 30}
+    config = parse_config(data)
+    return create_app(router, config), config
+
+
+def auth_overhead_asgi(args: argparse.Namespace, prompts: list[np.ndarray]) -> float:
+    """The same comparison through the ASGI apps in this process (no sockets, no second
+    process): what the key check, the tenant salt, the per-key limits and the body timeout
+    add per route. Prints the figures; returns the p50 ratio."""
+    import asyncio
+
+    import httpx
+
+    bodies = [
+        json.dumps({"model": MODEL, "tokens": p.tolist(), "request_id": "h"}).encode()
+        for p in prompts
+    ]
+    release = json.dumps({"request_id": "h"}).encode()
+
+    async def run() -> dict[bool, list[tuple[float, float]]]:
+        samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        clients = {}
+        for secure in (False, True):
+            headers = {"content-type": "application/json"}
+            if secure:
+                headers["authorization"] = f"Bearer {BENCH_KEY}"
+            transport = httpx.ASGITransport(_app(args.tokens, args.replicas, secure)[0])
+            clients[secure] = httpx.AsyncClient(
+                transport=transport, base_url="http://bench", headers=headers
+            )
+        for repeat in range(args.repeats + 1):  # the first is a warm-up
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for i in range(2 * args.routes):
+                secure = bool(i % 2) != bool((i // 2) % 2)  # ABBA order
+                client = clients[secure]
+                start = time.perf_counter()
+                r = await client.post("/v1/route", content=bodies[(i // 2) % len(bodies)])
+                times[secure].append(time.perf_counter() - start)
+                assert r.status_code == 200, r.text
+                assert (await client.post("/v1/release", content=release)).status_code == 200
+            if repeat:
+                for secure, values in times.items():
+                    samples[secure].append(percentiles(values))
+        for client in clients.values():
+            await client.aclose()
+        return samples
+
+    return _report("in process (ASGI)", asyncio.run(run()))
+
+
+def _report(where: str, samples: dict[bool, list[tuple[float, float]]]) -> float:
+    p50 = {k: statistics.median(v[0] for v in samples[k]) * 1e3 for k in samples}
+    p99 = {k: statistics.median(v[1] for v in samples[k]) * 1e3 for k in samples}
+    print(f"access control, {where}, medians of {len(samples[False])} repeats:")
+    for secure, name in ((False, "no keys, no limits"), (True, "tenant key + limits")):
+        print(f"  {name:22} p50 {p50[secure]:7.3f} ms  p99 {p99[secure]:7.3f} ms")
+    ratio = p50[True] / p50[False]
+    verdict = "met" if ratio <= 1.05 else "NOT met"
+    tail = p99[True] / p99[False]
+    print(f"  ratio p50 {ratio:.3f}, p99 {tail:.3f}  (target p50 <= 1.05: {verdict})")
+    return ratio
+
+
+def auth_overhead(args: argparse.Namespace, prompts: list[np.ndarray]) -> None:
+    """Route latency with and without access control, routes interleaved; prints the
+    ratio of the medians (secured / open)."""
+    import httpx
+
+    bodies = [
+        json.dumps({"model": MODEL, "tokens": p.tolist(), "request_id": "h"}).encode()
+        for p in prompts
+    ]
+    release = json.dumps({"request_id": "h"}).encode()
+    open_proc, open_base = _start(args, False)
+    secure_proc, secure_base = _start(args, True)
+    samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    try:
+        plain = {"content-type": "application/json"}
+        keyed = {**plain, "authorization": f"Bearer {BENCH_KEY}"}
+        with (
+            httpx.Client(base_url=open_base, timeout=10.0, headers=plain) as open_client,
+            httpx.Client(base_url=secure_base, timeout=10.0, headers=keyed) as secure_client,
+        ):
+            clients = {False: open_client, True: secure_client}
+            _wait_healthy(open_client, open_proc)
+            _wait_healthy(secure_client, secure_proc)
+            for client in clients.values():  # warm-up
+                for _ in range(50):
+                    client.post("/v1/route", content=bodies[0])
+                    client.post("/v1/release", content=release)
+            for _ in range(args.repeats):  # routes interleaved one by one: same conditions
+                times: dict[bool, list[float]] = {False: [], True: []}
+                for i in range(2 * args.routes):
+                    secure = bool(i % 2) != bool((i // 2) % 2)  # ABBA order
+                    client = clients[secure]
+                    start = time.perf_counter()
+                    r = client.post("/v1/route", content=bodies[(i // 2) % len(bodies)])
+                    times[secure].append(time.perf_counter() - start)
+                    assert r.status_code == 200, r.text
+                    assert client.post("/v1/release", content=release).status_code == 200
+                for secure, values in times.items():
+                    samples[secure].append(percentiles(values))
+    finally:
+        _stop(open_proc)
+        _stop(secure_proc)
+    _report("over loopback HTTP (two uvicorn processes)", samples)
 
 
 def over_http(args: argparse.Namespace, prompts: list[np.ndarray]) -> list[tuple[float, float]]:
@@ -192,16 +364,81 @@ def chat_render(turns: int, chars: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def unplaced_overhead(args: argparse.Namespace) -> None:
+    """Routes while every replica holds blocks stored under a parent the router never saw (it
+    joined late): each route then computes the prompt's engine hashes (vLLM's, once per route)
+    and matches them on every replica. Alternating with the index alone; medians, ratio."""
+    from prefixcache.blocks.namespace import Namespace
+    from prefixcache.fleet.events import wire as kv_wire
+    from prefixcache.fleet.events.engine_keys import EngineHasher, EngineHashSpec
+    from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
+
+    router, _, prompts = build(args.tokens, args.replicas)
+    ns = Namespace(MODEL)
+    stored = kv_wire.WireBlockStored([1 << 41], 1 << 40, [1] * BLOCK, BLOCK, None, "GPU", None)
+    payload = kv_wire.encode_batch(kv_wire.KVEventBatch(0.0, [stored]))
+    print(f"{args.tokens}-token prompts, {args.replicas} replicas with unplaced blocks")
+    for algo in ("sha256_cbor", "xxhash_cbor"):
+        spec = EngineHashSpec("vllm", algo, "0")
+        names = [s.name for s in router.replicas()]
+        sub = KVEventSubscriber(
+            router.index,
+            [ReplicaEndpoint(n, namespace=ns, block_size=BLOCK, engine_hash=spec) for n in names],
+        )
+        for n in names:
+            sub.ingest(n, 0, payload)
+        figures: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for k in range(args.repeats):
+            for on in (k % 2 == 0, k % 2 == 1):
+                router.attach_held(sub.unplaced if on else None)
+                figures[on].append(in_process(router, prompts, args.routes))
+        router.attach_held(None)
+        cold = []
+        hasher = EngineHasher(spec, BLOCK)
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for prompt in prompts:
+                hasher.digests(prompt)
+            cold.append((time.perf_counter() - t0) / len(prompts))
+        print(
+            f"{algo}: a prompt's engine hashes, first computed: "
+            f"{statistics.median(cold) * 1e3:.2f} ms ({args.tokens // BLOCK} blocks)"
+        )
+        off, on = (
+            (
+                statistics.median(v[0] for v in figures[x]),
+                statistics.median(v[1] for v in figures[x]),
+            )
+            for x in (False, True)
+        )
+        print(
+            f"{algo}: index alone p50 {off[0] * 1e3:.3f} ms p99 {off[1] * 1e3:.3f} ms; "
+            f"with engine keys p50 {on[0] * 1e3:.3f} ms p99 {on[1] * 1e3:.3f} ms; "
+            f"ratio p50 {on[0] / off[0]:.2f} p99 {on[1] / off[1]:.2f}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--routes", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--auth", action="store_true", help="only the access-control comparison")
+    ap.add_argument("--unplaced", action="store_true", help="only the engine-key lookup cost")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.tokens, args.replicas)
+        serve(args.serve, args.tokens, args.replicas, args.secure)
+        return
+    if args.auth:
+        prompts = build(args.tokens, args.replicas)[2]
+        auth_overhead_asgi(args, prompts)
+        auth_overhead(args, prompts)
+        return
+    if args.unplaced:
+        unplaced_overhead(args)
         return
     router, label, prompts = build(args.tokens, args.replicas)
     as_lists = [p.tolist() for p in prompts]

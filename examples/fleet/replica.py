@@ -29,6 +29,14 @@ Endpoints:
 - ``GET /healthz``: status, model, block size, capacity and the bound ZMQ endpoints (binding
   ``tcp://127.0.0.1:*`` picks free ports; /healthz tells which).
 - ``GET /stats``: requests, prompt and cached tokens, and the manager's block counts.
+- ``POST /held``: ``{"prompt": token ids or text}``: how many leading full blocks of the prompt
+  this replica's cache holds now (changing nothing), the truth a router's index is checked
+  against.
+
+With ``--engine-hash vllm-sha256_cbor`` (or another of vLLM's algorithms, or ``sglang-sha256``)
+the events carry the block hashes that engine would compute for the same tokens instead of
+prefixcache's digests, as a vLLM replica does; a router told the same ``engine_hash`` can then
+find blocks stored under a parent it never saw.
 """
 
 from __future__ import annotations
@@ -53,7 +61,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixcache import Namespace
 from prefixcache.errors import PrefixCacheError
+from prefixcache.fleet.events.engine_keys import EngineHasher, parse_engine_hash
 from prefixcache.fleet.events.publisher import KVEventPublisher
+from prefixcache.fleet.events.wire import WireAllBlocksCleared, WireBlockRemoved, WireBlockStored
+from prefixcache.manager.block_events import CacheEvent
 from prefixcache.text.chat_template import chat_messages
 from prefixcache.text.tokenizers import render_chat
 
@@ -92,6 +103,32 @@ def decode_text(token_ids: list[int]) -> str:
     return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
 
+class EngineKeyedPublisher(KVEventPublisher):
+    """Publishes a manager's events with an engine's block hashes in place of prefixcache's
+    digests, keeping each cached block's engine digest until the block leaves the cache."""
+
+    def __init__(self, hasher: EngineHasher, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hasher = hasher
+        self._engine: dict[bytes, bytes] = {}  # prefixcache digest -> engine digest
+
+    def on_event(self, event: CacheEvent) -> None:
+        """Queue the event, its hashes in the engine's form."""
+        super().on_event(event)
+        wire = self._pending[-1]
+        form, engine = self.hasher.event_form, self._engine
+        if isinstance(wire, WireBlockStored):
+            parent = None if wire.parent_block_hash is None else engine[wire.parent_block_hash]
+            digests = self.hasher.digests(wire.token_ids, parent=parent)
+            engine.update(zip(wire.block_hashes, digests, strict=True))
+            wire.parent_block_hash = None if parent is None else form(parent)
+            wire.block_hashes = [form(d) for d in digests]
+        elif isinstance(wire, WireBlockRemoved):
+            wire.block_hashes = [form(engine.pop(h)) for h in wire.block_hashes]
+        elif isinstance(wire, WireAllBlocksCleared):
+            engine.clear()
+
+
 class Replica:
     """The runtime, its cache and its event publisher; ``complete`` runs one request."""
 
@@ -104,6 +141,8 @@ class Replica:
         num_blocks: int,
         block_size: int,
         seed: int = 0,
+        engine_hash: str | None = None,
+        buffer_steps: int = 10_000,
     ) -> None:
         self.model_name = model_name
         self.namespace = Namespace(model=model_name)
@@ -111,7 +150,14 @@ class Replica:
         self.mgr, self.kv = new_cache(
             self.model.cfg, num_blocks=num_blocks, block_size=block_size, stepped=True
         )
-        self.publisher = KVEventPublisher(events, replay)
+        spec = parse_engine_hash(engine_hash, "--engine-hash")
+        self.publisher = (
+            KVEventPublisher(events, replay, buffer_steps=buffer_steps)
+            if spec is None
+            else EngineKeyedPublisher(
+                EngineHasher(spec, block_size), events, replay, buffer_steps=buffer_steps
+            )
+        )
         self.publisher.attach(self.mgr)
         self.stats = ReplicaStats()
         self._lock = threading.Lock()  # the manager is not thread-safe: one request at a time
@@ -143,6 +189,11 @@ class Replica:
             self.stats.cached_tokens += done.cached_tokens
             self.stats.completion_tokens += len(done.token_ids)
         return done
+
+    def held_blocks(self, prompt: list[int]) -> int:
+        """The leading full blocks of ``prompt`` the cache holds now."""
+        with self._lock:
+            return self.mgr.lookup(prompt, self.namespace).cached_blocks
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and block counts, for /stats."""
@@ -362,6 +413,18 @@ def create_app(replica: Replica) -> FastAPI:
             "replay": replica.publisher.replay_endpoint,
         }
 
+    @app.post("/held")
+    async def held(request: Request) -> Response:
+        """How many leading full blocks of the prompt the cache holds."""
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            blocks = replica.held_blocks(parse_prompt(body))
+        except (BadRequestError, PrefixCacheError) as exc:
+            return _error(400, str(exc))
+        return JSONResponse({"blocks": blocks})
+
     @app.get("/stats")
     def stats() -> dict[str, Any]:
         """Cache hit counters since start."""
@@ -382,6 +445,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="weights seed (same on every replica)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--engine-hash", help="publish this engine's block hashes, e.g. vllm-sha256_cbor"
+    )
+    parser.add_argument("--buffer-steps", type=int, default=10_000, help="replay buffer batches")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     replica = Replica(
@@ -391,6 +458,8 @@ def main(argv: list[str] | None = None) -> None:
         num_blocks=args.blocks,
         block_size=args.block_size,
         seed=args.seed,
+        engine_hash=args.engine_hash,
+        buffer_steps=args.buffer_steps,
     )
     try:
         uvicorn.run(create_app(replica), host=args.host, port=args.port, log_level="warning")

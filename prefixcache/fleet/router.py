@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
 
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
@@ -73,6 +75,23 @@ class _Matches(NamedTuple):
     eligible: list[ReplicaSpec]  # the replicas serving its namespace
     found: dict[str, ReplicaMatch]  # replica -> its leading cached blocks
     held_blocks: dict[str, int]  # GPU blocks the index holds, for replicas with a known capacity
+    tokens: np.ndarray
+    digests: dict[int, list[bytes]]  # by block size
+
+
+class HeldBlocks(Protocol):
+    """Blocks replicas hold that the index cannot place yet (stored under a parent the event
+    ingestion never saw): ``KVEventSubscriber.unplaced``."""
+
+    def match(
+        self, replica: str, namespace: Namespace, tokens: np.ndarray, digests: Sequence[bytes]
+    ) -> ReplicaMatch | None:
+        """What ``replica`` holds of a prompt, counting those blocks (None: nothing to add)."""
+
+    def note_route(
+        self, replica: str, namespace: Namespace, tokens: np.ndarray, digests: Sequence[bytes]
+    ) -> None:
+        """The prompt was routed to ``replica``."""
 
 
 class Router:
@@ -85,6 +104,9 @@ class Router:
 
     A replica ``mark_down`` (a failed request, a failed health probe) takes no routes until the
     time given passes or ``mark_up``; lookups still score it.
+
+    ``held`` (``attach_held``) adds what the index cannot place yet to every lookup and hears of
+    every route (``HeldBlocks``).
     """
 
     def __init__(
@@ -98,7 +120,9 @@ class Router:
         max_prompt_tokens: int | None = None,
         in_flight_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        held: HeldBlocks | None = None,
     ) -> None:
+        self._held = held
         if in_flight_timeout is not None and (
             isinstance(in_flight_timeout, bool)
             or not isinstance(in_flight_timeout, int | float)
@@ -147,6 +171,10 @@ class Router:
     def index(self) -> FleetIndex:
         """The index the router reads."""
         return self._index
+
+    def attach_held(self, held: HeldBlocks | None) -> None:
+        """Consult ``held`` on every lookup and route from now on (None: the index alone)."""
+        self._held = held
 
     def add_replica(self, spec: ReplicaSpec) -> None:
         """Add a replica to the fleet; InvalidArgumentError if the name is taken or a field is
@@ -210,6 +238,13 @@ class Router:
             self._loads.expire()
             return len(self._loads.requests)
 
+    def in_flight_among(self, request_ids: Iterable[str]) -> set[str]:
+        """Those of ``request_ids`` still in flight (routed, not released, not expired)."""
+        with self._lock:
+            self._loads.expire()
+            requests = self._loads.requests
+            return {rid for rid in request_ids if rid in requests}
+
     def expired(self) -> int:
         """Routed requests whose load ended by the timeout, never released."""
         with self._lock:
@@ -270,18 +305,33 @@ class Router:
         for spec in eligible:
             by_size.setdefault(spec.block_size, []).append(spec)
         found: dict[str, ReplicaMatch] = {}
+        chains: dict[int, list[bytes]] = {}
+        extra = self._held
         for block_size, specs in by_size.items():
             hasher = self._hashers[block_size]
             digests = hasher.hash_blocks(arr, hasher.seed(namespace), 0, n // block_size)
             if not digests:
                 continue
+            chains[block_size] = digests
             wanted = {s.name for s in specs}
             for match in self._index.match(digests):
                 if match.replica in wanted:
                     found[match.replica] = match
+            if extra is not None:
+                for spec in specs:
+                    more = extra.match(spec.name, namespace, arr, digests)
+                    old = found.get(spec.name)
+                    if more is not None and old is not None:
+                        more = ReplicaMatch(
+                            spec.name,
+                            max(more.blocks, old.blocks),
+                            max(more.gpu_blocks, old.gpu_blocks),
+                        )
+                    if more is not None:
+                        found[spec.name] = more
         known = [s.name for s in eligible if s.capacity_blocks]
         held = self._index.num_blocks_many(known, GPU)
-        return _Matches(n, eligible, found, held)
+        return _Matches(n, eligible, found, held, arr, chains)
 
     def _scores(self, matches: _Matches, *, up_only: bool = False) -> tuple[ReplicaScore, ...]:
         """Scores of the eligible replicas still in the fleet (``up_only``: of those not marked
@@ -379,6 +429,11 @@ class Router:
                 work = n - next(s for s in scores if s.name == choice.replica).cached_tokens
                 loads.charge(request_id, choice.replica, n, work, self._timeout if expire else None)
         chosen = next(s for s in scores if s.name == choice.replica)
+        if self._held is not None:
+            spec = next(s for s in matches.eligible if s.name == choice.replica)
+            digests = matches.digests.get(spec.block_size)
+            if digests:
+                self._held.note_route(choice.replica, namespace, matches.tokens, digests)
         return RouteDecision(
             choice.replica,
             self._policy_name,

@@ -26,9 +26,16 @@ replica's other media drops it. A ``BlockStored`` without token ids (the placeho
 offload connectors send, ``block_size`` 0, and stores whose tokens were not at hand) adds its
 medium to blocks the replica already holds; unknown ones are counted as malformed.
 
-An event that does not fit (wrong block size, token count, unknown parent, too many tokens, a
-block hash repeated in it, a parent among its own blocks) is counted as malformed and logged;
-nothing else changes. A block hash stored again under another parent (another digest) stands for
+A run stored under a parent never seen (the subscriber joined late, restarted, or cleared the
+replica after an unfillable gap) is held all the same: it is kept by engine hash
+(``unplaced``) and placed when a later event stores its parent, when a lookup finds it by the
+replica's engine hashes (``place``), or when a prompt routed to the replica shows which blocks
+it continues (``_link``: the blocks above the parent are indexed without their engine hashes
+and leave the index at the first removal of a hash never seen).
+
+An event that does not fit (wrong block size, token count, too many tokens, a block hash
+repeated in it, a parent among its own blocks) is counted as malformed and logged; nothing else
+changes. A block hash stored again under another parent (another digest) stands for
 the new block only: the old digest leaves the index, so the engine's removal of that hash leaves
 nothing behind.
 
@@ -129,6 +136,8 @@ class EventApplier:
         rep.blocks.clear()
         rep.inherited = False  # the index holds nothing of it either
         rep.skipped_hashes.clear()
+        rep.unplaced.clear()
+        rep.hashless.clear()
         self.index.clear(rep.ep.name)
         rep.counts.cleared += 1
 
@@ -168,10 +177,14 @@ class EventApplier:
                 if not self._recall(rep, [ev.parent_block_hash]):  # type: ignore[list-item]
                     return False
                 parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
-            if parent is None:
-                problem = "unknown parent block"
-            else:
+            if parent is not None:
                 prev, pos = parent[0], parent[1] + 1
+            else:
+                linked = None if rep.engine is not None else self._link(rep, ev, body)
+                if linked is None:  # kept until something places it (``unplaced``)
+                    self._keep_unplaced(rep, ev, body, medium)
+                    return True
+                prev, pos = linked
         if problem is not None:
             rep.counts.malformed += 1
             log.warning("replica %s: stored event skipped: %s", name, problem)
@@ -198,6 +211,13 @@ class EventApplier:
             keys = [engine_key(h) for h in ev.block_hashes[: len(digests)]]
             self.engine_map.remember(name, keys, digests, pos)
         rep.counts.blocks_stored += len(digests)
+        if rep.hashless:
+            rep.hashless.difference_update(digests)
+        if rep.unplaced.entries:
+            for h in ev.block_hashes[: len(digests)]:
+                rep.unplaced.pop(h)  # placed now (its unplaced children follow)
+            if rep.unplaced.children:
+                self._place_children(rep, ev.block_hashes[: len(digests)])
         return True
 
     def _stored_known(self, rep: ReplicaStream, ev: StoredBlocks, medium: str) -> bool:
@@ -234,8 +254,17 @@ class EventApplier:
         if rep.inherited and not self._recall(rep, ev.block_hashes):
             return False
         digests, gone = [], []
+        unplaced, now = rep.unplaced, rep.counts.events
         for h in ev.block_hashes:
             entry = blocks.get(h)
+            seen = entry is not None or h in unplaced.entries
+            if unplaced:
+                unplaced.removed(h, bits, now, known=entry is not None)
+            if not seen and rep.hashless:
+                # a hash never seen: maybe one of the blocks indexed without their hashes
+                self.index.remove(rep.ep.name, list(rep.hashless), None)
+                rep.counts.blocks_removed += len(rep.hashless)
+                rep.hashless.clear()
             if entry is None or not entry[2] & bits:
                 continue
             entry[2] &= ~bits
@@ -253,6 +282,124 @@ class EventApplier:
             self.engine_map.forget(rep.ep.name, [engine_key(h) for h in gone])
         rep.counts.blocks_removed += len(digests)
         return True
+
+    # ---- blocks stored under a parent never seen (``unplaced``) --------------------------
+
+    def _keep_unplaced(
+        self, rep: ReplicaStream, ev: StoredBlocks, body: bytes, medium: str
+    ) -> None:
+        """Keep a run stored under an unknown parent by engine hash until it can be placed."""
+        for h in ev.block_hashes:  # stored again under another parent: the old block goes
+            entry = rep.blocks.pop(h, None)
+            if entry is not None:
+                self.index.remove(rep.ep.name, [entry[0]], None)
+                if self.engine_map is not None:
+                    self.engine_map.forget(rep.ep.name, [engine_key(h)])
+        assert ev.parent_block_hash is not None
+        missed = rep.unplaced.keep(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            body,
+            4 * rep.ep.block_size,
+            self._bit(medium),
+            rep.counts.events,
+            ev.lora_name,
+        )
+        rep.counts.unplaced += len(ev.block_hashes) - missed
+        rep.counts.overflow += missed
+
+    def _link(self, rep: ReplicaStream, ev: StoredBlocks, body: bytes) -> tuple[bytes, int] | None:
+        """A prompt routed to the replica whose blocks ``j..`` the event stores places its
+        parent (and the unplaced blocks above it) as the prompt's blocks ``..j-1``: (digest of
+        block ``j-1``, ``j``), or None when no routed prompt fits."""
+        bb = 4 * rep.ep.block_size
+        found = rep.routes.find(body, bb, ev.lora_name)
+        if found is None:
+            return None
+        prompt, digests, j = found
+        h: BlockHash | None = ev.parent_block_hash
+        pos = j - 1
+        entries = rep.unplaced.entries
+        while h is not None and h in entries:  # unplaced ancestors: the prompt must fit them
+            entry = entries[h]
+            if pos < 0 or entry[1] != prompt[pos * bb : (pos + 1) * bb]:
+                return None
+            h, pos = entry[0], pos - 1
+        if h is None or pos < 0:
+            return None
+        name = rep.ep.name
+        rep.hashless.update(digests[:pos])  # held (the request used them), hashes unknown
+        self.index.store(name, digests[:pos], GPU)
+        self.place(rep, [h], [digests[pos]], [1], pos)  # and the unplaced blocks below it
+        rep.counts.placed_late += pos
+        return digests[j - 1], j
+
+    def place(
+        self,
+        rep: ReplicaStream,
+        hashes: Sequence[BlockHash],
+        digests: Sequence[bytes],
+        media: Sequence[int],
+        position: int = 0,
+        *,
+        follow: bool = True,
+    ) -> int:
+        """Place blocks a lookup or a link found held: ``hashes[k]`` is the block ``digests[k]``
+        at ``position + k``, held on ``media[k]`` (a mask; an unplaced block keeps its own).
+        Stops at a block placed under another digest (another namespace); the blocks placed."""
+        blocks, name = rep.blocks, rep.ep.name
+        gpu: list[bytes] = []
+        off: list[bytes] = []
+        placed: list[BlockHash] = []
+        at: list[int] = []  # their positions
+        for k, (h, d) in enumerate(zip(hashes, digests, strict=False)):
+            entry = blocks.get(h)
+            if entry is not None:
+                if entry[0] != d:
+                    break
+                continue
+            if len(blocks) >= self.max_blocks_per_replica:
+                rep.counts.overflow += 1
+                break
+            kept = rep.unplaced.pop(h)
+            bits = kept[2] if kept is not None else media[k]
+            blocks[h] = [d, position + k, bits]
+            if bits & 1:
+                gpu.append(d)
+            if bits & ~1:
+                off.append(d)
+            placed.append(h)
+            at.append(position + k)
+        self.index.store(name, gpu, GPU)
+        self.index.store(name, off, CPU)
+        if self.engine_map is not None:  # one call per run of consecutive positions
+            start = 0
+            for k in range(1, len(placed) + 1):
+                if k == len(placed) or at[k] != at[k - 1] + 1:
+                    run = placed[start:k]
+                    keys = [engine_key(h) for h in run]
+                    self.engine_map.remember(name, keys, [blocks[h][0] for h in run], at[start])
+                    start = k
+        rep.counts.placed_late += len(placed)
+        if follow and rep.unplaced.children:
+            self._place_children(rep, placed)
+        return len(placed)
+
+    def _place_children(self, rep: ReplicaStream, parents: Sequence[BlockHash]) -> None:
+        """Place the unplaced blocks stored under ``parents`` (now placed), and theirs."""
+        todo = list(parents)
+        children = rep.unplaced.children
+        while todo:
+            parent = todo.pop()
+            kids = children.get(parent)
+            entry = rep.blocks.get(parent)
+            if not kids or entry is None:
+                continue
+            for h in list(kids):
+                kept = rep.unplaced.entries[h]
+                (digest,) = rep.hasher.hash_run(kept[1], entry[0], entry[1] + 1)
+                if self.place(rep, [h], [digest], [kept[2]], entry[1] + 1, follow=False):
+                    todo.append(h)
 
     def _recall(self, rep: ReplicaStream, hashes: Sequence[BlockHash]) -> bool:
         """Blocks of ``hashes`` unknown here that the shared engine map remembers (stored before

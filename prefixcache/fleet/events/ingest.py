@@ -25,6 +25,9 @@ class IngestCounts(NamedTuple):
     errors: int = 0  # failed index writes (e.g. Redis errors) and undecodable messages
     blocks_skipped: int = 0  # blocks not indexed by rule (other attention groups, nameless LoRA)
     blocks_recalled: int = 0  # stored before the router joined, mapped through the shared index
+    blocks_unplaced: int = 0  # stored under a parent never seen, kept until placed
+    blocks_placed_late: int = 0  # unplaced blocks placed since (a later event, a lookup, a route)
+    late_batches: int = 0  # batches that came again or after newer ones, skipped
 
 
 @runtime_checkable

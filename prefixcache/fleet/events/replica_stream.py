@@ -14,6 +14,8 @@ import xxhash
 
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
+from prefixcache.fleet.events.engine_keys import EngineHasher, EngineHashSpec
+from prefixcache.fleet.events.unplaced import RecentRoutes, UnplacedBlocks
 from prefixcache.fleet.events.wire import BlockHash
 
 
@@ -28,6 +30,7 @@ class ReplicaEndpoint:
     block_size: int = 16
     topic: str = ""
     hash_algo: str = "xxh3_128"
+    engine_hash: EngineHashSpec | None = None  # how its engine hashes blocks, when reproducible
 
 
 class ReplicaCounters(NamedTuple):
@@ -45,6 +48,9 @@ class ReplicaCounters(NamedTuple):
     overflow: int  # blocks not tracked because the replica was at max_blocks_per_replica
     skipped: int  # blocks not indexed by rule (other attention groups, nameless LoRA blocks)
     recalled: int  # blocks stored before this subscriber joined, found in the shared map
+    unplaced: int  # blocks stored under a parent never seen, kept until placed
+    placed_late: int  # unplaced blocks placed since (a later event, a lookup, a route)
+    late: int  # batches that came again (duplicates) or after newer ones, skipped
     last_seq: int  # -1 before the first batch
 
 
@@ -64,6 +70,9 @@ class StreamCounts:
     overflow: int = 0
     skipped: int = 0
     recalled: int = 0
+    unplaced: int = 0
+    placed_late: int = 0
+    late: int = 0
 
 
 @dataclass
@@ -81,10 +90,40 @@ class ReplicaStream:
     # events waiting, in stream order, for a lookup the shared index could not answer (away)
     deferred: list[list[Any]] = field(default_factory=list)
     counts: StreamCounts = field(default_factory=StreamCounts)
+    unplaced: UnplacedBlocks = field(default_factory=UnplacedBlocks)  # parent never seen
+    engine: EngineHasher | None = None  # its engine's block hashes, when reproducible
+    routes: RecentRoutes = field(default_factory=RecentRoutes)  # prompts routed to it
+    # digests indexed for it without an engine hash (placed through a route): dropped from the
+    # index at the first removal of a hash never seen (it may be one of them)
+    hashless: set[bytes] = field(default_factory=set)
+    recent: dict[int, int] = field(default_factory=dict)  # seq -> payload's hash, latest ones
+    newest_ts: float | None = None  # of the batches applied since the last restart
+
+    def note_batch(self, seq: int, ts: float | None, payload: bytes) -> None:
+        """Batch ``seq`` (stamped ``ts``, sent as ``payload``) was applied."""
+        recent = self.recent
+        recent[seq] = xxhash.xxh3_64_intdigest(payload)
+        if len(recent) > _RECENT_BATCHES:
+            del recent[next(iter(recent))]
+        if ts is not None and (self.newest_ts is None or ts > self.newest_ts):
+            self.newest_ts = ts
+
+    def is_stale(self, seq: int, ts: float | None, payload: bytes) -> bool:
+        """Whether batch ``seq`` (at or below the last number) is of the current stream: the
+        same batch again, or one stamped before the newest applied (it came after newer ones;
+        its gap was handled), not a restarted publisher's (stamped after it)."""
+        if ts is None:
+            return False
+        if seq in self.recent:
+            return self.recent[seq] == xxhash.xxh3_64_intdigest(payload)
+        return self.newest_ts is not None and ts < self.newest_ts
 
     def counters(self) -> ReplicaCounters:
         """The stream's counters now."""
         return ReplicaCounters(**vars(self.counts), last_seq=self.last_seq)
+
+
+_RECENT_BATCHES = 1024
 
 
 def engine_key(h: BlockHash) -> bytes:

@@ -27,7 +27,9 @@ Sequence rules, per replica:
   last applied batch stamped otherwise: cleared, its earlier batches a gap), and maps the
   engine hashes of blocks stored before, so their removals and continuations apply as if this
   subscriber had seen them stored (counted as recalled);
-- a number at or below the last one: the publisher restarted; the replica is cleared and
+- a number at or below the last one: the same batch again (same number and bytes), or one
+  stamped before the newest applied (it came after newer ones, its gap handled already), is
+  skipped and counted as late; otherwise the publisher restarted: the replica is cleared and
   counted as a reset, then the new stream's batches before this one count as a gap (above);
 - ``AllBlocksCleared`` clears the replica.
 
@@ -57,6 +59,7 @@ from prefixcache.errors import (
     WireFormatError,
 )
 from prefixcache.fleet.events.deferral import DeferringApplier
+from prefixcache.fleet.events.engine_keys import EngineHasher
 from prefixcache.fleet.events.event_applier import EventApplier
 from prefixcache.fleet.events.inbox import ReplicaInboxes
 from prefixcache.fleet.events.ingest import IngestCounts
@@ -71,6 +74,7 @@ from prefixcache.fleet.events.replica_stream import (
     ReplicaStream,
     engine_key,
 )
+from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
 from prefixcache.fleet.events.wire import BatchDecoder, decode_seq
 from prefixcache.fleet.index.prefix_index import AppliedBatch, FleetIndex, SharedEngineMap
 from prefixcache.fleet.replica_spec import pinned_adapter_versions
@@ -138,6 +142,8 @@ class KVEventSubscriber:
             max_tokens_per_event=max_tokens_per_event,
         )
         self._batches = DeferringApplier(self._events, max_deferred_events)
+        # what a router asks of blocks stored under parents never seen (Router(held=...))
+        self.unplaced = UnplacedLookup(self._replicas, self._lock, self._events)
         if self._engine_map is not None:
             self._engine_map.attach_engine_source(self._engine_entries)
         self._stop = threading.Event()
@@ -155,6 +161,7 @@ class KVEventSubscriber:
                 f"replica name must be a non-empty str of at most 256 characters: {ep.name!r}"
             )
         hasher = BlockHasher(ep.block_size, ep.hash_algo)  # validates both
+        engine = None if ep.engine_hash is None else EngineHasher(ep.engine_hash, ep.block_size)
         with self._lock:
             if ep.name in self._replicas:
                 raise InvalidArgumentError(f"replica {ep.name!r} is already followed")
@@ -162,7 +169,7 @@ class KVEventSubscriber:
                 raise FleetCapacityError(
                     f"already following {self.max_replicas} replicas (max_replicas)"
                 )
-            self._replicas[ep.name] = ReplicaStream(ep, hasher)
+            self._replicas[ep.name] = ReplicaStream(ep, hasher, engine=engine)
             self._pin_versions()
 
     def remove_replica(self, name: str) -> None:
@@ -195,6 +202,9 @@ class KVEventSubscriber:
                 errors=rep.counts.malformed,
                 blocks_skipped=rep.counts.skipped,
                 blocks_recalled=rep.counts.recalled,
+                blocks_unplaced=rep.counts.unplaced,
+                blocks_placed_late=rep.counts.placed_late,
+                late_batches=rep.counts.late,
             )
             for name, rep in sorted(self._replicas.items())  # a copy made in one step
         }
@@ -241,10 +251,16 @@ class KVEventSubscriber:
                 known = None
             elif known is not None:
                 rep.last_seq = min(known.seq, seq - 1)
+        elif seq <= rep.last_seq and rep.is_stale(seq, ts, payload):
+            rep.counts.late += 1  # applied already (a duplicate), or lost (its gap handled)
+            log.info("replica %s: batch %d came again or late; skipped", rep.ep.name, seq)
+            return 0
         elif seq <= rep.last_seq:
             rep.counts.resets += 1
             log.info("replica %s: sequence went back to %d; clearing", rep.ep.name, seq)
             self._batches.restart(rep)
+            rep.recent.clear()  # the new stream's numbers and stamps
+            rep.newest_ts = None
             rep.last_seq = -1  # batches 0 .. seq-1 of the new stream are a gap
         if seq > rep.last_seq + 1:
             rep.counts.gaps += 1
@@ -278,7 +294,9 @@ class KVEventSubscriber:
                 rep.counts.replays += 1
                 for s, p in missed:
                     try:
-                        self._batches.apply(rep, self._decoder.decode(p).events)
+                        got = self._decoder.decode(p)
+                        rep.note_batch(s, got.ts, p)
+                        self._batches.apply(rep, got.events)
                     except WireFormatError as exc:
                         rep.counts.malformed += 1
                         log.warning(
@@ -287,6 +305,7 @@ class KVEventSubscriber:
                     applied += 1
         rep.seen = True
         rep.last_seq = seq
+        rep.note_batch(seq, ts, payload)
         if events is not None:
             self._batches.apply(rep, events)
             applied += 1

@@ -39,6 +39,7 @@ unknown fields are ignored) and strict about types: anything else raises ``WireF
 from __future__ import annotations
 
 import enum
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import msgspec
@@ -140,7 +141,9 @@ class _In(msgspec.Struct, gc=False, tag=True):
 class _InStored(_In, tag="BlockStored"):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
+    # SGLang with EAGLE speculative decoding (bigram radix keys) sends one ``[t_j, t_j+1]`` pair
+    # per position instead of ``t_j``
+    token_ids: list[int | tuple[int, int]] = []
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
@@ -290,12 +293,26 @@ class BatchDecoder:
         )
 
 
+def unpair_tokens(token_ids: list[Any]) -> list[int]:
+    """The token ids of a ``BlockStored``: as sent, or, when SGLang sent its EAGLE bigram pairs
+    (position ``j`` as ``(t_j, t_j+1)``, consecutive pairs sharing a token), the first token of
+    each pair, the token at that position. ``WireFormatError`` for pairs that do not chain or a
+    mix of pairs and ids."""
+    if not token_ids or (type(token_ids[0]) is not tuple and type(token_ids[-1]) is not tuple):
+        return token_ids
+    if not all(type(t) is tuple for t in token_ids):
+        raise WireFormatError("token_ids mix token ids and bigram pairs")
+    if any(a[1] != b[0] for a, b in pairwise(token_ids)):
+        raise WireFormatError("token_ids bigram pairs do not chain ((a, b) then (b, c))")
+    return [pair[0] for pair in token_ids]
+
+
 def _convert(event: Any) -> DecodedEvent:
     if isinstance(event, _InStored):
         return StoredBlocks(
             event.block_hashes,
             event.parent_block_hash,
-            event.token_ids,
+            unpair_tokens(event.token_ids),
             event.block_size,
             event.medium,
             event.lora_name,

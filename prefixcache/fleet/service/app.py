@@ -5,6 +5,7 @@ Endpoints (``routes``): ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/rele
 with proxying on, also ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``proxy``).
 Bad input gets a 4xx answer ``{"error": {"type": ..., "message": ...}}`` (``http_errors``) and
 changes nothing. The handlers share one ``FleetService``, kept in ``app.state.service``.
+With API keys in the config (``auth``), every request passes the ``access`` gate first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.fleet.events.ingest import IngestSource, IngestStats
 from prefixcache.fleet.router import Router
+from prefixcache.fleet.service.access import AccessGate
 from prefixcache.fleet.service.fleet_service import FleetService
 from prefixcache.fleet.service.health_probe import probe_replicas
 from prefixcache.fleet.service.http_errors import (
@@ -82,6 +84,8 @@ def create_app(
         from prefixcache.fleet.service.proxy import add_proxy_routes
 
         add_proxy_routes(app)
+    if config.access.enabled:  # a plain ASGI middleware: a check per request, nothing more
+        app.add_middleware(AccessGate, access=config.access, metrics=service.metrics)
     return app
 
 

@@ -1,27 +1,54 @@
 """What the service's handlers share (``FleetService``): the router, the config, the tokenizer and
-chat template that turn a request into token ids, the metrics, the optional ingest, and the HTTP
-client of proxy mode.
+chat template that turn a request into token ids, the metrics, the per-key limits, the optional
+ingest, and the HTTP client of proxy mode.
+
+A request is served for its ``Caller`` (``access``): its prompt is keyed under the caller's tenant
+salt, and its request id is the caller's own (scoped per key).
+
+Where the router's work runs: with the index in this process (``memory``, ``memory+compact``), a
+prompt of token ids up to ``INLINE_MAX_TOKENS`` is routed on the event loop itself, since handing
+it to a worker thread (and the GIL back) costs more than the route; text and chat prompts (the
+tokenizer), longer prompts and a remote index (Redis round trips) run in the thread pool, so they
+never hold up the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any, NamedTuple
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import TokenIds
-from prefixcache.errors import InvalidArgumentError, PayloadTooLargeError, UnknownRequestError
+from prefixcache.errors import (
+    DuplicateRequestError,
+    InvalidArgumentError,
+    PayloadTooLargeError,
+    UnknownRequestError,
+)
 from prefixcache.fleet.events.ingest import IngestSource
+from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
+from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.replica_load import Released
 from prefixcache.fleet.router import PromptScores, RouteDecision, Router
+from prefixcache.fleet.service.access import ANONYMOUS, Caller
 from prefixcache.fleet.service.bodies import PromptBody, RouteBody
+from prefixcache.fleet.service.http_errors import BodyTimeoutError
+from prefixcache.fleet.service.key_limits import KeyLimits
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.service.settings import ServiceConfig
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.tokenizers import Tokenizer, render_chat
+
+# the most token ids of a prompt routed on the event loop when the index is in this process; a
+# longer prompt goes to the thread pool, so that its hashing does not stall every other request
+INLINE_MAX_TOKENS = 16_384
 
 
 class Prompt(NamedTuple):
@@ -51,14 +78,54 @@ class FleetService:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.metrics = metrics
+        self.limits = KeyLimits(config.access, metrics, router.in_flight_among)
         self.ingest = ingest  # started and stopped with the app
+        held = getattr(ingest, "unplaced", None)  # a KV-event subscriber's unplaced blocks
+        if isinstance(held, UnplacedLookup):
+            engines = {r.name: r.engine_hash for r in config.replicas if r.engine_hash}
+            held.use_engine_hashes(engines)
+            router.attach_held(held)
         self.proxying = proxying  # the OpenAI-compatible endpoints forward to replicas
         self.urls = {r.name: r.url for r in config.replicas}
         self.http_client: Any = None  # httpx.AsyncClient while proxying
         self.started_at = time.time()  # the "created" of the models it lists
+        # an index in this process (CompactFleetIndex is one too) answers without blocking
+        self.inline = isinstance(router.index, MemoryFleetIndex)
 
-    async def read_body(self, request: Request) -> bytes:
-        """The request body, or PayloadTooLargeError past ``limits.max_body_bytes``."""
+    def runs_inline(self, body: PromptBody) -> bool:
+        """Whether ``body`` is routed on the event loop: token ids (no tokenizer), at most
+        ``INLINE_MAX_TOKENS`` of them, and the index in this process."""
+        tokens = body.tokens
+        return (
+            self.inline
+            and tokens is not None
+            and body.text is None
+            and body.messages is None
+            and len(tokens) <= INLINE_MAX_TOKENS
+        )
+
+    async def _run(self, inline: bool, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the event loop when ``inline``, else in the thread pool."""
+        if inline:
+            return fn(*args)
+        return await run_in_threadpool(fn, *args)
+
+    async def read_body(self, request: Request, caller: Caller = ANONYMOUS) -> bytes:
+        """The request body; PayloadTooLargeError past ``limits.max_body_bytes``,
+        BodyTimeoutError when it takes longer than ``server.body_timeout_s`` to arrive."""
+        timeout = self.config.server.body_timeout_s
+        try:
+            if sys.version_info >= (3, 11):  # no task of its own per request, as wait_for has
+                async with asyncio.timeout(timeout):
+                    return await self._read_body(request)
+            return await asyncio.wait_for(self._read_body(request), timeout)
+        except asyncio.TimeoutError:
+            self.metrics.rejected.labels("body_timeout", caller.label).inc()
+            raise BodyTimeoutError(
+                f"the request body did not arrive within {timeout:g} s"
+            ) from None
+
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.config.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -119,25 +186,74 @@ class FleetService:
             )
         return self.tokens_of(None, text)
 
-    def prompt(self, body: PromptBody) -> Prompt:
-        """Namespace and token ids of a lookup or route body."""
+    def prompt(self, body: PromptBody, caller: Caller = ANONYMOUS) -> Prompt:
+        """Namespace (under the caller's tenant salt) and token ids of a lookup or route body."""
+        ns = body.namespace()
+        salt = caller.salt(ns.salt)
+        if salt != ns.salt:
+            ns = Namespace(ns.model, ns.adapter, ns.adapter_version, salt, ns.extra)
         if body.messages is not None:
             if body.tokens is not None or body.text is not None:
                 raise InvalidArgumentError(
                     "give exactly one of 'tokens' (token ids), 'text' or 'messages'"
                 )
-            return Prompt(body.namespace(), self.chat_tokens(body.messages))
-        return Prompt(body.namespace(), self.tokens_of(body.tokens, body.text))
+            return Prompt(ns, self.chat_tokens(body.messages))
+        return Prompt(ns, self.tokens_of(body.tokens, body.text))
 
-    def lookup(self, body: PromptBody) -> PromptScores:
+    def lookup(self, body: PromptBody, caller: Caller = ANONYMOUS) -> PromptScores:
         """A lookup body's per-replica scores (and its namespace)."""
-        prompt = self.prompt(body)
+        prompt = self.prompt(body, caller)
         return self.router.lookup(prompt.namespace, prompt.tokens)
 
-    def route_body(self, body: RouteBody) -> RouteDecision:
-        """Route a route body (its request id counts as load until released)."""
-        prompt = self.prompt(body)
-        return self.route(prompt.namespace, prompt.tokens, body.request_id)
+    def route_body(
+        self, body: RouteBody, caller: Caller = ANONYMOUS, routed_id: str | None = None
+    ) -> RouteDecision:
+        """Route a route body; ``routed_id`` (the caller's scoped id of its request id) counts
+        as load until released."""
+        prompt = self.prompt(body, caller)
+        try:
+            return self.route(prompt.namespace, prompt.tokens, routed_id)
+        except DuplicateRequestError:  # in the caller's own words, not the scoped id
+            raise DuplicateRequestError(
+                f"request {body.request_id!r} is already in flight"
+            ) from None
+
+    async def lookup_request(self, body: PromptBody, caller: Caller) -> PromptScores:
+        """A lookup body's scores, on the event loop or off it (``runs_inline``)."""
+        result: PromptScores = await self._run(self.runs_inline(body), self.lookup, body, caller)
+        return result
+
+    async def route_request(self, body: RouteBody, caller: Caller) -> RouteDecision:
+        """Route a route body within ``caller``'s limits, on the event loop or off it
+        (``runs_inline``)."""
+        inline = self.runs_inline(body)
+        if body.request_id is None:
+            routed: RouteDecision = await self._run(inline, self.route_body, body, caller)
+            return routed
+        routed_id = caller.scoped_id(body.request_id)
+        self.limits.reserve(caller)
+        settled: str | None = None
+        try:
+            decision: RouteDecision = await self._run(
+                inline, self.route_body, body, caller, routed_id
+            )
+            settled = routed_id
+        finally:
+            self.limits.settle(caller, settled)
+        return decision
+
+    async def release_request(self, request_id: str, caller: Caller) -> Released:
+        """End the load of ``caller``'s ``request_id``; UnknownRequestError when that caller has
+        no such request in flight (another key's request of that id is not its own)."""
+        routed_id = caller.scoped_id(request_id)
+        try:
+            released: Released = await self._run(self.inline, self.router.release, routed_id)
+        except UnknownRequestError:
+            timeout = self.config.routing.in_flight_timeout_s
+            ended = f" (or its load ended after {timeout:g} s)" if timeout else ""
+            raise UnknownRequestError(f"request {request_id!r} is not in flight{ended}") from None
+        self.limits.forget(caller, routed_id)
+        return released._replace(request_id=request_id)
 
     def route(
         self,

@@ -1,7 +1,8 @@
 """The service's error answers: every error is ``{"error": {"type", "message", "status"}}`` JSON,
 counted in the ``prefixcache_http_errors`` metric by endpoint and status.
 
-A typed error (``PrefixCacheError``) gets the status its kind names (``status_of``); an unknown
+A typed error (``PrefixCacheError``) gets the status its kind names (``status_of``), including the
+service's own ``TooManyRequestsError`` (429) and ``BodyTimeoutError`` (408); an unknown
 path (404) or a wrong method (405) answers in the same shape; a body nested too deeply for any
 step that reads it is a 400; anything unforeseen is a 500 in the same shape, counted too.
 """
@@ -28,7 +29,23 @@ from prefixcache.errors import (
     UnknownRequestError,
 )
 
+
+class TooManyRequestsError(PrefixCacheError, RuntimeError):
+    """A key is over its rate limit or its cap on in-flight request ids (HTTP 429); retry after
+    ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BodyTimeoutError(PrefixCacheError, TimeoutError):
+    """The client did not send the whole request body within the read timeout (HTTP 408)."""
+
+
 _STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
+    (TooManyRequestsError, 429),
+    (BodyTimeoutError, 408),
     (PayloadTooLargeError, 413),
     (UnknownNamespaceError, 404),
     (UnknownRequestError, 404),
@@ -61,8 +78,10 @@ async def typed_error(request: Request, exc: PrefixCacheError) -> Response:
     status = status_of(exc)
     request.app.state.service.metrics.errors.labels(request.url.path, str(status)).inc()
     response = error_response(status, type(exc).__name__, str(exc))
-    if isinstance(exc, NoHealthyReplicaError):
+    if isinstance(exc, NoHealthyReplicaError | TooManyRequestsError):
         response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    if isinstance(exc, BodyTimeoutError):
+        response.headers["Connection"] = "close"  # the rest of the body may never come
     return response
 
 

@@ -1,10 +1,10 @@
 """Prometheus metrics of the service, in a registry of its own (one per app).
 
 Counted as they happen: route decisions (policy, replica, rule), the cached fraction of routed
-prompts, route latency, error responses. Read at each scrape: the index's blocks and the in-flight
-load per replica, whether each replica takes routes, the loads ended by the in-flight timeout,
-the health of a shared (Redis) index, and the counters of an ``IngestStats`` source when one is
-plugged in.
+prompts, route latency, error responses, requests refused by access control and per-key limits.
+Read at each scrape: the index's blocks and the in-flight load per replica, whether each replica
+takes routes, the loads ended by the in-flight timeout, the health of a shared (Redis) index, and
+the counters of an ``IngestStats`` source when one is plugged in.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ _INGEST = (
     ("errors", "ingest errors (index writes, undecodable messages)"),
     ("blocks_skipped", "blocks not indexed by rule (other attention groups, unnamed LoRA)"),
     ("blocks_recalled", "blocks stored before this router joined, mapped via the shared index"),
+    ("blocks_unplaced", "blocks stored under a parent never seen, kept until placed"),
+    ("blocks_placed_late", "unplaced blocks placed since (a later event, a lookup, a route)"),
+    ("late_batches", "batches that came again or after newer ones, skipped"),
 )
 
 
@@ -140,6 +143,13 @@ class ServiceMetrics:
             "prefixcache_http_errors",
             "Error responses by endpoint and status",
             ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "prefixcache_rejected_requests",
+            "Requests refused by access control and per-key limits, by reason (unauthenticated, "
+            "forbidden, rate_limited, in_flight_limit, body_timeout) and key name",
+            ["reason", "key"],
             registry=self.registry,
         )
         self.registry.register(_FleetCollector(router, ingest))

@@ -15,6 +15,11 @@ The model name selects the namespace: the base model of a replica whose model it
 LoRA adapter (how vLLM names LoRA modules) that a replica has as its own or lists in
 ``adapters``; vLLM's ``cache_salt`` becomes the salt. Which replicas may take the request is the
 router's rule (``ReplicaSpec.serves``).
+
+With API keys, the caller's tenant salt (``Caller.salt``) replaces the body's ``cache_salt`` in
+what is forwarded, so the engine's blocks, and the KV events the index learns them from, are the
+tenant's own; the caller's key is not passed on (``auth.upstream_key_env`` names the one the
+replicas take). Each request counts against its key's rate limit and in-flight cap.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from contextlib import suppress
 from typing import Any
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -40,6 +46,7 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, pinned_adapter_versions, served_label
 from prefixcache.fleet.router import RouteDecision
+from prefixcache.fleet.service.access import caller_of
 from prefixcache.fleet.service.bodies import decode_body
 from prefixcache.fleet.service.fleet_service import FleetService
 from prefixcache.fleet.service.http_errors import error_response
@@ -157,16 +164,30 @@ async def _forward(
     path: str,
     tokens_of: Callable[[FleetService, dict[str, Any]], TokenIds],
 ) -> Response:
-    raw = await service.read_body(request)
+    caller = caller_of(request)
+    service.limits.take(caller)
+    raw = await service.read_body(request, caller)
     payload = decode_body(raw, dict[str, Any])
     request_id = uuid.uuid4().hex
+    given_salt = payload.get("cache_salt")
+    if given_salt is not None and not isinstance(given_salt, str):
+        raise InvalidArgumentError("'cache_salt' must be a string")
+    salt = caller.salt(given_salt)
+    if salt != given_salt:  # the engine keys the blocks under the tenant's salt
+        raw = msgspec.json.encode({**payload, "cache_salt": salt})
 
     def choose() -> RouteDecision:  # tokenizing, hashing, the index: off the event loop
-        namespace = namespace_for(service, payload.get("model"), payload.get("cache_salt"))
+        namespace = namespace_for(service, payload.get("model"), salt)
         tokens = tokens_of(service, payload)
         return service.route(namespace, tokens, request_id, expire=False)  # always released
 
-    decision = await run_in_threadpool(choose)
+    service.limits.reserve(caller)
+    settled: str | None = None
+    try:
+        decision = await run_in_threadpool(choose)
+        settled = request_id
+    finally:
+        service.limits.settle(caller, settled)
     released = False
 
     def release() -> None:
@@ -174,9 +195,15 @@ async def _forward(
         if not released:
             released = True
             service.release_quietly(request_id)
+            service.limits.forget(caller, request_id)
 
     url = f"{service.urls[decision.replica]}{path}"
     headers = {k: v for k in _FORWARDED_REQUEST_HEADERS if (v := request.headers.get(k))}
+    upstream_key = service.config.access.upstream_key
+    if upstream_key is not None:
+        headers["authorization"] = f"Bearer {upstream_key}"
+    elif service.config.access.enabled:
+        headers.pop("authorization", None)  # the caller's key is for this service only
     try:
         upstream = await service.http_client.send(
             service.http_client.build_request("POST", url, content=raw, headers=headers),

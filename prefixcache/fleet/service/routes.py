@@ -1,12 +1,16 @@
 """The service's own endpoints: ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
 ``GET /v1/replicas``, ``GET /v1/models``, ``GET /healthz``, ``GET /health`` and ``GET /metrics``,
-module functions that
-``add_api_routes`` registers on the app itself (a route of an included router costs more per
-request). Each handler finds the ``FleetService`` in ``request.app.state.service``.
+module functions that ``add_api_routes`` registers on the app's own router as plain Starlette
+routes: each takes the ``Request`` and answers a ``Response`` itself, so FastAPI's parameter
+and dependency machinery (and an included router's extra hop) is not paid per request. Each
+handler finds the ``FleetService`` in ``request.app.state.service``.
 
-Bodies are read within the size limit and decoded strictly before the router is called, and the
-router validates before it records anything, so bad input changes nothing. Work that may block
-(tokenizing, hashing, a remote index) runs off the event loop.
+A request has passed the ``access`` gate when keys are configured (``/v1/replicas`` and
+``/metrics`` then only with an operator key); lookups and routes count against the caller's rate
+limit and see only the caller's tenant. Bodies are read within the size and time limits and
+decoded strictly before the router is called, and the router validates before it records
+anything, so bad input changes nothing. Work that may block (tokenizing, a long prompt's hashing,
+a remote index) runs off the event loop (``FleetService.runs_inline``).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.routing import Route
 
 from prefixcache.fleet.index.prefix_index import GPU
 from prefixcache.fleet.policies import ReplicaScore
 from prefixcache.fleet.replica_health import ReplicaHealth
 from prefixcache.fleet.replica_spec import ANY_ADAPTER
+from prefixcache.fleet.service.access import caller_of
 from prefixcache.fleet.service.bodies import PromptBody, ReleaseBody, RouteBody, decode_body
 from prefixcache.fleet.service.fleet_service import FleetService
 from prefixcache.fleet.service.metrics import CONTENT_TYPE
@@ -47,11 +53,13 @@ def _health(health: ReplicaHealth | None) -> dict[str, Any]:
 
 
 async def lookup(request: Request) -> Response:
-    """Cached prompt tokens per replica serving the prompt's namespace."""
+    """Cached prompt tokens per replica serving the prompt's namespace (within the caller's
+    tenant)."""
     service: FleetService = request.app.state.service
-    body = decode_body(await service.read_body(request), PromptBody)
-    # tokenizing, hashing and the index (maybe Redis) block: off the event loop
-    result = await run_in_threadpool(service.lookup, body)
+    caller = caller_of(request)
+    service.limits.take(caller)
+    body = decode_body(await service.read_body(request, caller), PromptBody)
+    result = await service.lookup_request(body, caller)
     return _json(
         {
             "namespace": result.namespace.label(),
@@ -62,17 +70,22 @@ async def lookup(request: Request) -> Response:
 
 
 async def route(request: Request) -> Response:
-    """Choose a replica for the prompt; with a request_id, count it as load."""
+    """Choose a replica for the prompt; with a request_id, count it as load. ``cache_salt`` is
+    the salt to send the engine with the request (the caller's tenant salt), so that its blocks
+    are indexed where the caller's later routes find them."""
     service: FleetService = request.app.state.service
-    body = decode_body(await service.read_body(request), RouteBody)
-    decision = await run_in_threadpool(service.route_body, body)
+    caller = caller_of(request)
+    service.limits.take(caller)
+    body = decode_body(await service.read_body(request, caller), RouteBody)
+    decision = await service.route_request(body, caller)
     return _json(
         {
             "replica": decision.replica,
             "url": service.urls.get(decision.replica),
             "policy": decision.policy,
             "rule": decision.rule,
-            "request_id": decision.request_id,
+            "request_id": body.request_id,
+            "cache_salt": caller.salt(body.salt),
             "prompt_tokens": decision.prompt_tokens,
             "cached_tokens": decision.cached_tokens,
             "gpu_cached_tokens": decision.gpu_cached_tokens,
@@ -82,10 +95,11 @@ async def route(request: Request) -> Response:
 
 
 async def release(request: Request) -> Response:
-    """End a routed request's load."""
+    """End a routed request's load (the caller's own request of that id)."""
     service: FleetService = request.app.state.service
-    body = decode_body(await service.read_body(request), ReleaseBody)
-    released = await run_in_threadpool(service.router.release, body.request_id)
+    caller = caller_of(request)
+    body = decode_body(await service.read_body(request, caller), ReleaseBody)
+    released = await service.release_request(body.request_id, caller)
     return _json(released._asdict())
 
 
@@ -189,11 +203,15 @@ async def metrics(request: Request) -> Response:
 
 def add_api_routes(app: FastAPI) -> None:
     """Register the service's own endpoints on ``app``."""
-    app.add_api_route("/v1/lookup", lookup, methods=["POST"])
-    app.add_api_route("/v1/route", route, methods=["POST"])
-    app.add_api_route("/v1/release", release, methods=["POST"])
-    app.add_api_route("/v1/replicas", replicas, methods=["GET"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/healthz", healthz, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
+    endpoints = (
+        ("/v1/lookup", lookup, "POST"),
+        ("/v1/route", route, "POST"),
+        ("/v1/release", release, "POST"),
+        ("/v1/replicas", replicas, "GET"),
+        ("/v1/models", models, "GET"),
+        ("/healthz", healthz, "GET"),
+        ("/health", health, "GET"),
+        ("/metrics", metrics, "GET"),
+    )
+    for path, endpoint, method in endpoints:
+        app.router.routes.append(Route(path, endpoint, methods=[method]))

@@ -1,8 +1,14 @@
-"""``prefixcache serve``: the fleet routing service from a YAML config, run by uvicorn."""
+"""``prefixcache serve``: the fleet routing service from a YAML config, run by uvicorn with the
+config's connection limits and TLS (``transport``); with ``--workers N``, N processes on one port
+over a shared (Redis) index (``service_process``). Requests are not logged one by one unless
+``--access-log``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,19 @@ def register(subparsers: Any) -> None:
         help="forward /v1/completions and /v1/chat/completions (default: the config's proxy)",
     )
     sp.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="service processes on the one port (1); past 1 the index must be Redis, shared by "
+        "them: each worker counts its own in-flight load and per-key limits",
+    )
+    sp.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log every request (off: a line per request costs about as much as a route)",
+    )
+    sp.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -46,10 +65,15 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-        from prefixcache.fleet.index.open_index import check_index_url, open_index
-        from prefixcache.fleet.service.app import create_app
-        from prefixcache.fleet.service.settings import build_router, load_config
+        from prefixcache.fleet.service.service_process import (
+            WORKER_ENV,
+            ServeOptions,
+            check_workers,
+            index_of,
+            open_service,
+        )
+        from prefixcache.fleet.service.settings import load_config
+        from prefixcache.fleet.service.transport import exposure_warning, uvicorn_options
     except ImportError as exc:
         print(
             f"prefixcache serve: error: needs the service extra (pip install "
@@ -60,31 +84,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         if not 0 < args.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+        options = ServeOptions(str(args.config.resolve()), args.index, args.proxy)
         config = load_config(args.config)
-        index_url = check_index_url(args.index, "--index") if args.index else config.index
-        index = open_index(index_url, prefix=config.index_prefix)
-        router = build_router(config, index)
-        # every replica with an event endpoint is followed from the app's start to its stop
-        subscriber = KVEventSubscriber(
-            index,
-            [
-                ReplicaEndpoint(
-                    r.name,
-                    r.events,
-                    r.replay,
-                    r.namespace,
-                    r.block_size,
-                    hash_algo=config.hash_algo,
-                )
-                for r in config.replicas
-                if r.events is not None
-            ],
-            max_replicas=config.limits.max_replicas,
-            max_message_bytes=config.limits.max_event_message_bytes,
-            replay_deadline=config.limits.replay_deadline_s,
-            max_replay_frames=config.limits.max_replay_frames,
-        )
-        app = create_app(router, config, proxy=args.proxy, ingest=subscriber)
+        check_workers(args.workers, index_of(options, config))
+        # opened here in either case, so that a bad config or index fails before any worker
+        app, config = open_service(options)
     except (PrefixCacheError, OSError) as exc:
         print(f"prefixcache serve: error: {exc}", file=sys.stderr)
         return 2
@@ -96,5 +100,17 @@ def _serve(args: argparse.Namespace) -> int:
             "(set chat_template to the model's tokenizer_config.json)",
             file=sys.stderr,
         )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    warning = exposure_warning(args.host, config)
+    if warning is not None:
+        print(f"prefixcache serve: warning: {warning}", file=sys.stderr)
+    limits = uvicorn_options(config)
+    run = {"host": args.host, "port": args.port, "log_level": args.log_level}
+    run["access_log"] = args.access_log
+    if args.workers > 1:  # each worker opens its own service over the shared index
+        os.environ[WORKER_ENV] = json.dumps(dataclasses.asdict(options))
+        limits["http"] = "prefixcache.fleet.service.service_process:WorkerProtocol"
+        worker = "prefixcache.fleet.service.service_process:worker_app"
+        uvicorn.run(worker, factory=True, workers=args.workers, **run, **limits)
+    else:
+        uvicorn.run(app, **run, **limits)
     return 0

@@ -19,11 +19,13 @@ import yaml
 from prefixcache.blocks.hashing import HASH_FUNCTIONS
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.fleet.events.engine_keys import EngineHashSpec, parse_engine_hash
 from prefixcache.fleet.events.replay_client import (
     DEFAULT_MAX_REPLAY_FRAMES,
     DEFAULT_REPLAY_DEADLINE_S,
 )
 from prefixcache.fleet.index.index_url import (
+    IN_PROCESS,
     check_index_prefix,
     check_index_url,
     is_cluster_url,
@@ -33,6 +35,12 @@ from prefixcache.fleet.index.prefix_index import FleetIndex
 from prefixcache.fleet.policies import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.router import Router
+from prefixcache.fleet.service.access_settings import (
+    AccessConfig,
+    ServerConfig,
+    parse_access,
+    parse_server,
+)
 from prefixcache.text.chat_template import ChatTemplate
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -53,6 +61,7 @@ class ReplicaConfig:
     capacity_blocks: int  # 0: unknown
     adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (--lora-modules);
     # "*": any adapter (an engine that loads adapters at run time)
+    engine_hash: EngineHashSpec | None = None  # its engine's block hashes, when reproducible
 
     def spec(self) -> ReplicaSpec:
         """The router's view of this replica."""
@@ -82,6 +91,9 @@ class Limits:
     # one replay of missed KV events ends by then, or after that many frames (an unfilled gap)
     replay_deadline_s: float = DEFAULT_REPLAY_DEADLINE_S
     max_replay_frames: int = DEFAULT_MAX_REPLAY_FRAMES
+    # a read of a shared (Redis) index slower than this is answered from the local view
+    redis_read_timeout_s: float = 0.5
+    ingest_workers: int = 4  # threads applying KV events (each replica's in order on one)
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,8 @@ class ServiceConfig:
     limits: Limits = Limits()
     proxy: ProxyConfig = ProxyConfig()
     tokenizer: str | None = None  # Hugging Face tokenizer.json; None: UTF-8 bytes
-    index: str = "memory"  # "memory", "redis://host:port/db" or "redis+cluster://host:port"
+    # "memory", "memory+compact", "redis://host:port/db" or "redis+cluster://host:port"
+    index: str = "memory"
     hash_algo: str = "xxh3_128"
     source: str = "<config>"
     chat_template: str | None = None  # .jinja or tokenizer_config.json; None: neutral rendering
@@ -119,6 +132,8 @@ class ServiceConfig:
     # Redis key prefix of the index (None: the URL's ?prefix=, else "prefixcache:fleet", or
     # "{prefixcache:fleet}" on a cluster); deployments sharing one Redis each need their own
     index_prefix: str | None = None
+    access: AccessConfig = field(default_factory=AccessConfig)  # API keys, per-key limits
+    server: ServerConfig = field(default_factory=ServerConfig)  # connection and read limits, TLS
 
     def replica(self, name: str) -> ReplicaConfig | None:
         """The replica called ``name``, or None."""
@@ -129,12 +144,12 @@ class ServiceConfig:
 
 _TOP = (
     "replicas", "routing", "limits", "proxy", "health", "tokenizer", "chat_template", "index",
-    "index_prefix", "hash_algo",
+    "index_prefix", "hash_algo", "auth", "server", "tls",
 )  # fmt: skip
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s")
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
-    "block_size", "capacity_blocks", "adapters",
+    "block_size", "capacity_blocks", "adapters", "engine_hash",
 )  # fmt: skip
 _ROUTING = (
     "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
@@ -147,6 +162,8 @@ _LIMITS = (
     "max_event_message_bytes",
     "replay_deadline_s",
     "max_replay_frames",
+    "redis_read_timeout_s",
+    "ingest_workers",
 )
 MAX_EVENT_MESSAGE_BYTES = 1 << 40  # ZMQ_MAXMSGSIZE is an int64; beyond this is no limit at all
 _PROXY = ("enabled", "timeout_s")
@@ -245,6 +262,7 @@ def _replica(r: _Reader, raw: Any, where: str) -> ReplicaConfig:
     salt = r.string(m.get("salt"), f"{where}.salt")
     try:
         namespace = Namespace(model or "", adapter, adapter_version, salt, tuple(extra))
+        engine_hash = parse_engine_hash(m.get("engine_hash"))
     except PrefixCacheError as exc:
         raise r.fail(where, str(exc)) from None
     return ReplicaConfig(
@@ -256,6 +274,7 @@ def _replica(r: _Reader, raw: Any, where: str) -> ReplicaConfig:
         block_size=r.integer(m.get("block_size", 16), f"{where}.block_size", 1),
         capacity_blocks=r.integer(m.get("capacity_blocks", 0), f"{where}.capacity_blocks", 0),
         adapters=tuple(adapters),
+        engine_hash=engine_hash,
     )
 
 
@@ -289,6 +308,11 @@ def parse_config(
         r.integer(
             lim.get("max_replay_frames", defaults.max_replay_frames), "limits.max_replay_frames", 2
         ),
+        r.number(
+            lim.get("redis_read_timeout_s", defaults.redis_read_timeout_s),
+            "limits.redis_read_timeout_s",
+        ),
+        r.integer(lim.get("ingest_workers", defaults.ingest_workers), "limits.ingest_workers", 1),
     )
     if limits.max_event_message_bytes > MAX_EVENT_MESSAGE_BYTES:
         raise r.fail(
@@ -388,7 +412,7 @@ def parse_config(
             check_index_prefix(index_prefix, "index_prefix", cluster=is_cluster_url(index))
         except ConfigError as exc:
             raise r.fail("", str(exc)) from None
-        in_url = split_prefix(index)[1] if index != "memory" else None
+        in_url = split_prefix(index)[1] if index not in IN_PROCESS else None
         if in_url is not None and in_url != index_prefix:
             raise r.fail(
                 "index_prefix",
@@ -411,6 +435,8 @@ def parse_config(
         chat_template,
         health,
         index_prefix,
+        access=parse_access(r, top.get("auth"), base_dir),
+        server=parse_server(r, top.get("server"), top.get("tls"), base_dir),
     )
 
 
