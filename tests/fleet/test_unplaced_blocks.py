@@ -485,3 +485,27 @@ def test_blocks_placed_by_a_lookup_reach_a_shared_index_and_its_engine_map(redis
     assert late_sub.counters()["pod"].recalled == 1
     for x in (index, later):
         x.client.close()
+
+
+def test_ancestors_stay_held_after_the_blocks_that_vouched_for_them_are_evicted() -> None:
+    """The engine frees a request's blocks tail first: once the kept block that vouched for a
+    prefix and the prefix's own last block are evicted, the rest of the prefix is still held
+    (and counted), until a removal of its own is seen."""
+    from prefixcache.fleet.events.unplaced import UnplacedBlocks, engine_match
+
+    prefix = [101, 102, 103]  # engine hashes the router never saw stored
+    kept = UnplacedBlocks()
+    # a request for the prefix plus one more block: the engine stores the new block under it
+    kept.keep([900], 103, b"\0" * 64, 64, 1, 1, None)
+    assert engine_match({}, kept, prefix).blocks == 3
+    kept.removed(900, 1, 2, known=False)  # the tail goes first
+    kept.removed(103, 1, 3, known=False)
+    assert engine_match({}, kept, prefix).blocks == 2
+    assert engine_match({}, kept, prefix).gpu_blocks == 2
+    kept.removed(102, 1, 4, known=False)
+    assert engine_match({}, kept, prefix).blocks == 1
+    kept.removed(101, 1, 5, known=False)
+    assert engine_match({}, kept, prefix).blocks == 0
+    # stored again later: held again
+    kept.keep([101, 102], 555, b"\0" * 128, 64, 1, 6, None)
+    assert engine_match({}, kept, [555, 101, 102]).blocks == 3

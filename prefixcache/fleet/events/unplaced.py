@@ -59,6 +59,9 @@ class UnplacedBlocks:
     gone: dict[BlockHash, int] = field(default_factory=dict)  # hash -> event count when removed
     # a parent named by a stored block: held then (event count), and its ancestors with it
     vouched: dict[BlockHash, int] = field(default_factory=dict)
+    # a removed block that vouched (stored, or named a parent): the event count it vouched at,
+    # and whether on GPU; its ancestors were held then, and still are unless removed since
+    lapsed: dict[BlockHash, tuple[int, bool]] = field(default_factory=dict)
     floor: int = -1  # removals up to this event count may have been forgotten
     last_unknown_removal: int = -1  # a hash never seen left the replica (event count)
 
@@ -66,7 +69,7 @@ class UnplacedBlocks:
         return len(self.entries)
 
     def __bool__(self) -> bool:
-        return bool(self.entries or self.vouched)
+        return bool(self.entries or self.vouched or self.lapsed)
 
     def clear(self) -> None:
         """The replica holds nothing any more."""
@@ -74,6 +77,7 @@ class UnplacedBlocks:
         self.children.clear()
         self.gone.clear()
         self.vouched.clear()
+        self.lapsed.clear()
         self.floor = self.last_unknown_removal = -1
 
     def keep(
@@ -123,18 +127,29 @@ class UnplacedBlocks:
 
     def removed(self, h: BlockHash, bits: int, now: int, *, known: bool) -> None:
         """The replica dropped ``h`` from the media ``bits`` (``known``: a placed block)."""
-        if not self.entries and not self.vouched:
+        if not self.entries and not self.vouched and not self.lapsed:
             if self.gone:  # nothing left to vouch for: no removal matters any more
                 self.gone.clear()
             return
-        self.vouched.pop(h, None)  # removed since it was named a parent
+        # what it vouched for outlives it: the engine frees a request's blocks tail first, so
+        # its ancestors stay held unless their own removal is seen
+        vouch = self.vouched.pop(h, -1)  # removed since it was named a parent
+        gpu = vouch >= 0
         entry = self.entries.get(h)
         if entry is not None:
             entry[2] &= ~bits
+            if entry[3] > vouch:
+                vouch, gpu = entry[3], bool(entry[2] & _GPU_BIT) or bool(bits & _GPU_BIT)
             if not entry[2]:
                 self.pop(h)
         elif not known:
             self.last_unknown_removal = now
+        if vouch >= 0:
+            lapsed = self.lapsed
+            lapsed.pop(h, None)
+            lapsed[h] = (vouch, gpu)
+            if len(lapsed) > self.max_blocks:  # forgetting one only under-reports
+                del lapsed[next(iter(lapsed))]
         gone = self.gone
         gone.pop(h, None)
         gone[h] = now
@@ -150,11 +165,12 @@ def engine_match(
     engine's own prefix match finds them: placed blocks (``blocks``: hash -> [digest, position,
     media]) and unplaced ones, and ancestors vouched for by a held block stored after their last
     removal (module docstring)."""
-    entries, vouched = unplaced.entries, unplaced.vouched
+    entries, vouched, lapsed = unplaced.entries, unplaced.vouched, unplaced.lapsed
     n = len(hashes)
     media = [0] * n
     stored = [-1] * n  # when an unplaced block was stored: it vouches for its ancestors
-    deepest = -1
+    was: list[tuple[int, bool] | None] = [None] * n  # a removed block's vouch for its ancestors
+    deepest = held_deepest = -1
     for i, h in enumerate(hashes):
         e = blocks.get(h)
         if e is not None:
@@ -166,11 +182,19 @@ def engine_match(
         elif h in vouched and vouched[h] > max(unplaced.floor, unplaced.gone.get(h, -1)):
             # held when a block was stored under it, and not removed since
             media[i], stored[i], deepest = _GPU_BIT, vouched[h], i
+        elif h in lapsed:
+            was[i], held_deepest = lapsed[h], i
+    deepest = max(deepest, held_deepest)
     fail_any = fail_gpu = deepest + 1
     vouch_any = vouch_gpu = -1
     gone, floor = unplaced.gone, unplaced.floor
     for i in range(deepest, -1, -1):
         m = media[i]
+        w = was[i]
+        if w is not None:  # gone itself, but its ancestors were held when it vouched
+            vouch_any = max(vouch_any, w[0])
+            if w[1]:
+                vouch_gpu = max(vouch_gpu, w[0])
         if m:
             vouch_any = max(vouch_any, stored[i])
             if m & _GPU_BIT:
