@@ -509,3 +509,25 @@ def test_ancestors_stay_held_after_the_blocks_that_vouched_for_them_are_evicted(
     # stored again later: held again
     kept.keep([101, 102], 555, b"\0" * 128, 64, 1, 6, None)
     assert engine_match({}, kept, [555, 101, 102]).blocks == 3
+
+
+def test_a_lookup_finds_a_prefix_whose_voucher_and_tail_were_evicted() -> None:
+    """Through the router: a prefix held but never seen stored, vouched for by one request's new
+    block, then that block and the prefix's last block evicted (tail first) before any lookup:
+    the rest of the prefix is still the engine's, and the lookup says so."""
+    index = MemoryFleetIndex()
+    ep = ReplicaEndpoint("pod", None, None, NS, P, engine_hash=SHA_CBOR)
+    sub = KVEventSubscriber(index, [ep])
+    router = Router(index, [ReplicaSpec("pod", NS, P)], held=sub.unplaced)
+    prefix = list(range(300, 300 + 4 * P))
+    fresh = [7] * P
+    hashes = EngineHasher(SHA_CBOR, P).block_hashes(prefix + fresh)
+
+    def send(seq: int, *events: Any) -> None:
+        sub.ingest("pod", seq, msgspec.msgpack.encode(KVEventBatch(float(seq), list(events), 0)))
+
+    send(0, BlockStored([hashes[4]], hashes[3], fresh, P, None, "GPU", None))
+    send(1, BlockRemoved([hashes[4]], "GPU"), BlockRemoved([hashes[3]], "GPU"))
+    assert _cached(router, prefix) == 3
+    send(2, BlockRemoved([hashes[1]], "GPU"))
+    assert _cached(router, prefix) == 1

@@ -71,6 +71,15 @@ class UnplacedBlocks:
     def __bool__(self) -> bool:
         return bool(self.entries or self.vouched or self.lapsed)
 
+    def concerns(self, hashes: frozenset[BlockHash]) -> bool:
+        """Whether any of ``hashes`` is kept, vouched for or a lapsed voucher (``engine_match``
+        has something to say about a prompt with these engine hashes)."""
+        return not (
+            hashes.isdisjoint(self.entries)
+            and hashes.isdisjoint(self.vouched)
+            and hashes.isdisjoint(self.lapsed)
+        )
+
     def clear(self) -> None:
         """The replica holds nothing any more."""
         self.entries.clear()

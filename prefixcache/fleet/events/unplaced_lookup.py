@@ -59,8 +59,7 @@ class UnplacedLookup:
         if not rep.engine.supports(namespace.adapter, namespace.extra):
             return None
         hashes, held = self._engine_hashes(rep.engine, namespace, tokens, digests)
-        unplaced = rep.unplaced
-        if held.isdisjoint(unplaced.entries) and held.isdisjoint(unplaced.vouched):
+        if not rep.unplaced.concerns(held):
             return None  # none of the prompt's blocks is unplaced: the index knows the rest
         with self._lock:
             if self._replicas.get(replica) is not rep:
