@@ -1,9 +1,9 @@
 """Operator scenarios on a real fleet: every part killed, paused or restarted, the index then
 equal to what each replica holds.
 
-Two replicas of ``examples/fleet/replica.py`` (real caches; KV events over ZMQ with vLLM's
-``sha256_cbor`` block hashes, a replay buffer of a few batches) run for the whole module;
-``prefixcache serve`` routers (memory index, or a redis-server started here) come and go. Each
+Each scenario starts two replicas of ``examples/fleet/replica.py`` (real caches; KV events over
+ZMQ with vLLM's ``sha256_cbor`` block hashes, a replay buffer of a few batches); ``prefixcache
+serve`` routers (memory index, or a redis-server started here for the module) come and go. Each
 scenario ends by asking every replica which leading blocks of every prompt it holds (``/held``)
 and the router the same (``/v1/lookup``): equal, nothing stale, nothing missing. Where the
 router cannot have seen a prefix (it joined past the replay buffer), the documented one request
@@ -146,13 +146,10 @@ class Fleet:
         return proc
 
     def probes(self) -> list[list[int]]:
-        """Every prompt sent, and each of its block-aligned prefixes."""
-        out: dict[tuple[int, ...], None] = {}
-        for p in self.prompts:
-            for k in range(1, len(p) // BLOCK + 1):
-                out[tuple(p[: k * BLOCK])] = None
-            out[tuple(p)] = None
-        return [list(p) for p in out]
+        """Every prompt sent, once. Its prefixes need no probe of their own: the replica's
+        answer and the router's are both the leading blocks held, so they agree on a prefix
+        of ``p`` when they agree on ``p``."""
+        return [list(p) for p in dict.fromkeys(tuple(p) for p in self.prompts)]
 
     def differences(self, router: Proc) -> list[str]:
         base = router.health.rsplit("/", 1)[0]
@@ -204,7 +201,7 @@ def _prompt(seed: int, blocks: int, tail: int = 5) -> list[int]:
     return [(seed * 37 + i * 11) % 251 for i in range(blocks * BLOCK + tail)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("operator")
     replicas = [Replica(name, log_dir) for name in ("a", "b")]
@@ -254,14 +251,28 @@ def _warm(fleet: Fleet, seed: int) -> None:
 def _catch_up(fleet: Fleet) -> None:
     """The documented rule for a router that joined past the replay buffer: one request per
     prefix a replica holds (its new block names a parent the router never saw; the router's
-    engine hashes then place the whole prefix)."""
-    for r in fleet.replicas:
-        held = {tuple(p[: r.held(p) * BLOCK]) for p in fleet.prompts} - {()}
-        longest = [p for p in held if not any(q[: len(p)] == p and q != p for q in held)]
-        for prefix in longest:
-            if r.held(list(prefix)) * BLOCK == len(prefix):  # not evicted meanwhile
+    engine hashes then place the whole prefix). A request can evict the tail of a prefix not
+    asked for yet: what is left of it is asked for in the next round; what is left of a prefix
+    already asked for stays known (its removed blocks vouched for their ancestors)."""
+    asked: dict[str, list[tuple[int, ...]]] = {r.name: [] for r in fleet.replicas}
+
+    def covered(r: Replica, prefix: tuple[int, ...]) -> bool:
+        return any(q[: len(prefix)] == prefix for q in asked[r.name])
+
+    for _ in range(10):
+        todo = []
+        for r in fleet.replicas:
+            held = {tuple(p[: r.held(p) * BLOCK]) for p in fleet.prompts} - {()}
+            longest = [p for p in held if not any(q[: len(p)] == p and q != p for q in held)]
+            todo += [(r, p) for p in longest if not covered(r, p)]
+        if not todo:
+            return
+        for r, prefix in todo:
+            if r.held(list(prefix)) * BLOCK == len(prefix):  # not shortened meanwhile
                 fresh = _prompt(1000 + len(fleet.prompts), 1, 0)  # a block it never stored
                 fleet.serve(r, [*prefix, *fresh])
+                asked[r.name].append((*prefix, *fresh))  # known whole: its new block vouches
+    raise AssertionError("the catch-up did not settle in 10 rounds")
 
 
 def _join(fleet: Fleet, index: str) -> Proc:
@@ -327,10 +338,6 @@ def test_a_replica_paused_and_resumed(routers: Fleet) -> None:
 # ---- routers -------------------------------------------------------------------------------
 
 
-@pytest.mark.skip(
-    reason="open: after earlier scenarios, some prefixes a replica still holds read 0 in a "
-    "router joined past the replay buffer, one request per prefix notwithstanding",
-)
 def test_a_router_killed_and_a_new_one_started_past_the_replay_buffer(routers: Fleet) -> None:
     fleet = routers
     first = _join(fleet, "memory")
@@ -348,11 +355,6 @@ def test_a_router_killed_and_a_new_one_started_past_the_replay_buffer(routers: F
 # ---- Redis ---------------------------------------------------------------------------------
 
 
-@pytest.mark.skip(
-    reason="open: passes alone or right after the replica scenarios, but the new router's "
-    "catch-up on earlier scenarios' prefixes (one request per prefix) can leave partly "
-    "evicted prefixes at 0, as in the router scenario",
-)
 def test_redis_killed_and_restarted_empty(routers: Fleet, redis: RedisServer) -> None:
     fleet = routers
     router = _join(fleet, redis.url)
@@ -366,14 +368,14 @@ def test_redis_killed_and_restarted_empty(routers: Fleet, redis: RedisServer) ->
     _assert_in_sync(router)
 
 
-@pytest.mark.skip(
-    reason="open: with Redis paused, a router that caught up on earlier scenarios' prefixes "
-    "answers 0 for some blocks a replica holds",
-)
 def test_redis_paused_and_resumed(routers: Fleet, redis: RedisServer) -> None:
     fleet = routers
-    router = _join(fleet, redis.url)
+    first = _join(fleet, redis.url)
     _warm(fleet, 100)
+    fleet.assert_index_equals_replicas(first)
+    first.kill()  # its successor inherits the index in Redis (what the replicas held)
+    router = _join(fleet, redis.url)
+    fleet.serve(fleet.replicas[1], _prompt(105, 1))
     fleet.assert_index_equals_replicas(router)
     assert redis.proc is not None
     redis.proc.send_signal(signal.SIGSTOP)

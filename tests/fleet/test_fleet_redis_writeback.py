@@ -83,3 +83,44 @@ def test_a_write_back_after_a_restart_or_a_late_join_holds_the_recalled_blocks(h
     finally:
         for x in (fresh, index, first):
             x.client.close()
+
+
+def test_a_late_joiner_answers_from_a_whole_view_while_redis_hangs(redis_server):
+    """A router joining a stream another router applied reads every block the replica holds
+    from the shared engine map when it joins: with Redis then stopped (SIGSTOP), its local view
+    answers every prefix the replica holds, not only those its first events named."""
+    import signal
+
+    from prefixcache.blocks.hashing import BlockHasher
+
+    prefix = f"j{os.urandom(4).hex()}"
+    before = [
+        _batch(_stored([10, 11, 12], None, 0), ts=0),
+        _batch(_stored([20, 21], None, 100), ts=1),
+    ]
+    first, sub = _router(redis_server.url, prefix)
+    for seq, payload in enumerate(before):
+        sub.ingest("pod", seq, payload)
+    assert first.flush()
+    index, late = _router(redis_server.url, prefix)
+    index.sync.read_timeout = 0.3
+    late.ingest("pod", len(before), _batch(_stored([13], 12, 12), ts=2))  # names 12 only
+    assert index.flush()
+    assert late.counters()["pod"].recalled == 5  # all it holds, on joining
+    hasher = BlockHasher(P)
+    prompts = {"first": list(range(0, 16)), "second": list(range(100, 108))}
+    ns = Namespace("llama")
+    digests = {name: hasher.hash_prompt(tokens, ns) for name, tokens in prompts.items()}
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        seen = {name: index.match(d) for name, d in digests.items()}
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    assert index.stats().errors >= 1  # answered from the local view
+    assert {n: [(m.replica, m.blocks) for m in got] for n, got in seen.items()} == {
+        "first": [("pod", 4)],
+        "second": [("pod", 2)],
+    }
+    for x in (index, first):
+        x.client.close()

@@ -66,6 +66,51 @@ def test_sglang_page_hashes_and_cache_salt() -> None:
     assert salted[0] != -3488128144981237669 and len(salted) == 2
 
 
+def test_sglang_eagle_page_hashes_equal_the_engines_reference_values() -> None:
+    """SGLang with EAGLE hashes bigram pages: values computed by SGLang 0.5.23's own native
+    page hash (``hash_binding.cpp``, built from the wheel) over raw tokens 1..17, pages of 4."""
+    eagle = EngineHasher(parse_engine_hash("sglang-eagle"), 4)  # type: ignore[arg-type]
+    tokens = list(range(1, 18))  # 16 bigrams: 4 full pages
+    plain = [-638950109823820341, -4369944537645631836, -1554502205858632688, -3367001684096184181]
+    assert eagle.block_hashes(tokens) == plain
+    assert eagle.block_hashes(tokens, salt="tenant-a") == [
+        2832294365426534333,
+        3603037882432405245,
+        -6308801566115877871,
+        6012705935904633126,
+    ]
+    assert eagle.block_hashes(tokens[:16]) == plain[:3]  # the last page lacks its next token
+    first = eagle.digests(tokens, limit=2)
+    rest = eagle.digests(tokens, start=2, parent=first[-1])
+    assert [eagle.event_form(d) for d in first + rest] == plain
+
+
+def test_an_sglang_eagle_replica_is_found_by_its_engine_hashes() -> None:
+    """Pages stored under a parent the router never saw, sent as SGLang's bigram pairs, are
+    found by a lookup of the prompt (its engine hashes), prefix included."""
+    eagle = EngineHasher(parse_engine_hash("sglang-eagle"), P)  # type: ignore[arg-type]
+    tokens = list(range(40, 40 + 4 * P + 1))
+    hashes = eagle.block_hashes(tokens)
+    pairs = [[tokens[j], tokens[j + 1]] for j in range(2 * P, 3 * P)]  # page 2 only
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [hashes[2]],
+        "parent_block_hash": hashes[1],
+        "token_ids": pairs,
+        "block_size": P,
+        "lora_id": None,
+        "medium": "GPU",
+    }
+    index = MemoryFleetIndex()
+    ep = ReplicaEndpoint("pod", None, None, NS, P, engine_hash=eagle.spec)
+    sub = KVEventSubscriber(index, [ep])
+    router = Router(index, [ReplicaSpec("pod", NS, P)], held=sub.unplaced)
+    assert sub.ingest("pod", 3, msgspec.msgpack.encode([1.0, [stored], 0])) == 1
+    assert sub.counters()["pod"].unplaced == 1
+    assert _cached(router, tokens) == 3  # pages 0-1 vouched for by page 2
+    assert _cached(router, tokens[: 2 * P + 1]) == 2
+
+
 def test_cache_salt_and_lora_keys_change_only_what_the_engine_changes() -> None:
     spec = EngineHashSpec("vllm", "sha256_cbor", lora_paths={"sql": "/adapters/sql"})
     h = EngineHasher(spec, P)
@@ -94,7 +139,10 @@ def test_engine_hash_settings_are_checked() -> None:
     assert parse_engine_hash("vllm-sha256_cbor") == EngineHashSpec("vllm", "sha256_cbor")
     assert parse_engine_hash({"algo": "xxhash_cbor", "seed": 0}).seed == "0"  # type: ignore[union-attr]
     assert parse_engine_hash("sglang") == EngineHashSpec("sglang", "sha256")
-    for bad in ("vllm-md5", "vllm-xxhash", {"engine": "trt"}, {"algo": "sha256", "x": 1}, 3):
+    assert parse_engine_hash("sglang-eagle") == EngineHashSpec("sglang", "sha256", eagle=True)
+    assert parse_engine_hash({"engine": "sglang", "eagle": True}).label() == "sglang-eagle"  # type: ignore[union-attr]
+    bad_specs = ("vllm-md5", "vllm-xxhash", {"engine": "trt"}, {"algo": "sha256", "x": 1}, 3)
+    for bad in (*bad_specs, {"engine": "vllm", "eagle": True}, {"engine": "sglang", "eagle": 1}):
         with pytest.raises(ConfigError):
             parse_engine_hash(bad)
 
@@ -482,7 +530,7 @@ def test_blocks_placed_by_a_lookup_reach_a_shared_index_and_its_engine_map(redis
     later.flush()
     late_router = Router(later, [ReplicaSpec("pod", NS, P)])
     assert _cached(late_router, tokens) == 3
-    assert late_sub.counters()["pod"].recalled == 1
+    assert late_sub.counters()["pod"].recalled == 4  # the four placed blocks, on joining
     for x in (index, later):
         x.client.close()
 

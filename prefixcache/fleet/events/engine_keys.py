@@ -18,8 +18,11 @@ the last 8 bytes of a digest as an unsigned big-endian int (the default) or the 
 
 SGLang (0.5): page ``i`` hashes to ``SHA-256(digest of page i-1 || tokens as little-endian
 uint32)`` (no prior for the first page, or ``SHA-256("sglang-cache-salt-v1\\0" + salt)`` with a
-cache salt); the event value is the first 8 bytes as a signed big-endian int. LoRA blocks depend
-on an id internal to the engine and are not computed.
+cache salt); the event value is the first 8 bytes as a signed big-endian int. With EAGLE
+speculative decoding (``eagle``) its radix keys are bigrams: page ``i`` hashes the pairs
+``(t_j, t_j+1)`` of its positions, so it needs the token after it, and a prompt of ``L`` tokens
+has ``(L - 1) // page`` full pages. LoRA blocks depend on an id internal to the engine and are not
+computed.
 
 Multimodal keys and prompt embeddings cannot be rebuilt from a prompt's token ids: prompts of a
 namespace with ``extra`` entries get no engine hashes.
@@ -132,23 +135,28 @@ class EngineHashSpec:
     seed: str | None = None  # vLLM: the engine's PYTHONHASHSEED (None: not set)
     int_hashes: bool = True  # vLLM: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (1, the default)
     lora_paths: Mapping[str, str] = field(default_factory=dict)  # vLLM: adapter name -> path
+    eagle: bool = False  # SGLang with EAGLE speculative decoding: bigram radix keys
 
     def label(self) -> str:
-        """e.g. ``vllm-sha256_cbor``."""
-        return f"{self.engine}-{self.algo}"
+        """e.g. ``vllm-sha256_cbor``, ``sglang-eagle``."""
+        return f"{self.engine}-eagle" if self.eagle else f"{self.engine}-{self.algo}"
 
 
 def parse_engine_hash(raw: Any, where: str = "engine_hash") -> EngineHashSpec | None:
-    """The spec ``raw`` names: None, ``"vllm-<algo>"``, ``"sglang"``, or a mapping with
-    ``engine``, ``algo``, ``seed``, ``int_hashes``, ``lora_paths``; ConfigError otherwise."""
+    """The spec ``raw`` names: None, ``"vllm-<algo>"``, ``"sglang"``, ``"sglang-eagle"``, or a
+    mapping with ``engine``, ``algo``, ``seed``, ``int_hashes``, ``lora_paths``, ``eagle``;
+    ConfigError otherwise."""
     if raw is None:
         return None
     if isinstance(raw, str):
         engine, _, algo = raw.partition("-")
-        raw = {"engine": engine, **({"algo": algo} if algo else {})}
+        if engine == "sglang" and algo == "eagle":
+            raw = {"engine": engine, "eagle": True}
+        else:
+            raw = {"engine": engine, **({"algo": algo} if algo else {})}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a name like 'vllm-sha256_cbor' or a mapping")
-    unknown = set(raw) - {"engine", "algo", "seed", "int_hashes", "lora_paths"}
+    unknown = set(raw) - {"engine", "algo", "seed", "int_hashes", "lora_paths", "eagle"}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     engine = raw.get("engine", "vllm")
@@ -162,13 +170,20 @@ def parse_engine_hash(raw: Any, where: str = "engine_hash") -> EngineHashSpec | 
         raise ConfigError(f"{where}.seed: the engine's PYTHONHASHSEED as a str, got {seed!r}")
     int_hashes = raw.get("int_hashes", True)
     lora_paths = raw.get("lora_paths") or {}
+    eagle = raw.get("eagle", False)
     if not isinstance(int_hashes, bool):
         raise ConfigError(f"{where}.int_hashes: expected true or false, got {int_hashes!r}")
+    if not isinstance(eagle, bool):
+        raise ConfigError(f"{where}.eagle: expected true or false, got {eagle!r}")
     if not isinstance(lora_paths, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in lora_paths.items()
     ):
         raise ConfigError(f"{where}.lora_paths: expected a mapping adapter name -> path")
     if engine == "vllm":
+        if eagle:
+            raise ConfigError(
+                f"{where}.eagle: SGLang only (vLLM's EAGLE lookahead hashing is not reproduced)"
+            )
         if algo not in VLLM_ALGOS:
             raise ConfigError(f"{where}.algo: one of {', '.join(VLLM_ALGOS)}, got {algo!r}")
         if algo.startswith("xxhash") and seed is None:
@@ -178,7 +193,7 @@ def parse_engine_hash(raw: Any, where: str = "engine_hash") -> EngineHashSpec | 
             )
     elif algo != "sha256" or seed is not None or lora_paths or not int_hashes:
         raise ConfigError(f"{where}: SGLang hashes with sha256, without seed or LoRA paths")
-    return EngineHashSpec(engine, algo, seed, int_hashes, dict(lora_paths))
+    return EngineHashSpec(engine, algo, seed, int_hashes, dict(lora_paths), eagle)
 
 
 class EngineHasher:
@@ -188,9 +203,8 @@ class EngineHasher:
         self.spec = spec
         self.block_size = block_size
         # equal for hashers that hash alike (a memo of hashes may be shared by their replicas)
-        self.key = (spec.engine, spec.algo, spec.seed, spec.int_hashes, block_size) + tuple(
-            sorted(spec.lora_paths.items())
-        )
+        self.key = (spec.engine, spec.algo, spec.seed, spec.int_hashes, spec.eagle, block_size)
+        self.key += tuple(sorted(spec.lora_paths.items()))
         if spec.engine == "vllm":
             seed = spec.seed if spec.seed is not None else DEFAULT_VLLM_SEED
             self._none_hash = vllm_hash(spec.algo, seed)
@@ -238,10 +252,12 @@ class EngineHasher:
         if not self.supports(adapter, ()):
             return []
         p = self.block_size
-        n = len(tokens) // p if limit is None else min(limit, len(tokens) // p)
+        eagle = self.spec.eagle  # a page's last bigram needs the token after it
+        full = (len(tokens) - 1) // p if eagle else len(tokens) // p
+        n = full if limit is None else min(limit, full)
         if start >= n:
             return []
-        arr = np.asarray(tokens[start * p : n * p], dtype=np.int64)
+        arr = np.asarray(tokens[start * p : n * p + eagle], dtype=np.int64)
         if self.spec.engine == "sglang":
             return self._sglang(arr, n - start, salt if start == 0 else None, parent)
         return self._vllm(arr, n - start, adapter, salt if start == 0 else None, parent)
@@ -293,7 +309,12 @@ class EngineHasher:
         self, arr: np.ndarray, n: int, salt: str | None, parent: bytes | None
     ) -> list[bytes]:
         p = self.block_size
-        raw = arr.astype("<u4").tobytes()
+        if self.spec.eagle:  # the pairs (t_j, t_j+1), page by page: 2 * p words a page
+            words = np.empty(2 * n * p, "<u4")
+            words[0::2], words[1::2] = arr[:-1], arr[1:]
+            raw, p = words.tobytes(), 2 * p
+        else:
+            raw = arr.astype("<u4").tobytes()
         prior = parent
         if prior is None:
             prior = (

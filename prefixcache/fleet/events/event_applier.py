@@ -41,9 +41,11 @@ nothing behind.
 
 With a shared engine map (``SharedEngineMap``, kept by a Redis index), every stored block's engine
 hash is remembered there and forgotten once the replica holds it nowhere; a replica joined midway
-(``ReplicaStream.inherited``) looks up there the blocks stored before this subscriber came, so
-their removals and continuations apply as if it had seen them stored (counted as recalled). An
-event whose lookup the index cannot answer now (away) is not applied: ``apply`` says which.
+(``ReplicaStream.inherited``) reads there, when it joins, every block the replica holds
+(``adopt``), and looks up any other block an event names that was stored before this subscriber
+came, so their removals and continuations apply as if it had seen them stored (counted as
+recalled), and the index's local view holds them while Redis is away. An event whose lookup the
+index cannot answer now (away) is not applied: ``apply`` says which.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import msgspec
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import as_token_array
 from prefixcache.errors import InvalidTokensError
-from prefixcache.fleet.events.replica_stream import ReplicaStream, engine_key
+from prefixcache.fleet.events.replica_stream import ReplicaStream, block_hash_of_key, engine_key
 from prefixcache.fleet.events.wire import BlockHash, RemovedBlocks, StoredBlocks
 from prefixcache.fleet.index.prefix_index import CPU, GPU, FleetIndex, SharedEngineMap
 
@@ -400,6 +402,22 @@ class EventApplier:
                 (digest,) = rep.hasher.hash_run(kept[1], entry[0], entry[1] + 1)
                 if self.place(rep, [h], [digest], [kept[2]], entry[1] + 1, follow=False):
                     todo.append(h)
+
+    def adopt(self, rep: ReplicaStream) -> None:
+        """Joining a stream that other routers applied: every block the shared engine map says
+        the replica holds becomes known at once (counted as recalled), so removals and
+        continuations of them need no lookup, and the index's local view holds them."""
+        assert self.engine_map is not None
+        found = self.engine_map.adopt(rep.ep.name)
+        blocks = rep.blocks
+        for key, block in (found or {}).items():
+            h = block_hash_of_key(key)
+            if h is None or h in blocks:
+                continue  # a long hash's digest: recalled when an event names it
+            if len(blocks) >= self.max_blocks_per_replica:
+                break
+            blocks[h] = [block.digest, block.position, block.media]
+            rep.counts.recalled += 1
 
     def _recall(self, rep: ReplicaStream, hashes: Sequence[BlockHash]) -> bool:
         """Blocks of ``hashes`` unknown here that the shared engine map remembers (stored before

@@ -133,3 +133,16 @@ def engine_key(h: BlockHash) -> bytes:
         return b"i%d" % h
     raw = bytes(h)
     return b"b" + raw if len(raw) <= 64 else b"h" + xxhash.xxh3_128_digest(raw)
+
+
+def block_hash_of_key(key: bytes) -> BlockHash | None:
+    """The engine block hash a shared engine map's key names (``engine_key`` reversed); None
+    for the digest form of a long hash, or a key this release does not write."""
+    if key[:1] == b"b":
+        return bytes(key[1:])
+    if key[:1] == b"i":
+        try:
+            return int(key[1:])
+        except ValueError:
+            return None
+    return None

@@ -251,6 +251,7 @@ class KVEventSubscriber:
                 known = None
             elif known is not None:
                 rep.last_seq = min(known.seq, seq - 1)
+                self._events.adopt(rep)  # what the index holds of it, known here at once
         elif seq <= rep.last_seq and rep.is_stale(seq, ts, payload):
             rep.counts.late += 1  # applied already (a duplicate), or lost (its gap handled)
             log.info("replica %s: batch %d came again or late; skipped", rep.ep.name, seq)

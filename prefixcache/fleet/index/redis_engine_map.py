@@ -9,13 +9,19 @@ applied batches written once per flush, and both written back after Redis lost i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import suppress
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
 from prefixcache.fleet.index.prefix_index import CPU, GPU, AppliedBatch, EngineBlock
 from prefixcache.fleet.index.redis_scripts import as_bytes, as_text, remember_args
 from prefixcache.fleet.index.redis_sync import EngineSource, RedisSync
+
+if TYPE_CHECKING:
+    import redis
+
+ADOPT_CHUNK = 1000  # engine map entries read per round trip when a router adopts a replica
 
 
 class RedisEngineMap:
@@ -68,20 +74,64 @@ class RedisEngineMap:
             )
             if reply is None:
                 return None
-            held: dict[str, list[bytes]] = {GPU: [], CPU: []}
             for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
                 value = as_bytes(value)
                 if len(value) == 24:
-                    block = EngineBlock(value[:16], int.from_bytes(value[16:], "big"), int(media))
-                    out[key] = block
-                    for bit, medium in ((1, GPU), (2, CPU)):
-                        if block.media & bit:
-                            held[medium].append(block.digest)
-            for medium, digests in held.items():
-                if digests:
-                    with suppress(FleetCapacityError):  # the view is full: Redis keeps them
-                        sync.local.store(replica, digests, medium)
+                    position = int.from_bytes(value[16:], "big")
+                    out[key] = EngineBlock(value[:16], position, int(media))
+            self._join_local_view(replica, out.values())
         return out
+
+    def adopt(self, replica: str) -> dict[bytes, EngineBlock] | None:
+        """Every block the map remembers for ``replica`` that the replica still holds, by
+        engine key (O(its blocks): one scan step and one pipelined read per ``ADOPT_CHUNK``
+        entries; None while Redis is unreachable). They join the local view, as recalled blocks
+        do, so a router that joins a stream answers from a whole view while Redis is away."""
+        sync = self.sync
+        prefix = sync.prefix
+
+        def scan(client: redis.Redis) -> dict[bytes, EngineBlock]:
+            slot = client.hget(f"{prefix}:replicas", replica)
+            if slot is None:
+                return {}
+            r, cursor = int(slot), 0
+            out: dict[bytes, EngineBlock] = {}
+            while True:
+                cursor, chunk = client.hscan(f"{prefix}:e:{replica}", cursor, count=ADOPT_CHUNK)
+                pairs = chunk.items() if isinstance(chunk, dict) else _pairs(chunk)
+                items = [(as_bytes(k), as_bytes(v)) for k, v in pairs]
+                items = [(k, v) for k, v in items if len(v) == 24]
+                if items:
+                    pipe = client.pipeline(transaction=False)
+                    for _, v in items:
+                        block_key = prefix.encode() + b":b:" + v[:16]
+                        pipe.getbit(block_key, 2 * r)
+                        pipe.getbit(block_key, 2 * r + 1)
+                    bits = pipe.execute()
+                    for k, (key, v) in enumerate(items):
+                        media = int(bits[2 * k]) + 2 * int(bits[2 * k + 1])
+                        if media:
+                            out[key] = EngineBlock(v[:16], int.from_bytes(v[16:], "big"), media)
+                if not int(cursor):
+                    return out
+
+        with sync.lock:
+            found: dict[bytes, EngineBlock] | None = sync.read(scan)
+            if found:
+                self._join_local_view(replica, found.values())
+        return found
+
+    def _join_local_view(self, replica: str, blocks: Iterable[EngineBlock]) -> None:
+        """Blocks the replica holds, read from Redis, into the local view. Call with the lock."""
+        held: dict[str, list[bytes]] = {GPU: [], CPU: []}
+        for block in blocks:
+            for bit, medium in ((1, GPU), (2, CPU)):
+                if block.media & bit:
+                    held[medium].append(block.digest)
+        for medium, digests in held.items():
+            if digests:
+                with suppress(FleetCapacityError):  # the view is full: Redis keeps them
+                    self.sync.local.store(replica, digests, medium)
 
     def note_applied(self, replica: str, seq: int, ts: float) -> None:
         """The replica's event batches up to ``seq`` (stamped ``ts``) are applied (written at
@@ -109,3 +159,8 @@ class RedisEngineMap:
         knows ``replica`` holds; called to write engine maps back after Redis lost its data."""
         with self.sync.lock:
             self.sync.engine_source = source
+
+
+def _pairs(flat: list[Any]) -> list[tuple[Any, Any]]:
+    """``[k1, v1, k2, v2, ...]`` as pairs (a reply not decoded into a dict)."""
+    return list(zip(flat[::2], flat[1::2], strict=True))
