@@ -203,8 +203,8 @@ class EngineHasher:
         self.spec = spec
         self.block_size = block_size
         # equal for hashers that hash alike (a memo of hashes may be shared by their replicas)
-        self.key = (spec.engine, spec.algo, spec.seed, spec.int_hashes, spec.eagle, block_size)
-        self.key += tuple(sorted(spec.lora_paths.items()))
+        kind = (spec.engine, spec.algo, spec.seed, spec.int_hashes, spec.eagle, block_size)
+        self.key: tuple[Any, ...] = kind + tuple(sorted(spec.lora_paths.items()))
         if spec.engine == "vllm":
             seed = spec.seed if spec.seed is not None else DEFAULT_VLLM_SEED
             self._none_hash = vllm_hash(spec.algo, seed)
