@@ -18,6 +18,18 @@ from tests.fleet_support import wait_until
 from tests.serve_harness import ALICE, MODEL, OPERATOR, bearer, make_app, make_config, serving
 
 
+@pytest.fixture(params=["h11", "httptools"])
+def parser(request: pytest.FixtureRequest) -> str:
+    """Each transport test runs on both HTTP parsers the service can use (``server.http``)."""
+    if request.param == "httptools":
+        pytest.importorskip("httptools")
+    return str(request.param)
+
+
+def _server(parser: str, **limits: object) -> dict[str, object]:
+    return {"server": {"http": parser, **limits}}
+
+
 def _connect(base: str) -> socket.socket:
     host, port = base.rsplit("//", 1)[1].split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
@@ -32,8 +44,10 @@ def _closed_by_server(sock: socket.socket) -> bytes:
     return data
 
 
-def test_a_stalled_request_head_is_closed_after_the_header_timeout(tmp_path: Path) -> None:
-    config = make_config(tmp_path, keys=False, extra={"server": {"header_timeout_s": 0.5}})
+def test_a_stalled_request_head_is_closed_after_the_header_timeout(
+    tmp_path: Path, parser: str
+) -> None:
+    config = make_config(tmp_path, keys=False, extra=_server(parser, header_timeout_s=0.5))
     app, _ = make_app(config)
     with serving(app, config) as base:
         silent = _connect(base)  # connects and never sends a byte
@@ -47,8 +61,10 @@ def test_a_stalled_request_head_is_closed_after_the_header_timeout(tmp_path: Pat
                 assert client.get("/healthz").status_code == 200
 
 
-def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s(tmp_path: Path) -> None:
-    config = make_config(tmp_path, keys=False, extra={"server": {"keep_alive_s": 1}})
+def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s(
+    tmp_path: Path, parser: str
+) -> None:
+    config = make_config(tmp_path, keys=False, extra=_server(parser, keep_alive_s=1))
     app, _ = make_app(config)
     with serving(app, config) as base:
         sock = _connect(base)
@@ -57,8 +73,8 @@ def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s(tmp_path: Pa
         assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"}")
 
 
-def test_a_stalled_body_gets_408_after_the_body_timeout(tmp_path: Path) -> None:
-    config = make_config(tmp_path, extra={"server": {"body_timeout_s": 0.5}})
+def test_a_stalled_body_gets_408_after_the_body_timeout(tmp_path: Path, parser: str) -> None:
+    config = make_config(tmp_path, extra=_server(parser, body_timeout_s=0.5))
     app, _ = make_app(config)
     with serving(app, config) as base:
         sock = _connect(base)
@@ -77,9 +93,11 @@ def test_a_stalled_body_gets_408_after_the_body_timeout(tmp_path: Path) -> None:
         assert 'reason="body_timeout"' in metrics
 
 
-def test_connections_beyond_the_limit_get_503_until_slow_ones_are_closed(tmp_path: Path) -> None:
+def test_connections_beyond_the_limit_get_503_until_slow_ones_are_closed(
+    tmp_path: Path, parser: str
+) -> None:
     config = make_config(
-        tmp_path, keys=False, extra={"server": {"max_connections": 4, "header_timeout_s": 1.0}}
+        tmp_path, keys=False, extra=_server(parser, max_connections=4, header_timeout_s=1.0)
     )
     app, _ = make_app(config)
     with serving(app, config) as base:
@@ -91,6 +109,38 @@ def test_connections_beyond_the_limit_get_503_until_slow_ones_are_closed(tmp_pat
         for sock in slow:
             assert _closed_by_server(sock) == b""
         wait_until(lambda: _healthy(base), "/healthz to answer again")
+
+
+def test_a_request_head_beyond_max_header_bytes_is_refused(tmp_path: Path, parser: str) -> None:
+    """A head over ``server.max_header_bytes``, sent at once or in pieces, gets a 431 with a
+    JSON message and the connection is closed; heads within the limit, one after the other on
+    the same connection, are served."""
+    config = make_config(tmp_path, keys=False, extra=_server(parser, max_header_bytes=2048))
+    app, _ = make_app(config)
+    big = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 4000 + b"\r\n\r\n"
+    with serving(app, config) as base:
+        for pieces in ([big], [big[:1500], big[1500:3000], big[3000:]]):
+            sock = _connect(base)
+            for piece in pieces:
+                try:
+                    sock.sendall(piece)
+                except OSError:  # closed already
+                    break
+            answer = _closed_by_server(sock)
+            assert answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+            assert b'"type":"RequestHeaderFieldsTooLarge"' in answer
+        ok = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1500 + b"\r\n\r\n"
+        sock = _connect(base)
+        sock.sendall(ok + ok + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert _closed_by_server(sock).count(b"HTTP/1.1 200 ") == 3
+
+
+def _base_protocol() -> type:
+    """The uvicorn protocol ``server.http: auto`` builds on here."""
+    from prefixcache.fleet.service.access_settings import ServerConfig
+    from prefixcache.fleet.service.transport import http_protocol
+
+    return http_protocol(ServerConfig()).__mro__[1]
 
 
 def _healthy(base: str) -> bool:
@@ -191,7 +241,8 @@ def test_serve_passes_the_limits_and_tls_to_uvicorn_and_warns_when_open(
     import uvicorn
 
     from prefixcache.cli import main
-    from prefixcache.fleet.service.transport import HeadTimeoutProtocol
+    from prefixcache.fleet.service.access_settings import ServerConfig
+    from prefixcache.fleet.service.transport import HeadTimeoutProtocol, http_protocol
 
     cert, key = _self_signed(tmp_path)
     runs: list[dict[str, object]] = []
@@ -205,8 +256,10 @@ def test_serve_passes_the_limits_and_tls_to_uvicorn_and_warns_when_open(
     assert main(["serve", "--config", str(path), "--host", "0.0.0.0"]) == 0
     (options,) = runs
     protocol = options["http"]
-    assert isinstance(protocol, type) and issubclass(protocol, HeadTimeoutProtocol)
-    assert protocol.head_timeout_s == 3
+    assert isinstance(protocol, type) and protocol.__mro__[1] is _base_protocol()
+    assert protocol.head_timeout_s == 3 and protocol.max_head_bytes == 16 * 1024
+    h11 = http_protocol(ServerConfig(http="h11"))
+    assert issubclass(h11, HeadTimeoutProtocol) and h11.max_head_bytes == 16 * 1024
     assert options["limit_concurrency"] == 50 and options["timeout_keep_alive"] == 2
     assert options["ssl_certfile"] == str(cert) and options["ssl_keyfile"] == str(key)
     assert options["host"] == "0.0.0.0"

@@ -31,7 +31,9 @@ AUTH_KEYS = (
 )  # fmt: skip
 SERVER_KEYS = (
     "header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections", "max_header_bytes",
+    "http",
 )  # fmt: skip
+HTTP_PARSERS = ("auto", "h11", "httptools")
 TLS_KEYS = ("certfile", "keyfile")
 _ENTRY_KEYS = ("tenant", "role", "name")
 
@@ -71,9 +73,10 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # a body not fully received by then gets a 408
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int | None = 1000  # beyond: 503 (uvicorn's limit_concurrency)
-    max_header_bytes: int = 16 * 1024  # request line and headers (h11's incomplete event size)
+    max_header_bytes: int = 16 * 1024  # request line and headers
     certfile: str | None = None
     keyfile: str | None = None
+    http: str = "auto"  # the HTTP/1.1 parser: httptools when installed ("auto"), or h11
 
     @property
     def tls(self) -> bool:
@@ -176,6 +179,9 @@ def parse_server(r: _Reader, raw: Any, raw_tls: Any, base_dir: Path | None) -> S
     m = r.mapping(raw, "server", SERVER_KEYS)
     d = ServerConfig()
     conns = m.get("max_connections", d.max_connections)
+    http = m.get("http", d.http)
+    if http not in HTTP_PARSERS:
+        raise r.fail("server.http", f"one of {', '.join(HTTP_PARSERS)}, got {http!r}")
     t = r.mapping(raw_tls, "tls", TLS_KEYS)
     files: list[str | None] = []
     for name in TLS_KEYS:
@@ -198,4 +204,5 @@ def parse_server(r: _Reader, raw: Any, raw_tls: Any, base_dir: Path | None) -> S
         r.integer(m.get("max_header_bytes", d.max_header_bytes), "server.max_header_bytes", 1024),
         files[0],
         files[1],
+        http,
     )
