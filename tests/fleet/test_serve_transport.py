@@ -6,6 +6,7 @@ certificate."""
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import socket
 import ssl
 import subprocess
@@ -264,3 +265,20 @@ def test_serve_passes_the_limits_and_tls_to_uvicorn_and_warns_when_open(
     assert options["ssl_certfile"] == str(cert) and options["ssl_keyfile"] == str(key)
     assert options["host"] == "0.0.0.0"
     assert "warning: listening on 0.0.0.0 without API keys" in capsys.readouterr().err
+
+
+def test_workers_name_a_protocol_of_the_configured_parser() -> None:
+    """``--workers`` hands uvicorn an import string: it names the parser ``server.http`` asks
+    for, and the class keeps the head limits and turns Nagle's algorithm off."""
+    from uvicorn.importer import import_from_string
+
+    from prefixcache.fleet.service.access_settings import ServerConfig
+    from prefixcache.fleet.service.service_process import worker_protocol
+    from prefixcache.fleet.service.transport import HeadTimeoutProtocol
+
+    h11 = import_from_string(worker_protocol(ServerConfig(http="h11")))
+    assert issubclass(h11, HeadTimeoutProtocol)
+    if importlib.util.find_spec("httptools") is not None:
+        fast = import_from_string(worker_protocol(ServerConfig()))
+        assert fast.__name__ == "WorkerHttpToolsProtocol"
+        assert fast.__mro__[2] is _base_protocol()

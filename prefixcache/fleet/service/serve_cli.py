@@ -71,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
             check_workers,
             index_of,
             open_service,
+            worker_protocol,
         )
         from prefixcache.fleet.service.settings import load_config
         from prefixcache.fleet.service.transport import exposure_warning, uvicorn_options
@@ -108,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     run["access_log"] = args.access_log
     if args.workers > 1:  # each worker opens its own service over the shared index
         os.environ[WORKER_ENV] = json.dumps(dataclasses.asdict(options))
-        limits["http"] = "prefixcache.fleet.service.service_process:WorkerProtocol"
+        limits["http"] = worker_protocol(config.server)
         worker = "prefixcache.fleet.service.service_process:worker_app"
         uvicorn.run(worker, factory=True, workers=args.workers, **run, **limits)
     else:

@@ -24,9 +24,14 @@ from prefixcache.errors import ConfigError
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
 from prefixcache.fleet.index.index_url import IN_PROCESS
 from prefixcache.fleet.index.open_index import check_index_url, open_index
+from prefixcache.fleet.service.access_settings import ServerConfig
 from prefixcache.fleet.service.app import create_app
 from prefixcache.fleet.service.settings import ServiceConfig, build_router, load_config
-from prefixcache.fleet.service.transport import HeadTimeoutProtocol
+from prefixcache.fleet.service.transport import (
+    HeadTimeoutProtocol,
+    http_protocol,
+    httptools_protocol,
+)
 
 WORKER_ENV = "PREFIXCACHE_SERVE_WORKER"  # JSON of ServeOptions, for the worker processes
 
@@ -101,24 +106,43 @@ def no_delay(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class WorkerProtocol(HeadTimeoutProtocol):
-    """The head-timeout protocol of a worker process (a class uvicorn can name by import
-    string); ``worker_app`` sets the config's timeout.
-
-    For workers, uvicorn binds the listening socket itself, without a protocol number, and
+class _NoDelay:
+    """For workers, uvicorn binds the listening socket itself, without a protocol number, and
     asyncio only turns Nagle's algorithm off on connections of a socket that names TCP: an
     answer's head and body, written apart, would then wait for the client's delayed ACK (~40 ms).
     Each connection turns it off itself."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        """A new connection: no Nagle delay on it, then the head timeout."""
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        """A new connection: no Nagle delay on it, then the protocol's own setup."""
         no_delay(transport)
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
+
+
+class WorkerProtocol(_NoDelay, HeadTimeoutProtocol):  # type: ignore[misc]
+    """The h11 protocol of a worker process, with the head limits (a class uvicorn can name by
+    import string); ``worker_app`` sets the config's limits."""
+
+
+_FAST = httptools_protocol()
+if _FAST is not None:
+
+    class WorkerHttpToolsProtocol(_NoDelay, _FAST):  # type: ignore[misc, valid-type]
+        """The httptools protocol of a worker process, with the head limits."""
+
+
+def worker_protocol(server: ServerConfig) -> str:
+    """The import string of the worker protocol for ``server.http``."""
+    fast = http_protocol(server).__mro__[1] is _FAST
+    name = "WorkerHttpToolsProtocol" if fast else "WorkerProtocol"
+    return f"prefixcache.fleet.service.service_process:{name}"
 
 
 def worker_app() -> Any:
     """The app of one worker process, from the options in ``WORKER_ENV``."""
     options = ServeOptions(**json.loads(os.environ[WORKER_ENV]))
     app, config = open_service(options)
-    WorkerProtocol.head_timeout_s = config.server.header_timeout_s
+    for protocol in (WorkerProtocol, _FAST):
+        if protocol is not None:
+            protocol.head_timeout_s = config.server.header_timeout_s
+            protocol.max_head_bytes = config.server.max_header_bytes
     return app

@@ -111,7 +111,7 @@ class HeadTimeoutProtocol(_HeadLimits, H11Protocol):  # type: ignore[misc]
 
 
 @functools.cache
-def _httptools_protocol() -> type[Any] | None:
+def httptools_protocol() -> type[Any] | None:
     """The httptools protocol with the head limits, or None when httptools is not installed."""
     if importlib.util.find_spec("httptools") is None:
         return None
@@ -128,7 +128,7 @@ def http_protocol(server: ServerConfig) -> type[Any]:
     this service's head limits; ConfigError when httptools is asked for and missing."""
     from prefixcache.errors import ConfigError
 
-    fast = None if server.http == "h11" else _httptools_protocol()
+    fast = None if server.http == "h11" else httptools_protocol()
     if fast is None and server.http == "httptools":
         raise ConfigError("server.http: httptools is not installed (pip install httptools)")
     base = fast if fast is not None else HeadTimeoutProtocol
