@@ -292,8 +292,11 @@ class Router:
             )
         return eligible
 
-    def _matches(self, namespace: Namespace, tokens: TokenIds) -> _Matches:
-        """Everything a route reads from the index, outside the router's lock."""
+    def _matches(
+        self, namespace: Namespace, tokens: TokenIds, given: Sequence[bytes] | None = None
+    ) -> _Matches:
+        """Everything a route reads from the index, outside the router's lock (``given``: the
+        prompt's digests, computed by the caller, for replicas of one block size)."""
         arr = as_token_array(tokens)
         n = len(arr)
         if self._max_tokens is not None and n > self._max_tokens:
@@ -308,8 +311,11 @@ class Router:
         chains: dict[int, list[bytes]] = {}
         extra = self._held
         for block_size, specs in by_size.items():
-            hasher = self._hashers[block_size]
-            digests = hasher.hash_blocks(arr, hasher.seed(namespace), 0, n // block_size)
+            if given is not None and len(by_size) == 1 and len(given) == n // block_size:
+                digests = list(given)
+            else:
+                hasher = self._hashers[block_size]
+                digests = hasher.hash_blocks(arr, hasher.seed(namespace), 0, n // block_size)
             if not digests:
                 continue
             chains[block_size] = digests
@@ -383,8 +389,13 @@ class Router:
         request_id: str | None = None,
         *,
         expire: bool = True,
+        digests: Sequence[bytes] | None = None,
     ) -> RouteDecision:
         """Choose the replica for a prompt with the router's policy.
+
+        ``digests``: the prompt's block digests (this router's hash algorithm, the namespace's
+        seed, the block size every eligible replica shares), when the caller has them already
+        (a replay hashes each prompt once); computed here otherwise, or when they do not fit.
 
         With a ``request_id`` the route counts as load on the chosen replica until
         ``release(request_id)`` (or the in-flight timeout, unless ``expire`` is false: a caller
@@ -402,7 +413,7 @@ class Router:
                 f"request_id must be a non-empty str of at most {MAX_REQUEST_ID_CHARS} "
                 f"characters, got {request_id!r}"
             )
-        matches = self._matches(namespace, tokens)
+        matches = self._matches(namespace, tokens, digests)
         n = matches.prompt_tokens
         with self._lock:
             loads = self._loads

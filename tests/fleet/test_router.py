@@ -232,6 +232,17 @@ def test_lookup_scores_every_eligible_replica() -> None:
     assert other.lookup(Namespace("m", salt="t"), tokens).scores[0].cached_tokens == 0
 
 
+def test_a_route_reads_the_digests_its_caller_computed() -> None:
+    """``route(digests=...)`` uses the caller's digests of the prompt (a replay hashes a prompt
+    once), and hashes itself when they do not fit the prompt."""
+    router, _, tokens = seeded()
+    digests = BlockHasher(16).hash_prompt(tokens, NS)
+    assert router.route(NS, tokens, digests=digests).replica == "b"
+    wrong = [bytes(16)] * len(digests)  # digests of another prompt: the index knows none
+    assert router.route(NS, tokens, digests=wrong).cached_tokens == 0
+    assert router.route(NS, tokens, digests=digests[:3]).cached_tokens == 128  # not this prompt's
+
+
 def test_cache_hits_in_flight_do_not_push_a_tenant_off_its_replica() -> None:
     # requests in flight that hit the cache cost their replica no prefill: counting their cached
     # tokens as load spread a hot tenant over replicas that had to recompute its prompt

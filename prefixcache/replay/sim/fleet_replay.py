@@ -240,13 +240,15 @@ class FleetSimulator:
         self.truncated = 0
         self._usage = [(0, 0, 0)] * len(self.replicas)
 
-    def _elsewhere_of(self, k: int) -> Callable[[Request], int]:
+    def _elsewhere_of(self, k: int) -> Callable[[LiveRequest], int]:
         rep = self.replicas[k]
         hasher = rep.mgr.hasher
         name = rep.name
 
-        def elsewhere(req: Request) -> int:
-            digests = hasher.hash_prompt(req.tokens, req.namespace)
+        def elsewhere(live: LiveRequest) -> int:
+            digests = live.digests
+            if digests is None:
+                digests = hasher.hash_prompt(live.req.tokens, live.req.namespace)
             if not digests:
                 return 0
             return max(
@@ -257,6 +259,7 @@ class FleetSimulator:
 
     def run(self, requests: Iterable[Request]) -> None:
         """Route and serve every request, then run the fleet until all have finished."""
+        hasher = self.replicas[0].mgr.hasher  # the router's algorithm and block size
         for idx, req in enumerate(requests):
             if req.namespace.model != self.model:
                 raise ConfigError(
@@ -265,12 +268,15 @@ class FleetSimulator:
                     f"{self.model or 'the default model'!r}: replay each model on its own"
                 )
             self._advance(req.arrival_s)
-            decision = self.router.route(req.namespace, req.tokens, str(idx))
+            digests = hasher.hash_prompt(req.tokens, req.namespace)  # once: route, pool, report
+            decision = self.router.route(req.namespace, req.tokens, str(idx), digests=digests)
             self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
             k = int(decision.replica.rsplit("-", 1)[1])
             self.times.add(req.arrival_s, len(req.tokens), req.output_len, req.n)
             self.assignment.append(k)
-            self.replicas[k].take(LiveRequest(idx, req))
+            live = LiveRequest(idx, req)
+            live.digests = digests
+            self.replicas[k].take(live)
         self._advance(math.inf)
         self._measure(final=True)
         self.truncated = sum(r.truncated for r in self.replicas)

@@ -50,6 +50,7 @@ class LiveRequest:
     """A request between arrival and finish: waiting, prefilling or decoding its samples."""
 
     __slots__ = (
+        "digests",
         "first_done",
         "idx",
         "kv",
@@ -74,6 +75,7 @@ class LiveRequest:
         self.recorded = False
         self.prompt_bytes = b""  # the prompt's token bytes, once accounted
         self.out0: np.ndarray | None = None
+        self.digests: list[bytes] | None = None  # the prompt's block digests, when known
 
 
 class Simulator:
@@ -94,7 +96,7 @@ class Simulator:
         self.waiting: deque[LiveRequest] = deque()
         self.live_seqs = 0
         # a fleet's hook: leading full prompt blocks another replica holds (routing misses)
-        self.elsewhere: Callable[[Request], int] | None = None
+        self.elsewhere: Callable[[LiveRequest], int] | None = None
         # told how many requests finished in each step (a progress bar)
         self.on_finish: Callable[[int], None] | None = None
         self.tiers: TierAdmitter | None = None  # host tier and pool, when the replay has them
@@ -205,7 +207,7 @@ class Simulator:
             self.waiting.popleft()
             cached_len, partial, host_tokens, pool_tokens = adm.cached_len, adm.partial_tokens, 0, 0
             if tiers is not None:
-                hit = tiers.split(bytes(mgr.states[r.idx].tokens), r.req.namespace, adm)
+                hit = tiers.split(bytes(mgr.states[r.idx].tokens), r.req.namespace, adm, r.digests)
                 cached_len, partial = hit.cached_len, hit.partial_tokens
                 host_tokens, pool_tokens = hit.host_tokens, hit.pool_tokens
                 work.transfer_s += tiers.settings.load_seconds(hit.host_blocks, hit.pool_blocks)
@@ -220,7 +222,7 @@ class Simulator:
                         cached_len,
                         adm.cow,
                         partial,
-                        elsewhere=self.elsewhere(r.req) if self.elsewhere is not None else 0,
+                        elsewhere=self.elsewhere(r) if self.elsewhere is not None else 0,
                         host_tokens=host_tokens,
                         pool_tokens=pool_tokens,
                     )

@@ -65,9 +65,17 @@ class TierAdmitter:
             self.feed.flush()
         return self.mgr.admit(request_id, tokens, namespace)
 
-    def split(self, buf: bytes, namespace: Namespace, adm: Admission) -> TierHit:
+    def split(
+        self,
+        buf: bytes,
+        namespace: Namespace,
+        adm: Admission,
+        digests: Sequence[bytes] | None = None,
+    ) -> TierHit:
         """The tier split of an admission just made (``buf``: the prompt's int32 LE bytes), the
-        pool's continuation of its chain included."""
+        pool's continuation of its chain included (``digests``: the block digests of a prefix
+        of ``buf``, when the caller has them: a request's prompt, which a resumed request's
+        tokens extend; the blocks past them are hashed here)."""
         p = self.mgr.block_size
         host_tokens = adm.host_blocks * p
         gpu_tokens = adm.cached_len - host_tokens
@@ -85,9 +93,17 @@ class TierAdmitter:
         full = t // p if self.write_through else limit  # blocks hashed
         if start >= full or (not len(pool) and not self.write_through):
             return base
-        hasher = self.mgr.hasher
-        tokens = np.frombuffer(buf, dtype="<i4")
-        digests = hasher.hash_blocks(tokens, hasher.seed(namespace), 0, full)[start:]
+        known = 0 if digests is None else min(len(digests), full)
+        if digests is not None and known == full:
+            digests = digests[start:full]
+        else:  # hashed here, past the digests given (a resumed request: its prompt's)
+            hasher = self.mgr.hasher
+            tokens = np.frombuffer(buf, dtype="<i4")
+            if digests is not None and known:
+                more = hasher.hash_blocks(tokens, digests[known - 1], known, full)
+                digests = [*digests[start:known], *more[max(start - known, 0) :]]
+            else:
+                digests = hasher.hash_blocks(tokens, hasher.seed(namespace), 0, full)[start:]
         k = pool.match(digests[: max(limit - start, 0)])
         hit = base
         if k:

@@ -1,0 +1,75 @@
+"""A fleet replay hashes each prompt once: the router's route, the pool's lookup and the report's
+"cached on another replica" figure all read the digests the replay computed for the request
+(before, a fleet-with-pool replay hashed a prompt's blocks up to four times). The managers hash
+only the blocks they index, and the router's subscriber the blocks its events store, as a real
+router does."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from prefixcache.blocks import hashing
+from prefixcache.replay import ReplayConfig
+from prefixcache.replay.runner import replay_path
+
+SAMPLE = Path(__file__).resolve().parents[2] / "scenarios" / "traces" / "mooncake_sample.jsonl"
+
+
+def test_a_fleet_replay_with_a_pool_hashes_each_prompt_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: Counter[str] = Counter()  # digests computed in the fleet pass, by the file asking
+    blocks = 0  # full prompt blocks the fleet pass routed
+    init = hashing.BlockHasher.__init__
+
+    def counting_init(self: hashing.BlockHasher, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        digest = self.digest
+
+        def counted(data: bytes) -> bytes:
+            frame = sys._getframe(1)
+            while frame.f_code.co_filename.endswith("hashing.py"):
+                frame = frame.f_back  # type: ignore[assignment]
+            asker = frame.f_code.co_filename.rsplit("/", 1)[-1]
+            fleet_pass = False
+            f = frame
+            while f is not None:  # under FleetSimulator.run (not the pooled line's pass)
+                code = f.f_code
+                fleet_pass |= code.co_filename.endswith("fleet_replay.py") and code.co_name == "run"
+                f = f.f_back  # type: ignore[assignment]
+            if fleet_pass:
+                calls[asker] += 1
+            return digest(data)
+
+        self.digest = counted  # type: ignore[method-assign]
+
+    monkeypatch.setattr(hashing.BlockHasher, "__init__", counting_init)
+    from prefixcache.fleet.router import Router
+
+    route = Router.route
+
+    def counting_route(self: Router, namespace, tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal blocks
+        blocks += len(tokens) // self.replicas()[0].block_size
+        return route(self, namespace, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(Router, "route", counting_route)
+    config = ReplayConfig(
+        capacity_blocks=300,
+        model="llama-3.1-8b",
+        mode="serving",
+        replicas=3,
+        pool_memory=64 * 1024**3,
+        pool_write="through",
+    )
+    replay_path(SAMPLE, config)
+    assert blocks > 0
+    print(dict(calls), "prompt blocks routed:", blocks)
+    # once per prompt block, by the replay (and a namespace's seed, once per hasher)
+    assert blocks <= calls["fleet_replay.py"] <= blocks + 4
+    for asker in ("router.py", "admission.py"):  # the route and the pool read those
+        assert calls[asker] == 0, asker
