@@ -185,6 +185,9 @@ class _Replica(Simulator):
         """The fleet measures usage over all replicas instead."""
 
 
+_NO_BLOCK = bytes(16)  # a digest no block has: what the no-cache fleet routes by
+
+
 class FleetSimulator:
     """N replicas behind a router; ``run`` replays requests through them."""
 
@@ -230,6 +233,7 @@ class FleetSimulator:
             rep.elsewhere = self._elsewhere_of(k)
             rep.on_finish = on_finish
         # host tiers per replica, one pool shared by all of them
+        self.caching = caching
         self.tiers = build_tiers(cfg, [r.mgr for r in self.replicas]) if caching else None
         if self.tiers is not None:
             for rep, admitter in zip(self.replicas, self.tiers.admitters, strict=True):
@@ -260,6 +264,7 @@ class FleetSimulator:
     def run(self, requests: Iterable[Request]) -> None:
         """Route and serve every request, then run the fleet until all have finished."""
         hasher = self.replicas[0].mgr.hasher  # the router's algorithm and block size
+        p = hasher.block_size
         for idx, req in enumerate(requests):
             if req.namespace.model != self.model:
                 raise ConfigError(
@@ -268,8 +273,12 @@ class FleetSimulator:
                     f"{self.model or 'the default model'!r}: replay each model on its own"
                 )
             self._advance(req.arrival_s)
-            digests = hasher.hash_prompt(req.tokens, req.namespace)  # once: route, pool, report
-            decision = self.router.route(req.namespace, req.tokens, str(idx), digests=digests)
+            if self.caching:  # hashed once: the route, the pool and the report read them
+                digests: list[bytes] | None = hasher.hash_prompt(req.tokens, req.namespace)
+                route_digests = digests
+            else:  # the no-cache fleet's index stays empty: no digest matches, none is computed
+                digests, route_digests = None, [_NO_BLOCK] * (len(req.tokens) // p)
+            decision = self.router.route(req.namespace, req.tokens, str(idx), digests=route_digests)
             self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
             k = int(decision.replica.rsplit("-", 1)[1])
             self.times.add(req.arrival_s, len(req.tokens), req.output_len, req.n)
