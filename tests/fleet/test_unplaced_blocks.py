@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from vllm_structs import BlockRemoved, BlockStored, KVEventBatch
@@ -109,6 +110,25 @@ def test_an_sglang_eagle_replica_is_found_by_its_engine_hashes() -> None:
     assert sub.counters()["pod"].unplaced == 1
     assert _cached(router, tokens) == 3  # pages 0-1 vouched for by page 2
     assert _cached(router, tokens[: 2 * P + 1]) == 2
+
+
+def test_eagle_engine_hashes_follow_the_token_after_each_page() -> None:
+    """Two prompts with the same full blocks but another token after them have other EAGLE
+    hashes for their last page: a lookup never reuses the first prompt's."""
+    from prefixcache.blocks.hashing import BlockHasher
+
+    eagle = EngineHasher(parse_engine_hash("sglang-eagle"), P)  # type: ignore[arg-type]
+    ep = ReplicaEndpoint("pod", None, None, NS, P, engine_hash=eagle.spec)
+    sub = KVEventSubscriber(MemoryFleetIndex(), [ep])
+    rep = sub._replicas["pod"]
+    assert rep.engine is not None
+    first = list(range(50, 50 + 2 * P)) + [7]
+    second = first[:-1] + [8]
+    for tokens in (first, second, first, first[:-1]):
+        digests = BlockHasher(P).hash_prompt(tokens, NS)
+        arr = np.asarray(tokens, dtype=np.int32)
+        got, _ = sub.unplaced._engine_hashes(rep.engine, NS, arr, digests)
+        assert got == eagle.block_hashes(tokens), tokens[-1]
 
 
 def test_cache_salt_and_lora_keys_change_only_what_the_engine_changes() -> None:

@@ -80,10 +80,17 @@ class UnplacedLookup:
         replica of one lookup asks), else the blocks seen before (by their digests) and the
         rest computed."""
         key = engine.key
+        # SGLang's EAGLE pages hash the token after them too, which no digest of ours covers:
+        # the last lookup's hashes are reused only for the same next token, and none is memoized
+        eagle = engine.spec.eagle
+        after = -1
+        if eagle:
+            at = len(digests) * engine.block_size
+            after = int(tokens[at]) if at < len(tokens) else -2  # -2: no token after it
         last = getattr(self._last, "hashes", None)
-        if last is not None and last[0] == key and last[1] == digests[-1]:
+        if last is not None and last[0] == key and last[1] == digests[-1] and last[4] == after:
             return last[2], last[3]
-        memo = self._memo.setdefault(key, {})
+        memo = self._memo.setdefault(key, {}) if not eagle else {}
         known: list[tuple[bytes, BlockKey]] = []
         for d in digests:
             got = memo.get(d)
@@ -107,7 +114,7 @@ class UnplacedLookup:
             known += fresh
         hashes = [h for _, h in known]
         held = frozenset(hashes)
-        self._last.hashes = (key, digests[-1], hashes, held)
+        self._last.hashes = (key, digests[-1], hashes, held, after)
         return hashes, held
 
     def note_route(
