@@ -5,6 +5,7 @@ in the thread pool for text, long prompts and a remote index, with the same answ
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
@@ -172,6 +173,15 @@ def test_workers_serve_over_a_shared_redis_index(tmp_path: Path, redis_server: A
                 headers={"connection": "close"},
             ).json()
             assert answer["replica"] == "r2" and answer["cached_tokens"] == 12
+        # the workers' protocol keeps the head limits (server.max_header_bytes: 16 KiB)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(
+                b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n"
+            )
+            answer_bytes = b""
+            while chunk := sock.recv(65536):
+                answer_bytes += chunk
+        assert answer_bytes.startswith(b"HTTP/1.1 431 ")
     log = (tmp_path / "serve.log").read_text()
     assert log.count("Started server process") == 2
 
@@ -179,8 +189,6 @@ def test_workers_serve_over_a_shared_redis_index(tmp_path: Path, redis_server: A
 def test_worker_connections_turn_nagle_off() -> None:
     """A listening socket made as uvicorn makes it for workers (no protocol number): asyncio
     leaves Nagle on for its connections, ``no_delay`` turns it off."""
-    import socket
-
     from prefixcache.fleet.service.service_process import no_delay
 
     async def accepted(fix: bool) -> int:
