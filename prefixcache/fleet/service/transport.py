@@ -8,9 +8,10 @@ uvicorn bounds the keep-alive idle time (``timeout_keep_alive``) and the connect
 (``h11_max_incomplete_event_size``), but not the time a client takes to send its head: a client
 that opens connections and trickles header bytes would hold them for good. Both protocols here
 close a connection whose next request head is not complete within ``server.header_timeout_s`` of
-the connection opening or of its first byte; on httptools (a C parser, about a quarter less CPU
-per request than h11, used when installed: ``server.http``) or h11, a head longer than
-``server.max_header_bytes`` gets a 431 and the connection is closed. The body has its own timeout
+the connection opening or of its first byte. On httptools (a C parser, about a quarter less CPU
+per request than h11, used when installed: ``server.http``) a head longer than
+``server.max_header_bytes`` gets a 431 and the connection is closed; h11 bounds what it buffers
+of an incomplete head to that size (a 400). The body has its own timeout
 in the service's body reader (``FleetService.read_body``).
 """
 
@@ -34,12 +35,11 @@ from prefixcache.fleet.service.settings import ServiceConfig
 _log = logging.getLogger("prefixcache.serve")
 
 
-class _HeadLimits:
-    """A connection's next request head must arrive within ``head_timeout_s`` and in at most
-    ``max_head_bytes``: mixed into a uvicorn HTTP protocol, which provides ``cycle``, ``loop``
-    and ``transport``."""
+class _HeadTimeout:
+    """A connection's next request head must arrive within ``head_timeout_s``: mixed into a
+    uvicorn HTTP protocol, which provides ``cycle``, ``loop`` and ``transport``."""
 
-    head_timeout_s = ServerConfig.header_timeout_s  # set per service by ``uvicorn_options``
+    head_timeout_s = ServerConfig.header_timeout_s  # set per service by ``http_protocol``
     max_head_bytes = ServerConfig.max_header_bytes
     cycle: Any
     loop: asyncio.AbstractEventLoop
@@ -49,24 +49,16 @@ class _HeadLimits:
         """A new connection: its first head must arrive within the timeout."""
         super().connection_made(transport)  # type: ignore[misc]
         self._head_timer: asyncio.TimerHandle | None = None
-        self._head_bytes = 0
         self._arm()
 
     def data_received(self, data: bytes) -> None:
         """Bytes of a head (or a body): a new head starts the clock; a complete one stops it."""
         cycle = self.cycle
-        waiting = cycle is None or cycle.response_complete
-        if waiting:
+        if cycle is None or cycle.response_complete:
             self._arm()  # between requests: these bytes start the next head
-            end = data.find(b"\r\n\r\n")
-            if self._head_bytes + (len(data) if end < 0 else end + 4) > self.max_head_bytes:
-                self._too_large()
-                return
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not cycle:  # the head arrived: the request is served
             self._disarm()
-        elif waiting:
-            self._head_bytes += len(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The connection ended: no timer outlives it."""
@@ -79,7 +71,6 @@ class _HeadLimits:
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._expired, cycle)
 
     def _disarm(self) -> None:
-        self._head_bytes = 0
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -90,24 +81,14 @@ class _HeadLimits:
             _log.info("closing a connection that sent no complete request head in time")
             self.transport.close()
 
-    def _too_large(self) -> None:
-        self._disarm()
-        message = f"request head larger than {self.max_head_bytes} bytes (server.max_header_bytes)"
-        body = msgspec.json.encode(
-            {"error": {"type": "RequestHeaderFieldsTooLarge", "message": message, "status": 431}}
-        )
-        head = (
-            "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-        )
-        if not self.transport.is_closing():
-            self.transport.write(head.encode("latin-1") + body)
-            self.transport.close()
+
+class HeadTimeoutProtocol(_HeadTimeout, H11Protocol):  # type: ignore[misc]
+    """uvicorn's h11 protocol with a head timeout (h11 bounds the size of a head it buffers,
+    ``h11_max_incomplete_event_size``)."""
 
 
-class HeadTimeoutProtocol(_HeadLimits, H11Protocol):  # type: ignore[misc]
-    """uvicorn's h11 protocol, with a head timeout and a head size limit (h11's own bounds
-    only what it buffers of an incomplete head)."""
+class _HeadTooLarge(Exception):
+    """Raised in a parser callback to stop parsing a head over ``max_head_bytes``."""
 
 
 @functools.cache
@@ -117,8 +98,61 @@ def httptools_protocol() -> type[Any] | None:
         return None
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HttpToolsHeadProtocol(_HeadLimits, HttpToolsProtocol):  # type: ignore[misc]
-        """uvicorn's httptools protocol, with a head timeout and a head size limit."""
+    class HttpToolsHeadProtocol(_HeadTimeout, HttpToolsProtocol):  # type: ignore[misc]
+        """uvicorn's httptools protocol with a head timeout and a head size limit: the parser's
+        callbacks count the request line and header bytes of every head (pipelined ones too)
+        and stop the parser past ``max_head_bytes``; the answer is a 431 and the connection is
+        closed."""
+
+        _head_bytes = 0
+        _too_large = False
+
+        def on_message_begin(self) -> None:
+            """A new head: its count starts."""
+            super().on_message_begin()
+            self._head_bytes = 0
+
+        def on_url(self, url: bytes) -> None:
+            """Part of the request target."""
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            """One header line."""
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count(self, n: int) -> None:
+            self._head_bytes += n
+            if self._head_bytes > self.max_head_bytes:
+                self._too_large = True
+                raise _HeadTooLarge  # the parser stops; uvicorn answers through send_400_response
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a parser error; a 431 when the head was too large."""
+            if not self._too_large:
+                super().send_400_response(msg)
+                return
+            message = (
+                f"request head larger than {self.max_head_bytes} bytes (server.max_header_bytes)"
+            )
+            body = msgspec.json.encode(
+                {
+                    "error": {
+                        "type": "RequestHeaderFieldsTooLarge",
+                        "message": message,
+                        "status": 431,
+                    }
+                }
+            )
+            head = (
+                "HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                "content-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            )
+            if not self.transport.is_closing():
+                self.transport.write(head.encode("latin-1") + body)
+                self.transport.close()
 
     return HttpToolsHeadProtocol
 
