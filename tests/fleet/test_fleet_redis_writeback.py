@@ -124,3 +124,27 @@ def test_a_late_joiner_answers_from_a_whole_view_while_redis_hangs(redis_server)
     }
     for x in (index, first):
         x.client.close()
+
+
+def test_adoption_reads_the_engine_map_step_by_step_up_to_a_limit(redis_server, monkeypatch):
+    """``adopt`` scans the replica's engine map a step at a time (each step a read of its own,
+    so routes go on between them) and stops at a limit (the subscriber's per-replica cap): the
+    local view then holds just the blocks adopted."""
+    from prefixcache.fleet.index import redis_engine_map
+
+    monkeypatch.setattr(redis_engine_map, "ADOPT_CHUNK", 2)
+    prefix = f"a{os.urandom(4).hex()}"
+    first, sub = _router(redis_server.url, prefix)
+    sub.ingest("pod", 0, _batch(_stored([10, 11, 12, 13, 14], None, 0), ts=0))
+    sub.ingest("pod", 1, _batch(kv_wire.WireBlockRemoved([14], "GPU"), ts=1))
+    assert first.flush()
+    later, _ = _router(redis_server.url, prefix)
+    whole = later.adopt("pod")
+    assert whole is not None and sorted(whole) == [b"i10", b"i11", b"i12", b"i13"]
+    assert len(later.local.holdings("pod")) == 4
+    capped, _ = _router(redis_server.url, prefix)
+    some = capped.adopt("pod", limit=2)
+    assert some is not None and len(some) == 2 and len(capped.local.holdings("pod")) == 2
+    assert capped.adopt("nobody") == {}
+    for x in (first, later, capped):
+        x.client.close()

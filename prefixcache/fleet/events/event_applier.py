@@ -408,8 +408,8 @@ class EventApplier:
         the replica holds becomes known at once (counted as recalled), so removals and
         continuations of them need no lookup, and the index's local view holds them."""
         assert self.engine_map is not None
-        found = self.engine_map.adopt(rep.ep.name)
         blocks = rep.blocks
+        found = self.engine_map.adopt(rep.ep.name, self.max_blocks_per_replica - len(blocks))
         for key, block in (found or {}).items():
             h = block_hash_of_key(key)
             if h is None or h in blocks:

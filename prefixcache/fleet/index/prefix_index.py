@@ -88,9 +88,10 @@ class SharedEngineMap(Protocol):
         """The remembered ones of ``engine_keys`` (one round trip; None when the index cannot
         say now, e.g. unreachable)."""
 
-    def adopt(self, replica: str) -> dict[bytes, EngineBlock] | None:
-        """Every remembered block the replica still holds, by engine key (O(its blocks); None
-        when the index cannot say now): what a router joining the stream starts from."""
+    def adopt(self, replica: str, limit: int | None = None) -> dict[bytes, EngineBlock] | None:
+        """Every remembered block the replica still holds, by engine key (at most ``limit``;
+        O(its blocks); None when the index cannot say now): what a router joining the stream
+        starts from."""
 
     def note_applied(self, replica: str, seq: int, ts: float) -> None:
         """The replica's event batches up to ``seq`` (stamped ``ts``) are applied (written

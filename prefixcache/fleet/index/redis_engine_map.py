@@ -9,7 +9,8 @@ applied batches written once per flush, and both written back after Redis lost i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -82,44 +83,56 @@ class RedisEngineMap:
             self._join_local_view(replica, out.values())
         return out
 
-    def adopt(self, replica: str) -> dict[bytes, EngineBlock] | None:
+    def adopt(self, replica: str, limit: int | None = None) -> dict[bytes, EngineBlock] | None:
         """Every block the map remembers for ``replica`` that the replica still holds, by
-        engine key (O(its blocks): one scan step and one pipelined read per ``ADOPT_CHUNK``
-        entries; None while Redis is unreachable). They join the local view, as recalled blocks
-        do, so a router that joins a stream answers from a whole view while Redis is away."""
+        engine key (at most ``limit``; O(its blocks): one scan step and one pipelined read per
+        ``ADOPT_CHUNK`` entries, each a read of its own, so routes and writes go on between
+        them). They join the local view, as recalled blocks do, so a router that joins a stream
+        answers from a whole view while Redis is away later. None when Redis is unreachable at
+        the start; the blocks read so far when it fails midway."""
         sync = self.sync
         prefix = sync.prefix
+        slot = sync.read(lambda client: [client.hget(f"{prefix}:replicas", replica)])
+        if slot is None:
+            return None
+        out: dict[bytes, EngineBlock] = {}
+        if slot[0] is None:
+            return out
+        r = int(slot[0])
 
-        def scan(client: redis.Redis) -> dict[bytes, EngineBlock]:
-            slot = client.hget(f"{prefix}:replicas", replica)
-            if slot is None:
-                return {}
-            r, cursor = int(slot), 0
-            out: dict[bytes, EngineBlock] = {}
-            while True:
-                cursor, chunk = client.hscan(f"{prefix}:e:{replica}", cursor, count=ADOPT_CHUNK)
-                pairs = chunk.items() if isinstance(chunk, dict) else _pairs(chunk)
-                items = [(as_bytes(k), as_bytes(v)) for k, v in pairs]
-                items = [(k, v) for k, v in items if len(v) == 24]
-                if items:
-                    pipe = client.pipeline(transaction=False)
-                    for _, v in items:
-                        block_key = prefix.encode() + b":b:" + v[:16]
-                        pipe.getbit(block_key, 2 * r)
-                        pipe.getbit(block_key, 2 * r + 1)
-                    bits = pipe.execute()
-                    for k, (key, v) in enumerate(items):
-                        media = int(bits[2 * k]) + 2 * int(bits[2 * k + 1])
-                        if media:
-                            out[key] = EngineBlock(v[:16], int.from_bytes(v[16:], "big"), media)
-                if not int(cursor):
-                    return out
+        def step(client: redis.Redis, cursor: int) -> tuple[int, dict[bytes, EngineBlock]]:
+            cursor, chunk = client.hscan(f"{prefix}:e:{replica}", cursor, count=ADOPT_CHUNK)
+            pairs = chunk.items() if isinstance(chunk, dict) else _pairs(chunk)
+            items = [(as_bytes(k), as_bytes(v)) for k, v in pairs]
+            items = [(k, v) for k, v in items if len(v) == 24]
+            found: dict[bytes, EngineBlock] = {}
+            if items:
+                pipe = client.pipeline(transaction=False)
+                for _, v in items:
+                    block_key = prefix.encode() + b":b:" + v[:16]
+                    pipe.getbit(block_key, 2 * r)
+                    pipe.getbit(block_key, 2 * r + 1)
+                bits = pipe.execute()
+                for k, (key, v) in enumerate(items):
+                    media = int(bits[2 * k]) + 2 * int(bits[2 * k + 1])
+                    if media:
+                        found[key] = EngineBlock(v[:16], int.from_bytes(v[16:], "big"), media)
+            return int(cursor), found
 
-        with sync.lock:
-            found: dict[bytes, EngineBlock] | None = sync.read(scan)
-            if found:
+        cursor = 0
+        while limit is None or len(out) < limit:
+            got = sync.read(functools.partial(_at, step, cursor))  # the lock, per step
+            if got is None:
+                break  # Redis went away: what was read stands, the rest is recalled later
+            cursor, found = got
+            if limit is not None:
+                found = dict(list(found.items())[: limit - len(out)])
+            with sync.lock:
                 self._join_local_view(replica, found.values())
-        return found
+            out.update(found)
+            if not cursor:
+                break
+        return out
 
     def _join_local_view(self, replica: str, blocks: Iterable[EngineBlock]) -> None:
         """Blocks the replica holds, read from Redis, into the local view. Call with the lock."""
@@ -164,3 +177,8 @@ class RedisEngineMap:
 def _pairs(flat: list[Any]) -> list[tuple[Any, Any]]:
     """``[k1, v1, k2, v2, ...]`` as pairs (a reply not decoded into a dict)."""
     return list(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _at(step: Callable[[redis.Redis, int], Any], cursor: int, client: redis.Redis) -> Any:
+    """``step(client, cursor)``: one scan step, as ``RedisSync.read`` calls it."""
+    return step(client, cursor)
