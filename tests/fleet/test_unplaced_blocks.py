@@ -566,13 +566,13 @@ def test_ancestors_stay_held_after_the_blocks_that_vouched_for_them_are_evicted(
     # a request for the prefix plus one more block: the engine stores the new block under it
     kept.keep([900], 103, b"\0" * 64, 64, 1, 1, None)
     assert engine_match({}, kept, prefix).blocks == 3
-    kept.removed(900, 1, 2, known=False)  # the tail goes first
-    kept.removed(103, 1, 3, known=False)
+    kept.removed(900, 1, 2)  # the tail goes first
+    kept.removed(103, 1, 3)
     assert engine_match({}, kept, prefix).blocks == 2
     assert engine_match({}, kept, prefix).gpu_blocks == 2
-    kept.removed(102, 1, 4, known=False)
+    kept.removed(102, 1, 4)
     assert engine_match({}, kept, prefix).blocks == 1
-    kept.removed(101, 1, 5, known=False)
+    kept.removed(101, 1, 5)
     assert engine_match({}, kept, prefix).blocks == 0
     # stored again later: held again
     kept.keep([101, 102], 555, b"\0" * 128, 64, 1, 6, None)

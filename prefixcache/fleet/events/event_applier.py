@@ -261,7 +261,7 @@ class EventApplier:
             entry = blocks.get(h)
             seen = entry is not None or h in unplaced.entries
             if unplaced:
-                unplaced.removed(h, bits, now, known=entry is not None)
+                unplaced.removed(h, bits, now)
             if not seen and rep.hashless:
                 # a hash never seen: maybe one of the blocks indexed without their hashes
                 self.index.remove(rep.ep.name, list(rep.hashless), None)

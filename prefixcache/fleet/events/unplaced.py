@@ -63,7 +63,6 @@ class UnplacedBlocks:
     # and whether on GPU; its ancestors were held then, and still are unless removed since
     lapsed: dict[BlockHash, tuple[int, bool]] = field(default_factory=dict)
     floor: int = -1  # removals up to this event count may have been forgotten
-    last_unknown_removal: int = -1  # a hash never seen left the replica (event count)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -87,7 +86,7 @@ class UnplacedBlocks:
         self.gone.clear()
         self.vouched.clear()
         self.lapsed.clear()
-        self.floor = self.last_unknown_removal = -1
+        self.floor = -1
 
     def keep(
         self,
@@ -134,8 +133,8 @@ class UnplacedBlocks:
                     del self.children[entry[0]]
         return entry
 
-    def removed(self, h: BlockHash, bits: int, now: int, *, known: bool) -> None:
-        """The replica dropped ``h`` from the media ``bits`` (``known``: a placed block)."""
+    def removed(self, h: BlockHash, bits: int, now: int) -> None:
+        """The replica dropped ``h`` from the media ``bits``."""
         if not self.entries and not self.vouched and not self.lapsed:
             if self.gone:  # nothing left to vouch for: no removal matters any more
                 self.gone.clear()
@@ -151,8 +150,6 @@ class UnplacedBlocks:
                 vouch, gpu = entry[3], bool(entry[2] & _GPU_BIT) or bool(bits & _GPU_BIT)
             if not entry[2]:
                 self.pop(h)
-        elif not known:
-            self.last_unknown_removal = now
         if vouch >= 0:
             lapsed = self.lapsed
             lapsed.pop(h, None)

@@ -40,11 +40,12 @@ class UnplacedLookup:
         self._memo: dict[tuple[Any, ...], dict[bytes, tuple[bytes, BlockKey]]] = {}
 
     def use_engine_hashes(self, specs: Mapping[str, EngineHashSpec]) -> None:
-        """Compute these replicas' engine hashes (by name; others keep theirs)."""
+        """Compute these replicas' engine hashes (by name; others keep theirs): for a subscriber
+        whose endpoints were made without them (one the service builds has them already)."""
         with self._lock:
             for name, spec in specs.items():
                 rep = self._replicas.get(name)
-                if rep is not None:
+                if rep is not None and (rep.engine is None or rep.engine.spec != spec):
                     rep.engine = EngineHasher(spec, rep.ep.block_size)
 
     def match(
