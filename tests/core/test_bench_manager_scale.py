@@ -12,15 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scale_mode_splits_the_run_where_the_pool_first_evicts() -> None:
-    args = ["--scale", "--requests", "300", "--blocks", "2500"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "manager_loop.py"), *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    out = done.stdout
+    out = _scale("--requests", "300", "--blocks", "2500")
     filling = re.search(r"filling\s+([\d.]+)\s+us/request \(requests 0-(\d+)\)", out)
     full = re.search(r"full\s+([\d.]+)\s+us/request \(requests (\d+)-299, ([\d,]+) blocks", out)
     assert filling and full, out
@@ -30,12 +22,16 @@ def test_scale_mode_splits_the_run_where_the_pool_first_evicts() -> None:
 
 
 def test_scale_mode_says_so_when_the_pool_never_fills() -> None:
-    args = ["--scale", "--requests", "20", "--blocks", "100000"]
+    assert "the pool never filled" in _scale("--requests", "20", "--blocks", "100000")
+
+
+def _scale(*args: str) -> str:
+    """What ``bench/manager_loop.py --scale ARGS`` prints."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "manager_loop.py"), *args],
+        [sys.executable, str(ROOT / "bench" / "manager_loop.py"), "--scale", *args],
         capture_output=True,
         text=True,
         check=True,
         timeout=300,
     )
-    assert "the pool never filled" in done.stdout
+    return done.stdout
