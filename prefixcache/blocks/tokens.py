@@ -76,22 +76,11 @@ def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray
 def as_token_bytes(tokens: TokenIds) -> bytes:
     """``as_token_array(tokens).tobytes()`` (the int32 LE token bytes), without the array
     round trip for the containers a runtime holds: an int32 array or a list of ints."""
-    cls = type(tokens)
-    if (
-        isinstance(tokens, np.ndarray)
-        and cls is np.ndarray
-        and tokens.dtype == _INT32
-        and tokens.ndim == 1
-        and tokens.size
-        and tokens.flags.c_contiguous
-        and np.minimum.reduce(tokens) >= 0
-    ):
-        return tokens.tobytes()
-    if isinstance(tokens, list) and cls is list and tokens:
+    if type(tokens) is list and tokens:
         packed = _pack_list(tokens)
         if packed is not None:
             return packed
-    return as_token_array(tokens).tobytes()
+    return as_token_array(tokens).tobytes()  # an int32 array comes back as it is
 
 
 _BOOL_DTYPES = ("bool", "torch.bool")  # 0-d arrays and tensors in a list (list(tensor))

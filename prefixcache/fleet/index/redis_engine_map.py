@@ -10,9 +10,9 @@ applied batches written once per flush, and both written back after Redis lost i
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
 from prefixcache.fleet.index.prefix_index import CPU, GPU, AppliedBatch, EngineBlock
@@ -76,10 +76,9 @@ class RedisEngineMap:
             if reply is None:
                 return None
             for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
-                value = as_bytes(value)
-                if len(value) == 24:
-                    position = int.from_bytes(value[16:], "big")
-                    out[key] = EngineBlock(value[:16], position, int(media))
+                block = _engine_block(as_bytes(value), int(media))
+                if block is not None:
+                    out[key] = block
             self._join_local_view(replica, out.values())
         return out
 
@@ -102,26 +101,26 @@ class RedisEngineMap:
 
         def step(client: redis.Redis, cursor: int) -> tuple[int, dict[bytes, EngineBlock]]:
             cursor, chunk = client.hscan(f"{prefix}:e:{replica}", cursor, count=ADOPT_CHUNK)
-            pairs = chunk.items() if isinstance(chunk, dict) else _pairs(chunk)
-            items = [(as_bytes(k), as_bytes(v)) for k, v in pairs]
+            entries = cast("dict[Any, Any]", chunk)  # redis-py parses HSCAN into a dict
+            items = [(as_bytes(k), as_bytes(v)) for k, v in entries.items()]
             items = [(k, v) for k, v in items if len(v) == 24]
             found: dict[bytes, EngineBlock] = {}
             if items:
                 pipe = client.pipeline(transaction=False)
+                blocks = prefix.encode() + b":b:"
                 for _, v in items:
-                    block_key = prefix.encode() + b":b:" + v[:16]
-                    pipe.getbit(block_key, 2 * r)
-                    pipe.getbit(block_key, 2 * r + 1)
+                    pipe.getbit(blocks + v[:16], 2 * r)
+                    pipe.getbit(blocks + v[:16], 2 * r + 1)
                 bits = pipe.execute()
                 for k, (key, v) in enumerate(items):
-                    media = int(bits[2 * k]) + 2 * int(bits[2 * k + 1])
-                    if media:
-                        found[key] = EngineBlock(v[:16], int.from_bytes(v[16:], "big"), media)
+                    block = _engine_block(v, int(bits[2 * k]) + 2 * int(bits[2 * k + 1]))
+                    if block is not None and block.media:
+                        found[key] = block
             return int(cursor), found
 
         cursor = 0
         while limit is None or len(out) < limit:
-            got = sync.read(functools.partial(_at, step, cursor))  # the lock, per step
+            got = sync.read(functools.partial(step, cursor=cursor))  # the lock, per step
             if got is None:
                 break  # Redis went away: what was read stands, the rest is recalled later
             cursor, found = got
@@ -174,11 +173,9 @@ class RedisEngineMap:
             self.sync.engine_source = source
 
 
-def _pairs(flat: list[Any]) -> list[tuple[Any, Any]]:
-    """``[k1, v1, k2, v2, ...]`` as pairs (a reply not decoded into a dict)."""
-    return list(zip(flat[::2], flat[1::2], strict=True))
-
-
-def _at(step: Callable[[redis.Redis, int], Any], cursor: int, client: redis.Redis) -> Any:
-    """``step(client, cursor)``: one scan step, as ``RedisSync.read`` calls it."""
-    return step(client, cursor)
+def _engine_block(value: bytes, media: int) -> EngineBlock | None:
+    """An engine map entry (16-byte digest, 8-byte big-endian position) and the media the
+    replica holds it on; None for a value this release does not write."""
+    if len(value) != 24:
+        return None
+    return EngineBlock(value[:16], int.from_bytes(value[16:], "big"), media)
