@@ -327,14 +327,16 @@ class Router:
                 for spec in specs:
                     more = extra.match(spec.name, namespace, arr, digests)
                     old = found.get(spec.name)
-                    if more is not None and old is not None:
-                        more = ReplicaMatch(
-                            spec.name,
-                            max(more.blocks, old.blocks),
-                            max(more.gpu_blocks, old.gpu_blocks),
-                        )
                     if more is not None:
-                        found[spec.name] = more
+                        found[spec.name] = (
+                            more
+                            if old is None
+                            else ReplicaMatch(
+                                spec.name,
+                                max(more.blocks, old.blocks),
+                                max(more.gpu_blocks, old.gpu_blocks),
+                            )
+                        )
         known = [s.name for s in eligible if s.capacity_blocks]
         held = self._index.num_blocks_many(known, GPU)
         return _Matches(n, eligible, found, held, arr, chains)

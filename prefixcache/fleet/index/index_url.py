@@ -82,8 +82,8 @@ def check_index_url(url: Any, where: str = "index") -> str:
         )
     if not ok or parts is None:
         raise ConfigError(
-            f"{where}: expected {', '.join(repr(u) for u in IN_PROCESS)}, "
-            f"'redis://host:port/db' or 'redis+cluster://host:port', got {redact(url)!r}"
+            f"{where}: expected 'memory', 'redis://host:port/db', 'redis+cluster://host:port' "
+            f"or 'memory+compact', got {redact(url)!r}"
         )
     query = parse_qsl(parts.query, keep_blank_values=True)
     for key, value in query:

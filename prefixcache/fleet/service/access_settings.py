@@ -114,11 +114,16 @@ def parse_keys(r: _Reader, text: str, where: str) -> list[ApiKey]:
         if tenant is not None and (
             not isinstance(tenant, str) or not _TENANT_NAME.fullmatch(tenant)
         ):
-            raise r.fail(f"{at}.tenant", f"expected a name of [A-Za-z0-9._-], got {tenant!r}")
+            raise r.fail(
+                f"{at}.tenant",
+                f"expected a name of [A-Za-z0-9._-], 1-64 characters, got {tenant!r}",
+            )
         digest = key_digest(key)
         label = m.get("name", f"{tenant or role}-{digest.hex()[:8]}")
         if not isinstance(label, str) or not _LABEL.fullmatch(label):
-            raise r.fail(f"{at}.name", f"expected a name of [A-Za-z0-9._-], got {label!r}")
+            raise r.fail(
+                f"{at}.name", f"expected a name of [A-Za-z0-9._-], 1-64 characters, got {label!r}"
+            )
         keys.append(ApiKey(digest, label, tenant, role))
     return keys
 
@@ -181,7 +186,7 @@ def parse_server(r: _Reader, raw: Any, raw_tls: Any, base_dir: Path | None) -> S
     conns = m.get("max_connections", d.max_connections)
     http = m.get("http", d.http)
     if http not in HTTP_PARSERS:
-        raise r.fail("server.http", f"one of {', '.join(HTTP_PARSERS)}, got {http!r}")
+        raise r.fail("server.http", f"expected one of {', '.join(HTTP_PARSERS)}, got {http!r}")
     t = r.mapping(raw_tls, "tls", TLS_KEYS)
     files: list[str | None] = []
     for name in TLS_KEYS:

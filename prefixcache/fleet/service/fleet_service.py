@@ -15,6 +15,7 @@ never hold up the loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -122,7 +123,8 @@ class FleetService:
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("body_timeout", caller.label).inc()
             raise BodyTimeoutError(
-                f"the request body did not arrive within {timeout:g} s"
+                f"the request body did not arrive within {timeout:g} s: send the whole body "
+                "within server.body_timeout_s"
             ) from None
 
     async def _read_body(self, request: Request) -> bytes:
@@ -191,7 +193,7 @@ class FleetService:
         ns = body.namespace()
         salt = caller.salt(ns.salt)
         if salt != ns.salt:
-            ns = Namespace(ns.model, ns.adapter, ns.adapter_version, salt, ns.extra)
+            ns = dataclasses.replace(ns, salt=salt)
         if body.messages is not None:
             if body.tokens is not None or body.text is not None:
                 raise InvalidArgumentError(

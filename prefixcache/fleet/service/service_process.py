@@ -29,7 +29,6 @@ from prefixcache.fleet.service.app import create_app
 from prefixcache.fleet.service.settings import ServiceConfig, build_router, load_config
 from prefixcache.fleet.service.transport import (
     HeadTimeoutProtocol,
-    http_protocol,
     httptools_protocol,
 )
 
@@ -132,7 +131,7 @@ if _FAST is not None:
 
 def worker_protocol(server: ServerConfig) -> str:
     """The import string of the worker protocol for ``server.http``."""
-    fast = http_protocol(server).__mro__[1] is _FAST
+    fast = _FAST is not None and server.http != "h11"  # httptools, when "auto" finds it
     name = "WorkerHttpToolsProtocol" if fast else "WorkerProtocol"
     return f"prefixcache.fleet.service.service_process:{name}"
 
