@@ -1,10 +1,11 @@
 PYTHON ?= python3
 
-.PHONY: install demo test lint typecheck bench
+.PHONY: install demo test test-pure lint typecheck bench
 
-install:  ## torch first (pinned: the CPU build here), the package with its test extras, Chromium, Redis
+install:  ## torch first (pinned: the CPU build here), the package with its test extras (the core compiled with mypyc), Chromium, Redis
 	$(PYTHON) -m pip install -q "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(PYTHON) -m prefixcache --version
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "note: the HTML report test needs headless Chromium (apt-get install chromium)"
@@ -17,6 +18,9 @@ demo:
 
 test:
 	$(PYTHON) -m pytest
+
+test-pure:  ## the core and replay tests on the Python sources of the compiled modules
+	PREFIXCACHE_PURE_PYTHON=1 $(PYTHON) -m pytest tests/core tests/replay
 
 lint:
 	ruff check . && ruff format --check .

@@ -6,6 +6,9 @@ radix index maps prefixes to shared physical blocks with refcounts, eviction and
 
 from typing import TYPE_CHECKING, Any
 
+from prefixcache.native import CORE_BUILD  # first: it decides which build of the core loads
+
+# isort: split
 from prefixcache.blocks.eviction import POLICIES
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
@@ -42,6 +45,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CORE_BUILD",
     "DEFAULT_NAMESPACE",
     "POLICIES",
     "Admission",

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _version() -> str:
     import prefixcache
 
-    return str(prefixcache.__version__)
+    return f"{prefixcache.__version__} (core: {prefixcache.CORE_BUILD.reason})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

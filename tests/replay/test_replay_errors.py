@@ -160,7 +160,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0
-    assert capsys.readouterr().out.strip() == f"prefixcache {prefixcache.__version__}"
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps it to the terminal
+    assert out == f"prefixcache {prefixcache.__version__} (core: {prefixcache.CORE_BUILD.reason})"
 
 
 @pytest.mark.parametrize(

@@ -23,30 +23,25 @@ def test_a_fleet_replay_with_a_pool_hashes_each_prompt_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: Counter[str] = Counter()  # digests computed in the fleet pass, by the file asking
-    init = hashing.BlockHasher.__init__
+    digest = hashing.HASH_FUNCTIONS["xxh3_128"]
 
-    def counting_init(self: hashing.BlockHasher, *args: object, **kwargs: object) -> None:
-        init(self, *args, **kwargs)  # type: ignore[arg-type]
-        digest = self.digest
+    def counted(data: bytes) -> bytes:
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename.endswith("hashing.py"):
+            frame = frame.f_back  # type: ignore[assignment]
+        asker = frame.f_code.co_filename.rsplit("/", 1)[-1]
+        fleet_pass = False
+        f = frame
+        while f is not None:  # under FleetSimulator.run (not the pooled line's pass)
+            code = f.f_code
+            fleet_pass |= code.co_filename.endswith("fleet_replay.py") and code.co_name == "run"
+            f = f.f_back  # type: ignore[assignment]
+        if fleet_pass:
+            calls[asker] += 1
+        return digest(data)
 
-        def counted(data: bytes) -> bytes:
-            frame = sys._getframe(1)
-            while frame.f_code.co_filename.endswith("hashing.py"):
-                frame = frame.f_back  # type: ignore[assignment]
-            asker = frame.f_code.co_filename.rsplit("/", 1)[-1]
-            fleet_pass = False
-            f = frame
-            while f is not None:  # under FleetSimulator.run (not the pooled line's pass)
-                code = f.f_code
-                fleet_pass |= code.co_filename.endswith("fleet_replay.py") and code.co_name == "run"
-                f = f.f_back  # type: ignore[assignment]
-            if fleet_pass:
-                calls[asker] += 1
-            return digest(data)
-
-        self.digest = counted  # type: ignore[method-assign]
-
-    monkeypatch.setattr(hashing.BlockHasher, "__init__", counting_init)
+    # hashers take their function when built: every one the replay builds counts
+    monkeypatch.setitem(hashing.HASH_FUNCTIONS, "xxh3_128", counted)
     config = ReplayConfig(
         capacity_blocks=300,
         model="llama-3.1-8b",

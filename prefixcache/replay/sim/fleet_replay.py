@@ -27,6 +27,7 @@ and no route to get wrong, its hit rate is what routing aims for.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -369,9 +370,10 @@ class FleetSimulator:
     def cache_stats(self) -> CacheStats:
         """The managers' counters, summed."""
         total = CacheStats()
+        names = [f.name for f in dataclasses.fields(CacheStats)]  # no __dict__ when compiled
         for r in self.replicas:
-            for key, value in vars(r.mgr.stats).items():
-                setattr(total, key, getattr(total, key) + value)
+            for key in names:
+                setattr(total, key, getattr(total, key) + getattr(r.mgr.stats, key))
         return total
 
 

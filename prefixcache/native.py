@@ -1,0 +1,121 @@
+"""Which build of the core runs: the compiled one (mypyc) or the Python sources.
+
+The block and manager modules listed in ``COMPILED_MODULES`` are plain, type-checked Python. An
+install compiles them with mypyc when it can (``setup.py``; set ``PREFIXCACHE_COMPILE=0`` to
+skip it), and leaves the sources beside the compiled files. ``choose_build`` runs once, when
+``prefixcache`` is imported, before any of those modules is, and keeps the sources in charge
+when:
+
+- ``PREFIXCACHE_PURE_PYTHON=1`` is set (the tests run both builds this way), or
+- the sources changed since the build (an editable checkout after an edit or a ``git
+  checkout``): the digest of the sources taken at build time no longer matches, so stale
+  compiled code never runs; ``make install`` compiles again.
+
+All compiled modules share one library and use each other's classes directly, so the choice is
+all or nothing. Only the standard library is used here: ``setup.py`` loads this file on its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
+
+COMPILED_MODULES = (
+    "prefixcache.blocks.eviction",
+    "prefixcache.blocks.hashing",
+    "prefixcache.blocks.host_tier",
+    "prefixcache.blocks.pool",
+    "prefixcache.blocks.radix",
+    "prefixcache.blocks.tokens",
+    "prefixcache.manager.bookkeeping.admission_planning",
+    "prefixcache.manager.bookkeeping.arguments",
+    "prefixcache.manager.bookkeeping.block_indexing",
+    "prefixcache.manager.bookkeeping.block_supply",
+    "prefixcache.manager.bookkeeping.host_offload",
+    "prefixcache.manager.bookkeeping.listeners",
+    "prefixcache.manager.bookkeeping.request_blocks",
+    "prefixcache.manager.bookkeeping.request_state",
+    "prefixcache.manager.bookkeeping.retention",
+    "prefixcache.manager.bookkeeping.step_ledger",
+    "prefixcache.manager.results",
+    "prefixcache.manager.stats",
+)
+GROUP_NAME = "prefixcache_core"  # the shared library: prefixcache_core__mypyc.*.so
+DIGEST_FILE = "native_sources.sha256"  # written by setup.py next to this file
+PURE_ENV = "PREFIXCACHE_PURE_PYTHON"
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+class CoreBuild(NamedTuple):
+    """What runs: ``compiled`` is True when the mypyc build is in charge; ``reason`` says why
+    it is or is not (shown by ``prefixcache version``)."""
+
+    compiled: bool
+    reason: str
+
+
+def source_path(module: str, package_dir: Path = _PACKAGE) -> Path:
+    """The ``.py`` file of one of ``COMPILED_MODULES`` under the package folder."""
+    parts = module.split(".")[1:]
+    return package_dir.joinpath(*parts[:-1], parts[-1] + ".py")
+
+
+def sources_digest(package_dir: Path = _PACKAGE) -> str:
+    """SHA-256 over the compiled modules' names and sources (what the build was made from)."""
+    digest = hashlib.sha256()
+    for module in COMPILED_MODULES:
+        digest.update(module.encode() + b"\0")
+        digest.update(source_path(module, package_dir).read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _is_compiled(module: str) -> bool:
+    spec = importlib.machinery.PathFinder.find_spec(module, [str(source_path(module).parent)])
+    return spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader)
+
+
+class _SourcesFirst(importlib.abc.MetaPathFinder):
+    """Loads each of ``COMPILED_MODULES`` from its ``.py`` file even where a compiled file sits
+    beside it (an extension module would otherwise win)."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in COMPILED_MODULES:
+            return None
+        source = source_path(fullname)
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+def choose_build() -> CoreBuild:
+    """Decide once which build runs, installing the sources-first finder when the compiled one
+    must not. Call before importing any of ``COMPILED_MODULES``."""
+    if not all(_is_compiled(m) for m in COMPILED_MODULES):
+        return CoreBuild(False, "Python sources (no compiled build is installed)")
+    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+        why = f"Python sources ({PURE_ENV} is set; a compiled build is installed)"
+    else:
+        try:
+            built = (_PACKAGE / DIGEST_FILE).read_text().strip()
+        except OSError:
+            built = ""
+        if built == sources_digest():
+            return CoreBuild(True, f"compiled with mypyc ({len(COMPILED_MODULES)} modules)")
+        why = "Python sources (the compiled files were not built from these sources; make install)"
+    if not any(isinstance(f, _SourcesFirst) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourcesFirst())
+    return CoreBuild(False, why)
+
+
+# decided when the package imports this module, first of all (setup.py only reads the lists)
+CORE_BUILD = choose_build() if __name__ == "prefixcache.native" else CoreBuild(False, "not loaded")

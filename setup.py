@@ -1,0 +1,61 @@
+"""Builds the compiled core: the modules in prefixcache/native.py, compiled with mypyc.
+
+Everything else about the package is in pyproject.toml. ``PREFIXCACHE_COMPILE=0`` installs the
+Python sources alone (the same code, slower); without mypyc the build does the same and says so.
+The digest of the sources is written only once the compiled files are, so a failed or partial
+build leaves the package on its Python sources.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+native = runpy.run_path(str(ROOT / "prefixcache" / "native.py"))
+DIGEST = Path("prefixcache") / native["DIGEST_FILE"]
+BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+
+
+class BuildCompiledCore(build_ext):
+    """build_ext, then the digest of the sources the compiled files were made from."""
+
+    def run(self) -> None:
+        super().run()
+        if not self.extensions:
+            return
+        digest = native["sources_digest"](ROOT / "prefixcache") + "\n"
+        targets = {ROOT / DIGEST}  # an editable install reads the tree
+        if not self.inplace:
+            targets.add(Path(self.build_lib) / DIGEST)  # a wheel carries it
+        for target in targets:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(digest)
+
+
+def compiled_core() -> list:
+    if not BUILDS.intersection(sys.argv[1:]):  # metadata only: nothing to compile
+        return []
+    (ROOT / DIGEST).unlink(missing_ok=True)  # the sources run until the build completes
+    if os.environ.get("PREFIXCACHE_COMPILE", "1") == "0":
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        print("prefixcache: mypyc not found; installing the Python sources only", file=sys.stderr)
+        return []
+    modules = native["COMPILED_MODULES"]
+    paths = [str(native["source_path"](m, Path("prefixcache"))) for m in modules]
+    return mypycify(
+        ["--config-file", "pyproject.toml", "--ignore-missing-imports", *paths],
+        group_name=native["GROUP_NAME"],
+        opt_level="3",
+    )
+
+
+setup(ext_modules=compiled_core(), cmdclass={"build_ext": BuildCompiledCore})
