@@ -109,6 +109,10 @@ class BlockHasher:
         if n >= _RECORDS_FROM:
             tokens = np.frombuffer(buf, dtype="<i4")
             return self._hash_records(tokens, parent, first_block, end_block)
+        if type(buf) is not bytes:  # a growing sequence: only the blocks hashed are copied
+            width = 4 * self.block_size
+            body = bytes(buf[first_block * width : end_block * width])
+            return self._hash_slices(body, -first_block * width, parent, first_block, end_block)
         return self._hash_slices(buf, 0, parent, first_block, end_block)
 
     def hash_run(self, body: bytes | bytearray, parent: bytes, first_block: int) -> list[bytes]:
@@ -118,7 +122,7 @@ class BlockHasher:
         if n <= 0:
             return []
         base = -first_block * 4 * self.block_size
-        return self._hash_slices(body, base, parent, first_block, first_block + n)
+        return self._hash_slices(bytes(body), base, parent, first_block, first_block + n)
 
     def block_starts(self, end_block: int) -> list[bytes] | _Starts:
         """The start positions the chain mixes in (8 bytes LE), indexed by block, for blocks
@@ -136,7 +140,7 @@ class BlockHasher:
         return starts
 
     def _hash_slices(
-        self, body: bytes | bytearray, base: int, parent: bytes, first_block: int, end_block: int
+        self, body: bytes, base: int, parent: bytes, first_block: int, end_block: int
     ) -> list[bytes]:
         """Few blocks: one hash of (parent, position, block slice) each; block ``i`` starts at
         byte ``base + i * block_bytes`` of ``body``."""
@@ -148,12 +152,11 @@ class BlockHasher:
             positions = [starts[i] for i in range(first_block, end_block)]
         digest = self.digest
         out: list[bytes] = []
-        append = out.append
         prev = parent
         offset = base + first_block * width
-        for start in positions:
+        for start in positions:  # bytes typed throughout: compiled, slices and joins are direct
             prev = digest(prev + start + body[offset : offset + width])
-            append(prev)
+            out.append(prev)
             offset += width
         return out
 
@@ -168,15 +171,14 @@ class BlockHasher:
         records[:, 2:] = tokens[first_block * p : end_block * p].reshape(n, p)
         start_ids = np.arange(first_block, end_block, dtype="<i8") * p
         records[:, :2] = start_ids.view("<i4").reshape(n, 2)
-        buf = records.tobytes()
+        buf: bytes = records.tobytes()
         width = (p + 2) * 4
         digest = self.digest
         out: list[bytes] = []
-        append = out.append
         prev = parent
         for offset in range(0, n * width, width):
             prev = digest(prev + buf[offset : offset + width])
-            append(prev)
+            out.append(prev)
         return out
 
     def hash_prompt(self, tokens: TokenIds, namespace: Namespace) -> list[bytes]:
