@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from prefixcache import CacheManager, Namespace
+from prefixcache import CORE_BUILD, CacheManager, Namespace
 
 
 def run(batch: int, steps: int, block_size: int) -> tuple[float, float]:
@@ -44,6 +44,7 @@ def run(batch: int, steps: int, block_size: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    print(f"core: {CORE_BUILD.reason}")
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=512)

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from prefixcache import CacheManager, PagedKVCache
+from prefixcache import CORE_BUILD, CacheManager, PagedKVCache
 from prefixcache.manager.transfers import Load, Offload, Transfers
 
 P = 16
@@ -85,6 +85,7 @@ def copy_bandwidth(blocks: int, repeats: int) -> tuple[float, str]:
 
 
 def main() -> None:
+    print(f"core: {CORE_BUILD.reason}")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=5)

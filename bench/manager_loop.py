@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline_block_manager import BaselineBlockManager
 from workload import infinite_cache_hit_rate, shared_prompt_workload
 
-from prefixcache import CacheManager, Namespace
+from prefixcache import CORE_BUILD, CacheManager, Namespace
 from prefixcache.blocks.tokens import as_token_array
 
 
@@ -139,6 +139,7 @@ def scale(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    print(f"core: {CORE_BUILD.reason}")
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=None, help="default 2000 (--scale: 20000)")
     ap.add_argument("--blocks", type=int, default=None, help="default 20000 (--scale: 200000)")

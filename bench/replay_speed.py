@@ -17,7 +17,7 @@ import gc
 import time
 from pathlib import Path
 
-from prefixcache import CacheManager
+from prefixcache import CORE_BUILD, CacheManager
 from prefixcache.replay import ReplayConfig, Source, open_source
 from prefixcache.replay.runner import replay_source
 
@@ -74,6 +74,7 @@ def bench(label: str, path: Path, cfg: ReplayConfig, n: int | None, repeats: int
 
 
 def main() -> None:
+    print(f"core: {CORE_BUILD.reason}")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1_000_000, help="scenario requests")
     ap.add_argument("--trace", type=Path, default=TRACE)

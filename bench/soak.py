@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from prefixcache import CacheManager, Namespace, OutOfBlocksError, RequestTooLargeError
+from prefixcache import CORE_BUILD, CacheManager, Namespace, OutOfBlocksError, RequestTooLargeError
 from tests.kv_fingerprint import FingerprintRuntime
 
 NAMESPACES = [
@@ -28,6 +28,7 @@ BASES = [list(range(0, 40)), list(range(0, 20)) + list(range(500, 520)), [7] * 3
 
 
 def main() -> None:
+    print(f"core: {CORE_BUILD.reason}")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=0)
