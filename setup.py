@@ -3,7 +3,7 @@
 Everything else about the package is in pyproject.toml. ``PREFIXCACHE_COMPILE=0`` installs the
 Python sources alone (the same code, slower); without mypyc the build does the same and says so.
 The digest of the sources is written only once the compiled files are, so a failed or partial
-build leaves the package on its Python sources.
+build (no C compiler, say) leaves the package on its Python sources instead of failing.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
 
 ROOT = Path(__file__).resolve().parent
 native = runpy.run_path(str(ROOT / "prefixcache" / "native.py"))
@@ -26,7 +27,14 @@ class BuildCompiledCore(build_ext):
     """build_ext, then the digest of the sources the compiled files were made from."""
 
     def run(self) -> None:
-        super().run()
+        try:
+            super().run()
+        except (CCompilerError, CompileError, ExecError, LinkError, PlatformError) as exc:
+            print(
+                f"prefixcache: compiling the core failed ({exc}); installing the Python sources",
+                file=sys.stderr,
+            )
+            return  # no digest: the sources run
         if not self.extensions:
             return
         digest = native["sources_digest"](ROOT / "prefixcache") + "\n"
