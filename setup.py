@@ -31,19 +31,18 @@ class BuildCompiledCore(build_ext):
             super().run()
         except (CCompilerError, CompileError, ExecError, LinkError, PlatformError) as exc:
             print(
-                f"prefixcache: compiling the core failed ({exc}); installing the Python sources",
+                f"prefixcache: compiling the core failed ({exc}); installing the Python sources "
+                "(the same code, slower; with a working C compiler, install again to compile)",
                 file=sys.stderr,
             )
             return  # no digest: the sources run
         if not self.extensions:
             return
-        digest = native["sources_digest"](ROOT / "prefixcache") + "\n"
-        targets = {ROOT / DIGEST}  # an editable install reads the tree
-        if not self.inplace:
-            targets.add(Path(self.build_lib) / DIGEST)  # a wheel carries it
-        for target in targets:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(digest)
+        # an editable install reads the tree, a wheel carries its own copy; the tree's digest
+        # vouches only for compiled files built into the tree
+        target = ROOT / DIGEST if self.inplace else Path(self.build_lib) / DIGEST
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(native["sources_digest"](ROOT / "prefixcache") + "\n")
 
 
 def compiled_core() -> list:
@@ -55,7 +54,11 @@ def compiled_core() -> list:
     try:
         from mypyc.build import mypycify
     except ImportError:
-        print("prefixcache: mypyc not found; installing the Python sources only", file=sys.stderr)
+        print(
+            "prefixcache: mypyc not found; installing the Python sources only "
+            "(pip install mypy, then install again to compile)",
+            file=sys.stderr,
+        )
         return []
     modules = native["COMPILED_MODULES"]
     paths = [str(native["source_path"](m, Path("prefixcache"))) for m in modules]

@@ -57,7 +57,7 @@ _PACKAGE = Path(__file__).resolve().parent
 
 class CoreBuild(NamedTuple):
     """What runs: ``compiled`` is True when the mypyc build is in charge; ``reason`` says why
-    it is or is not (shown by ``prefixcache version``)."""
+    it is or is not (shown by ``prefixcache --version``)."""
 
     compiled: bool
     reason: str
@@ -79,9 +79,13 @@ def sources_digest(package_dir: Path = _PACKAGE) -> str:
     return digest.hexdigest()
 
 
-def _is_compiled(module: str) -> bool:
-    spec = importlib.machinery.PathFinder.find_spec(module, [str(source_path(module).parent)])
-    return spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader)
+def compiled_build_installed() -> bool:
+    """Whether every one of ``COMPILED_MODULES`` has a compiled file beside its source."""
+    for module in COMPILED_MODULES:
+        spec = importlib.machinery.PathFinder.find_spec(module, [str(source_path(module).parent)])
+        if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+            return False
+    return True
 
 
 class _SourcesFirst(importlib.abc.MetaPathFinder):
@@ -100,7 +104,7 @@ class _SourcesFirst(importlib.abc.MetaPathFinder):
 def choose_build() -> CoreBuild:
     """Decide once which build runs, installing the sources-first finder when the compiled one
     must not. Call before importing any of ``COMPILED_MODULES``."""
-    if not all(_is_compiled(m) for m in COMPILED_MODULES):
+    if not compiled_build_installed():
         return CoreBuild(False, "Python sources (no compiled build is installed)")
     if os.environ.get(PURE_ENV, "") not in ("", "0"):
         why = f"Python sources ({PURE_ENV} is set; a compiled build is installed)"

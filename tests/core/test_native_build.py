@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.machinery
 import os
 import shutil
 import subprocess
@@ -30,16 +29,6 @@ def _loaded_from(env: dict[str, str]) -> list[str]:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     return out
-
-
-def _installed_compiled() -> bool:
-    return all(
-        isinstance(
-            importlib.machinery.PathFinder.find_spec(m, [str(native.source_path(m).parent)]).loader,  # type: ignore[union-attr]
-            importlib.machinery.ExtensionFileLoader,
-        )
-        for m in native.COMPILED_MODULES
-    )
 
 
 def test_every_compiled_module_exists_and_the_list_is_sorted() -> None:
@@ -75,7 +64,7 @@ def test_pure_python_switch_loads_the_sources() -> None:
 
 @pytest.mark.skipif(PURE, reason="the pure-Python run checks the sources only")
 def test_an_installed_compiled_build_is_in_charge() -> None:
-    if not _installed_compiled():
+    if not native.compiled_build_installed():
         pytest.skip("no compiled build installed (PREFIXCACHE_COMPILE=0 or no mypyc)")
     env = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
     compiled, *files = _loaded_from(env)

@@ -27,10 +27,9 @@ and no route to get wrong, its hit rate is what routing aims for.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
 from prefixcache.blocks.namespace import Namespace
@@ -370,7 +369,7 @@ class FleetSimulator:
     def cache_stats(self) -> CacheStats:
         """The managers' counters, summed."""
         total = CacheStats()
-        names = [f.name for f in dataclasses.fields(CacheStats)]  # no __dict__ when compiled
+        names = [f.name for f in fields(CacheStats)]  # no __dict__ when compiled
         for r in self.replicas:
             for key in names:
                 setattr(total, key, getattr(total, key) + getattr(r.mgr.stats, key))
