@@ -11,7 +11,7 @@ only while it has children.
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -22,29 +22,124 @@ D = DIGEST_SIZE
 # builds a NamedTuple from a tuple in C (the generated __new__ is a Python call): hot paths only
 _new = tuple.__new__
 MAX_GROW_BLOCKS = 256  # a node grows in place up to this many blocks, then a child takes over
+GROUP_BUCKET = 64  # a token group's buckets hold 1 to 2 * this many siblings
 
 
 class TokenGroup:
     """Siblings whose first blocks start with the same token, in the order of their first
-    block's token bytes (``keys``, kept beside ``nodes``). Siblings differ within their first
-    block, and a node keeps its first block until it leaves the tree, so the order never
-    changes; the two neighbours of a query in it share the longest prefix with the query."""
+    block's token bytes (the keys). Siblings differ within their first block, and a node keeps
+    its first block until it leaves the tree, so the order never changes; the two neighbours of
+    a query in it share the longest prefix with the query.
 
-    __slots__ = ("keys", "nodes")
+    A prompt that diverges inside a block (a system prompt that is not a whole number of
+    blocks, followed by each request's own text) files every request's branch in one group, so
+    a group can hold as many nodes as the cache. The order is kept in buckets of at most
+    ``2 * bucket`` entries with each bucket's first key beside them: adding or removing a node
+    moves at most one bucket's entries, not the whole group's.
+    """
 
-    def __init__(self, keys: list[bytes], nodes: list[Node]) -> None:
-        self.keys = keys
-        self.nodes = nodes
+    __slots__ = ("bucket", "firsts", "key_buckets", "node_buckets", "size")
+
+    def __init__(self, keys: list[bytes], nodes: list[Node], bucket: int = GROUP_BUCKET) -> None:
+        assert len(keys) == len(nodes) > 0 and bucket > 0
+        self.bucket = bucket
+        self.key_buckets = [keys[i : i + bucket] for i in range(0, len(keys), bucket)]
+        self.node_buckets = [nodes[i : i + bucket] for i in range(0, len(nodes), bucket)]
+        self.firsts = [keys[0] for keys in self.key_buckets]  # each bucket's first key
+        self.size = len(keys)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _locate(self, key: bytes | bytearray) -> tuple[int, int]:
+        """(bucket, index in it) where ``key`` would go: before every key >= it."""
+        b = bisect_right(self.firsts, key) - 1
+        if b < 0:
+            return 0, 0
+        return b, bisect_left(self.key_buckets[b], key)
 
     def add(self, key: bytes, node: Node) -> None:
-        i = bisect_left(self.keys, key)
-        self.keys.insert(i, key)
-        self.nodes.insert(i, node)
+        b, i = self._locate(key)
+        keys, nodes = self.key_buckets[b], self.node_buckets[b]
+        keys.insert(i, key)
+        nodes.insert(i, node)
+        if i == 0:
+            self.firsts[b] = key
+        self.size += 1
+        if len(keys) > 2 * self.bucket:  # split the bucket in two
+            half = len(keys) // 2
+            self.key_buckets.insert(b + 1, keys[half:])
+            self.node_buckets.insert(b + 1, nodes[half:])
+            self.firsts.insert(b + 1, keys[half])
+            del keys[half:], nodes[half:]
 
-    def position(self, node: Node, key: bytes | bytearray) -> int:
-        i = bisect_left(self.keys, key)
-        assert self.nodes[i] is node
-        return i
+    def position(self, node: Node, key: bytes | bytearray) -> tuple[int, int]:
+        """Where ``node``, whose first block's tokens are ``key``, is filed."""
+        b, i = self._locate(key)
+        assert self.node_buckets[b][i] is node
+        return b, i
+
+    def replace(self, node: Node, key: bytes | bytearray, other: Node) -> None:
+        """File ``other`` in ``node``'s place (it starts with the same block)."""
+        b, i = self.position(node, key)
+        self.node_buckets[b][i] = other
+
+    def remove(self, node: Node, key: bytes | bytearray) -> None:
+        b, i = self.position(node, key)
+        keys = self.key_buckets[b]
+        del keys[i], self.node_buckets[b][i]
+        self.size -= 1
+        if not keys:
+            del self.key_buckets[b], self.node_buckets[b], self.firsts[b]
+        elif i == 0:
+            self.firsts[b] = keys[0]
+
+    def only(self) -> Node:
+        """The one node left in a group of one."""
+        assert self.size == 1
+        return self.node_buckets[0][0]
+
+    def neighbours(self, query: bytes) -> tuple[bytes, Node, bytes | None, Node | None]:
+        """The key and node just before ``query`` in the order and the one at or after it; the
+        first entry when nothing comes before, and None for the second when nothing or only
+        that first entry comes after."""
+        b, i = self._locate(query)
+        keys, nodes = self.key_buckets[b], self.node_buckets[b]
+        if i == 0 and b == 0:
+            return keys[0], nodes[0], None, None
+        if i > 0:
+            before_key, before = keys[i - 1], nodes[i - 1]
+        else:
+            before_key, before = self.key_buckets[b - 1][-1], self.node_buckets[b - 1][-1]
+        if i < len(keys):
+            return before_key, before, keys[i], nodes[i]
+        if b + 1 < len(self.key_buckets):
+            return before_key, before, self.key_buckets[b + 1][0], self.node_buckets[b + 1][0]
+        return before_key, before, None, None
+
+    def keys(self) -> list[bytes]:
+        """Every key, in order."""
+        return [key for keys in self.key_buckets for key in keys]
+
+    def nodes(self) -> list[Node]:
+        """Every node, in the keys' order."""
+        return [node for nodes in self.node_buckets for node in nodes]
+
+    def check(self) -> str | None:
+        """What is wrong with the buckets' bookkeeping, or None."""
+        buckets = len(self.key_buckets)
+        if len(self.node_buckets) != buckets or len(self.firsts) != buckets:
+            return "a token group's bucket lists differ in length"
+        for keys, nodes, first in zip(
+            self.key_buckets, self.node_buckets, self.firsts, strict=True
+        ):
+            if not keys or len(keys) != len(nodes) or len(keys) > 2 * self.bucket:
+                return "a token group has an empty, uneven or oversized bucket"
+            if keys[0] != first:
+                return "a token group's bucket is filed under a wrong first key"
+        if sum(map(len, self.key_buckets)) != self.size:
+            return "a token group's size is wrong"
+        return None
 
 
 def common_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
@@ -248,14 +343,12 @@ class RadixIndex:
             m = common_tokens(group.tokens[:width], query)
             return _new(PartialMatch, (group, m)) if m > 0 else None
         # the two neighbours of the query in token order share the most with it
-        keys, nodes = group.keys, group.nodes
-        i = bisect_left(keys, query)
-        lo = i - 1 if i else 0
-        best, best_m = nodes[lo], common_tokens(keys[lo][:width], query)
-        if lo + 1 < len(keys) and lo < i:
-            m = common_tokens(keys[i][:width], query)
-            if m > best_m or (m == best_m and nodes[i].last_access > best.last_access):
-                best, best_m = nodes[i], m  # the longer match; on a tie the more recent block
+        before_key, best, after_key, after = group.neighbours(query)
+        best_m = common_tokens(before_key[:width], query)
+        if after_key is not None and after is not None:
+            m = common_tokens(after_key[:width], query)
+            if m > best_m or (m == best_m and after.last_access > best.last_access):
+                best, best_m = after, m  # the longer match; on a tie the more recent block
         return _new(PartialMatch, (best, best_m)) if best_m > 0 else None
 
     # ---- structure ------------------------------------------------------------------------
@@ -271,7 +364,7 @@ class RadixIndex:
         group = parent.by_token[token]
         upper = Node(parent, node.depth, digests[: j * D], tokens[: j * bb], node.blocks[:j])
         if isinstance(group, TokenGroup):  # same first block, same place in the order
-            group.nodes[group.position(node, upper.tokens[:bb])] = upper
+            group.replace(node, upper.tokens[:bb], upper)
         else:
             parent.by_token[token] = upper
         del digests[: j * D]
@@ -435,10 +528,9 @@ class RadixIndex:
             del parent.by_token[token]
         else:
             assert isinstance(group, TokenGroup)
-            i = group.position(node, node.tokens[: self.block_bytes])  # bytes compare alike
-            del group.keys[i], group.nodes[i]
-            if len(group.nodes) == 1:
-                parent.by_token[token] = group.nodes[0]
+            group.remove(node, node.tokens[: self.block_bytes])  # bytes compare alike
+            if len(group) == 1:
+                parent.by_token[token] = group.only()
         if not parent.children:
             parent.children = parent.by_token = None
             if parent.parent is None:

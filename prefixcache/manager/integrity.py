@@ -60,7 +60,7 @@ def _check_gpu(mgr: CacheManager) -> None:
                 stack.append(child)
             filed: list[Node] = []
             for tok, group in (node.by_token or {}).items():
-                members = group.nodes if isinstance(group, TokenGroup) else [group]
+                members = group.nodes() if isinstance(group, TokenGroup) else [group]
                 _require(
                     len(members) > 0 and not (isinstance(group, TokenGroup) and len(members) < 2),
                     "a token group of fewer than two is kept as a group",
@@ -68,7 +68,9 @@ def _check_gpu(mgr: CacheManager) -> None:
                 firsts = [index.block_tokens(c, 0) for c in members]
                 _require(firsts == sorted(firsts), "a token group is not in token order")
                 if isinstance(group, TokenGroup):
-                    _require(group.keys == firsts, "a token group's keys differ from its blocks")
+                    _require(group.keys() == firsts, "a token group's keys differ from its blocks")
+                    problem = group.check()
+                    _require(problem is None, problem or "")
                 _require(
                     all(int.from_bytes(f[:4], "little") == tok for f in firsts),
                     "a child is filed under another token",
