@@ -1,4 +1,5 @@
-"""Builds the compiled core: the modules in prefixcache/native.py, compiled with mypyc.
+"""Builds the compiled core: the modules in prefixcache/native.py, compiled with mypyc, and the C
+helpers listed there.
 
 Everything else about the package is in pyproject.toml. ``PREFIXCACHE_COMPILE=0`` installs the
 Python sources alone (the same code, slower); without mypyc the build does the same and says so.
@@ -13,7 +14,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
 
@@ -60,13 +61,21 @@ def compiled_core() -> list:
             file=sys.stderr,
         )
         return []
-    modules = native["COMPILED_MODULES"]
-    paths = [str(native["source_path"](m, Path("prefixcache"))) for m in modules]
-    return mypycify(
-        ["--config-file", "pyproject.toml", "--ignore-missing-imports", *paths],
+    def source(module: str) -> str:
+        return str(native["source_path"](module, Path("prefixcache")))
+
+    compiled = mypycify(
+        [
+            "--config-file",
+            "pyproject.toml",
+            "--ignore-missing-imports",
+            *map(source, native["COMPILED_MODULES"]),
+        ],
         group_name=native["GROUP_NAME"],
         opt_level="3",
     )
+    helpers = [Extension(m, [source(m)], extra_compile_args=["-O2"]) for m in native["C_HELPERS"]]
+    return [*compiled, *helpers]
 
 
 setup(ext_modules=compiled_core(), cmdclass={"build_ext": BuildCompiledCore})

@@ -12,7 +12,10 @@ when:
   compiled code never runs; ``make install`` compiles again.
 
 All compiled modules share one library and use each other's classes directly, so the choice is
-all or nothing. Only the standard library is used here: ``setup.py`` loads this file on its own.
+all or nothing. It covers the C helpers in ``C_HELPERS`` too: small extension modules written in C
+(no Python source) whose callers fall back to Python code when they cannot be imported; while
+the sources are in charge, importing them fails. Only the standard library is used here:
+``setup.py`` loads this file on its own.
 """
 
 from __future__ import annotations
@@ -47,7 +50,12 @@ COMPILED_MODULES = (
     "prefixcache.manager.bookkeeping.step_ledger",
     "prefixcache.manager.results",
     "prefixcache.manager.stats",
+    "prefixcache.replay.sim.accounting",
+    "prefixcache.replay.sim.keyset",
+    "prefixcache.replay.sim.sequential",
 )
+# C extension modules built with them: a C source each, callers import them or fall back
+C_HELPERS = ("prefixcache.blocks._token_pack",)
 GROUP_NAME = "prefixcache_core"  # the shared library: prefixcache_core__mypyc.*.so
 DIGEST_FILE = "native_sources.sha256"  # written by setup.py next to this file
 PURE_ENV = "PREFIXCACHE_PURE_PYTHON"
@@ -64,15 +72,18 @@ class CoreBuild(NamedTuple):
 
 
 def source_path(module: str, package_dir: Path = _PACKAGE) -> Path:
-    """The ``.py`` file of one of ``COMPILED_MODULES`` under the package folder."""
+    """The source of one of ``COMPILED_MODULES`` (``.py``) or ``C_HELPERS`` (``.c``) under the
+    package folder."""
     parts = module.split(".")[1:]
-    return package_dir.joinpath(*parts[:-1], parts[-1] + ".py")
+    suffix = ".c" if module in C_HELPERS else ".py"
+    return package_dir.joinpath(*parts[:-1], parts[-1] + suffix)
 
 
 def sources_digest(package_dir: Path = _PACKAGE) -> str:
-    """SHA-256 over the compiled modules' names and sources (what the build was made from)."""
+    """SHA-256 over the compiled modules' and C helpers' names and sources (what the build was
+    made from)."""
     digest = hashlib.sha256()
-    for module in COMPILED_MODULES:
+    for module in COMPILED_MODULES + C_HELPERS:
         digest.update(module.encode() + b"\0")
         digest.update(source_path(module, package_dir).read_bytes())
         digest.update(b"\0")
@@ -80,8 +91,9 @@ def sources_digest(package_dir: Path = _PACKAGE) -> str:
 
 
 def compiled_build_installed() -> bool:
-    """Whether every one of ``COMPILED_MODULES`` has a compiled file beside its source."""
-    for module in COMPILED_MODULES:
+    """Whether every one of ``COMPILED_MODULES`` and ``C_HELPERS`` has a compiled file beside
+    its source."""
+    for module in COMPILED_MODULES + C_HELPERS:
         spec = importlib.machinery.PathFinder.find_spec(module, [str(source_path(module).parent)])
         if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
             return False
@@ -90,11 +102,15 @@ def compiled_build_installed() -> bool:
 
 class _SourcesFirst(importlib.abc.MetaPathFinder):
     """Loads each of ``COMPILED_MODULES`` from its ``.py`` file even where a compiled file sits
-    beside it (an extension module would otherwise win)."""
+    beside it (an extension module would otherwise win), and refuses the ``C_HELPERS``."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
+        if fullname in C_HELPERS:
+            raise ModuleNotFoundError(
+                f"{fullname} belongs to the compiled build, which is not in charge", name=fullname
+            )
         if fullname not in COMPILED_MODULES:
             return None
         source = source_path(fullname)
@@ -104,9 +120,9 @@ class _SourcesFirst(importlib.abc.MetaPathFinder):
 def choose_build() -> CoreBuild:
     """Decide once which build runs, installing the sources-first finder when the compiled one
     must not. Call before importing any of ``COMPILED_MODULES``."""
-    if not compiled_build_installed():
-        return CoreBuild(False, "Python sources (no compiled build is installed)")
-    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+    if not compiled_build_installed():  # none, or part of one (a build that stopped midway)
+        why = "Python sources (no compiled build is installed)"
+    elif os.environ.get(PURE_ENV, "") not in ("", "0"):
         why = f"Python sources ({PURE_ENV} is set; a compiled build is installed)"
     else:
         try:
@@ -114,7 +130,10 @@ def choose_build() -> CoreBuild:
         except OSError:
             built = ""
         if built == sources_digest():
-            return CoreBuild(True, f"compiled with mypyc ({len(COMPILED_MODULES)} modules)")
+            return CoreBuild(
+                True,
+                f"compiled with mypyc ({len(COMPILED_MODULES)} modules, {len(C_HELPERS)} C helper)",
+            )
         why = "Python sources (the compiled files were not built from these sources; make install)"
     if not any(isinstance(f, _SourcesFirst) for f in sys.meta_path):
         sys.meta_path.insert(0, _SourcesFirst())

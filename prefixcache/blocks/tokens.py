@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,16 @@ MAX_TOKEN_ID = 2**31 - 1
 _INT32 = np.dtype("<i4")
 
 TokenIds = Sequence[int] | np.ndarray | Any  # Any covers torch.Tensor without importing torch
+
+# a list of plain ints straight to bytes, in C (built with the compiled core): about a fifth of
+# struct's cost per token; None while the Python sources are in charge
+_pack_plain_ints: Callable[[list[Any]], bytes | None] | None
+try:
+    from prefixcache.blocks._token_pack import pack_token_list
+
+    _pack_plain_ints = pack_token_list
+except ImportError:
+    _pack_plain_ints = None
 
 
 def as_token_array(tokens: TokenIds, *, allow_empty: bool = False) -> np.ndarray:
@@ -91,8 +101,13 @@ def _pack_list(tokens: list[Any]) -> bytes | None:
     what is wrong with anything else).
 
     ``struct`` packs only integers (not floats, strings or numpy bools) within int32's range;
-    a bool packs as 0 or 1, so only those values need their type looked at.
+    a bool packs as 0 or 1, so only those values need their type looked at. The C helper takes
+    the common case first: every item a plain int in range.
     """
+    if _pack_plain_ints is not None:
+        fast = _pack_plain_ints(tokens)
+        if fast is not None:
+            return fast
     try:
         packed = struct.pack(f"<{len(tokens)}i", *tokens)
     except TypeError:  # an object whose __index__ refuses (a float array or tensor)

@@ -19,6 +19,7 @@ def test_scale_mode_splits_the_run_where_the_pool_first_evicts() -> None:
     assert int(full.group(2)) == int(filling.group(2)) + 1  # the first request that evicted
     assert int(full.group(3).replace(",", "")) > 0
     assert re.search(r"full / filling\s+[\d.]+", out) and "never full" in out
+    assert re.search(r"per 1k tokens\s+[\d.]+ / [\d.]+ us filling / full", out)
 
 
 def test_scale_mode_says_so_when_the_pool_never_fills() -> None:

@@ -32,7 +32,7 @@ def _loaded_from(env: dict[str, str]) -> list[str]:
 
 
 def test_every_compiled_module_exists_and_the_list_is_sorted() -> None:
-    for module in native.COMPILED_MODULES:
+    for module in native.COMPILED_MODULES + native.C_HELPERS:
         assert native.source_path(module).is_file(), module
     assert list(native.COMPILED_MODULES) == sorted(native.COMPILED_MODULES)
 
@@ -74,7 +74,7 @@ def test_an_installed_compiled_build_is_in_charge() -> None:
 
 def test_a_changed_source_no_longer_matches_the_build(tmp_path: Path) -> None:
     package = tmp_path / "prefixcache"
-    for module in native.COMPILED_MODULES:
+    for module in native.COMPILED_MODULES + native.C_HELPERS:
         target = native.source_path(module, package)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(native.source_path(module), target)
@@ -83,3 +83,19 @@ def test_a_changed_source_no_longer_matches_the_build(tmp_path: Path) -> None:
     radix = native.source_path("prefixcache.blocks.radix", package)
     radix.write_text(radix.read_text() + "\n# edited\n")
     assert native.sources_digest(package) != before
+    edited = native.sources_digest(package)
+    helper = native.source_path("prefixcache.blocks._token_pack", package)
+    assert helper.suffix == ".c"
+    helper.write_text(helper.read_text() + "\n/* edited */\n")
+    assert native.sources_digest(package) != edited
+
+
+def test_part_of_a_build_still_leaves_the_sources_in_charge(monkeypatch) -> None:
+    # a build that stopped midway leaves some compiled files: they must not load beside sources
+    monkeypatch.setattr(
+        sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, native._SourcesFirst)]
+    )
+    monkeypatch.setattr(native, "compiled_build_installed", lambda: False)
+    build = native.choose_build()
+    assert not build.compiled and "no compiled build" in build.reason
+    assert any(isinstance(f, native._SourcesFirst) for f in sys.meta_path)

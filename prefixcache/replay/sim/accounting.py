@@ -198,16 +198,17 @@ class Accountant:
             self.logical_peak = logical
 
     def sample_timeline(
-        self, steps: int, clock: float, counts: BlockCounts, evicted: int, final: bool
+        self, steps: int, clock: float | None, counts: BlockCounts, evicted: int, final: bool
     ) -> None:
         """A timeline row (blocks per state, evictions and hits so far) when one is due, and
-        always for the ``final`` one."""
+        always for the ``final`` one. ``clock``: the simulated time in seconds, or None to mark
+        the row by ``steps`` (a sequential replay's request index, written as an integer)."""
         timeline = self.timeline
         if timeline is None or not (final or timeline.due(steps)):
             return
         tot = self.totals
         row = TimelineRow(
-            round(clock, 9),
+            steps if clock is None else round(clock, 9),
             counts.active,
             counts.cached,
             counts.free,
@@ -364,7 +365,7 @@ class TopPrefixes:
 class TimelineRow(NamedTuple):
     """One row of timeline.csv (``run_format.TIMELINE_COLUMNS``)."""
 
-    t: float  # request index (sequential) or simulated seconds (serving)
+    t: int | float  # request index (sequential) or simulated seconds (serving)
     blocks_active: int
     blocks_cached: int
     blocks_free: int

@@ -74,7 +74,7 @@ def run_sequential(
             if active > acc.physical_peak or logical > acc.logical_peak:
                 note_usage(active, logical, len(table) * p - t)
             if due:
-                acc.sample_timeline(i, i, counts(), stats.evicted_blocks, final=False)
+                acc.sample_timeline(i, None, counts(), stats.evicted_blocks, final=False)
             release(i)
             continue
         written = _write_outputs(mgr, i, req, buf, acc, samples)
@@ -82,11 +82,11 @@ def run_sequential(
         used = counts()
         note_usage(used.active, written.logical_blocks, written.free_slots)
         if due:
-            acc.sample_timeline(i, i, used, stats.evicted_blocks, final=False)
+            acc.sample_timeline(i, None, used, stats.evicted_blocks, final=False)
         for rid in written.ids:
             release(rid)
     if timeline is not None and i >= 0:
-        acc.sample_timeline(i, i, counts(), stats.evicted_blocks, final=True)
+        acc.sample_timeline(i, None, counts(), stats.evicted_blocks, final=True)
     return truncated
 
 
