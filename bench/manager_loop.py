@@ -11,9 +11,9 @@ tracemalloc).
 
 ``--scale`` runs the workload once at scale instead (20,000 requests, about 159M prompt tokens,
 a 200,000-block pool by default) and prints the cost per request while the pool fills (before the
-first eviction) and once it is full, their ratio, and the requests after the pool filled run again
-on a pool that never fills, so that the cost of eviction shows apart from that of the longer
-prompts late in the workload.
+first eviction) and once it is full, their ratio, the same per 1,000 prompt tokens (prompts grow
+as chats go on), and the requests after the pool filled run again on a pool that never fills, so
+that the cost of eviction shows apart from that of the longer prompts late in the workload.
 """
 
 from __future__ import annotations
@@ -128,6 +128,16 @@ def scale(args: argparse.Namespace) -> None:
         f"{mgr.stats.evicted_blocks:,} blocks evicted)"
     )
     print(f"  full / filling    {full / fill:10.2f}  (target <= 2)")
+    # the later requests are longer (chats grow turn by turn): the same ratio per prompt token
+    lengths = [len(p) for p in prompts]
+    fill_tokens = statistics.fmean(lengths[:full_at])
+    full_tokens = statistics.fmean(lengths[full_at:])
+    fill_per, full_per = fill / fill_tokens * 1e9, full / full_tokens * 1e9
+    print(
+        f"  per 1k tokens     {fill_per:10.1f} / {full_per:.1f} us filling / full (prompts "
+        f"{fill_tokens:,.0f} / {full_tokens:,.0f} tokens on average; "
+        f"ratio {full_per / fill_per:.2f})"
+    )
     del mgr
     gc.collect()
     same = scale_phases(prompts, 2**62, args.block_size)[0]
