@@ -61,6 +61,7 @@ def compiled_core() -> list:
             file=sys.stderr,
         )
         return []
+
     def source(module: str) -> str:
         return str(native["source_path"](module, Path("prefixcache")))
 
