@@ -114,6 +114,8 @@ class _SourcesFirst(importlib.abc.MetaPathFinder):
         if fullname not in COMPILED_MODULES:
             return None
         source = source_path(fullname)
+        if not source.is_file():  # a zip, a sourceless or frozen install: the usual importers
+            return None
         return importlib.util.spec_from_file_location(fullname, source)
 
 
@@ -132,7 +134,8 @@ def choose_build() -> CoreBuild:
         if built == sources_digest():
             return CoreBuild(
                 True,
-                f"compiled with mypyc ({len(COMPILED_MODULES)} modules, {len(C_HELPERS)} C helper)",
+                f"compiled with mypyc ({len(COMPILED_MODULES)} modules) and C "
+                f"({', '.join(m.rsplit('.', 1)[1] for m in C_HELPERS)})",
             )
         why = "Python sources (the compiled files were not built from these sources; make install)"
     if not any(isinstance(f, _SourcesFirst) for f in sys.meta_path):

@@ -33,7 +33,9 @@ pack_token_list(PyObject *module, PyObject *tokens)
         int overflow = 0;
         long value = PyLong_AsLongAndOverflow(item, &overflow);
         if (overflow || value < 0 || value > 0x7FFFFFFFL) {
-            PyErr_Clear(); /* only set for value == -1 with an error, never for an exact int */
+            if (value == -1 && PyErr_Occurred()) { /* never for an exact int; to be safe */
+                PyErr_Clear();
+            }
             goto general;
         }
         uint32_t id = (uint32_t)value;

@@ -99,3 +99,9 @@ def test_part_of_a_build_still_leaves_the_sources_in_charge(monkeypatch) -> None
     build = native.choose_build()
     assert not build.compiled and "no compiled build" in build.reason
     assert any(isinstance(f, native._SourcesFirst) for f in sys.meta_path)
+
+
+def test_without_source_files_the_usual_importers_load_the_package(monkeypatch, tmp_path) -> None:
+    # a zip, sourceless (.pyc only) or frozen install has no .py files to load instead
+    monkeypatch.setattr(native, "source_path", lambda module, package_dir=None: tmp_path / "no.py")
+    assert native._SourcesFirst().find_spec("prefixcache.blocks.radix", None) is None
