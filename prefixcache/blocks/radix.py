@@ -35,7 +35,8 @@ class TokenGroup:
     blocks, followed by each request's own text) files every request's branch in one group, so
     a group can hold as many nodes as the cache. The order is kept in buckets of at most
     ``2 * bucket`` entries with each bucket's first key beside them: adding or removing a node
-    moves at most one bucket's entries, not the whole group's.
+    moves at most one bucket's entries, not the whole group's. A bucket that falls under half
+    joins a neighbour it fits with, so removals do not leave a trail of small buckets.
     """
 
     __slots__ = ("bucket", "firsts", "key_buckets", "node_buckets", "size")
@@ -91,8 +92,21 @@ class TokenGroup:
         self.size -= 1
         if not keys:
             del self.key_buckets[b], self.node_buckets[b], self.firsts[b]
-        elif i == 0:
+            return
+        if i == 0:
             self.firsts[b] = keys[0]
+        if 2 * len(keys) < self.bucket:  # under half: join a neighbour it fits with
+            limit = 2 * self.bucket - len(keys)
+            if b + 1 < len(self.key_buckets) and len(self.key_buckets[b + 1]) <= limit:
+                self._merge(b)
+            elif b > 0 and len(self.key_buckets[b - 1]) <= limit:
+                self._merge(b - 1)
+
+    def _merge(self, b: int) -> None:
+        """Bucket ``b + 1`` joins bucket ``b``."""
+        self.key_buckets[b] += self.key_buckets[b + 1]
+        self.node_buckets[b] += self.node_buckets[b + 1]
+        del self.key_buckets[b + 1], self.node_buckets[b + 1], self.firsts[b + 1]
 
     def only(self) -> Node:
         """The one node left in a group of one."""

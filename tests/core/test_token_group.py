@@ -75,3 +75,18 @@ def test_a_crowded_divergence_point_stays_whole() -> None:
     m.admit("big", [10_001] * (block * (capacity - 1)))
     check_manager(m)
     assert not shared.children and shared.by_token is None
+
+
+def test_removals_do_not_leave_a_trail_of_small_buckets() -> None:
+    keys = [i.to_bytes(4, "big") for i in range(1, 20_001)]
+    nodes = {k: Node(None, 0) for k in keys}
+    group = TokenGroup(keys[:2], [nodes[k] for k in keys[:2]])
+    for k in keys[2:]:
+        group.add(k, nodes[k])
+    kept = keys[::128]
+    for i, k in enumerate(keys):
+        if i % 128:
+            group.remove(nodes[k], k)
+    assert group.check() is None and group.keys() == kept
+    # 157 survivors: a few buckets, not one each as without merging
+    assert len(group.key_buckets) <= 2 * len(kept) // GROUP_BUCKET + 1
