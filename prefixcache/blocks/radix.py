@@ -39,7 +39,7 @@ class TokenGroup:
     joins a neighbour it fits with, so removals do not leave a trail of small buckets.
     """
 
-    __slots__ = ("bucket", "firsts", "key_buckets", "node_buckets", "size")
+    __slots__ = ("bucket", "firsts", "key_buckets", "node_buckets")
 
     def __init__(self, keys: list[bytes], nodes: list[Node], bucket: int = GROUP_BUCKET) -> None:
         assert len(keys) == len(nodes) > 0 and bucket > 0
@@ -47,10 +47,9 @@ class TokenGroup:
         self.key_buckets = [keys[i : i + bucket] for i in range(0, len(keys), bucket)]
         self.node_buckets = [nodes[i : i + bucket] for i in range(0, len(nodes), bucket)]
         self.firsts = [keys[0] for keys in self.key_buckets]  # each bucket's first key
-        self.size = len(keys)
 
     def __len__(self) -> int:
-        return self.size
+        return sum(map(len, self.key_buckets))
 
     def _locate(self, key: bytes | bytearray) -> tuple[int, int]:
         """(bucket, index in it) where ``key`` would go: before every key >= it."""
@@ -66,7 +65,6 @@ class TokenGroup:
         nodes.insert(i, node)
         if i == 0:
             self.firsts[b] = key
-        self.size += 1
         if len(keys) > 2 * self.bucket:  # split the bucket in two
             half = len(keys) // 2
             self.key_buckets.insert(b + 1, keys[half:])
@@ -89,7 +87,6 @@ class TokenGroup:
         b, i = self.position(node, key)
         keys = self.key_buckets[b]
         del keys[i], self.node_buckets[b][i]
-        self.size -= 1
         if not keys:
             del self.key_buckets[b], self.node_buckets[b], self.firsts[b]
             return
@@ -108,28 +105,28 @@ class TokenGroup:
         self.node_buckets[b] += self.node_buckets[b + 1]
         del self.key_buckets[b + 1], self.node_buckets[b + 1], self.firsts[b + 1]
 
-    def only(self) -> Node:
-        """The one node left in a group of one."""
-        assert self.size == 1
-        return self.node_buckets[0][0]
+    def only(self) -> Node | None:
+        """The one node left, or None while there are more."""
+        nodes = self.node_buckets
+        return nodes[0][0] if len(nodes) == 1 and len(nodes[0]) == 1 else None
 
-    def neighbours(self, query: bytes) -> tuple[bytes, Node, bytes | None, Node | None]:
-        """The key and node just before ``query`` in the order and the one at or after it; the
+    def neighbours(self, query: bytes) -> tuple[tuple[bytes, Node], tuple[bytes, Node] | None]:
+        """The (key, node) just before ``query`` in the order and the one at or after it; the
         first entry when nothing comes before, and None for the second when nothing or only
         that first entry comes after."""
         b, i = self._locate(query)
         keys, nodes = self.key_buckets[b], self.node_buckets[b]
         if i == 0 and b == 0:
-            return keys[0], nodes[0], None, None
+            return (keys[0], nodes[0]), None
         if i > 0:
-            before_key, before = keys[i - 1], nodes[i - 1]
+            before = keys[i - 1], nodes[i - 1]
         else:
-            before_key, before = self.key_buckets[b - 1][-1], self.node_buckets[b - 1][-1]
+            before = self.key_buckets[b - 1][-1], self.node_buckets[b - 1][-1]
         if i < len(keys):
-            return before_key, before, keys[i], nodes[i]
+            return before, (keys[i], nodes[i])
         if b + 1 < len(self.key_buckets):
-            return before_key, before, self.key_buckets[b + 1][0], self.node_buckets[b + 1][0]
-        return before_key, before, None, None
+            return before, (self.key_buckets[b + 1][0], self.node_buckets[b + 1][0])
+        return before, None
 
     def keys(self) -> list[bytes]:
         """Every key, in order."""
@@ -151,8 +148,6 @@ class TokenGroup:
                 return "a token group has an empty, uneven or oversized bucket"
             if keys[0] != first:
                 return "a token group's bucket is filed under a wrong first key"
-        if sum(map(len, self.key_buckets)) != self.size:
-            return "a token group's size is wrong"
         return None
 
 
@@ -357,12 +352,13 @@ class RadixIndex:
             m = common_tokens(group.tokens[:width], query)
             return _new(PartialMatch, (group, m)) if m > 0 else None
         # the two neighbours of the query in token order share the most with it
-        before_key, best, after_key, after = group.neighbours(query)
-        best_m = common_tokens(before_key[:width], query)
-        if after_key is not None and after is not None:
-            m = common_tokens(after_key[:width], query)
-            if m > best_m or (m == best_m and after.last_access > best.last_access):
-                best, best_m = after, m  # the longer match; on a tie the more recent block
+        (key, best), after = group.neighbours(query)
+        best_m = common_tokens(key[:width], query)
+        if after is not None:
+            key, node = after
+            m = common_tokens(key[:width], query)
+            if m > best_m or (m == best_m and node.last_access > best.last_access):
+                best, best_m = node, m  # the longer match; on a tie the more recent block
         return _new(PartialMatch, (best, best_m)) if best_m > 0 else None
 
     # ---- structure ------------------------------------------------------------------------
@@ -543,8 +539,9 @@ class RadixIndex:
         else:
             assert isinstance(group, TokenGroup)
             group.remove(node, node.tokens[: self.block_bytes])  # bytes compare alike
-            if len(group) == 1:
-                parent.by_token[token] = group.only()
+            last = group.only()
+            if last is not None:  # a group of one is kept as the node itself
+                parent.by_token[token] = last
         if not parent.children:
             parent.children = parent.by_token = None
             if parent.parent is None:

@@ -70,7 +70,7 @@ def _check_gpu(mgr: CacheManager) -> None:
                 if isinstance(group, TokenGroup):
                     _require(group.keys() == firsts, "a token group's keys differ from its blocks")
                     problem = group.check()
-                    _require(problem is None, problem or "")
+                    _require(problem is None, str(problem))
                 _require(
                     all(int.from_bytes(f[:4], "little") == tok for f in firsts),
                     "a child is filed under another token",

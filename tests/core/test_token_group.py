@@ -45,9 +45,12 @@ def test_buckets_answer_as_one_sorted_list(bucket: int, ops: list[tuple[bool, by
         assert len(group) == len(keys) and group.keys() == keys
         assert group.nodes() == [nodes[k] for k in keys]
         before, after = _expected_neighbours(keys, query)
-        got_before, got_node, got_after, got_after_node = group.neighbours(query)
-        assert (got_before, got_after) == (before, after)
-        assert got_node is nodes[before] and got_after_node is (nodes[after] if after else None)
+        got_before, got_after = group.neighbours(query)
+        assert got_before[0] == before and got_before[1] is nodes[before]
+        if after is None:
+            assert got_after is None
+        else:
+            assert got_after is not None and got_after[0] == after and got_after[1] is nodes[after]
     if len(nodes) == 1:
         assert group.only() is next(iter(nodes.values()))
 
