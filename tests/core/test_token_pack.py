@@ -1,5 +1,6 @@
-"""The C helper that packs a list of plain ints (compiled build) and the Python path it falls
-back to agree on every input: the same bytes, or the same typed error."""
+"""The C helpers (compiled build) that pack a list of plain ints and check an int32 array's
+bytes, and the Python paths they fall back to, agree on every input: the same bytes, or the same
+typed error."""
 
 from __future__ import annotations
 
@@ -25,12 +26,16 @@ _ITEMS = st.one_of(
 )
 
 
-def _helper():
+def _module():
     if not prefixcache.CORE_BUILD.compiled:
         pytest.skip(f"the C helper belongs to the compiled build ({prefixcache.CORE_BUILD.reason})")
-    from prefixcache.blocks._token_pack import pack_token_list
+    from prefixcache.blocks import _token_pack
 
-    return pack_token_list
+    return _token_pack
+
+
+def _helper():
+    return _module().pack_token_list
 
 
 def test_the_helper_packs_plain_ints_and_declines_everything_else() -> None:
@@ -42,6 +47,38 @@ def test_the_helper_packs_plain_ints_and_declines_everything_else() -> None:
         assert pack(bad) is None, bad
     with pytest.raises(TypeError, match="expects a list"):
         pack((1, 2))  # type: ignore[arg-type]
+
+
+def test_the_range_check_reads_every_sign_bit() -> None:
+    check = _module().int32_nonnegative
+    assert check(b"")
+    assert check(np.array([0, 1, 2**31 - 1, 255, 65_536], dtype="<i4").tobytes())
+    for value in (-1, -(2**31), -256, -(2**24)):
+        for where in range(5):
+            ids = np.arange(5, dtype="<i4")
+            ids[where] = value
+            assert not check(ids.tobytes()), (value, where)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        check(b"\x00\x00\x00")
+    with pytest.raises(TypeError, match="expects bytes"):
+        check(bytearray(4))  # type: ignore[arg-type]
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=0, max_size=40), st.booleans())
+def test_the_array_path_agrees_with_the_general_one(ids: list[int], strided: bool) -> None:
+    """An int32 array, contiguous or not, gives as_token_bytes what as_token_array gives."""
+    arr = np.array(ids, dtype="<i4")
+    if strided:
+        arr = np.repeat(arr, 2)[::2]  # the same ids, not contiguous
+    try:
+        expected: bytes | str = token_module.as_token_array(arr).tobytes()
+    except InvalidTokensError as exc:
+        expected = str(exc)
+    try:
+        got: bytes | str = token_module.as_token_bytes(arr)
+    except InvalidTokensError as exc:
+        got = str(exc)
+    assert got == expected
 
 
 @given(st.lists(_ITEMS, min_size=1, max_size=40))
@@ -63,6 +100,7 @@ def test_the_python_sources_do_without_the_helper() -> None:
         "import prefixcache\n"
         "from prefixcache.blocks import tokens\n"
         "assert tokens._pack_plain_ints is None, tokens._pack_plain_ints\n"
+        "assert tokens._nonnegative is None, tokens._nonnegative\n"
         "assert tokens.as_token_bytes([1, 2, 3]) == bytes([1,0,0,0,2,0,0,0,3,0,0,0])\n"
         "try:\n"
         "    import prefixcache.blocks._token_pack\n"
