@@ -52,6 +52,7 @@ COMPILED_MODULES = (
     "prefixcache.manager.stats",
     "prefixcache.replay.sim.accounting",
     "prefixcache.replay.sim.keyset",
+    "prefixcache.replay.sim.request_rows",
     "prefixcache.replay.sim.sequential",
 )
 # C extension modules built with them: a C source each, callers import them or fall back

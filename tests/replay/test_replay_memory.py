@@ -4,8 +4,10 @@ streaming report loader, and replays without the upper bound."""
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import json
+import os
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -78,13 +80,22 @@ def test_rows_reach_disk_while_the_replay_runs() -> None:
     rows = RequestRows()
     for i in range(20_000):
         rows.add(float(i), (i, 0, 100, i % 100, 6, 1, 0, 0, 0, 4, 0, 8))
-    ints, arrivals = rows._paths
-    assert ints.stat().st_size >= (20_000 - 4096) * 12 * 8  # at most one small buffer held back
-    assert arrivals.stat().st_size >= (20_000 - 4096) * 8
+    ints, arrivals = rows._ints_file.fileno(), rows._arrivals_file.fileno()
+    assert os.fstat(ints).st_size >= (20_000 - 4096) * 12 * 8  # at most one buffer held back
+    assert os.fstat(arrivals).st_size >= (20_000 - 4096) * 8
+    if os.name == "posix":  # anonymous files: nothing on disk outlives the process
+        assert os.fstat(ints).st_nlink == 0 and os.fstat(arrivals).st_nlink == 0
     assert rows.rolling_hit_rate() == pytest.approx(sum(range(100)) * 2 / 20_000)
     assert rows.column("hit_tokens").tolist() == [i % 100 for i in range(20_000)]
-    del rows
-    assert not ints.exists() and not arrivals.exists()  # the spool goes with its rows
+    first, second = rows.chunks(rows=5000), rows.chunks(rows=7000)  # readers do not interfere
+    a, b = next(first), next(second)
+    assert a[0][:, 0].tolist() == list(range(5000)) and b[1].tolist() == list(range(7000))
+    assert next(first)[0][0, 0] == 5000 and next(second)[0][0, 0] == 7000
+    del rows, first, second, a, b
+    gc.collect()
+    for fd in (ints, arrivals):  # the spool goes with its rows
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
 def test_written_rows_are_the_replayed_requests(tmp_path: Path) -> None:

@@ -1,23 +1,26 @@
 """The rows of requests.csv, spooled to disk as the replay produces them.
 
 A replay of any length keeps only a small buffer of rows and the last few hit counts in memory:
-each request's integers and arrival time are appended to typed buffers, which are written to two
-temporary binary files every few thousand rows. ``write_requests_csv`` later formats them as
-requests.csv in the run directory, adding the namespace labels and the serving columns (time to
-first token, known only once the simulation ends) by request id.
+each request's integers are packed (int64 LE) and its arrival time appended to a typed buffer,
+and both are written to two temporary binary files every few thousand rows.
+``write_requests_csv`` later formats them as requests.csv in the run directory, adding the
+namespace labels and the serving columns (time to first token, known only once the simulation
+ends) by request id.
+
+The files are anonymous (``tempfile.TemporaryFile``: no name on disk on POSIX), so they go when
+the rows do, a crash included, with no finalizer to run.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-import os
+import struct
 import tempfile
-import weakref
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 import numpy as np
 
@@ -30,6 +33,7 @@ INT_COLUMNS = tuple(
     c for c in REQUEST_COLUMNS if c not in ("arrival_s", "ttft_s", "ttft_nocache_s")
 )
 _WIDTH = len(INT_COLUMNS)
+_ROW = struct.Struct(f"<{_WIDTH}q")  # one row's integers, as spooled
 _PROMPT = INT_COLUMNS.index("prompt_tokens")
 _HIT = INT_COLUMNS.index("hit_tokens")
 
@@ -43,84 +47,80 @@ class RequestRows:
     """Rows of requests.csv (all but the serving columns), spooled to temporary files."""
 
     def __init__(self) -> None:
-        self._paths: list[Path] = []
-        files: list[BinaryIO] = []
-        for kind in ("ints", "arrivals"):
-            fd, name = tempfile.mkstemp(prefix=f"prefixcache-requests-{kind}-")
-            self._paths.append(Path(name))
-            files.append(os.fdopen(fd, "wb"))
-        self._ints_file, self._arrivals_file = files
-        self._ints = array("q")
+        # open as long as the rows are (no context manager): closed, and so gone, with them
+        tmp = "prefixcache-requests-"
+        self._ints_file: IO[bytes] = tempfile.TemporaryFile(prefix=tmp)  # noqa: SIM115
+        self._arrivals_file: IO[bytes] = tempfile.TemporaryFile(prefix=tmp)  # noqa: SIM115
+        self._rows: list[bytes] = []  # packed rows not written yet
         self._arrivals = array("d")
         self._flushed = 0  # rows written to the files
         self._open = True
-        self._tail = array("q")  # the last rows flushed (for the rolling hit rate)
-        self._cleanup = weakref.finalize(self, _remove, list(self._paths), files)
+        self._tail: list[bytes] = []  # the last rows written (for the rolling hit rate)
 
     def __len__(self) -> int:
         return self._flushed + len(self._arrivals)
 
     def add(self, arrival_s: float, row: tuple[int, ...]) -> None:
         """One request: ``row`` holds the ``INT_COLUMNS`` values (namespace as its index)."""
-        self._ints.extend(row)
+        self._rows.append(_ROW.pack(*row))
         arrivals = self._arrivals
         arrivals.append(arrival_s)
         if len(arrivals) >= _FLUSH_ROWS:
             self._flush()
 
     def _flush(self) -> None:
-        ints = self._ints
-        if len(ints):
-            self._tail = (self._tail + ints)[-ROLLING_WINDOW * _WIDTH :]
-        ints.tofile(self._ints_file)
+        rows = self._rows
+        if rows:
+            self._tail = (self._tail + rows)[-ROLLING_WINDOW:]
+        self._ints_file.write(b"".join(rows))
         self._arrivals.tofile(self._arrivals_file)
         self._flushed += len(self._arrivals)
-        self._ints = array("q")
+        self._rows = []
         self._arrivals = array("d")
 
     def rolling_hit_rate(self) -> float:
         """Hit tokens over prompt tokens of the last ``ROLLING_WINDOW`` requests."""
-        span = ROLLING_WINDOW * _WIDTH
-        ints = self._ints
-        last = ints[-span:] if len(ints) >= span else (self._tail + ints)[-span:]
-        prompt = sum(last[_PROMPT::_WIDTH])
-        return sum(last[_HIT::_WIDTH]) / prompt if prompt else 0.0
+        rows = self._rows
+        last = rows[-ROLLING_WINDOW:] if len(rows) >= ROLLING_WINDOW else self._tail + rows
+        if not last:
+            return 0.0
+        table = np.frombuffer(b"".join(last[-ROLLING_WINDOW:]), dtype="<i8").reshape(-1, _WIDTH)
+        prompt = int(table[:, _PROMPT].sum())
+        return int(table[:, _HIT].sum()) / prompt if prompt else 0.0
 
     def finish(self) -> None:
         """Flush the rows; no more can be added."""
         if self._open:
             self._flush()
-            self._ints_file.close()
-            self._arrivals_file.close()
+            self._ints_file.flush()
+            self._arrivals_file.flush()
             self._open = False
 
     def chunks(self, rows: int = 65_536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """The rows so far, ``rows`` at a time: an int64 array of ``INT_COLUMNS`` per row, and
-        the arrival times."""
+        the arrival times (read-only arrays)."""
         self.finish()
-        with open(self._paths[0], "rb") as ints, open(self._paths[1], "rb") as arrivals:
-            while True:
-                block = np.fromfile(ints, dtype=np.int64, count=rows * _WIDTH)
-                if not len(block):
-                    return
-                yield (
-                    block.reshape(-1, _WIDTH),
-                    np.fromfile(arrivals, np.float64, len(block) // _WIDTH),
-                )
+        ints, arrivals = self._ints_file, self._arrivals_file
+        done = 0  # rows read; each read seeks first, so two readers do not interfere
+        while True:
+            ints.seek(done * 8 * _WIDTH)
+            block = ints.read(rows * 8 * _WIDTH)
+            if not block:
+                return
+            count = len(block) // (8 * _WIDTH)
+            arrivals.seek(done * 8)
+            times = arrivals.read(count * 8)
+            done += count
+            yield (
+                np.frombuffer(block, dtype="<i8").reshape(-1, _WIDTH),
+                np.frombuffer(times, dtype=np.float64),
+            )
 
     def column(self, name: str) -> np.ndarray:
         """One integer column of the rows so far (for tests and small replays)."""
         k = INT_COLUMNS.index(name)
         parts = [ints[:, k] for ints, _ in self.chunks()]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _remove(paths: list[Path], files: list[BinaryIO]) -> None:
-    for f in files:
-        if not f.closed:
-            f.close()
-    for path in paths:
-        path.unlink(missing_ok=True)
 
 
 def write_requests_csv(
