@@ -229,6 +229,27 @@ def test_a_host_block_can_follow_a_gpu_match_mid_node() -> None:
     assert cached == 12 and mgr.stats.loaded_blocks == 2
 
 
+@pytest.mark.parametrize("branches", [2, 4, 5, 12])
+def test_host_continuations_are_told_apart_by_their_tokens(branches: int) -> None:
+    """Branches after one shared block, all on host: each prompt loads its own branch (its
+    tokens and position, not a sibling's), with few children compared and many looked up."""
+    mgr, rt = manager(gpu=4, host=2 * branches + 4)
+    shared = A[:4]
+    prompts = [shared + [500 + b] * 4 + [600 + b] * 4 + [7] for b in range(branches)]
+    for b, prompt in enumerate(prompts):
+        assert run(rt, f"w{b}", prompt) == (4 if b else 0)
+    mgr.evict(mgr.block_counts().cached)  # everything on host, the shared block too
+    for b, prompt in reversed(list(enumerate(prompts))):
+        before = mgr.stats.loaded_blocks
+        assert run(rt, f"r{b}", prompt) == 12  # the shared block and the branch's two
+        assert mgr.stats.loaded_blocks - before == 3
+        mgr.evict(mgr.block_counts().cached)
+    # a prompt that shares a branch's first block but not its second loads one block only
+    before = mgr.stats.loaded_blocks
+    assert run(rt, "x", shared + [500] * 4 + [9] * 4 + [7]) == 8
+    assert mgr.stats.loaded_blocks - before == 2
+
+
 def test_capacity_is_exact_with_loads() -> None:
     mgr, rt = manager(gpu=4, host=8)
     run(rt, "a", A)

@@ -7,7 +7,7 @@ recorded as an ``Offload`` or ``Load`` until ``take_transfers`` hands them out.
 
 from __future__ import annotations
 
-from itertools import groupby, repeat
+from itertools import groupby
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +21,7 @@ from prefixcache.manager.stats import CacheStats
 from prefixcache.manager.transfers import Load, Offload, TransferModel, Transfers
 
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
+_FEW_CHILDREN = 4  # up to this many host children of a block are compared rather than hashed
 
 
 class HostRun(NamedTuple):
@@ -66,29 +67,44 @@ class HostOffload:
     def find_run(self, buf: bytes, num_tokens: int, matched: int, digest: bytes) -> HostRun:
         """The host blocks that continue a match of ``matched`` blocks ending at ``digest``
         (at most ``(num_tokens-1) // block_size`` blocks in all, so one prompt token is
-        computed). The transfer model may prefer recomputing what was found."""
+        computed). The transfer model may prefer recomputing what was found.
+
+        A host block continues the chain when its parent is the block before and its tokens and
+        position are the prompt's: then its digest is the one the prompt's block would hash to.
+        Among a few children that is checked directly; only a parent with many children on host
+        has the next digest computed to look it up."""
         entries, children = self.tier.entries, self.tier.children
         bb = self.block_bytes
-        hash_digest = self.hasher.digest
         end = (num_tokens - 1) // self.block_size
-        starts = self.hasher.block_starts(end)
         run: list[bytes] = []
         prev = digest
         for i in range(matched, end):
-            if prev not in children:  # nothing on host continues this chain: no hash needed
+            below = children.get(prev)
+            if below is None:  # nothing on host continues this chain
                 break
             block = buf[i * bb : (i + 1) * bb]
-            d = hash_digest(prev + starts[i] + block)
-            entry = entries.get(d)
-            if entry is None or entry.tokens != block or entry.parent != prev:
+            found: bytes | None = None
+            if len(below) <= _FEW_CHILDREN:
+                for d in below:
+                    entry = entries[d]
+                    if entry.tokens == block and entry.position == i:
+                        found = d
+                        break
+            else:
+                start = self.hasher.block_starts(end)[i]
+                d = self.hasher.digest(prev + start + block)
+                hashed = entries.get(d)
+                if hashed is not None and hashed.tokens == block and hashed.parent == prev:
+                    found = d
+            if found is None:
                 break
-            run.append(d)
-            prev = d
-        found = len(run)
+            run.append(found)
+            prev = found
+        count = len(run)
         model = self.transfer_model
-        if run and model is not None and not model.should_load(found, self.block_size, matched):
+        if run and model is not None and not model.should_load(count, self.block_size, matched):
             run = []
-        return _new(HostRun, (run, found))
+        return _new(HostRun, (run, count))
 
     def offload(
         self,
@@ -108,7 +124,9 @@ class HostOffload:
             self.stats.host_evicted_blocks += len(evicted)
             self.emit_removed(evicted)
         stored = len(slots)
-        self.offloads += map(_new, repeat(Offload, stored), zip(ids, slots, strict=False))
+        offloads = self.offloads
+        for k in range(stored):
+            offloads.append(_new(Offload, (ids[k], slots[k])))
         if stored < len(digests):  # no room: they leave the cache, with what is below them
             for gone in digests[stored:]:
                 self.drop_below(gone)
@@ -132,7 +150,9 @@ class HostOffload:
     def plan_loads(self, slots: list[int], blocks: list[int], *, stepped: bool) -> None:
         """Record the loads of host ``slots`` into GPU ``blocks``. Without steps the caller
         runs them before its next call, so their slots are free again at once."""
-        self.loads += map(_new, repeat(Load, len(slots)), zip(slots, blocks, strict=False))
+        loads = self.loads
+        for k in range(len(slots)):
+            loads.append(_new(Load, (slots[k], blocks[k])))
         if not stepped:
             self.tier.release_deferred()
 
