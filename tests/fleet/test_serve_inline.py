@@ -5,6 +5,7 @@ in the thread pool for text, long prompts and a remote index, with the same answ
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from fastapi.testclient import TestClient
 
 from prefixcache.fleet.service.fleet_service import INLINE_MAX_TOKENS, FleetService
 from tests.fleet_processes import ROOT, running
@@ -213,3 +215,14 @@ def test_worker_connections_turn_nagle_off() -> None:
 
     assert asyncio.run(accepted(False)) == 0
     assert asyncio.run(accepted(True)) != 0
+
+
+def test_what_exists_at_startup_is_frozen_for_the_service_s_life(tmp_path: Path) -> None:
+    """The collector's full passes skip the objects of a started service (modules, app, index),
+    and the freeze is lifted when it stops."""
+    app, _ = make_app(make_config(tmp_path, keys=False))
+    assert gc.get_freeze_count() == 0
+    with TestClient(app) as client:
+        assert gc.get_freeze_count() > 10_000
+        assert client.get("/healthz").status_code == 200
+    assert gc.get_freeze_count() == 0

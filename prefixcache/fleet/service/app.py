@@ -11,6 +11,7 @@ With API keys in the config (``auth``), every request passes the ``access`` gate
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 
@@ -107,9 +108,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # is as lost as a forwarded request
     if config.health.probe_interval_s is not None and any(service.urls.values()):
         prober = asyncio.create_task(probe_replicas(service))
+    # What exists once the service is up (modules, the app, the index) lives as long as it does:
+    # frozen, the cyclic collector's full passes skip it and walk only what requests leave
+    # behind (a full pass over everything took 15-30 ms, a stall in the latency tail).
+    gc.collect()
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         if prober is not None:
             prober.cancel()
             with suppress(asyncio.CancelledError):
