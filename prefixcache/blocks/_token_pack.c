@@ -13,14 +13,20 @@
 #include <Python.h>
 #include <stdint.h>
 
+/* TypeError "<function> expects <what>, got <type>"; returns NULL for the caller to return. */
+static PyObject *
+wrong_type(const char *function, const char *what, PyObject *got)
+{
+    PyErr_Format(PyExc_TypeError, "%s expects %s, got %s", function, what, Py_TYPE(got)->tp_name);
+    return NULL;
+}
+
 static PyObject *
 pack_token_list(PyObject *module, PyObject *tokens)
 {
     (void)module;
     if (!PyList_CheckExact(tokens)) {
-        PyErr_Format(PyExc_TypeError, "pack_token_list expects a list, got %s",
-                     Py_TYPE(tokens)->tp_name);
-        return NULL;
+        return wrong_type("pack_token_list", "a list", tokens);
     }
     Py_ssize_t count = PyList_GET_SIZE(tokens);
     PyObject *packed = PyBytes_FromStringAndSize(NULL, count * 4);
@@ -60,9 +66,7 @@ int32_nonnegative(PyObject *module, PyObject *data)
 {
     (void)module;
     if (!PyBytes_CheckExact(data)) {
-        PyErr_Format(PyExc_TypeError, "int32_nonnegative expects bytes, got %s",
-                     Py_TYPE(data)->tp_name);
-        return NULL;
+        return wrong_type("int32_nonnegative", "bytes", data);
     }
     Py_ssize_t size = PyBytes_GET_SIZE(data);
     if (size % 4) {
