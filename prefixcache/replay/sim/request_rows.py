@@ -81,10 +81,10 @@ class RequestRows:
     def rolling_hit_rate(self) -> float:
         """Hit tokens over prompt tokens of the last ``ROLLING_WINDOW`` requests."""
         rows = self._rows
-        last = rows[-ROLLING_WINDOW:] if len(rows) >= ROLLING_WINDOW else self._tail + rows
+        last = (rows if len(rows) >= ROLLING_WINDOW else self._tail + rows)[-ROLLING_WINDOW:]
         if not last:
             return 0.0
-        table = np.frombuffer(b"".join(last[-ROLLING_WINDOW:]), dtype="<i8").reshape(-1, _WIDTH)
+        table = np.frombuffer(b"".join(last), dtype="<i8").reshape(-1, _WIDTH)
         prompt = int(table[:, _PROMPT].sum())
         return int(table[:, _HIT].sum()) / prompt if prompt else 0.0
 
