@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable
+from typing import Final
 
 import numpy as np
 import xxhash
@@ -17,11 +18,11 @@ from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import TokenIds, as_token_array
 from prefixcache.errors import ConfigError
 
-DIGEST_SIZE = 16
+DIGEST_SIZE: Final = 16
 _SEED_PREFIX = b"prefixcache/ns/v2\x00"
-_SEED_CACHE = 4096  # namespaces whose seed is kept; older ones are recomputed on demand
-_STARTS_CACHED = 1 << 16  # block positions whose 8-byte encoding is kept (512 KiB at most)
-_RECORDS_FROM = 32  # blocks from which one numpy record buffer beats per-block slices
+_SEED_CACHE: Final = 4096  # namespaces whose seed is kept; older ones are recomputed on demand
+_STARTS_CACHED: Final = 1 << 16  # block positions whose 8-byte encoding is kept (512 KiB at most)
+_RECORDS_FROM: Final = 32  # blocks from which one numpy record buffer beats per-block slices
 
 
 def _sha256_128(data: bytes) -> bytes:

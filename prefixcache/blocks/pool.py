@@ -13,7 +13,9 @@ recently returned first, then fresh ids 0, 1, 2, ...
 
 from __future__ import annotations
 
-UNBOUNDED = 2**63 - 1  # the capacity of a cache that never runs out of blocks
+from typing import Final
+
+UNBOUNDED: Final = 2**63 - 1  # the capacity of a cache that never runs out of blocks
 
 
 class Refcounts(dict[int, int]):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import operator
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError
 
-MAX_TOKEN_ID = 2**31 - 1
+MAX_TOKEN_ID: Final = 2**31 - 1
 _INT32 = np.dtype("<i4")
 
 TokenIds = Sequence[int] | np.ndarray | Any  # Any covers torch.Tensor without importing torch
