@@ -66,5 +66,4 @@ def _host(mgr: CacheManager) -> Any:
         (d, e.slot, e.parent, e.tokens, e.position, repr(e.namespace), e.stamp)
         for d, e in host.entries.items()
     )
-    children = sorted((k, sorted(v)) for k, v in host.children.items())
-    return entries, children, host.free_slots(), list(host.deferred), sorted(host.leaf_records())
+    return entries, host.free_slots(), list(host.deferred), sorted(host.leaf_records())

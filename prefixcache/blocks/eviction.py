@@ -47,7 +47,7 @@ def get_policy(policy: str | PolicyKey) -> PolicyKey:
 
 
 class Evictor:
-    """A lazy heap of evictable leaves (ref 0, no children).
+    """A lazy heap of evictable GPU leaves (ref 0, no GPU children).
 
     A node is pushed whenever it becomes evictable; entries made stale by a later push, a new
     reference or a new child are skipped when popped. A priority whose retention ends changes the
@@ -84,6 +84,7 @@ class Evictor:
                 and not node.children
                 and node.parent is not None
                 and node.blocks
+                and not node.on_host
             ):
                 return node
         return None
@@ -103,5 +104,9 @@ class Evictor:
     @staticmethod
     def evictable(node: Node) -> bool:
         return (
-            node.ref == 0 and not node.children and node.parent is not None and len(node.blocks) > 0
+            node.ref == 0
+            and not node.children
+            and node.parent is not None
+            and len(node.blocks) > 0
+            and not node.on_host
         )

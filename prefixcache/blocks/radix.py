@@ -5,7 +5,7 @@ are keyed by the digest of their first block, so a lookup costs one hash and one
 node; a digest match is then confirmed by comparing token ids, so a collision never serves a
 wrong block. A request holds every node from the root down to its deepest one (``ref`` counts the
 holders), which keeps the held set, like the cached set, prefix-closed. A namespace's root exists
-only while it has children.
+only while it has children (on the GPU or on host).
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from prefixcache.blocks.hashing import DIGEST_SIZE, BlockHasher
 from prefixcache.blocks.namespace import Namespace
 
-D = DIGEST_SIZE
+D: Final = DIGEST_SIZE
 # builds a NamedTuple from a tuple in C (the generated __new__ is a Python call): hot paths only
 _new = tuple.__new__
-MAX_GROW_BLOCKS = 256  # a node grows in place up to this many blocks, then a child takes over
-GROUP_BUCKET = 64  # a token group's buckets hold 1 to 2 * this many siblings
+MAX_GROW_BLOCKS: Final = (
+    256  # a node grows in place up to this many blocks, then a child takes over
+)
+GROUP_BUCKET: Final = 64  # a token group's buckets hold 1 to 2 * this many siblings
 
 
 class TokenGroup:
@@ -162,6 +164,9 @@ def common_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
 class Node:
     """A run of full blocks. The root of a namespace has no blocks; its ``digests`` is the seed.
 
+    A GPU node's ``children`` are GPU nodes; blocks offloaded to host stay in the tree as host
+    nodes, under ``host_children`` (host_tier.py), which nothing on the GPU side walks.
+
     Buffers are bytearrays so that trimming the tail (eviction) costs what it removes.
     """
 
@@ -173,13 +178,16 @@ class Node:
         "digests",
         "heap_token",
         "hits",
+        "host_children",
         "last_access",
         "later",
         "namespace",
+        "on_host",
         "parent",
         "priority",
         "ref",
         "retain_until",
+        "stamp",
         "tokens",
     )
 
@@ -208,6 +216,10 @@ class Node:
         self.later: tuple[tuple[int, float], ...] = ()
         self.heap_token = 0
         self.namespace: Namespace | None = None  # of its tree (set when it joins one)
+        # the host tier's nodes that continue this one's last block, by their first digest
+        self.host_children: dict[bytes, Node] | None = None
+        self.on_host = False  # a host node: ``blocks`` are host slots (see host_tier.py)
+        self.stamp = 0  # a host node: the store order of its first block (one per block)
 
     def __repr__(self) -> str:
         return f"Node(depth={self.depth}, blocks={list(self.blocks)}, ref={self.ref})"
@@ -409,6 +421,7 @@ class RadixIndex:
             parent.parent is not None
             and parent.ref == 1
             and not parent.children
+            and not parent.host_children  # host blocks continue its last block
             and len(parent.blocks) < MAX_GROW_BLOCKS
         ):
             node = parent
@@ -490,17 +503,13 @@ class RadixIndex:
             return deepest
         return None
 
-    def evict_tail(self, node: Node, k: int) -> tuple[list[int], bytes]:
-        """Remove the last ``k`` blocks of an unreferenced leaf, in O(k). Returns their ids and
-        their concatenated digests."""
-        digests = bytes(node.digests[-k * D :])
-        return self.trim_tail(node, k), digests
-
     def trim_tail(self, node: Node, k: int) -> list[int]:
-        """``evict_tail`` without the digests: returns the ids of the blocks removed."""
-        assert node.ref == 0 and not node.children and 0 < k <= len(node.blocks)
+        """Remove the last ``k`` blocks of an unreferenced leaf, in O(k); returns their ids.
+        What hangs below them on host is the caller's to drop first."""
+        assert node.ref == 0 and not node.children and not node.host_children
+        assert 0 < k <= len(node.blocks)
         if k == len(node.blocks):
-            self._detach(node)
+            self.detach(node)
         ids = node.blocks[-k:].tolist()
         del node.blocks[-k:]
         del node.digests[-k * D :]
@@ -512,7 +521,7 @@ class RadixIndex:
         """Take ``top`` and everything below it out of the index (nobody may hold them).
 
         Returns, per removed node, the node (detached), its block ids and its digests."""
-        self._detach(top)
+        self.detach(top)
         out = []
         stack = [top]
         while stack:
@@ -527,8 +536,9 @@ class RadixIndex:
             node.parent = None
         return out
 
-    def _detach(self, node: Node) -> None:
-        """Unlink ``node`` from its parent (a root left without children is dropped)."""
+    def detach(self, node: Node) -> None:
+        """Unlink ``node`` from its parent (a root left without children, on the GPU or on
+        host, is dropped)."""
         parent = node.parent
         assert parent is not None and parent.children is not None and parent.by_token is not None
         del parent.children[bytes(node.digests[:D])]
@@ -544,7 +554,7 @@ class RadixIndex:
                 parent.by_token[token] = last
         if not parent.children:
             parent.children = parent.by_token = None
-            if parent.parent is None:
+            if parent.parent is None and not parent.host_children:
                 assert parent.namespace is not None
                 del self.roots[parent.namespace]
         node.parent = None

@@ -125,12 +125,15 @@ class CacheManager:
         self._offload: HostOffload | None = None
         if self.host is not None:
             self._offload = HostOffload(
-                self.host, self.hasher, transfer_model, self.stats, self._listeners
+                self.host, self.index, transfer_model, self.stats, self._listeners
             )
         self._build_helpers()
 
     def _build_helpers(self) -> None:
         """The helpers that work on the current index (built again when ``reset`` replaces it)."""
+        if self.host is not None and self._offload is not None:  # its nodes live in the index
+            self.host.roots = self.index.roots
+            self._offload.index = self.index
         self._supply = BlockSupply(
             self.index,
             self.pool,

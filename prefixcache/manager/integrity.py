@@ -48,7 +48,9 @@ def _check_gpu(mgr: CacheManager) -> None:
     for root in index.roots.values():
         _require(root.parent is None and len(root.blocks) == 0, "root holds blocks")
         _require(root.namespace is not None, "root without a namespace")
-        _require(bool(root.children), "a namespace root without children is kept")
+        _require(
+            bool(root.children or root.host_children), "a namespace root without children is kept"
+        )
         assert root.namespace is not None
         _require(bytes(root.digests) == mgr.hasher.seed(root.namespace), "root seed is wrong")
         stack: list[Node] = [root]
@@ -100,15 +102,8 @@ def _check_gpu(mgr: CacheManager) -> None:
                 sum(c.ref for c in (node.children or {}).values()) <= node.ref,
                 "children hold more than their parent",
             )
-            prev = parent.last_digest()
-            tokens = np.frombuffer(bytes(node.tokens), dtype="<i4")
-            digests = mgr.hasher.hash_blocks(
-                np.concatenate([np.zeros(node.depth * p, dtype="<i4"), tokens]),
-                prev,
-                node.depth,
-                node.end,
-            )
-            _require(b"".join(digests) == bytes(node.digests), "stored digest breaks the chain")
+            _require(not node.on_host, "a host node is among GPU children")
+            _require(_chain_holds(mgr, node), "stored digest breaks the chain")
             tree_blocks.extend(node.blocks)
             if node.ref:
                 active += n
@@ -179,47 +174,79 @@ def _check_gpu(mgr: CacheManager) -> None:
             node = node.parent
 
 
+def _chain_holds(mgr: CacheManager, node: Node) -> bool:
+    """Whether the node's digests are those of its tokens, chained from its parent's last."""
+    assert node.parent is not None
+    p = mgr.block_size
+    tokens = np.frombuffer(bytes(node.tokens), dtype="<i4")
+    digests = mgr.hasher.hash_blocks(
+        np.concatenate([np.zeros(node.depth * p, dtype="<i4"), tokens]),
+        node.parent.last_digest(),
+        node.depth,
+        node.end,
+    )
+    return b"".join(digests) == bytes(node.digests)
+
+
 def check_host_tier(mgr: CacheManager) -> None:
-    """The host tier's invariants: slots, children maps, the leaf LRU, prefix closure and
-    exclusivity with the GPU index."""
+    """The host tier's invariants: host nodes' links, places and chains, exclusivity with the
+    GPU's blocks, slots, the block count, stamps and the leaf LRU."""
     host = mgr.host
     if host is None:
         return
-    entries = host.entries
-    used = [e.slot for e in entries.values()]
-    free = host.free_slots()
-    slots = used + free + host.deferred
+    _require(host.roots is mgr.index.roots, "the host tier reads another index's roots")
+    bb = 4 * mgr.block_size
+    used: list[int] = []
+    stamps: list[int] = []
+    leaves: list[Node] = []
+    for root in mgr.index.roots.values():
+        stack: list[Node] = [root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            kids = node.host_children
+            if kids is not None:
+                _require(bool(kids), "an empty host children map is kept")
+                _require(
+                    not (node.children and kids.keys() & node.children.keys()),
+                    "a block is both on the GPU and on host",
+                )
+                end = node.end if node.parent is not None else 0
+                for key, child in kids.items():
+                    _require(child.on_host, "a GPU node hangs among host children")
+                    _require(child.parent is node, "a host node's parent link is wrong")
+                    _require(child.digest(0) == key, "a host node is keyed by a wrong digest")
+                    _require(child.depth == end, "a host node does not continue its parent")
+                    _require(
+                        child.namespace is root.namespace, "a host node names another namespace"
+                    )
+                    stack.append(child)
+            if not node.on_host:
+                continue
+            n = len(node.blocks)
+            _require(n > 0, "an empty host node")
+            _require(
+                node.children is None and node.by_token is None, "a host node has GPU children"
+            )
+            _require(node.ref == 0, "a host node is held")
+            _require(
+                len(node.digests) == n * D and len(node.tokens) == n * bb, "run lengths differ"
+            )
+            _require(_chain_holds(mgr, node), "a host block's digest breaks the chain")
+            used.extend(node.blocks)
+            stamps.extend(range(node.stamp, node.stamp + n))
+            if not kids:
+                leaves.append(node)
+    _require(len(used) == host.num_blocks, f"host block count {host.num_blocks} != {len(used)}")
+    slots = used + host.free_slots() + host.deferred
     _require(len(slots) == host.capacity, "host slots are leaked or counted twice")
     _require(set(slots) == set(range(host.capacity)), "host slots are leaked or in two states")
     if not mgr.stepped:
         _require(not host.deferred, "deferred host slots without steps")
-    gpu: set[bytes] = set()
-    for node in mgr.index.iter_nodes():
-        gpu.update(node.digest(i) for i in range(len(node.blocks)))
-    _require(not gpu & entries.keys(), "a block is both in the GPU index and on host")
-    expected: dict[bytes, set[bytes]] = {}
-    bb = 4 * mgr.block_size
-    for digest, entry in entries.items():
-        expected.setdefault(entry.parent, set()).add(digest)
-        _require(len(entry.tokens) == bb, "a host block's tokens have the wrong length")
-        want = mgr.hasher.hash_block(entry.parent, entry.position, entry.tokens)
-        _require(want == digest, "a host block's digest breaks the chain")
-        seed = mgr.hasher.seed(entry.namespace)
-        if entry.position == 0:
-            _require(entry.parent == seed, "a first host block's parent is not its seed")
-        else:
-            _require(
-                entry.parent in gpu or entry.parent in entries,
-                "a host block's parent is neither on the GPU nor on host",
-            )
-            up = entries.get(entry.parent)
-            if up is not None:
-                _require(
-                    up.namespace == entry.namespace and up.position == entry.position - 1,
-                    "a host block's parent is of another chain",
-                )
-    _require(host.children == expected, "host children maps are inconsistent")
+    _require(len(set(stamps)) == len(stamps), "two host blocks share a stamp")
+    _require(all(0 < s <= host.last_stamp for s in stamps), "a host block's stamp is not given")
     records = host.leaf_records()
-    for digest, entry in entries.items():
-        if digest not in host.children:
-            _require((entry.stamp, digest) in records, "a host leaf is missing from the LRU")
+    for leaf in leaves:
+        record = (leaf.stamp + len(leaf.blocks) - 1, id(leaf))
+        _require(record in records, "a host leaf is missing from the LRU")

@@ -292,9 +292,9 @@ def test_integrity_sees_a_broken_host_tier() -> None:
     mgr, rt = manager()
     run(rt, "a", A)
     run(rt, "b", B)
-    digest, entry = next(iter(mgr.host.entries.items()))
-    other = next(e.slot for e in mgr.host.entries.values() if e is not entry)
-    mgr.host.entries[digest] = entry._replace(slot=other)  # two entries claim one slot
+    node = mgr.host.nodes()[0]
+    other = next(e.slot for e in mgr.host.entries.values() if e.slot != node.blocks[0])
+    node.blocks[0] = other  # two host blocks claim one slot
     with pytest.raises(IntegrityError):
         mgr.check_integrity()
 
@@ -334,3 +334,29 @@ def test_offload_events_feed_a_fleet_index_without_unknown_parents() -> None:
     assert sub.counters()["pod"].malformed == 0
     match = {m.replica: m for m in index.match(digests(mgr, A))}["pod"]
     assert (match.blocks, match.gpu_blocks) == (3, 0)  # on CPU, all three
+
+
+def test_offloaded_blocks_stay_in_the_tree_as_host_nodes() -> None:
+    """An offload splits a GPU node's tail off as a host node, or the whole node changes
+    residence; a load takes host nodes out, and what hung below a loaded block on host hangs
+    below the GPU node that ends with it."""
+    mgr, rt = manager(gpu=8, host=8)
+    run(rt, "a", A)
+    root = mgr.index.roots[NS]
+    (node,) = root.children.values()
+    a0, a1, a2 = digests(mgr, A)
+    assert mgr.evict(1) == 1  # the tail block splits off
+    (tail,) = node.host_children.values()
+    assert len(node.blocks) == 2 and not node.on_host
+    assert tail.on_host and tail.parent is node and tail.digest(0) == a2
+    assert mgr.evict(2) == 2  # the rest goes whole: the same node, now on host
+    assert not root.children and root.host_children == {a0: node}
+    assert node.on_host and node.host_children == {a2: tail} and len(node.blocks) == 2
+    assert mgr.block_counts().cached == 0 and len(mgr.host) == 3
+    mgr.check_integrity()
+    assert run(rt, "b", A[:9] + [7, 7, 7, 7]) == 8  # loads a0 a1; a2 hangs below them now
+    (loaded,) = mgr.index.roots[NS].children.values()
+    assert [loaded.digest(0), loaded.digest(1)] == [a0, a1] and not loaded.on_host
+    assert loaded.host_children == {a2: tail} and tail.parent is loaded
+    assert run(rt, "c", A) == 12  # and a2 is loaded below them
+    assert not mgr.host.entries

@@ -37,7 +37,6 @@ class AdmissionPlanner:
     __slots__ = (
         "block_size",
         "enable_caching",
-        "hasher",
         "index",
         "num_blocks",
         "offload",
@@ -56,7 +55,6 @@ class AdmissionPlanner:
     ) -> None:
         self.index = index
         self.pool = pool
-        self.hasher = index.hasher
         self.offload = offload
         self.block_size = index.block_size
         self.num_blocks = pool.num_blocks
@@ -80,20 +78,7 @@ class AdmissionPlanner:
             )
         offload = self.offload
         root = self.index.roots.get(namespace)
-        if root is None or not self.enable_caching:
-            if root is None and offload is not None and offload.tier.entries:
-                on_host = offload.find_run(buf, t, 0, self.hasher.seed(namespace))
-                return AdmissionPlan(
-                    need=num_logical,
-                    held_cached=0,
-                    match=None,
-                    shared=0,
-                    cow=False,
-                    partial=None,
-                    cached_len=len(on_host.digests) * p,
-                    host_run=on_host.digests,
-                    host_found=on_host.found,
-                )
+        if root is None or not self.enable_caching:  # nothing cached in the namespace
             return _new(AdmissionPlan, (num_logical, 0, None, 0, False, None, 0, [], 0))
         match = self.index.match(root, buf, t // p)
         while True:
@@ -107,8 +92,8 @@ class AdmissionPlanner:
             if cow:
                 cached_len = t - 1
             else:
-                if offload is not None and offload.tier.entries:
-                    on_host = offload.find_run(buf, t, n, match.digest)
+                if offload is not None:
+                    on_host = offload.find_run(buf, t, match)
                     run, found = on_host.digests, on_host.found
                 cached_len = (n + len(run)) * p
                 if self.partial_copy and not run and cached_len < t - 1:

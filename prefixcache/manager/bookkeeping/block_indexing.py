@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.blocks.host_tier import HostTier
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
 from prefixcache.manager.block_events import BlockStored
@@ -51,13 +52,14 @@ class BlockIndexer:
         *,
         owned: bool = True,
         known: list[bytes] | None = None,
+        holders: list[tuple[int, Node]] | None = None,
     ) -> None:
         """Enter the request's full blocks up to ``upto`` (``buf``: its int32 LE tokens;
         ``digest``: the digest of its deepest indexed block when the caller knows it) into the
         index, in order; they are pending until confirmed. ``owned``: the blocks carry
         refcounts to drop (not so for a fresh admission's). ``known``: the digests of the
         blocks right after the deepest indexed one, when the caller has them (loaded host
-        blocks), so they are not hashed again."""
+        blocks), so they are not hashed again; ``holders``: what hung below those on host."""
         if seq.blocked:
             return
         parent = seq.deepest
@@ -82,7 +84,10 @@ class BlockIndexer:
         i = parent.end if parent.parent is not None else 0
         if i < upto:
             prev = digests[i - start - 1] if i > start else (digest if i > 0 else None)
-            self._store(seq, parent, digests[i - start :], buf, i, upto, prev, now, owned)
+            loaded = len(known) if known and holders is not None else 0
+            self._store(
+                seq, parent, digests[i - start :], buf, i, upto, prev, now, owned, holders, loaded
+            )
 
     def _follow_cached(
         self,
@@ -125,14 +130,20 @@ class BlockIndexer:
         prev: bytes | None,
         now: float,
         owned: bool,
+        holders: list[tuple[int, Node]] | None = None,
+        loaded: int = 0,
     ) -> None:
         """Index the request's own blocks ``i .. upto-1`` (``digests``) after ``parent``; they
         are pending. ``prev`` is the digest before them, for the event; ``owned``: they carry
-        refcounts to drop."""
+        refcounts to drop; the first ``loaded`` come from host, ``holders`` keeping what hung
+        below them there."""
         bb = self.index.block_bytes
         ids = seq.table[i:upto]
         run = buf[i * bb : upto * bb]
-        node = self.index.add(parent, digests, run, ids, now)
+        if self.offload is None:
+            node = self.index.add(parent, digests, run, ids, now)
+        else:
+            node = self._add_over_host(parent, digests, run, ids, now, holders, loaded)
         if owned:
             self.pool.to_index(ids)
         private = seq.private
@@ -147,13 +158,66 @@ class BlockIndexer:
         else:  # a list by now
             seq.pending.extend(ids)  # type: ignore[union-attr]
         self.stats.stored_blocks += len(ids)
-        offload = self.offload
-        if offload is not None:
-            entries = offload.tier.entries
-            if entries and not entries.keys().isdisjoint(digests):
-                offload.replace_recomputed(digests)
         if self.events.callbacks:
             tokens = np.frombuffer(run, dtype="<i4").tolist()
             namespace = self.index.namespace_of(node)
             self.events.emit(BlockStored(digests, prev, tokens, self.index.block_size, namespace))
         seq.deepest = node
+
+    def _add_over_host(
+        self,
+        parent: Node,
+        digests: list[bytes],
+        run: bytes | bytearray,
+        ids: list[int],
+        now: float,
+        holders: list[tuple[int, Node]] | None,
+        loaded: int,
+    ) -> Node:
+        """``index.add`` with a host tier: some of the blocks were on host, the first
+        ``loaded`` ones loaded (``holders`` keep what hung below them) and others computed again
+        (their host copies go). What hung below such a block on host hangs below the GPU node
+        that ends with it, so the blocks are added in as many nodes as that takes."""
+        offload = self.offload
+        assert offload is not None
+        node, done, total = parent, 0, len(digests)
+        if holders:
+            node = self._add_hanging(node, digests, run, ids, now, 0, loaded, holders)
+            done = loaded
+        while done < total:
+            kids = node.host_children
+            if kids is None or digests[done] not in kids:
+                bb = self.index.block_bytes
+                return self.index.add(node, digests[done:], run[done * bb :], ids[done:], now)
+            end, found = offload.take_recomputed(node, digests, done)
+            node = self._add_hanging(node, digests, run, ids, now, done, end, found)
+            done = end
+        return node
+
+    def _add_hanging(
+        self,
+        node: Node,
+        digests: list[bytes],
+        run: bytes | bytearray,
+        ids: list[int],
+        now: float,
+        start: int,
+        end: int,
+        holders: list[tuple[int, Node]],
+    ) -> Node:
+        """Add blocks ``start .. end-1`` below ``node``, ending a node after each holder's
+        block that still has host children to hang below it. Returns the last node."""
+        index, hang = self.index, HostTier.hang
+        bb = index.block_bytes
+        for upto, holder in holders:
+            if holder.host_children:  # (host evictions since may have taken them)
+                node = index.add(
+                    node, digests[start:upto], run[start * bb : upto * bb], ids[start:upto], now
+                )
+                hang(holder, node)
+                start = upto
+        if start < end:
+            node = index.add(
+                node, digests[start:end], run[start * bb : end * bb], ids[start:end], now
+            )
+        return node

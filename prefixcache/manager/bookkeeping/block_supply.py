@@ -106,24 +106,20 @@ class BlockSupply:
             assert node is not None, "capacity check admitted more than is evictable"
             k = min(count, len(node.blocks))
             parent = node.parent
-            if offload is not None:  # what an offload needs, read before the tail goes
-                assert parent is not None
-                first = len(node.blocks) - k
-                prev = node.digest(first - 1) if first else parent.last_digest()
-                run = bytes(node.tokens[first * index.block_bytes :])
-                position = node.depth + first
-            ids, digests = index.evict_tail(node, k)
+            if events.callbacks:
+                namespace = node.namespace
+                assert namespace is not None
+                events.emit(
+                    BlockRemoved(split_digests(bytes(node.digests[-k * DIGEST_SIZE :])), namespace)
+                )
+            if offload is not None:  # the blocks move to host (as many as it has room for)
+                ids = offload.offload(node, k)
+            else:
+                ids = index.trim_tail(node, k)
             self.pool.give_back(ids)
             self.stats.evicted_blocks += k
             count -= k
-            if events.callbacks or offload is not None:
-                namespace = node.namespace  # kept by a node that left its tree
-                assert namespace is not None
-                if events.callbacks:
-                    events.emit(BlockRemoved(split_digests(digests), namespace))
-                if offload is not None:
-                    offload.offload(ids, split_digests(digests), run, prev, position, namespace)
-            if node.blocks:
+            if node.blocks and not node.on_host:
                 evictor.push(node, now)
             elif parent is not None and parent.parent is not None and evictor.evictable(parent):
                 evictor.push(parent, now)

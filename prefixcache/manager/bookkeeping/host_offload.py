@@ -1,27 +1,31 @@
 """The manager's side of the host tier: offload on eviction, loads on admission, the host
-blocks that continue a cached prefix, drops below a digest, and the CPU block events.
+blocks that continue a cached prefix, host copies of blocks computed again, and the CPU block
+events.
 
-The host tier holds blocks evicted from the GPU, exclusive of the index. Every planned copy is
-recorded as an ``Offload`` or ``Load`` until ``take_transfers`` hands them out.
+The host tier keeps blocks evicted from the GPU as host nodes of the radix tree, exclusive of
+its GPU nodes (host_tier.py). Every planned copy is recorded as an ``Offload`` or ``Load`` until
+``take_transfers`` hands them out.
 """
 
 from __future__ import annotations
 
 from itertools import groupby
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import numpy as np
 
-from prefixcache.blocks.hashing import BlockHasher
-from prefixcache.blocks.host_tier import HostEntry, HostTier
+from prefixcache.blocks.hashing import DIGEST_SIZE, BlockHasher
+from prefixcache.blocks.host_tier import HostBlock, HostTier
 from prefixcache.blocks.namespace import Namespace
+from prefixcache.blocks.radix import MatchResult, Node, RadixIndex
 from prefixcache.manager.block_events import BlockRemoved, BlockStored
 from prefixcache.manager.bookkeeping.listeners import Listeners
 from prefixcache.manager.stats import CacheStats
 from prefixcache.manager.transfers import Load, Offload, TransferModel, Transfers
 
+D: Final = DIGEST_SIZE
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
-_FEW_CHILDREN = 4  # up to this many host children of a block are compared rather than hashed
+_FEW_CHILDREN: Final = 4  # up to this many host children of a node are compared rather than hashed
 
 
 class HostRun(NamedTuple):
@@ -32,13 +36,14 @@ class HostRun(NamedTuple):
 
 
 class HostOffload:
-    """Moves blocks between the GPU index and a host tier and records the copies to run."""
+    """Moves blocks between the GPU and the host tier and records the copies to run."""
 
     __slots__ = (
         "block_bytes",
         "block_size",
         "events",
         "hasher",
+        "index",
         "loads",
         "offloads",
         "stats",
@@ -49,132 +54,161 @@ class HostOffload:
     def __init__(
         self,
         tier: HostTier,
-        hasher: BlockHasher,
+        index: RadixIndex,
         transfer_model: TransferModel | None,
         stats: CacheStats,
         events: Listeners,
     ) -> None:
         self.tier = tier
-        self.hasher = hasher
-        self.block_size = hasher.block_size
-        self.block_bytes = 4 * hasher.block_size
+        self.index = index  # the manager hands over a new one on reset
+        self.hasher: BlockHasher = index.hasher
+        self.block_size = index.block_size
+        self.block_bytes = index.block_bytes
         self.transfer_model = transfer_model  # None: always load what is found
         self.stats = stats
         self.events = events
         self.offloads: list[Offload] = []  # since the last take_transfers()
         self.loads: list[Load] = []
 
-    def find_run(self, buf: bytes, num_tokens: int, matched: int, digest: bytes) -> HostRun:
-        """The host blocks that continue a match of ``matched`` blocks ending at ``digest``
-        (at most ``(num_tokens-1) // block_size`` blocks in all, so one prompt token is
-        computed). The transfer model may prefer recomputing what was found.
+    def find_run(self, buf: bytes, num_tokens: int, match: MatchResult) -> HostRun:
+        """The host blocks that continue ``match`` (at most ``(num_tokens-1) // block_size``
+        blocks in all, so one prompt token is computed). The transfer model may prefer
+        recomputing what was found.
 
-        A host block continues the chain when its parent is the block before and its tokens and
-        position are the prompt's: then its digest is the one the prompt's block would hash to.
-        Among a few children that is checked directly; only a parent with many children on host
-        has the next digest computed to look it up."""
-        entries, children = self.tier.entries, self.tier.children
+        Host nodes hang at the end of the node they continue, so a match that stops inside a
+        node has none. A host child continues the prompt when its first block's tokens are the
+        prompt's next ones (its position is the same by its place); among a few children that
+        is compared directly, and only a node with many host children has the next digest
+        computed to look it up."""
+        node, n = match.node, match.n
+        kids = node.host_children
+        if kids is None or match.j < len(node.blocks):
+            return _new(HostRun, ([], 0))
         bb = self.block_bytes
         end = (num_tokens - 1) // self.block_size
         run: list[bytes] = []
-        prev = digest
-        for i in range(matched, end):
-            below = children.get(prev)
-            if below is None:  # nothing on host continues this chain
-                break
+        prev = match.digest
+        i = n
+        while i < end:
+            found: Node | None = None
             block = buf[i * bb : (i + 1) * bb]
-            found: bytes | None = None
-            if len(below) <= _FEW_CHILDREN:
-                for d in below:
-                    entry = entries[d]
-                    if entry.tokens == block and entry.position == i:
-                        found = d
+            if len(kids) <= _FEW_CHILDREN:
+                for child in kids.values():
+                    if child.tokens.startswith(block):
+                        found = child
                         break
             else:
                 start = self.hasher.block_starts(end)[i]
-                d = self.hasher.digest(prev + start + block)
-                hashed = entries.get(d)
-                if hashed is not None and hashed.tokens == block and hashed.parent == prev:
-                    found = d
+                hashed = kids.get(self.hasher.digest(prev + start + block))
+                if hashed is not None and hashed.tokens.startswith(block):
+                    found = hashed
             if found is None:
                 break
-            run.append(found)
-            prev = found
+            k = len(found.blocks)
+            if k <= end - i and buf.startswith(found.tokens, i * bb):
+                m = k
+            else:
+                m = self.index.common_blocks(found, buf, i, min(k, end - i))
+            raw = bytes(found.digests[: m * D])
+            run += [raw[x * D : (x + 1) * D] for x in range(m)]
+            i += m
+            kids = found.host_children
+            if m < k or kids is None:
+                break
+            prev = run[-1]
         count = len(run)
+        if not count:
+            return _new(HostRun, ([], 0))
         model = self.transfer_model
-        if run and model is not None and not model.should_load(count, self.block_size, matched):
+        if model is not None and not model.should_load(count, self.block_size, n):
             run = []
         return _new(HostRun, (run, count))
 
-    def offload(
-        self,
-        ids: list[int],
-        digests: list[bytes],
-        run: bytes,
-        prev: bytes,
-        position: int,
-        namespace: Namespace,
-    ) -> None:
-        """Put blocks just evicted from the GPU (a chain, first block first; ``prev`` is the
-        first one's parent digest, ``run`` their tokens, ``position`` the first one's block
-        position) on host, while room can be made; the rest are dropped, with what descends
-        from them on host."""
-        slots, evicted = self.tier.put_run(digests, prev, run, position, namespace)
+    def offload(self, node: Node, k: int) -> list[int]:
+        """Move the last ``k`` blocks of the unheld GPU leaf ``node`` to host, as many as room
+        can be made for; the rest leave the cache, with what is below them on host. Returns
+        the GPU ids the blocks had (free now)."""
+        bb = self.block_bytes
+        n = len(node.blocks)
+        first = n - k
+        ids = node.blocks[first:].tolist()
+        events = self.events.callbacks
+        if events:  # what the event needs, read before the blocks move
+            parent = node.parent
+            assert parent is not None
+            prev = node.digest(first - 1) if first else parent.last_digest()
+            position = node.depth + first
+            digests = bytes(node.digests[first * D :])
+            run = bytes(node.tokens[first * bb :])
+        namespace = node.namespace
+        assert namespace is not None
+        tier, stats = self.tier, self.stats
+        evicted: list[HostBlock] = []
+        slots = tier.take_slots(k, evicted)
+        dropped = tier.store_tail(self.index, node, k, slots)
         if evicted:
-            self.stats.host_evicted_blocks += len(evicted)
+            stats.host_evicted_blocks += len(evicted)
             self.emit_removed(evicted)
         stored = len(slots)
-        offloads = self.offloads
-        for k in range(stored):
-            offloads.append(_new(Offload, (ids[k], slots[k])))
-        if stored < len(digests):  # no room: they leave the cache, with what is below them
-            for gone in digests[stored:]:
-                self.drop_below(gone)
-        self.stats.offloaded_blocks += stored
-        if stored and self.events.callbacks:
-            tokens = np.frombuffer(run[: stored * self.block_bytes], dtype="<i4").tolist()
-            parent = prev if position else None  # a chain's first block has no parent
+        offloads, new, record = self.offloads, _new, Offload  # locals: no global lookups
+        for x in range(stored):
+            offloads.append(new(record, (ids[x], slots[x])))
+        if dropped:
+            stats.host_evicted_blocks += len(dropped)
+            self.emit_removed(dropped)
+        stats.offloaded_blocks += stored
+        if stored and events:
+            hashes = [digests[x * D : (x + 1) * D] for x in range(stored)]
+            tokens = np.frombuffer(run[: stored * bb], dtype="<i4").tolist()
             self.events.emit(
-                BlockStored(digests[:stored], parent, tokens, self.block_size, namespace, "CPU")
+                BlockStored(
+                    hashes, prev if position else None, tokens, self.block_size, namespace, "CPU"
+                )
             )
+        return ids
 
-    def unload(self, digests: list[bytes], namespace: Namespace) -> list[int]:
-        """Take a run of blocks to load off host; returns their slots (free once the step's
-        loads have run)."""
-        tier = self.tier
-        slots = [tier.remove(d, defer=True).slot for d in digests]
+    def unload(
+        self, parent: Node, digests: list[bytes], namespace: Namespace
+    ) -> tuple[list[int], list[tuple[int, Node]]]:
+        """Take a run of blocks to load (continuing ``parent``) off host; returns their slots
+        (free once the step's loads have run) and the holders of what hung below them."""
+        slots, holders = self.tier.take_run(parent, digests)
         if self.events.callbacks:
             self.events.emit(BlockRemoved(list(digests), namespace, "CPU"))
-        return slots
+        return slots, holders
 
     def plan_loads(self, slots: list[int], blocks: list[int], *, stepped: bool) -> None:
         """Record the loads of host ``slots`` into GPU ``blocks``. Without steps the caller
         runs them before its next call, so their slots are free again at once."""
-        loads = self.loads
-        for k in range(len(slots)):
-            loads.append(_new(Load, (slots[k], blocks[k])))
+        loads, new, record = self.loads, _new, Load  # locals: no global lookups
+        for x in range(len(slots)):
+            loads.append(new(record, (slots[x], blocks[x])))
         if not stepped:
             self.tier.release_deferred()
 
-    def drop_below(self, digest: bytes) -> None:
-        """The block ``digest`` leaves the cache: so does everything below it on host."""
-        dropped = self.tier.drop_below(digest)
+    def take_recomputed(
+        self, parent: Node, digests: list[bytes], start: int
+    ) -> tuple[int, list[tuple[int, Node]]]:
+        """Blocks ``digests[start:]`` computed again after ``parent`` (whose host children hold
+        the first): the leading ones' copies on host go (the GPU's replace them). Returns the
+        index in ``digests`` after them and the holders of what hung below them."""
+        end, gone, holders = self.tier.take_recomputed(parent, digests, start)
+        self.stats.host_evicted_blocks += end - start
+        self.emit_removed(gone)
+        return end, holders
+
+    def drop_below(self, node: Node) -> None:
+        """The blocks of ``node`` leave the cache: so does everything below it on host."""
+        dropped = self.tier.drop_below(node)
         if dropped:
             self.stats.host_evicted_blocks += len(dropped)
             self.emit_removed(dropped)
 
-    def replace_recomputed(self, digests: list[bytes]) -> None:
-        """Blocks computed again on the GPU: their copies on host go (the GPU's replace them)."""
-        tier = self.tier
-        replaced = [(d, tier.remove(d, defer=False)) for d in digests if d in tier.entries]
-        self.stats.host_evicted_blocks += len(replaced)
-        self.emit_removed(replaced)
-
-    def emit_removed(self, entries: list[tuple[bytes, HostEntry]]) -> None:
-        """BlockRemoved (CPU) events for entries that left the host tier, one per namespace run."""
+    def emit_removed(self, blocks: list[HostBlock]) -> None:
+        """BlockRemoved (CPU) events for blocks that left the host tier, one per namespace run."""
         if not self.events.callbacks:
             return
-        for namespace, run in groupby(entries, key=lambda item: item[1].namespace):
+        for namespace, run in groupby(blocks, key=lambda block: block[1]):
             self.events.emit(BlockRemoved([digest for digest, _ in run], namespace, "CPU"))
 
     def end_step(self) -> None:

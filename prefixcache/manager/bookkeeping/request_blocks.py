@@ -104,9 +104,10 @@ class RequestBlocks:
                     node = index.split(node, j)
                 table = index.hold_table(node, now)  # held nodes: eviction leaves the table be
         host_run = plan.host_run
+        holders: list[tuple[int, Node]] | None = None
         if host_run:  # off the host tier before any offload of ours can evict them
-            assert self.offload is not None
-            host_slots = self.offload.unload(host_run, namespace)
+            assert self.offload is not None and match is not None
+            host_slots, holders = self.offload.unload(match.node, host_run, namespace)
         partial = plan.partial
         if partial is not None:  # the copy source must survive our own eviction (see planning)
             source = partial.node
@@ -138,7 +139,9 @@ class RequestBlocks:
             st.partial_copy_tokens += partial_tokens
         seq.unconfirmed = True
         if self.enable_caching:
-            self.indexer.index_blocks(seq, buf, t // p, digest, now, owned=False, known=host_run)
+            self.indexer.index_blocks(
+                seq, buf, t // p, digest, now, owned=False, known=host_run, holders=holders
+            )
         self.pool.own(seq.private)  # usually just the partial last block
         if priority or retention is not None or self.claims_all:
             seq.claim = (priority, math.inf if retention is None else now + retention)

@@ -135,14 +135,13 @@ class StepLedger:
         parent = top.parent
         assert parent is not None
         namespace = self.index.namespace_of(top)
-        for _, ids, digests in self.index.remove_subtree(top):
+        for node, ids, digests in self.index.remove_subtree(top):
             self.pool.give_back(ids)
             self.stats.unindexed_blocks += len(ids)
             if events.callbacks:
                 events.emit(BlockRemoved(split_digests(digests), namespace))
             if offload is not None:
-                for digest in split_digests(digests):
-                    offload.drop_below(digest)
+                offload.drop_below(node)
         if parent.parent is not None and supply.evictor.evictable(parent):
             supply.evictor.push(parent, now)
 
