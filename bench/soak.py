@@ -1,10 +1,12 @@
 """Soak: random steps of admit / append / fork / finish / abort / pin / evict through the K/V
 fingerprint runtime of the tests, checking every read of K/V and, periodically, every invariant.
 
-    python bench/soak.py [--ops 1000000] [--seed 0] [--policy lru]
+    python bench/soak.py [--ops 1000000] [--seed 0] [--policy lru] [--host-blocks 0]
 
 Prints the operations run, steps, K/V reads checked, and the rate. Exits non-zero on the first
-wrong read or broken invariant.
+wrong read or broken invariant. With ``--host-blocks N`` evicted blocks go to a host tier of N
+slots and come back by loads; the runtime runs every offload and load and checks the host slots'
+K/V too, and the blocks moved are printed.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--host-blocks", type=int, default=0, help="host tier slots (0: none)")
     ap.add_argument("--check-every", type=int, default=2000, help="ops between integrity checks")
     args = ap.parse_args()
     r = random.Random(args.seed)
-    mgr = CacheManager(args.blocks, 4, policy=args.policy, stepped=True)
+    mgr = CacheManager(
+        args.blocks, 4, policy=args.policy, stepped=True, host_blocks=args.host_blocks
+    )
     rt = FingerprintRuntime(mgr)
     pins: list[int] = []
     next_id = steps = rejected = 0
@@ -98,6 +103,12 @@ def main() -> None:
         f"{mgr.stats.aborted_requests:,} requests dropped by abort; {dt:.0f} s "
         f"({args.ops / dt:,.0f} ops/s)"
     )
+    if args.host_blocks:
+        st = mgr.stats
+        print(
+            f"host tier of {args.host_blocks} slots: {st.offloaded_blocks:,} blocks offloaded, "
+            f"{st.loaded_blocks:,} loaded, {st.host_evicted_blocks:,} evicted or dropped"
+        )
 
 
 if __name__ == "__main__":
