@@ -25,6 +25,11 @@ _STARTS_CACHED: Final = 1 << 16  # block positions whose 8-byte encoding is kept
 _RECORDS_FROM: Final = 32  # blocks from which one numpy record buffer beats per-block slices
 
 
+def split_digests(digests: bytes) -> list[bytes]:
+    """Concatenated digests, one per block."""
+    return [digests[i : i + DIGEST_SIZE] for i in range(0, len(digests), DIGEST_SIZE)]
+
+
 def _sha256_128(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()[:DIGEST_SIZE]
 

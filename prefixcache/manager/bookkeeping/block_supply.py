@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prefixcache.blocks.eviction import Evictor
-from prefixcache.blocks.hashing import DIGEST_SIZE
+from prefixcache.blocks.hashing import DIGEST_SIZE, split_digests
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
 from prefixcache.manager.block_events import BlockRemoved
@@ -29,11 +29,6 @@ class TickClock:
         """The next tick (the bound method is the clock: cheaper to call than an instance)."""
         self.ticks += 1.0
         return self.ticks
-
-
-def split_digests(digests: bytes) -> list[bytes]:
-    """Concatenated digests, one per block."""
-    return [digests[i : i + DIGEST_SIZE] for i in range(0, len(digests), DIGEST_SIZE)]
 
 
 class BlockSupply:

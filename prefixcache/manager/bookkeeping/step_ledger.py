@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import NamedTuple
 
+from prefixcache.blocks.hashing import split_digests
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
 from prefixcache.manager.block_events import BlockRemoved
-from prefixcache.manager.bookkeeping.block_supply import BlockSupply, split_digests
+from prefixcache.manager.bookkeeping.block_supply import BlockSupply
 from prefixcache.manager.bookkeeping.request_state import RequestState
 from prefixcache.manager.stats import CacheStats
 
