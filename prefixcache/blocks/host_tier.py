@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from typing import Final, NamedTuple
 
-from prefixcache.blocks.hashing import DIGEST_SIZE
+from prefixcache.blocks.hashing import DIGEST_SIZE, split_digests
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.radix import Node, RadixIndex
 
@@ -45,13 +45,12 @@ class HostEntry(NamedTuple):
 class HostTier:
     """Host slots ``0 .. capacity-1``, the host nodes' bookkeeping and an LRU over leaf blocks.
 
-    The host nodes themselves live in the radix index whose ``roots`` the manager hands over
-    (``roots``): the tier drops a root that is left without children of either kind."""
+    The host nodes themselves live in ``index`` (the manager hands over a new one on reset)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, index: RadixIndex) -> None:
         self.capacity = capacity
+        self.index = index
         self.num_blocks = 0  # blocks on host
-        self.roots: dict[Namespace, Node] = {}  # the index's roots
         self._free = list(range(capacity - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
         self.deferred: list[int] = []  # freed by loads of the current step
         # the LRU: a lazy heap of leaf blocks' stamps, and the node each one was the last of
@@ -77,7 +76,7 @@ class HostTier:
     def nodes(self) -> list[Node]:
         """Every host node, parents before children."""
         out: list[Node] = []
-        stack = list(self.roots.values())
+        stack = list(self.index.roots.values())
         while stack:
             node = stack.pop()
             if node.on_host:
@@ -156,8 +155,8 @@ class HostTier:
             namespace = node.namespace
             assert namespace is not None
             digests = node.digests
-            for x in range(n - 1, n - 1 - c, -1):
-                evicted.append((bytes(digests[x * D : (x + 1) * D]), namespace))
+            gone = split_digests(bytes(digests[(n - c) * D :]))
+            evicted += [(digest, namespace) for digest in reversed(gone)]  # the deepest first
             if c == n:
                 self._unlink(node)  # (keyed by its first block: before the trim)
             self._free.extend(node.blocks[n - c :])
@@ -168,13 +167,12 @@ class HostTier:
             return c
         return 0
 
-    def store_tail(
-        self, index: RadixIndex, node: Node, k: int, slots: list[int]
-    ) -> list[HostBlock]:
+    def store_tail(self, node: Node, k: int, slots: list[int]) -> list[HostBlock]:
         """Move the last ``k`` blocks of the unheld GPU leaf ``node`` to host: the first
         ``len(slots)`` of them into ``slots``, as one host node; the rest leave the cache with
         everything below them on host (returned, their slots free at once). The index loses all
         ``k`` GPU blocks: read their ids first."""
+        index = self.index
         n, s, bb = len(node.blocks), len(slots), index.block_bytes
         first = n - k
         dropped: list[HostBlock] = []
@@ -257,7 +255,7 @@ class HostTier:
         gone: list[HostBlock] = []
         for node in chain:
             assert node.namespace is not None
-            gone += [(node.digest(b), node.namespace) for b in range(len(node.blocks))]
+            gone += [(digest, node.namespace) for digest in split_digests(bytes(node.digests))]
             self._free.extend(node.blocks)
         self.num_blocks -= end - start
         return end, gone, holders
@@ -280,7 +278,7 @@ class HostTier:
         if not below:
             return []
         node.host_children = None
-        self._drop_root_if_bare(node)
+        self.index.drop_root_if_bare(node)
         out: list[HostBlock] = []
         stack = list(below.values())
         while stack:
@@ -288,7 +286,7 @@ class HostTier:
             if cur.host_children:
                 stack.extend(cur.host_children.values())
             assert cur.namespace is not None
-            out += [(cur.digest(b), cur.namespace) for b in range(len(cur.blocks))]
+            out += [(digest, cur.namespace) for digest in split_digests(bytes(cur.digests))]
             self._free.extend(cur.blocks)
             self.num_blocks -= len(cur.blocks)
             cur.parent = None
@@ -391,14 +389,7 @@ class HostTier:
             if parent.on_host:  # the parent's last block is a leaf now
                 self._push(parent, parent.stamp + len(parent.blocks) - 1)
             elif not keep_root:
-                self._drop_root_if_bare(parent)
-
-    def _drop_root_if_bare(self, node: Node) -> None:
-        """A namespace root left without children on the GPU or on host leaves the index."""
-        if node.parent is None and not node.children and not node.host_children:
-            namespace = node.namespace
-            if namespace is not None and self.roots.get(namespace) is node:
-                del self.roots[namespace]
+                self.index.drop_root_if_bare(parent)
 
     def _compact(self) -> None:
         """Drop stale heap records once they outnumber the blocks on host."""

@@ -21,9 +21,8 @@ from prefixcache.blocks.namespace import Namespace
 D: Final = DIGEST_SIZE
 # builds a NamedTuple from a tuple in C (the generated __new__ is a Python call): hot paths only
 _new = tuple.__new__
-MAX_GROW_BLOCKS: Final = (
-    256  # a node grows in place up to this many blocks, then a child takes over
-)
+# a node grows in place up to this many blocks, then a child takes over
+MAX_GROW_BLOCKS: Final = 256
 GROUP_BUCKET: Final = 64  # a token group's buckets hold 1 to 2 * this many siblings
 
 
@@ -554,11 +553,18 @@ class RadixIndex:
                 parent.by_token[token] = last
         if not parent.children:
             parent.children = parent.by_token = None
-            if parent.parent is None and not parent.host_children:
-                assert parent.namespace is not None
-                del self.roots[parent.namespace]
+            if parent.parent is None:
+                self.drop_root_if_bare(parent)
         node.parent = None
         self.num_nodes -= 1
+
+    def drop_root_if_bare(self, node: Node) -> None:
+        """``node``, when it is a namespace's root left without children on the GPU or on host,
+        leaves the index."""
+        if node.parent is None and not node.children and not node.host_children:
+            namespace = node.namespace
+            if namespace is not None and self.roots.get(namespace) is node:
+                del self.roots[namespace]
 
     def subtree_blocks(self, node: Node) -> int:
         """Blocks cached at or below ``node`` (computed on demand: reports, scheduling)."""

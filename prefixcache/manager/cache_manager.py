@@ -115,7 +115,7 @@ class CacheManager:
         self.transfer_model = transfer_model
         self._claims_all = policy == "priority"  # a default claim (0, forever) counts too
         self.stats = CacheStats()
-        self.host: HostTier | None = HostTier(num_host) if num_host else None
+        self.host: HostTier | None = HostTier(num_host, self.index) if num_host else None
         self._ticks = TickClock()  # the clock when none is given
         self._clock: Callable[[], float] = self._ticks.tick if clock is None else clock
         self._seqs: dict[Hashable, RequestState] = {}  # the live requests
@@ -124,16 +124,13 @@ class CacheManager:
         self._listeners = Listeners()
         self._offload: HostOffload | None = None
         if self.host is not None:
-            self._offload = HostOffload(
-                self.host, self.index, transfer_model, self.stats, self._listeners
-            )
+            self._offload = HostOffload(self.host, transfer_model, self.stats, self._listeners)
         self._build_helpers()
 
     def _build_helpers(self) -> None:
         """The helpers that work on the current index (built again when ``reset`` replaces it)."""
-        if self.host is not None and self._offload is not None:  # its nodes live in the index
-            self.host.roots = self.index.roots
-            self._offload.index = self.index
+        if self.host is not None:  # its nodes live in the index
+            self.host.index = self.index
         self._supply = BlockSupply(
             self.index,
             self.pool,

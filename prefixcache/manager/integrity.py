@@ -194,7 +194,7 @@ def check_host_tier(mgr: CacheManager) -> None:
     host = mgr.host
     if host is None:
         return
-    _require(host.roots is mgr.index.roots, "the host tier reads another index's roots")
+    _require(host.index is mgr.index, "the host tier works on another index")
     bb = 4 * mgr.block_size
     used: list[int] = []
     stamps: list[int] = []

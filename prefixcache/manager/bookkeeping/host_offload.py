@@ -14,10 +14,10 @@ from typing import Final, NamedTuple
 
 import numpy as np
 
-from prefixcache.blocks.hashing import DIGEST_SIZE, BlockHasher
+from prefixcache.blocks.hashing import DIGEST_SIZE, BlockHasher, split_digests
 from prefixcache.blocks.host_tier import HostBlock, HostTier
 from prefixcache.blocks.namespace import Namespace
-from prefixcache.blocks.radix import MatchResult, Node, RadixIndex
+from prefixcache.blocks.radix import MatchResult, Node
 from prefixcache.manager.block_events import BlockRemoved, BlockStored
 from prefixcache.manager.bookkeeping.listeners import Listeners
 from prefixcache.manager.stats import CacheStats
@@ -43,7 +43,6 @@ class HostOffload:
         "block_size",
         "events",
         "hasher",
-        "index",
         "loads",
         "offloads",
         "stats",
@@ -54,13 +53,12 @@ class HostOffload:
     def __init__(
         self,
         tier: HostTier,
-        index: RadixIndex,
         transfer_model: TransferModel | None,
         stats: CacheStats,
         events: Listeners,
     ) -> None:
-        self.tier = tier
-        self.index = index  # the manager hands over a new one on reset
+        self.tier = tier  # its index is the manager's current one
+        index = tier.index
         self.hasher: BlockHasher = index.hasher
         self.block_size = index.block_size
         self.block_bytes = index.block_bytes
@@ -108,9 +106,8 @@ class HostOffload:
             if k <= end - i and buf.startswith(found.tokens, i * bb):
                 m = k
             else:
-                m = self.index.common_blocks(found, buf, i, min(k, end - i))
-            raw = bytes(found.digests[: m * D])
-            run += [raw[x * D : (x + 1) * D] for x in range(m)]
+                m = self.tier.index.common_blocks(found, buf, i, min(k, end - i))
+            run += split_digests(bytes(found.digests[: m * D]))
             i += m
             kids = found.host_children
             if m < k or kids is None:
@@ -145,7 +142,7 @@ class HostOffload:
         tier, stats = self.tier, self.stats
         evicted: list[HostBlock] = []
         slots = tier.take_slots(k, evicted)
-        dropped = tier.store_tail(self.index, node, k, slots)
+        dropped = tier.store_tail(node, k, slots)
         if evicted:
             stats.host_evicted_blocks += len(evicted)
             self.emit_removed(evicted)
@@ -158,7 +155,7 @@ class HostOffload:
             self.emit_removed(dropped)
         stats.offloaded_blocks += stored
         if stored and events:
-            hashes = [digests[x * D : (x + 1) * D] for x in range(stored)]
+            hashes = split_digests(digests[: stored * D])
             tokens = np.frombuffer(run[: stored * bb], dtype="<i4").tolist()
             self.events.emit(
                 BlockStored(
