@@ -2,7 +2,7 @@
 
     python bench/http_routes.py [--rounds 3] [--duration 10] [--index memory|redis]
                                 [--workers N] [--baseline-root DIR] [--auth] [--large 262144]
-                                [--paced-rate 1000]
+                                [--paced-rate 1000] [--floor]
 
 Starts ``prefixcache serve`` (a subprocess, the ``python -m prefixcache serve`` of this checkout,
 or of ``--baseline-root`` for the baseline) on 127.0.0.1 with a YAML config of 16 replicas of one
