@@ -9,6 +9,9 @@ admissions evict; with the tier (1,024 host blocks) evicted blocks are offloaded
 loaded. Each admission is admit, take_transfers, end_step, release (stepped). Prints the median
 and the mean seconds per admission of each (the mean carries the admissions that evict and
 offload), the tier's hit split, and the ratios; the two configurations alternate within one run.
+Then, for the same admissions with and without the tier, split by whether the tier loaded blocks
+for them: the time the tier adds and the blocks it moved (loaded, and offloaded to make room),
+so what one block moved costs.
 
 Copies: one ``start_transfers`` of 64 offloads and 64 loads across 8 layers of [16, 8, 128] fp16
 K and V (0.5 MiB per block), on the CPU here (a CUDA device is used when there is one).
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,19 +44,31 @@ def workload(requests: int, seed: int = 0) -> list[np.ndarray]:
     return out
 
 
-def per_admission(prompts: list[np.ndarray], host_blocks: int) -> tuple[float, float, CacheManager]:
-    """Median and mean seconds per admission (admit, take_transfers, end_step, release)."""
+class Pass(NamedTuple):
+    """One pass over the workload: each admission's seconds, and the blocks the tier loaded
+    and offloaded for it."""
+
+    seconds: list[float]
+    loaded: list[int]
+    offloaded: list[int]
+    mgr: CacheManager
+
+
+def per_admission(prompts: list[np.ndarray], host_blocks: int) -> Pass:
+    """Time each admission (admit, take_transfers, end_step, release)."""
     mgr = CacheManager(256, P, stepped=True, host_blocks=host_blocks)
-    times = []
+    out = Pass([], [], [], mgr)
     clock = time.perf_counter
     for i, prompt in enumerate(prompts):
         t0 = clock()
         mgr.admit(i, prompt)
-        mgr.take_transfers()
+        transfers = mgr.take_transfers()
         mgr.end_step()
         mgr.release(i)
-        times.append(clock() - t0)
-    return statistics.median(times), statistics.fmean(times), mgr
+        out.seconds.append(clock() - t0)
+        out.loaded.append(len(transfers.loads))
+        out.offloaded.append(len(transfers.offloads))
+    return out
 
 
 def copy_bandwidth(blocks: int, repeats: int) -> tuple[float, str]:
@@ -91,14 +107,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     prompts = workload(args.requests)
-    off, on, off_mean, on_mean = [], [], [], []
+    passes: dict[int, list[Pass]] = {0: [], 1024: []}
     for _ in range(args.repeats):  # alternate, so both see the same machine load
-        median, mean, _ = per_admission(prompts, 0)
-        off.append(median)
-        off_mean.append(mean)
-        median, mean, mgr = per_admission(prompts, 1024)
-        on.append(median)
-        on_mean.append(mean)
+        for host_blocks, runs in passes.items():
+            runs.append(per_admission(prompts, host_blocks))
+    off = [statistics.median(p.seconds) for p in passes[0]]
+    on = [statistics.median(p.seconds) for p in passes[1024]]
+    off_mean = [statistics.fmean(p.seconds) for p in passes[0]]
+    on_mean = [statistics.fmean(p.seconds) for p in passes[1024]]
+    last = passes[1024][-1]
+    mgr = last.mgr
     st = mgr.stats
     t_off, t_on = statistics.median(off), statistics.median(on)
     m_off, m_on = statistics.median(off_mean), statistics.median(on_mean)
@@ -113,7 +131,21 @@ def main() -> None:
         f"tier on: hit blocks {st.hit_blocks} of {st.lookup_blocks} ({st.loaded_blocks} loaded "
         f"from host), offloaded {st.offloaded_blocks}, host evicted {st.host_evicted_blocks}"
     )
-    gpu_hits = per_admission(prompts, 0)[2].stats.hit_blocks
+    # the same admissions with and without the tier (each one's median over the repeats),
+    # split by whether the tier loaded blocks for it: what a block moved costs
+    each_off = np.median(np.array([p.seconds for p in passes[0]]), axis=0) * 1e6
+    each_on = np.median(np.array([p.seconds for p in passes[1024]]), axis=0) * 1e6
+    loaded, offloaded = np.array(last.loaded), np.array(last.offloaded)
+    for label, sel in (("admissions that load", loaded > 0), ("the others", loaded == 0)):
+        t_off, t_on = each_off[sel].mean(), each_on[sel].mean()
+        blocks = (loaded[sel] + offloaded[sel]).mean()
+        print(
+            f"{label} ({int(sel.sum())}): tier off {t_off:.1f} us, tier on {t_on:.1f} us "
+            f"(+{t_on - t_off:.1f}); blocks moved {blocks:.1f} ({loaded[sel].mean():.1f} "
+            f"loaded, {offloaded[sel].mean():.1f} offloaded), "
+            f"{(t_on - t_off) / max(blocks, 1e-9):.2f} us a block"
+        )
+    gpu_hits = passes[0][-1].mgr.stats.hit_blocks
     print(f"tier off: hit blocks {gpu_hits} of {st.lookup_blocks}")
     bandwidth, device = copy_bandwidth(64, args.repeats)
     print(f"start_transfers, 64 offloads + 64 loads on {device}: {bandwidth / 1e9:.2f} GB/s")
