@@ -459,7 +459,7 @@ def main() -> None:
             order = variants if rnd % 2 == 0 else variants[::-1]
             for label, root, auth, workers in order:
                 name = label.replace(" ", "_")
-                if redis_proc is not None:  # the same starting index for each service
+                if redis_proc is not None and index is not None:  # the same starting index
                     import redis
 
                     redis.Redis.from_url(index).flushdb()
@@ -522,9 +522,9 @@ def main() -> None:
                                 f"p50 {p50 * 1e3:.2f} ms p99 {p99 * 1e3:.2f} ms"
                             )
                             if before and after:  # routes whose router work took over 1 ms
-                                done = after[-1][1] - before[-1][1]
+                                n_routes = after[-1][1] - before[-1][1]
                                 fast = dict(after)[0.001] - dict(before)[0.001]
-                                slow = 100.0 * (done - fast) / max(done, 1.0)
+                                slow = 100.0 * (n_routes - fast) / max(n_routes, 1.0)
                                 row.setdefault("router > 1 ms %", []).append(slow)
                                 line += f" (router work over 1 ms: {slow:.2f}%)"
                         if hey and args.floor:
