@@ -256,13 +256,23 @@ def run_wrk(base: str, lua: Path, threads: int, conns: int, duration: int) -> tu
     return float(match.group(1)), int(done.group(1))
 
 
-def run_hey(base: str, body: Path, rate: float, conns: int, duration: int, auth: bool) -> tuple:
-    """p50 and p99 (seconds) at ``rate`` routes/s: hey's per-connection rate limit."""
+def hey_command(
+    url: str, body: Path | None, rate: float, conns: int, duration: int, auth: bool
+) -> list[str]:
+    """hey at ``rate`` requests/s over ``conns`` connections (its rate limit is per
+    connection): POST ``body`` to ``url``, or GET it when ``body`` is None."""
     cmd = ["hey", "-z", f"{duration}s", "-c", str(conns), "-q", f"{rate / conns:.2f}"]
-    cmd += ["-m", "POST", "-T", "application/json", "-D", str(body)]
+    if body is not None:
+        cmd += ["-m", "POST", "-T", "application/json", "-D", str(body)]
     if auth:
         cmd += ["-H", f"Authorization: Bearer {BENCH_KEY}"]
-    out = subprocess.run(cmd + [f"{base}/v1/route"], check=True, capture_output=True, text=True)
+    return cmd + [url]
+
+
+def run_hey(base: str, body: Path, rate: float, conns: int, duration: int, auth: bool) -> tuple:
+    """p50 and p99 (seconds) at ``rate`` routes/s: hey's per-connection rate limit."""
+    cmd = hey_command(f"{base}/v1/route", body, rate, conns, duration, auth)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     text = out.stdout
     codes = re.findall(r"\[(\d{3})\]\s+(\d+) responses", text)
     if any(code != "200" for code, _ in codes) or "Error distribution" in text:
@@ -278,14 +288,11 @@ def run_hey_spread(
     """p50 and p99 (seconds) at ``rate`` requests/s from ``clients`` hey processes of one
     connection each, started ``1 / rate`` apart, their per-request rows (``-o csv``) merged;
     POST ``body`` to ``url``, or GET it when ``body`` is None."""
-    cmd = ["hey", "-z", f"{duration}s", "-c", "1", "-q", f"{rate / clients:.2f}", "-o", "csv"]
-    if body is not None:
-        cmd += ["-m", "POST", "-T", "application/json", "-D", str(body)]
-    if auth:
-        cmd += ["-H", f"Authorization: Bearer {BENCH_KEY}"]
+    cmd = hey_command(url, body, rate / clients, 1, duration, auth)
+    cmd[1:1] = ["-o", "csv"]  # a row per request
     procs = []
     for _ in range(clients):
-        procs.append(subprocess.Popen(cmd + [url], stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         time.sleep(1.0 / rate)
     lat: list[float] = []
     for proc in procs:
