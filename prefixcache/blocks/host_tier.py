@@ -31,6 +31,13 @@ D: Final = DIGEST_SIZE
 HostBlock = tuple[bytes, Namespace]  # a block that left the host: its digest and namespace
 
 
+def _left_host(digests: bytes | bytearray, namespace: Namespace | None) -> list[HostBlock]:
+    """The blocks of one namespace whose concatenated ``digests`` these are, as they leave the
+    host (for the stats and the CPU ``BlockRemoved`` events)."""
+    assert namespace is not None
+    return [(digest, namespace) for digest in split_digests(bytes(digests))]
+
+
 class HostEntry(NamedTuple):
     """One block on host, as ``HostTier.entries`` shows it (checks and tests)."""
 
@@ -152,11 +159,10 @@ class HostTier:
                 continue  # stale: the node left, grew host children or lost this block
             c = count if count < n else n
             bb = len(node.tokens) // n
-            namespace = node.namespace
-            assert namespace is not None
             digests = node.digests
-            gone = split_digests(bytes(digests[(n - c) * D :]))
-            evicted += [(digest, namespace) for digest in reversed(gone)]  # the deepest first
+            gone = _left_host(digests[(n - c) * D :], node.namespace)
+            gone.reverse()  # the deepest first
+            evicted += gone
             if c == n:
                 self._unlink(node)  # (keyed by its first block: before the trim)
             self._free.extend(node.blocks[n - c :])
@@ -215,11 +221,7 @@ class HostTier:
             )
             host.namespace = node.namespace
             host.on_host = True
-            below = node.host_children
-            if below:  # what continued the node's last block continues the host node's
-                host.host_children = below
-                for child in below.values():
-                    child.parent = host
+            self.hang(node, host)  # what continued the node's last block continues the host's
             del node.blocks[first:], node.digests[first * D :], node.tokens[first * bb :]
             index.num_blocks -= k
             node.host_children = {bytes(host.digests[:D]): host}
@@ -254,8 +256,7 @@ class HostTier:
         chain, holders, end = self._take_chain(parent, digests, start)
         gone: list[HostBlock] = []
         for node in chain:
-            assert node.namespace is not None
-            gone += [(digest, node.namespace) for digest in split_digests(bytes(node.digests))]
+            gone += _left_host(node.digests, node.namespace)
             self._free.extend(node.blocks)
         self.num_blocks -= end - start
         return end, gone, holders
@@ -272,21 +273,19 @@ class HostTier:
                 child.parent = node
 
     def drop_below(self, node: Node) -> list[HostBlock]:
-        """Everything on host below ``node`` leaves the cache, parents before children; slots
-        free at once."""
+        """Everything on host below ``node``, whose last block leaves the cache (a node, never a
+        root), leaves it too, parents before children; slots free at once."""
         below = node.host_children
         if not below:
             return []
         node.host_children = None
-        self.index.drop_root_if_bare(node)
         out: list[HostBlock] = []
         stack = list(below.values())
         while stack:
             cur = stack.pop()
             if cur.host_children:
                 stack.extend(cur.host_children.values())
-            assert cur.namespace is not None
-            out += [(digest, cur.namespace) for digest in split_digests(bytes(cur.digests))]
+            out += _left_host(cur.digests, cur.namespace)
             self._free.extend(cur.blocks)
             self.num_blocks -= len(cur.blocks)
             cur.parent = None

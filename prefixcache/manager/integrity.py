@@ -195,7 +195,7 @@ def check_host_tier(mgr: CacheManager) -> None:
     if host is None:
         return
     _require(host.index is mgr.index, "the host tier works on another index")
-    bb = 4 * mgr.block_size
+    bb = mgr.index.block_bytes
     used: list[int] = []
     stamps: list[int] = []
     leaves: list[Node] = []
