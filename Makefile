@@ -1,17 +1,22 @@
 PYTHON ?= python3
 
-.PHONY: install demo test test-pure lint typecheck bench
+.PHONY: install quickstart demo test test-pure lint typecheck bench wheel-check
 
 install:  ## torch first (pinned: the CPU build here), the package with its test extras (the core compiled with mypyc), Chromium, Redis
 	$(PYTHON) -m pip install -q "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
-	$(PYTHON) -m prefixcache --version
+	@$(PYTHON) -m prefixcache --version | tee /dev/stderr | grep -q "core: compiled" \
+		|| echo "note: the core was not compiled and runs as plain Python (slower); the line above says why"
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "note: the HTML report test needs headless Chromium (apt-get install chromium)"
 	@command -v redis-server >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } \
 		|| echo "note: the Redis index tests need redis-server (apt-get install redis-server)"
+
+quickstart:  ## the README's main job: a replay with its report, no server needed
+	$(PYTHON) -m prefixcache replay scenarios/shared_system_prompt.yaml --model llama-3.1-8b \
+		--blocks 2048 --out runs/quickstart --force
 
 demo:
 	$(PYTHON) -m prefixcache demo
@@ -31,3 +36,6 @@ typecheck:  ## mypy over prefixcache/ and kernels/ (as prefixcache.kernels)
 bench:
 	$(PYTHON) bench/hash_throughput.py
 	$(PYTHON) bench/manager_loop.py
+
+wheel-check:  ## sdist, the wheel built from it, its contents, and a quickstart from a second virtualenv
+	PYTHON=$(PYTHON) .ci/wheel_check

@@ -4,7 +4,13 @@ helpers listed there.
 Everything else about the package is in pyproject.toml. ``PREFIXCACHE_COMPILE=0`` installs the
 Python sources alone (the same code, slower); without mypyc the build does the same and says so.
 The digest of the sources is written only once the compiled files are, so a failed or partial
-build (no C compiler, say) leaves the package on its Python sources instead of failing.
+build (no C compiler, a type error mypyc refuses) leaves the package on its Python sources
+instead of failing, with a one-line note beside them that ``prefixcache --version`` repeats.
+
+mypyc type-checks what it compiles with the packages the build declares (pyproject.toml's
+``[build-system] requires``: mypy and numpy); the modules it only follows (the service's, say,
+which need its optional extras) are checked by the project's own type check, not by the build,
+so what the build machine happens to have installed cannot stop it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError
 ROOT = Path(__file__).resolve().parent
 native = runpy.run_path(str(ROOT / "prefixcache" / "native.py"))
 DIGEST = Path("prefixcache") / native["DIGEST_FILE"]
+NOTE = Path("prefixcache") / native["BUILD_NOTE_FILE"]
 BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 
 
@@ -31,11 +38,8 @@ class BuildCompiledCore(build_ext):
         try:
             super().run()
         except (CCompilerError, CompileError, ExecError, LinkError, PlatformError) as exc:
-            print(
-                f"prefixcache: compiling the core failed ({exc}); installing the Python sources "
-                "(the same code, slower; with a working C compiler, install again to compile)",
-                file=sys.stderr,
-            )
+            why = f"the C compiler failed ({exc})".replace("\n", " ")
+            fall_back(why, None if self.inplace else self.build_lib)
             return  # no digest: the sources run
         if not self.extensions:
             return
@@ -46,35 +50,47 @@ class BuildCompiledCore(build_ext):
         target.write_text(native["sources_digest"](ROOT / "prefixcache") + "\n")
 
 
+def fall_back(why: str, build_lib: str | None = None) -> None:
+    """Say in one line why the core is not compiled, and leave that line for --version: in the
+    tree (package data, which an editable install reads and a wheel copies) and, once the
+    package has been copied for a wheel, in that copy too."""
+    print(f"prefixcache: {why}; installing the Python sources (slower)", file=sys.stderr)
+    for target in [ROOT / NOTE] + ([Path(build_lib) / NOTE] if build_lib else []):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(why + "\n")
+
+
 def compiled_core() -> list:
     if not BUILDS.intersection(sys.argv[1:]):  # metadata only: nothing to compile
         return []
     (ROOT / DIGEST).unlink(missing_ok=True)  # the sources run until the build completes
+    (ROOT / NOTE).unlink(missing_ok=True)
     if os.environ.get("PREFIXCACHE_COMPILE", "1") == "0":
         return []
     try:
         from mypyc.build import mypycify
     except ImportError:
-        print(
-            "prefixcache: mypyc not found; installing the Python sources only "
-            "(pip install mypy, then install again to compile)",
-            file=sys.stderr,
-        )
+        fall_back("mypyc was not found (pip install mypy, then install again to compile)")
         return []
 
     def source(module: str) -> str:
         return str(native["source_path"](module, Path("prefixcache")))
 
-    compiled = mypycify(
-        [
-            "--config-file",
-            "pyproject.toml",
-            "--ignore-missing-imports",
-            *map(source, native["COMPILED_MODULES"]),
-        ],
-        group_name=native["GROUP_NAME"],
-        opt_level="3",
-    )
+    try:  # mypyc prints mypy's errors, then exits
+        compiled = mypycify(
+            [
+                "--config-file",
+                "pyproject.toml",
+                "--ignore-missing-imports",
+                "--follow-imports=silent",  # errors in the compiled modules only
+                *map(source, native["COMPILED_MODULES"]),
+            ],
+            group_name=native["GROUP_NAME"],
+            opt_level="3",
+        )
+    except SystemExit as exc:
+        fall_back(f"mypyc refused the compiled modules (exit status {exc.code}; errors above)")
+        return []
     helpers = [Extension(m, [source(m)], extra_compile_args=["-O2"]) for m in native["C_HELPERS"]]
     return [*compiled, *helpers]
 

@@ -74,6 +74,11 @@ class MalformedJSONError(InvalidRequestBodyError):
     """A service request body is not JSON at all (HTTP 400)."""
 
 
+class MissingDependencyError(PrefixCacheError, ImportError):
+    """An optional dependency needed for this output is not installed; the message names the
+    extra that brings it (``pip install 'prefixcache[report]'``)."""
+
+
 class NoHealthyReplicaError(PrefixCacheError, RuntimeError):
     """Every replica that serves the request's namespace is marked down (failed requests or
     health probes); retry once one is back, in about ``retry_after_s`` seconds."""

@@ -11,10 +11,15 @@ when:
   checkout``): the digest of the sources taken at build time no longer matches, so stale
   compiled code never runs; ``make install`` compiles again.
 
-All compiled modules share one library and use each other's classes directly, so the choice is
-all or nothing. It covers the C helpers in ``C_HELPERS`` too: small extension modules written in C
-(no Python source) whose callers fall back to Python code when they cannot be imported; while
-the sources are in charge, importing them fails. Only the standard library is used here:
+All compiled modules share one library (``prefixcache/_core__mypyc.*.so``, inside the package, so
+an editable checkout and a wheel find it alike) and use each other's classes directly, so the
+choice is all or nothing: a library that is missing or fails to load leaves the sources in
+charge, and ``reason`` says why. A build that could not compile (no C compiler, a type error
+in the compiled modules) leaves a note (``BUILD_NOTE_FILE``) that ``reason`` repeats.
+
+The choice covers the C helpers in ``C_HELPERS`` too: small extension modules written in C (no
+Python source) whose callers fall back to Python code when they cannot be imported; while the
+sources are in charge, importing them fails. Only the standard library is used here:
 ``setup.py`` loads this file on its own.
 """
 
@@ -57,8 +62,10 @@ COMPILED_MODULES = (
 )
 # C extension modules built with them: a C source each, callers import them or fall back
 C_HELPERS = ("prefixcache.blocks._token_pack",)
-GROUP_NAME = "prefixcache_core"  # the shared library: prefixcache_core__mypyc.*.so
+GROUP_NAME = "prefixcache._core"  # the shared library: prefixcache/_core__mypyc.*.so
+SHARED_LIBRARY = GROUP_NAME + "__mypyc"
 DIGEST_FILE = "native_sources.sha256"  # written by setup.py next to this file
+BUILD_NOTE_FILE = "native_build_failed.txt"  # written by setup.py when compiling failed
 PURE_ENV = "PREFIXCACHE_PURE_PYTHON"
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -92,9 +99,9 @@ def sources_digest(package_dir: Path = _PACKAGE) -> str:
 
 
 def compiled_build_installed() -> bool:
-    """Whether every one of ``COMPILED_MODULES`` and ``C_HELPERS`` has a compiled file beside
-    its source."""
-    for module in COMPILED_MODULES + C_HELPERS:
+    """Whether the shared library and every one of ``COMPILED_MODULES`` and ``C_HELPERS`` have a
+    compiled file beside their sources."""
+    for module in (SHARED_LIBRARY, *COMPILED_MODULES, *C_HELPERS):
         spec = importlib.machinery.PathFinder.find_spec(module, [str(source_path(module).parent)])
         if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
             return False
@@ -120,11 +127,24 @@ class _SourcesFirst(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, source)
 
 
+def build_failure(package_dir: Path = _PACKAGE) -> str:
+    """What stopped the last install from compiling (one line), or "" when nothing did."""
+    try:
+        return (package_dir / BUILD_NOTE_FILE).read_text().strip().splitlines()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def choose_build() -> CoreBuild:
     """Decide once which build runs, installing the sources-first finder when the compiled one
     must not. Call before importing any of ``COMPILED_MODULES``."""
     if not compiled_build_installed():  # none, or part of one (a build that stopped midway)
-        why = "Python sources (no compiled build is installed)"
+        failure = build_failure()
+        why = (
+            f"Python sources (the compiled build failed at install: {failure})"
+            if failure
+            else "Python sources (no compiled build is installed)"
+        )
     elif os.environ.get(PURE_ENV, "") not in ("", "0"):
         why = f"Python sources ({PURE_ENV} is set; a compiled build is installed)"
     else:
@@ -132,13 +152,22 @@ def choose_build() -> CoreBuild:
             built = (_PACKAGE / DIGEST_FILE).read_text().strip()
         except OSError:
             built = ""
-        if built == sources_digest():
-            return CoreBuild(
-                True,
-                f"compiled with mypyc ({len(COMPILED_MODULES)} modules) and C "
-                f"({', '.join(m.rsplit('.', 1)[1] for m in C_HELPERS)})",
+        if built != sources_digest():
+            why = (
+                "Python sources (the compiled files were not built from these sources; "
+                "make install)"
             )
-        why = "Python sources (the compiled files were not built from these sources; make install)"
+        else:
+            try:  # the library every compiled module loads: a wrong ABI or a torn file fails here
+                importlib.import_module(SHARED_LIBRARY)
+            except (ImportError, OSError) as exc:
+                why = f"Python sources (the compiled library could not be loaded: {exc})"
+            else:
+                return CoreBuild(
+                    True,
+                    f"compiled with mypyc ({len(COMPILED_MODULES)} modules) and C "
+                    f"({', '.join(m.rsplit('.', 1)[1] for m in C_HELPERS)})",
+                )
     if not any(isinstance(f, _SourcesFirst) for f in sys.meta_path):
         sys.meta_path.insert(0, _SourcesFirst())
     return CoreBuild(False, why)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 
@@ -14,7 +14,8 @@ from prefixcache.errors import InvalidArgumentError, InvalidTokensError
 MAX_TOKEN_ID: Final = 2**31 - 1
 _INT32 = np.dtype("<i4")
 
-TokenIds = Sequence[int] | np.ndarray | Any  # Any covers torch.Tensor without importing torch
+# Any covers torch.Tensor without importing torch
+TokenIds: TypeAlias = Sequence[int] | np.ndarray | Any
 
 # In C, built with the compiled core (None while the Python sources are in charge): a list of
 # plain ints straight to bytes, about a fifth of struct's cost per token; and the range check of

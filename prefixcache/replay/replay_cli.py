@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.errors import ConfigError, MissingDependencyError, PrefixCacheError
 from prefixcache.replay.replay_options import add_replay_parser, sweep_configs
 
 EXIT_STRICT = 3  # --strict: the run finished but some requests were rejected, or it overloaded
@@ -83,6 +83,8 @@ def _render_rich_report(run_dir: Path) -> None:
         from prefixcache.report import render_all
 
         render_all(run_dir)
+    except MissingDependencyError as exc:  # the rest is written; its message says the fix
+        print(f"note: report.html not written: {exc}", file=sys.stderr)
     except ImportError as exc:  # report.json and the CSVs are written; say what is missing
         print(
             f"note: rich report not written ({exc}); "

@@ -156,7 +156,10 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _serving_args(rp: argparse.ArgumentParser) -> None:
     serving = rp.add_argument_group("serving mode")
     serving.add_argument(
-        "--gpu", default="h100-sxm", help=f"GPU of the cost model: {', '.join(gpu_names())}"
+        "--gpu",
+        default="h100-sxm",
+        help=f"GPU of the cost model: {', '.join(gpu_names())}; with --model it also prices "
+        "the GPU time saved (h100-sxm)",
     )
     serving.add_argument(
         "--gpu-profile",
@@ -296,10 +299,10 @@ def sweep_configs(args: argparse.Namespace) -> list[ReplayConfig]:
     if (args.replicas or args.routing) and args.mode != "serving":
         raise ConfigError("--replicas and --routing need --mode serving")
     tiered = any(args.host_memory or []) or any(args.pool_memory or [])  # at any sweep point
-    if args.mode != "serving" and args.gpu != ReplayConfig().gpu and not tiered:
+    if args.mode != "serving" and args.gpu != ReplayConfig().gpu and not tiered and not args.model:
         raise ConfigError(
-            "--gpu needs --mode serving (or a memory tier, whose load-or-recompute rule prices "
-            "recompute on it)"
+            "--gpu needs --model (it prices the GPU time the hits saved), --mode serving, or a "
+            "memory tier (whose load-or-recompute rule prices recompute on it)"
         )
     for flag, bandwidth, memory in (
         ("host", args.host_bw, args.host_memory),

@@ -21,7 +21,7 @@ import prefixcache
 from prefixcache.atomic_files import atomic_open, write_text_atomic
 from prefixcache.errors import ConfigError
 from prefixcache.manager.stats import CacheStats
-from prefixcache.replay.model_specs import ModelConfig
+from prefixcache.replay.model_specs import DEFAULT_COMPUTE_EFFICIENCY, ModelConfig, get_gpu
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.request_rows import format_number, write_requests_csv
@@ -210,9 +210,26 @@ class ReplayResult:
             )
         bpb = self.config.bytes_per_block
         shared = max(0, acc.logical_peak - acc.physical_peak)
+        kv_reused = gpu_seconds = basis = None
+        if model is not None and flops is not None:
+            # the serving roofline's GPU, or the one --gpu names (h100-sxm), at its efficiency
+            gpu = self.config.gpu or get_gpu(self.config.options.gpu)
+            efficiency = gpu.compute_efficiency or DEFAULT_COMPUTE_EFFICIENCY
+            kv_reused = tot.hit_tokens * model.kv_bytes_per_token
+            gpu_seconds = flops / (gpu.peak_flops * efficiency)
+            basis = {
+                "model": model.name,
+                "kv_bytes_per_token": model.kv_bytes_per_token,
+                "gpu": gpu.name,
+                "peak_flops": gpu.peak_flops,
+                "compute_efficiency": efficiency,
+            }
         return {
             "prefill_tokens_saved": tot.hit_tokens,
             "flops_saved_estimate": flops,
+            "kv_bytes_not_recomputed": kv_reused,
+            "gpu_seconds_saved_estimate": gpu_seconds,
+            "estimate_basis": basis,
             "logical_blocks_peak": acc.logical_peak,
             "physical_blocks_peak": acc.physical_peak,
             "sharing_factor": acc.logical_peak / acc.physical_peak if acc.physical_peak else 1.0,

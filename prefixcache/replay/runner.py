@@ -16,11 +16,12 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prefixcache.errors import MissingDependencyError
 from prefixcache.replay.progress import LINE_TRACE_KINDS, Progress, count_lines, counted
 from prefixcache.replay.progress import enabled as progress_enabled
 from prefixcache.replay.run_config import ReplayConfig, ResolvedConfig
@@ -69,8 +70,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     stats = mgr.stats
     with _no_automatic_gc():
         if config.is_fleet:
-            from prefixcache.replay.sim.fleet_replay import run_fleet
-
+            run_fleet = _fleet_replay()
             finished = False
             try:
                 fleet = run_fleet(requests, lambda: iter(arrivals), acc, resolved, bar)
@@ -117,6 +117,21 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     return ReplayResult(
         info, resolved, source.seed, acc, stats, elapsed, serving, truncated, extra=extra
     )
+
+
+def _fleet_replay() -> Callable[..., Any]:
+    """The fleet simulation, which runs the service's own event path (ZMQ's and msgpack's
+    libraries, from the service extra)."""
+    try:
+        from prefixcache.replay.sim.fleet_replay import run_fleet
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in ("zmq", "msgspec"):
+            raise
+        raise MissingDependencyError(
+            f"a fleet replay (--replicas, --routing) runs the service's KV event path, which "
+            f"needs {exc.name}: pip install 'prefixcache[service]'"
+        ) from None
+    return run_fleet
 
 
 @contextmanager

@@ -125,6 +125,18 @@ _ALL = (
         "heads). Ignores how efficiently real kernels run.",
     ),
     Definition(
+        "gpu_seconds_saved",
+        "GPU time saved (estimate)",
+        "FLOPs saved ÷ (the GPU's dense BF16 peak × its compute efficiency): the prefill time "
+        "the hits spared, on one GPU of the kind the note under Savings names.",
+    ),
+    Definition(
+        "kv_bytes_not_recomputed",
+        "KV bytes not recomputed",
+        "Hit tokens × the model's K/V bytes per token: the K/V that the cache supplied instead "
+        "of prefill writing it again.",
+    ),
+    Definition(
         "logical_blocks",
         "Logical blocks (peak)",
         "Most blocks referenced by requests at one time, a shared block counted once per "

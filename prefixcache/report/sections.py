@@ -223,13 +223,27 @@ def savings(run: Run) -> Section:
     r, s = run.report, run.report["savings"]
     flops = s["flops_saved_estimate"]
     kv = s["kv_bytes_saved_by_sharing"]
+    basis = s.get("estimate_basis")  # runs written before these figures have none
+    no_model = "no model given (--model)"
     fields = [
         Field("Prefill tokens saved", fmt.count(s["prefill_tokens_saved"]), "prefill_tokens_saved"),
         Field(
             "FLOPs saved",
             fmt.flops(flops),
             "flops_saved",
-            "estimate" if flops is not None else "no model given",
+            "estimate" if flops is not None else no_model,
+        ),
+        Field(
+            "GPU time saved",
+            gpu_seconds(s.get("gpu_seconds_saved_estimate")),
+            "gpu_seconds_saved",
+            "estimate" if basis else no_model,
+        ),
+        Field(
+            "KV bytes not recomputed",
+            fmt.nbytes(s.get("kv_bytes_not_recomputed")),
+            "kv_bytes_not_recomputed",
+            "" if basis else no_model,
         ),
         Field("Logical blocks (peak)", fmt.count(s["logical_blocks_peak"]), "logical_blocks"),
         Field("Physical blocks (peak)", fmt.count(s["physical_blocks_peak"]), "physical_blocks"),
@@ -252,7 +266,26 @@ def savings(run: Run) -> Section:
         Field("Evicted blocks", fmt.count(r["evicted_blocks"]), "evicted_blocks"),
         Field("Peak blocks in use", fmt.count(r["peak_blocks_in_use"]), "peak_blocks_in_use"),
     ]
-    return Section("savings", "Savings", fields=fields)
+    notes = [estimate_basis(basis)] if basis else []
+    return Section("savings", "Savings", fields=fields, notes=notes)
+
+
+def gpu_seconds(x: float | None) -> str:
+    """GPU time: seconds, or hours past a few of them."""
+    if x is None or x < 3 * 3600:
+        return fmt.seconds(x)
+    return f"{x / 3600:,.1f} GPU-hours"
+
+
+def estimate_basis(basis: dict[str, Any]) -> str:
+    """The assumptions behind the savings estimates, said once."""
+    return (
+        f"Estimates assume {basis['model']} ({fmt.nbytes(basis['kv_bytes_per_token'])} of KV "
+        f"per token) and prefill on one {basis['gpu']} at "
+        f"{basis['compute_efficiency']:.0%} of its {basis['peak_flops'] / 1e12:,.0f} TFLOP/s "
+        "dense BF16 peak (--model, --gpu; a GPU profile from prefixcache calibrate sets the "
+        "measured efficiency in serving mode)."
+    )
 
 
 def top_prefixes(run: Run) -> Section:

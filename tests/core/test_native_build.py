@@ -105,3 +105,114 @@ def test_without_source_files_the_usual_importers_load_the_package(monkeypatch, 
     # a zip, sourceless (.pyc only) or frozen install has no .py files to load instead
     monkeypatch.setattr(native, "source_path", lambda module, package_dir=None: tmp_path / "no.py")
     assert native._SourcesFirst().find_spec("prefixcache.blocks.radix", None) is None
+
+
+def _copy_package(target: Path) -> Path:
+    """The installed package folder copied to ``target`` (compiled files and all)."""
+    package = target / "prefixcache"
+    shutil.copytree(
+        Path(prefixcache.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return package
+
+
+def _build_of_copy(root: Path) -> str:
+    """``CORE_BUILD`` as a fresh interpreter sees it, importing the package from ``root`` alone
+    (the project not installed there: no path but the folder and the standard library)."""
+    code = (
+        f"import sys; sys.path[:0] = [{str(root)!r}, *{_deps()!r}]\n"
+        "import prefixcache; b = prefixcache.CORE_BUILD; print(b.compiled, b.reason)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (native.PURE_ENV, "PYTHONPATH")}
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def _deps() -> list[str]:
+    """Where numpy and xxhash come from (the copy needs them, not the project's install)."""
+    import numpy
+    import xxhash
+
+    return sorted({str(Path(m.__file__).parents[1]) for m in (numpy, xxhash)})
+
+
+def test_the_compiled_library_lives_inside_the_package() -> None:
+    found = [p.name for p in Path(prefixcache.__file__).parent.glob("_core__mypyc*")]
+    if not native.compiled_build_installed():
+        pytest.skip("no compiled build installed (PREFIXCACHE_COMPILE=0 or no mypyc)")
+    assert found, "the shared library of the compiled modules is not in the package folder"
+    assert not list(ROOT.glob("prefixcache_core__mypyc*")), "a library outside the package"
+
+
+def test_the_package_folder_alone_loads_the_compiled_build(tmp_path: Path) -> None:
+    # any Python that imports the package folder (a copy, the project not installed) finds it
+    if not prefixcache.CORE_BUILD.compiled:
+        pytest.skip(f"the compiled build is not in charge: {prefixcache.CORE_BUILD.reason}")
+    _copy_package(tmp_path)
+    assert _build_of_copy(tmp_path).startswith("True compiled with mypyc")
+
+
+def test_a_library_that_cannot_load_leaves_the_sources_in_charge(tmp_path: Path) -> None:
+    if not prefixcache.CORE_BUILD.compiled:
+        pytest.skip(f"the compiled build is not in charge: {prefixcache.CORE_BUILD.reason}")
+    package = _copy_package(tmp_path)
+    (library,) = package.glob("_core__mypyc*")
+    library.write_bytes(b"not a shared library")  # a torn copy, another ABI's file
+    build = _build_of_copy(tmp_path)
+    assert build.startswith("False Python sources (the compiled library could not be loaded"), build
+
+
+def test_a_failed_build_says_why(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / native.BUILD_NOTE_FILE).write_text("the C compiler failed (gcc: not found)\n")
+    assert native.build_failure(tmp_path) == "the C compiler failed (gcc: not found)"
+    assert native.build_failure(tmp_path / "elsewhere") == ""
+    monkeypatch.setattr(
+        sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, native._SourcesFirst)]
+    )
+    monkeypatch.setattr(native, "compiled_build_installed", lambda: False)
+    monkeypatch.setattr(native, "build_failure", lambda: "mypyc refused the compiled modules")
+    build = native.choose_build()
+    assert not build.compiled
+    assert build.reason == (
+        "Python sources (the compiled build failed at install: mypyc refused the compiled modules)"
+    )
+
+
+def test_an_install_without_mypyc_says_so_and_runs_the_sources(tmp_path: Path) -> None:
+    # setup.py as pip runs it, on a copy of the project, with mypyc not importable: the build
+    # goes on with the sources, says why in one line, and --version repeats it
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copyfile(ROOT / name, tmp_path / name)
+    shutil.copytree(
+        ROOT / "prefixcache",
+        tmp_path / "prefixcache",
+        ignore=shutil.ignore_patterns("__pycache__", "*.so", native.DIGEST_FILE),
+    )
+    code = (
+        "import sys; sys.modules['mypyc'] = sys.modules['mypyc.build'] = None\n"
+        "sys.argv = ['setup.py', 'build_ext', '--inplace']\n"
+        "import runpy; runpy.run_path('setup.py', run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (native.PURE_ENV, "PYTHONPATH")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("prefixcache:")]
+    assert said == [
+        "prefixcache: mypyc was not found (pip install mypy, then install again to compile); "
+        "installing the Python sources (slower)"
+    ]
+    assert not (tmp_path / "prefixcache" / native.DIGEST_FILE).exists()
+    assert native.build_failure(tmp_path / "prefixcache").startswith("mypyc was not found")
+    build = _build_of_copy(tmp_path)
+    assert build.startswith(
+        "False Python sources (the compiled build failed at install: mypyc was not found"
+    ), build

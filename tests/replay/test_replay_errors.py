@@ -4,6 +4,8 @@ half-written run."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -213,7 +215,7 @@ def test_an_out_dir_the_system_refuses_is_one_error_line(
 @pytest.mark.parametrize(
     ("source", "flags", "needle"),
     [
-        (SCENARIO, ["--gpu", "h200"], "--gpu needs --mode serving"),
+        (SCENARIO, ["--gpu", "h200"], "--gpu needs --model (it prices the GPU time"),
         (SCENARIO, ["--token-budget", "5"], "--token-budget and --max-seqs need --mode serving"),
         (SCENARIO, ["--max-seqs", "3"], "--token-budget and --max-seqs need --mode serving"),
         (SCENARIO, ["--trace-format", "mooncake"], "--trace-format: only for traces"),
@@ -360,3 +362,26 @@ def test_bad_numbers_of_analyze_and_export_name_their_option(
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"argument {flag}:" in last and "Traceback" not in last
+
+
+@pytest.mark.parametrize("missing", ["zmq", "msgspec"])
+def test_a_fleet_replay_without_the_service_extra_names_it(tmp_path: Path, missing: str) -> None:
+    # a library-only install (no [service]): one error line naming the extra, no traceback
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "from prefixcache.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = [SCENARIO, "--blocks", "64", "--mode", "serving", "--replicas", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "replay", *args, "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "prefixcache replay: error: a fleet replay (--replicas, --routing) runs the service's KV "
+        f"event path, which needs {missing}: pip install 'prefixcache[service]'\n"
+    )
+    assert not (tmp_path / "run").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prefixcache.atomic_files import write_text_atomic
-from prefixcache.errors import PrefixCacheError
+from prefixcache.errors import MissingDependencyError
 from prefixcache.report.definitions import DEFINITIONS
 from prefixcache.report.document import Document, Field, Section, Table
 from prefixcache.report.render.text_formats import render_markdown
@@ -35,10 +35,6 @@ WIDE_INCHES = 10.0  # plots at least this wide span the whole section
 SIDE_TABLE_COLUMNS = 5  # wider tables take the full width, with the plots below them
 SPLIT_FIELDS = 6  # more full-width figures than this are shown in two columns
 Plotter = Callable[[Run], tuple[str, bool]]
-
-
-class MissingDependencyError(PrefixCacheError, ImportError):
-    """An optional dependency needed for this output is not installed."""
 
 
 def _plotters() -> dict[str, Plotter]:

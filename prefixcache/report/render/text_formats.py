@@ -157,6 +157,13 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
     if s["flops_saved_estimate"] is not None:
         saved += f", {s['flops_saved_estimate']:.3g} FLOPs"
     lines.append(saved)
+    basis = s.get("estimate_basis")
+    if basis:
+        lines.append(
+            f"  estimated       {s['gpu_seconds_saved_estimate']:,.0f} GPU-seconds and "
+            f"{fmt.nbytes(s['kv_bytes_not_recomputed'])} of K/V not recomputed "
+            f"({basis['model']}, {basis['gpu']} at {basis['compute_efficiency']:.0%} of peak)"
+        )
     tiers = r.get("tiers")
     if tiers:
         lines.append(
