@@ -1,7 +1,7 @@
 """The host tier's cost: manager time per admission with the tier on and off, and the K/V copy
 bandwidth of ``PagedKVCache`` transfers.
 
-    python bench/host_tier.py [--requests 4000] [--repeats 5]
+    python bench/host_tier.py [--requests 4000] [--repeats 5] [--copies-only]
 
 Manager: prompts from 64 families (an 8-block shared prefix and a 1-3 block private tail, 16-token
 blocks) against a GPU pool of 256 blocks, which holds about a third of the working set, so most
@@ -14,7 +14,10 @@ for them: the time the tier adds and the blocks it moved (loaded, and offloaded 
 so what one block moved costs.
 
 Copies: one ``start_transfers`` of 64 offloads and 64 loads across 8 layers of [16, 8, 128] fp16
-K and V (0.5 MiB per block), on the CPU here (a CUDA device is used when there is one).
+K and V (0.5 MiB per block), on the CPU here (a CUDA device is used when there is one). On a GPU
+also each direction alone (offloads: device to pinned host; loads: pinned host to device) and,
+as the same run's ceiling, one 256 MiB copy each way between pinned host memory and the device.
+``--copies-only`` skips the manager part.
 """
 
 from __future__ import annotations
@@ -71,8 +74,9 @@ def per_admission(prompts: list[np.ndarray], host_blocks: int) -> Pass:
     return out
 
 
-def copy_bandwidth(blocks: int, repeats: int) -> tuple[float, str]:
-    """Bytes per second of one start_transfers of ``blocks`` offloads and ``blocks`` loads."""
+def copy_bandwidth(blocks: int, repeats: int, direction: str = "both") -> tuple[float, str]:
+    """Bytes per second of one start_transfers of ``blocks`` offloads and ``blocks`` loads
+    (``direction`` "offload" or "load": that direction's ``blocks`` alone)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     layers, hkv, d = 8, 8, 128
     kv = PagedKVCache(
@@ -83,9 +87,10 @@ def copy_bandwidth(blocks: int, repeats: int) -> tuple[float, str]:
     for _ in range(repeats):
         gpu = rng.permutation(4 * blocks)[: 2 * blocks].tolist()
         host = rng.permutation(4 * blocks)[: 2 * blocks].tolist()
+        offloads = list(map(Offload, gpu[:blocks], host[:blocks]))
+        loads = list(map(Load, host[blocks:], gpu[blocks:]))
         transfers = Transfers(
-            list(map(Offload, gpu[:blocks], host[:blocks])),
-            list(map(Load, host[blocks:], gpu[blocks:])),
+            offloads if direction != "load" else [], loads if direction != "offload" else []
         )
         if device == "cuda":
             torch.cuda.synchronize()
@@ -96,8 +101,41 @@ def copy_bandwidth(blocks: int, repeats: int) -> tuple[float, str]:
         if device == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    moved = 2 * blocks * PagedKVCache.bytes_per_block(layers, P, hkv, d, 2)
-    return moved / best, device
+    moved = (1 if direction != "both" else 2) * blocks
+    return moved * PagedKVCache.bytes_per_block(layers, P, hkv, d, 2) / best, device
+
+
+def pinned_copy_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
+    """(host to device, device to host) bytes per second of one ``nbytes`` copy between pinned
+    host memory and the GPU: the ceiling for the tier's transfers."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = []
+    for dst, src in ((dev, host), (host, dev)):
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first is a warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        rates.append(nbytes / best)
+    return rates[0], rates[1]
+
+
+def print_copies(repeats: int) -> None:
+    bandwidth, device = copy_bandwidth(64, repeats)
+    print(f"start_transfers, 64 offloads + 64 loads on {device}: {bandwidth / 1e9:.2f} GB/s")
+    if device != "cuda":
+        return
+    offload, _ = copy_bandwidth(64, repeats, "offload")
+    load, _ = copy_bandwidth(64, repeats, "load")
+    h2d, d2h = pinned_copy_bandwidth(256 << 20, repeats)
+    print(
+        f"start_transfers, one direction: 64 loads (pinned host -> device) {load / 1e9:.2f} GB/s "
+        f"({load / h2d:.0%} of one 256 MiB copy, {h2d / 1e9:.2f} GB/s); 64 offloads (device -> "
+        f"pinned host) {offload / 1e9:.2f} GB/s ({offload / d2h:.0%} of {d2h / 1e9:.2f} GB/s)"
+    )
 
 
 def main() -> None:
@@ -105,7 +143,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--copies-only", action="store_true", help="only the copy bandwidths")
     args = parser.parse_args()
+    if args.copies_only:
+        print_copies(args.repeats)
+        return
     prompts = workload(args.requests)
     passes: dict[int, list[Pass]] = {0: [], 1024: []}
     for _ in range(args.repeats):  # alternate, so both see the same machine load
@@ -147,8 +189,7 @@ def main() -> None:
         )
     gpu_hits = passes[0][-1].mgr.stats.hit_blocks
     print(f"tier off: hit blocks {gpu_hits} of {st.lookup_blocks}")
-    bandwidth, device = copy_bandwidth(64, args.repeats)
-    print(f"start_transfers, 64 offloads + 64 loads on {device}: {bandwidth / 1e9:.2f} GB/s")
+    print_copies(args.repeats)
 
 
 if __name__ == "__main__":

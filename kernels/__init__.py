@@ -12,14 +12,19 @@ from prefixcache.errors import (
     TritonUnavailableError,
     UnsupportedConfigError,
 )
-from prefixcache.kernels.attention import paged_attention, workspace_size
+from prefixcache.kernels.attention import paged_attention, plan_shared_prefix, workspace_size
 from prefixcache.kernels.backend import (
     Backend,
     interpreter_enabled,
     resolve_backend,
     triton_available,
 )
-from prefixcache.kernels.cascade import PrefixGroup, find_prefix_groups, group_shared_prefixes
+from prefixcache.kernels.cascade import (
+    CascadePlan,
+    PrefixGroup,
+    find_prefix_groups,
+    group_shared_prefixes,
+)
 from prefixcache.kernels.config import AttentionConfig, choose_config
 from prefixcache.kernels.reference import (
     gather_kv,
@@ -32,6 +37,7 @@ from prefixcache.kernels.store import store_kv
 __all__ = [
     "AttentionConfig",
     "Backend",
+    "CascadePlan",
     "KernelDTypeError",
     "KernelInputError",
     "PrefixGroup",
@@ -43,6 +49,7 @@ __all__ = [
     "group_shared_prefixes",
     "interpreter_enabled",
     "paged_attention",
+    "plan_shared_prefix",
     "reference_attention",
     "reference_paged_attention",
     "reference_store_kv",

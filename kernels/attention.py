@@ -28,6 +28,7 @@ from prefixcache.kernels.attention_launch import (
 )
 from prefixcache.kernels.backend import Backend, resolve_backend
 from prefixcache.kernels.cascade import (
+    CascadePlan,
     PrefixGroup,
     build_plan,
     check_groups,
@@ -51,7 +52,7 @@ from prefixcache.kernels.validation import (
 _LOG2E = 1.4426950408889634
 FP8_MIN_CAPABILITY = (8, 9)
 
-SharedPrefix = Literal["auto"] | Sequence[PrefixGroup] | None
+SharedPrefix = Literal["auto"] | Sequence[PrefixGroup] | CascadePlan | None
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -114,6 +115,8 @@ def paged_attention(
     explicit ``PrefixGroup``s are also accepted; None (default) reads every sequence's keys on
     its own. Planning reads the index tensors on the host, so this path is eager only, and
     explicit groups are checked (in range, disjoint, really shared) even with ``validate=False``.
+    A ``CascadePlan`` from ``plan_shared_prefix`` skips the planning: no host reads, so the call
+    can be captured in a CUDA graph (it still allocates its two passes' outputs).
 
     k_cache / v_cache may be fp8 (uint8 holding e4m3 bits, or float8_e4m3fn): keys and values
     are dequantized on load as ``k_scale * k`` and ``v_scale * v``; q stays fp32/fp16/bf16. The
@@ -137,7 +140,7 @@ def paged_attention(
             f"lse must be a contiguous float32 [total_q, num_q_heads] = "
             f"{(shapes.total_q, shapes.num_q_heads)} tensor on {q.device}, got "
             + (
-                f"{lse.dtype} {tuple(lse.shape)}"
+                f"{lse.dtype} {tuple(lse.shape)} on {lse.device}"
                 if isinstance(lse, torch.Tensor)
                 else type(lse).__name__
             )
@@ -156,9 +159,13 @@ def paged_attention(
         check_workspace(workspace, q.device)
     if validate:
         max_seq_len = check_attention_values(shapes, block_tables, seq_lens, query_start_loc)
-    groups = _resolve_groups(
-        shared_prefix, shapes, block_tables, seq_lens, query_start_loc, validate=validate
-    )
+    if isinstance(shared_prefix, CascadePlan):
+        plan: CascadePlan | None = _check_plan(shared_prefix, shapes, q.device)
+    else:
+        groups = _resolve_groups(shared_prefix, shapes, block_tables, seq_lens, query_start_loc)
+        plan = (
+            build_plan(groups, block_tables, query_start_loc, shapes.block_size) if groups else None
+        )
     scale = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     out = torch.empty_like(q) if out is None else out
     use = resolve_backend(backend, q.device)  # a backend that cannot run is refused, batch or not
@@ -196,7 +203,7 @@ def paged_attention(
         max_seq_len = shapes.max_blocks * shapes.block_size  # a bound read from shapes: no sync
     qk_scale = scale * _LOG2E * (k_scale if fp8 else 1.0)
 
-    if groups:
+    if plan is not None:
         launch_cascade(
             q,
             k_cache,
@@ -204,7 +211,7 @@ def paged_attention(
             block_tables,
             seq_lens,
             query_start_loc,
-            plan=build_plan(groups, block_tables, query_start_loc, shapes.block_size),
+            plan=plan,
             shapes=shapes,
             max_seq_len=max_seq_len,
             num_splits=num_splits,
@@ -217,7 +224,9 @@ def paged_attention(
         )
         return out
 
-    cfg = config or choose_launch_config(shapes, q.device, max_seq_len, num_splits)
+    cfg = config or choose_launch_config(
+        shapes, q.device, max_seq_len, num_splits, q.element_size()
+    )
     launch_attention(
         q,
         k_cache,
@@ -237,14 +246,60 @@ def paged_attention(
     return out
 
 
-def _resolve_groups(
-    shared_prefix: SharedPrefix,
-    shapes: AttentionShapes,
+def plan_shared_prefix(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     *,
-    validate: bool,
+    block_size: int,
+    groups: Literal["auto"] | Sequence[PrefixGroup] = "auto",
+) -> CascadePlan | None:
+    """The shared-prefix plan of a batch (None when no group shares a prefix), for
+    ``paged_attention(..., shared_prefix=plan)``.
+
+    ``groups``: ``"auto"`` or explicit ``PrefixGroup``s, found or checked as ``paged_attention``
+    does (reading the index tensors on the host). The plan holds the groups' prefix blocks, their
+    members' query rows and prefix lengths: it stays valid while the batch keeps the same
+    sequences in the same order, each with as many new tokens as when planned and the same first
+    ``num_blocks`` blocks, as across the decode steps of one batch, whose every step can then
+    replay one CUDA graph.
+    """
+    shapes = AttentionShapes(
+        num_seqs=seq_lens.shape[0],
+        total_q=int(query_start_loc[-1]),
+        num_q_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+        block_size=block_size,
+        num_blocks=0,
+        max_blocks=block_tables.shape[1],
+    )
+    found = _resolve_groups(groups, shapes, block_tables, seq_lens, query_start_loc)
+    return build_plan(found, block_tables, query_start_loc, block_size) if found else None
+
+
+def _check_plan(plan: CascadePlan, shapes: AttentionShapes, device: torch.device) -> CascadePlan:
+    """KernelInputError unless ``plan`` fits this batch's sizes and device (no device reads)."""
+    if (
+        plan.prefix_row_of.shape != (shapes.total_q,)
+        or plan.kv_start.shape != (shapes.num_seqs,)
+        or plan.prefix_row_of.device != device
+        or plan.max_prefix_len > shapes.max_blocks * shapes.block_size
+    ):
+        raise KernelInputError(
+            f"shared_prefix plan is for another batch: it has {plan.prefix_row_of.shape[0]} query "
+            f"rows and {plan.kv_start.shape[0]} sequences on {plan.prefix_row_of.device}, this "
+            f"batch {shapes.total_q} and {shapes.num_seqs} on {device}"
+        )
+    return plan
+
+
+def _resolve_groups(
+    shared_prefix: Literal["auto"] | Sequence[PrefixGroup] | None,
+    shapes: AttentionShapes,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
 ) -> list[PrefixGroup]:
     if shared_prefix is None:
         return []
@@ -263,7 +318,7 @@ def _resolve_groups(
         ]
     except (TypeError, ValueError, IndexError):
         raise KernelInputError(
-            "shared_prefix must be 'auto', None or a sequence of "
+            "shared_prefix must be 'auto', None, a CascadePlan or a sequence of "
             f"PrefixGroup(seqs, num_blocks) of ints, got {shared_prefix!r}"
         ) from None
     # checked even with validate=False: the cascade path reads the tables on the host anyway

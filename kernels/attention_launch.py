@@ -44,9 +44,14 @@ _cached_config = functools.lru_cache(maxsize=4096)(choose_config)
 
 
 def choose_launch_config(
-    shapes: AttentionShapes, device: torch.device, max_seq_len: int, num_splits: int | None
+    shapes: AttentionShapes,
+    device: torch.device,
+    max_seq_len: int,
+    num_splits: int | None,
+    elem_bytes: int = 2,
 ) -> AttentionConfig:
-    """The heuristic's config for this shape on ``device`` (cached per shape and device)."""
+    """The heuristic's config for this shape on ``device`` (cached per shape and device);
+    ``elem_bytes``: the size of a query element."""
     return _cached_config(
         num_seqs=shapes.num_seqs,
         total_q=shapes.total_q,
@@ -57,6 +62,7 @@ def choose_launch_config(
         num_sms=device_num_sms(device),
         num_splits=num_splits,
         capability=device_capability(device),
+        elem_bytes=elem_bytes,
     )
 
 
@@ -128,7 +134,8 @@ def launch_cascade(
         out=suffix_out,
         lse=suffix_lse,
         shapes=shapes,
-        cfg=config or choose_launch_config(shapes, q.device, max_seq_len, num_splits),
+        cfg=config
+        or choose_launch_config(shapes, q.device, max_seq_len, num_splits, q.element_size()),
         workspace=None,
         qk_scale=qk_scale,
         v_scale=v_scale,
@@ -155,7 +162,9 @@ def launch_cascade(
         out=prefix_out,
         lse=prefix_lse,
         shapes=prefix_shapes,
-        cfg=choose_launch_config(prefix_shapes, q.device, plan.max_prefix_len, num_splits),
+        cfg=choose_launch_config(
+            prefix_shapes, q.device, plan.max_prefix_len, num_splits, q.element_size()
+        ),
         workspace=None,
         qk_scale=qk_scale,
         v_scale=v_scale,
@@ -255,6 +264,7 @@ def launch_attention(
         KV_FP8=fp8,
         # fp32 callers expect fp32 products, not TF32; ignored for fp16/bf16.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UNMASKED_TILES=cfg.unmasked_tiles,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

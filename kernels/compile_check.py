@@ -34,6 +34,8 @@ def _attention_variants() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
         ("fp16", 128, 1, 16, 64, 1, suffix),
         ("bf16", 128, 1, 16, 64, 4, suffix | {"KV_FP8": True}),
         ("fp16", 64, 16, 64, 64, 1, {"KV_FP8": True}),
+        ("bf16", 128, 32, 128, 64, 1, {"UNMASKED_TILES": False}),  # every tile masked
+        ("fp16", 128, 1, 16, 64, 4, suffix | {"UNMASKED_TILES": False}),
     ]
     for dtype, d, block_q, block_m, tile_n, splits, extra in cases:
         const = {
@@ -50,6 +52,7 @@ def _attention_variants() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
             "RETURN_LSE": False,
             "KV_FP8": False,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+            "UNMASKED_TILES": True,
             **extra,
         }
         variants.append(

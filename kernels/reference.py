@@ -54,8 +54,14 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x / scale`` saturated to +-448 and rounded to nearest-even e4m3, as float8_e4m3fn."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    """``x / scale`` saturated to +-448 and rounded to nearest-even e4m3, as float8_e4m3fn.
+
+    The division is IEEE on every device: torch divides a CUDA tensor by a Python number as a
+    multiplication by its reciprocal, which can land one ulp off and flip an e4m3 tie, so the
+    scale is a tensor on x's device here.
+    """
+    divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 
 from prefixcache.kernels.attention import check_fp8_device
 from prefixcache.kernels.backend import Backend, check_kernel_mode, resolve_backend
+from prefixcache.kernels.config import StoreConfig, choose_store_config
 from prefixcache.kernels.reference import reference_store_kv
 from prefixcache.kernels.validation import (
     check_fp8_scales,
@@ -13,8 +14,6 @@ from prefixcache.kernels.validation import (
     check_store_args,
     is_fp8,
 )
-
-_BLOCK_T = 32  # tokens per program
 
 
 def store_kv(
@@ -64,9 +63,29 @@ def store_kv(
     check_kernel_mode(store_kv_kernel, k.device)
     if fp8:
         check_fp8_device(k.device)
+    cfg = choose_store_config(num_tokens, num_kv_heads, head_dim)
+    launch_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, fp8=fp8, cfg=cfg)
+
+
+def launch_store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+    *,
+    fp8: bool,
+    cfg: StoreConfig,
+) -> None:
+    """The Triton launch behind ``store_kv`` (arguments and kernel mode checked there)."""
+    from prefixcache.kernels.triton_store import store_kv_kernel
+
+    num_tokens, num_kv_heads, head_dim = k.shape
     if fp8:  # e4m3 bits as bytes (views, no copy)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    grid = (-(-num_tokens // _BLOCK_T), num_kv_heads)
+    grid = (-(-num_tokens // cfg.block_t), num_kv_heads)
     store_kv_kernel[grid](
         k_ptr=k,
         v_ptr=v,
@@ -88,8 +107,8 @@ def store_kv(
         stride_vch=v_cache.stride(2),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=1 << (head_dim - 1).bit_length(),
-        BLOCK_SIZE=block_size,
-        BLOCK_T=_BLOCK_T,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_T=cfg.block_t,
         QUANT_FP8=fp8,
-        num_warps=4,
+        num_warps=cfg.num_warps,
     )

@@ -41,6 +41,78 @@ def _find_seq(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr)
 
 
 @triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, D] fp32 running numerator
+    m_i,  # [BLOCK_M] fp32 running max (log2 units)
+    l_i,  # [BLOCK_M] fp32 running sum of exp2
+    q,  # [BLOCK_M, D]
+    tile_lo,  # scalar: first key tile
+    tile_hi,  # scalar: one past the last key tile
+    kv_start,  # scalar: first key this program reads
+    kv_end,  # scalar: one past the last key this program reads
+    q_abs,  # [BLOCK_M] absolute position of each row's query (CAUSAL)
+    bt_row,  # [max_blocks] int32 this sequence's block table
+    k_head,  # [num_blocks, BLOCK_SIZE, D] this KV head's keys
+    v_head,  # [num_blocks, BLOCK_SIZE, D] this KV head's values
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of every tile is valid and seen by every row
+):
+    """Online softmax over key tiles ``tile_lo .. tile_hi - 1``; returns (acc, m_i, l_i)."""
+    dims = tl.arange(0, HEAD_DIM)  # [D]
+    for tile in range(tile_lo, tile_hi):
+        keys = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] absolute key positions
+        if MASKED:
+            # [TILE_N]; entries past the last used block (or before kv_start) are never read
+            key_valid = (keys < kv_end) & (keys >= kv_start)
+            blk = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_valid, other=0)  # [TILE_N]
+        else:
+            blk = tl.load(bt_row + keys // BLOCK_SIZE)  # [TILE_N]
+        blk = blk.to(tl.int64)
+        slot = (keys % BLOCK_SIZE).to(tl.int64)  # [TILE_N] offset inside the block
+        k_offs = (blk * stride_kb + slot * stride_ks)[None, :] + dims[:, None]  # [D, TILE_N]
+        v_offs = (blk * stride_vb + slot * stride_vs)[:, None] + dims[None, :]  # [TILE_N, D]
+        if MASKED:
+            k = tl.load(k_head + k_offs, mask=key_valid[None, :], other=0.0)  # [D, TILE_N]
+            v = tl.load(v_head + v_offs, mask=key_valid[:, None], other=0.0)  # [TILE_N, D]
+        else:
+            k = tl.load(k_head + k_offs)  # [D, TILE_N]
+            v = tl.load(v_head + v_offs)  # [TILE_N, D]
+        if KV_FP8:
+            # e4m3 bytes -> q dtype; k_scale is folded into qk_scale, v_scale applied at the end.
+            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # [D, TILE_N]
+            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # [TILE_N, D]
+
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if MASKED:
+            allowed = key_valid[None, :]  # [1, TILE_N]
+            if CAUSAL:
+                allowed = allowed & (keys[None, :] <= q_abs[:, None])  # [BLOCK_M, TILE_N]
+            qk = tl.where(allowed, qk, float("-inf"))  # [BLOCK_M, TILE_N]
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+            # Rows with no allowed key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # [BLOCK_M]
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M], finite: every key is allowed
+            m_shift = m_new
+        p = tl.exp2(qk - m_shift[:, None])  # [BLOCK_M, TILE_N]
+        alpha = tl.exp2(m_i - m_shift)  # [BLOCK_M] rescale of the previous tiles
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr,  # [total_q, Hq, D] q dtype or fp32 (unused with SPLIT)
     lse_ptr,  # [total_q, Hq] fp32 natural-log sum-exp, contiguous (RETURN_LSE without SPLIT)
@@ -81,6 +153,7 @@ def paged_attention_kernel(
     RETURN_LSE: tl.constexpr,  # write the row log-sum-exp (natural log) to lse_ptr
     KV_FP8: tl.constexpr,  # cache holds e4m3 bytes; dequantize on load
     DOT_PRECISION: tl.constexpr,
+    UNMASKED_TILES: tl.constexpr,  # tiles that need no mask run a loop without masks
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,34 +206,36 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)  # [BLOCK_M] running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # [BLOCK_M, D]
 
-    for tile in range(tile_lo, tile_hi):
-        keys = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] absolute key positions
-        # [TILE_N]; entries past the last used block (or before kv_start) are never read
-        key_valid = (keys < kv_end) & (keys >= kv_start)
-        blk = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)  # [TILE_N]
-        slot = (keys % BLOCK_SIZE).to(tl.int64)  # [TILE_N] offset inside the block
-        k_offs = (blk * stride_kb + slot * stride_ks)[None, :] + dims[:, None]  # [D, TILE_N]
-        k = tl.load(k_head + k_offs, mask=key_valid[None, :], other=0.0)  # [D, TILE_N]
-        v_offs = (blk * stride_vb + slot * stride_vs)[:, None] + dims[None, :]  # [TILE_N, D]
-        v = tl.load(v_head + v_offs, mask=key_valid[:, None], other=0.0)  # [TILE_N, D]
-        if KV_FP8:
-            # e4m3 bytes -> q dtype; k_scale is folded into qk_scale, v_scale applied at the end.
-            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # [D, TILE_N]
-            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # [TILE_N, D]
-
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        allowed = key_valid[None, :]  # [1, TILE_N]
+    if UNMASKED_TILES:
+        # Tiles whose keys every row of the program sees (past kv_start, below kv_end and, when
+        # causal, at or before the first row's query) run a loop without masks; the partial tile
+        # at kv_start and the tiles from the causal diagonal on keep them. Rows past q_len sit
+        # later than the first row, so they see those keys too.
         if CAUSAL:
-            allowed = allowed & (keys[None, :] <= q_abs[:, None])  # [BLOCK_M, TILE_N]
-        qk = tl.where(allowed, qk, float("-inf"))  # [BLOCK_M, TILE_N]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
-        # Rows with no allowed key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # [BLOCK_M]
-        p = tl.exp2(qk - m_shift[:, None])  # [BLOCK_M, TILE_N]
-        alpha = tl.exp2(m_i - m_shift)  # [BLOCK_M] rescale of the previous tiles
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+            full_end = tl.minimum(kv_end, context_len + q_block * BLOCK_Q + 1)  # scalar
+        else:
+            full_end = kv_end  # scalar
+        free_lo = tl.minimum(tl.maximum(tile_lo, tl.cdiv(kv_start, TILE_N)), tile_hi)  # scalar
+        free_hi = tl.maximum(tl.minimum(tile_hi, full_end // TILE_N), free_lo)  # scalar
+    else:
+        free_lo = tile_lo
+        free_hi = tile_lo
+    # [tile_lo, free_lo) masked, [free_lo, free_hi) unmasked, [free_hi, tile_hi) masked
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, tile_lo, free_lo, kv_start, kv_end, q_abs, bt_row, k_head, v_head,
+        qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+        HEAD_DIM, BLOCK_SIZE, TILE_N, CAUSAL, KV_FP8, DOT_PRECISION, True,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, free_lo, free_hi, kv_start, kv_end, q_abs, bt_row, k_head, v_head,
+        qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+        HEAD_DIM, BLOCK_SIZE, TILE_N, CAUSAL, KV_FP8, DOT_PRECISION, False,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, free_hi, tile_hi, kv_start, kv_end, q_abs, bt_row, k_head, v_head,
+        qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+        HEAD_DIM, BLOCK_SIZE, TILE_N, CAUSAL, KV_FP8, DOT_PRECISION, True,
+    )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # [BLOCK_M]; l == 0 only for empty splits
     result = acc / l_safe[:, None]  # [BLOCK_M, D]

@@ -10,8 +10,8 @@ import triton.language as tl
 def _to_e4m3_bytes(x, scale):
     """x / scale saturated to +-448 and rounded to nearest even e4m3, as its bits in uint8.
 
-    The division is IEEE round-to-nearest (``div_rn``), as torch's ``x / scale``: a reciprocal
-    multiply can land one ulp off and flip an e4m3 tie.
+    The division is IEEE round-to-nearest (``div_rn``), as the reference's: a reciprocal multiply
+    can land one ulp off and flip an e4m3 tie.
 
     Integer rounding rather than a float8 cast: exact in the interpreter too, and store_kv is
     bandwidth bound, so the few extra integer ops cost nothing.

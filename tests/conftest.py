@@ -1,5 +1,9 @@
 """Test configuration. The Triton interpreter must be enabled before anything imports triton.
 
+It is enabled only when TRITON_INTERPRET is unset: ``TRITON_INTERPRET=0 pytest tests/kernels`` on a
+machine with a CUDA GPU runs the kernel tests compiled, on CUDA tensors (bf16 and CUDA-graph cases
+included), as ``bench/gpu_all.sh`` does.
+
 The kernels live outside the package folder and are importable only from an installed package,
 so a plain checkout stops here with how to install it.
 """

@@ -20,6 +20,7 @@ from prefixcache.kernels import (
     group_shared_prefixes,
     interpreter_enabled,
     paged_attention,
+    plan_shared_prefix,
 )
 from prefixcache.kernels.cascade import find_prefix_groups
 from prefixcache.kernels.testing import PagedBatch, contiguous_attention, make_paged_batch
@@ -134,7 +135,8 @@ def test_cascade_gqa_dtypes_and_splits(
 
 def test_cascade_returns_the_merged_lse() -> None:
     b = _batch([30, 27, 12], [1, 3, 2], [None, (0, 3), None], seed=5)
-    lse, expected = torch.empty(b.q.shape[:2]), torch.empty(b.q.shape[:2])
+    lse = torch.empty(b.q.shape[:2], device=b.q.device)
+    expected = torch.empty_like(lse)
     out = _attend(b, shared_prefix="auto", lse=lse)
     _attend(b, lse=expected, backend="torch")
     _check(b, out)
@@ -231,3 +233,27 @@ def test_grouping_rule(data: tuple[list[list[int]], list[int]], min_blocks: int)
                     limit = min(usable[s] for s in bucket)
                     assert _common([tables[s] for s in bucket], limit) < min_blocks
     assert group_shared_prefixes(tables, cached, min_blocks=min_blocks) == groups  # pure
+
+
+def test_a_plan_runs_without_planning_again() -> None:
+    """plan_shared_prefix once, then shared_prefix=plan: the same output as planning each call."""
+    b = _batch([30, 27, 12], [1, 1, 1], [None, (0, 3), None], seed=11)
+    plan = plan_shared_prefix(b.block_tables, b.seq_lens, b.query_start_loc, block_size=8)
+    assert plan is not None and plan.num_groups == 1 and plan.max_prefix_len == 24
+    out = _attend(b, shared_prefix=plan, validate=False)
+    _check(b, out)
+    torch.testing.assert_close(out, _attend(b, shared_prefix="auto"), atol=0, rtol=0)
+    assert (
+        plan_shared_prefix(b.block_tables, b.seq_lens, b.query_start_loc, block_size=8, groups=[])
+        is None
+    )
+
+
+def test_a_plan_for_another_batch_is_refused() -> None:
+    b = _batch([30, 27, 12], [1, 1, 1], [None, (0, 3), None], seed=11)
+    other = _batch([30, 27], [1, 1], [None, (0, 3)], seed=11)
+    plan = plan_shared_prefix(
+        other.block_tables, other.seq_lens, other.query_start_loc, block_size=8
+    )
+    with pytest.raises(KernelInputError, match="another batch"):
+        _attend(b, shared_prefix=plan)

@@ -12,6 +12,7 @@ import torch
 from prefixcache.kernels import (
     AttentionConfig,
     TritonUnavailableError,
+    UnsupportedConfigError,
     choose_config,
     resolve_backend,
     triton_available,
@@ -58,12 +59,19 @@ def test_large_group_widens_rows() -> None:
         (64, 4096, 1),  # 512 programs already fill the GPU
         (1, 131072, MAX_SPLITS),  # 8 programs, very long: as many splits as allowed
         (8, 4096, 8),  # 64 programs, 64 tiles: occupancy asks for 8 splits
-        (2, 512, 2),  # 16 programs, 8 tiles: the length caps the split at 2
-        (2, 200, 1),  # too short to be worth a merge
+        (2, 512, 8),  # 16 programs, 8 tiles: the length caps decode at 8 splits, a tile each
+        (16, 1024, 4),  # 128 programs: occupancy asks for 4 splits of 4 tiles
+        (2, 64, 1),  # a single tile: nothing to split
     ],
 )
 def test_split_heuristic(num_seqs: int, max_seq_len: int, expected: int) -> None:
     assert _cfg(num_seqs, num_seqs, max_seq_len).num_splits == expected
+
+
+def test_extend_splits_keep_four_tiles_each() -> None:
+    """Only decode splits down to one tile; extend programs keep MIN_TILES_PER_SPLIT."""
+    assert _cfg(2, 16, 512).num_splits == 4  # 8 tokens each: 16 tiles of 32 keys, 4 a split
+    assert _cfg(2, 2, 512).num_splits == 8  # decode, 8 tiles of 64 keys: one a split
 
 
 def test_no_split_without_gpu_and_forced_split() -> None:
@@ -156,8 +164,27 @@ def test_hopper_tiles(
     assert cfg.block_m == expected_rows
     assert cfg.block_q * group == cfg.block_m
     if expected_rows == 128:
-        assert (cfg.tile_n, cfg.num_warps) == (64, 8)
+        assert (cfg.tile_n, cfg.num_warps, cfg.num_stages) == (64, 4, 3)
     cfg.validate(group)
+
+
+def test_hopper_fp32_tiles_fit_two_stages() -> None:
+    """fp32 tiles are twice as large: three pipeline stages would not fit in shared memory."""
+    cfg = _cfg(4, 4096, 8192, capability=H200, elem_bytes=4)
+    assert (cfg.block_m, cfg.tile_n, cfg.num_warps, cfg.num_stages) == (128, 64, 8, 2)
+
+
+def test_store_config_is_a_pure_choice() -> None:
+    from prefixcache.kernels.config import StoreConfig, choose_store_config
+
+    assert choose_store_config(65536, 8, 128) == choose_store_config(65536, 8, 128)
+    assert choose_store_config(1, 1, 64) == StoreConfig(32, 4)
+
+
+def test_unmasked_tiles_flag_is_checked() -> None:
+    AttentionConfig(1, 16, 16, unmasked_tiles=False).validate(group=4)
+    with pytest.raises(UnsupportedConfigError, match="unmasked_tiles"):
+        AttentionConfig(1, 16, 16, unmasked_tiles=1).validate(group=4)  # type: ignore[arg-type]
 
 
 def test_hopper_decode_unchanged() -> None:

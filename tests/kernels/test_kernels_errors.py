@@ -14,6 +14,7 @@ from prefixcache.kernels import (
     KernelInputError,
     TritonUnavailableError,
     UnsupportedConfigError,
+    interpreter_enabled,
     paged_attention,
     store_kv,
 )
@@ -151,6 +152,7 @@ def test_attention_rejects(
         _attend(batch, **override(batch))
 
 
+@pytest.mark.skipif(not interpreter_enabled(), reason="about the Triton interpreter")
 def test_bf16_under_the_interpreter_is_refused_or_runs_on_torch() -> None:
     # the interpreter's bf16 tl.dot returned garbage (max error 8e8) with no error
     b = make_paged_batch(
