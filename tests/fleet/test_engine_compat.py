@@ -17,7 +17,7 @@ from vllm_structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBat
 from prefixcache import CacheManager, Namespace
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.fleet.events import wire as kv_wire
-from prefixcache.fleet.events.publisher import KVEventPublisher
+from prefixcache.fleet.events.publisher import KVEventPublisher, to_wire
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
 from prefixcache.fleet.index.memory_index import MemoryFleetIndex
 
@@ -252,23 +252,58 @@ def test_the_publishers_default_bytes_decode_with_vllm_033_structs() -> None:
 
 
 def test_the_publishers_namespace_round_trips_through_the_subscriber() -> None:
-    """What the publisher sends lands under the namespace a routed request hashes to."""
+    """What the publisher sends lands under the namespace a routed request hashes to: the
+    adapter and salt from the wire, as vLLM sends them, the adapter version and extra keys
+    (which vLLM has no key for) from the replica's configured namespace."""
     mgr = CacheManager(64, P)
     events: list[Any] = []
     mgr.add_listener(events.append)
     ns = Namespace("llama", adapter="sql", adapter_version="v2", salt="t", extra=("x",))
     mgr.admit("a", TOKENS, ns)
     mgr.end_step()
-    from prefixcache.fleet.events.publisher import to_wire
-
     payload = kv_wire.encode_batch(
         kv_wire.KVEventBatch(1.0, [to_wire(e) for e in events], 0), kv_wire.WireLayout.MAP_EVENTS
     )
     assert VLLM_DECODER.decode(payload).events[0].extra_keys[0][:2] == ("sql", "t")
-    index, sub = _subscriber()
+    # exactly vLLM's keys: the LoRA name per block, cache_salt on the first; nothing more
+    assert VLLM_DECODER.decode(payload).events[0].extra_keys == [("sql", "t"), ("sql",)]
+    index = MemoryFleetIndex()
+    configured = Namespace("llama", adapter="sql", adapter_version="v2", extra=("x",))
+    sub = KVEventSubscriber(index, [ReplicaEndpoint("pod", None, None, configured, P)])
     sub.ingest("pod", 0, payload)
     assert _held(index, ns) == (2, 2)
     assert _held(index, Namespace("llama", adapter="sql", adapter_version="v2", salt="t")) == (0, 0)
+
+
+def test_extra_keys_are_what_vllm_033_sends_for_every_namespace() -> None:
+    """Per block vLLM 0.33 sends the LoRA name, then cache_salt on the block at token 0 when it
+    is not empty (``generate_block_hash_extra_keys`` through ``to_event_extra_keys``); the
+    adapter version and extra keys change the block hashes, never the keys."""
+    cases = [  # (namespace, keys of a chain's first run, keys of the run stored under it)
+        (Namespace("llama"), None, None),
+        (Namespace("llama", salt="t"), [("t",), None], None),
+        (Namespace("llama", adapter="sql"), [("sql",), ("sql",)], [("sql",)]),
+        (Namespace("llama", adapter="sql", salt="t"), [("sql", "t"), ("sql",)], [("sql",)]),
+        (Namespace("llama", adapter_version="3", extra=("x", "y")), None, None),
+        (
+            Namespace("llama", adapter="sql", adapter_version="3", salt="t", extra=("x",)),
+            [("sql", "t"), ("sql",)],
+            [("sql",)],
+        ),
+    ]
+    for ns, first_keys, next_keys in cases:
+        mgr = CacheManager(64, P)
+        events: list[Any] = []
+        mgr.add_listener(events.append)
+        mgr.admit("a", TOKENS, ns)
+        mgr.end_step()
+        mgr.admit("b", TOKENS + [7] * P, ns)  # one more block, under the first two
+        mgr.end_step()
+        payload = kv_wire.encode_batch(kv_wire.KVEventBatch(1.0, [to_wire(e) for e in events], 0))
+        first, following = VLLM_DECODER.decode(payload).events
+        assert first.extra_keys == first_keys, ns
+        assert following.parent_block_hash == first.block_hashes[-1]
+        assert following.extra_keys == next_keys, ns
 
 
 # ---- 3. media and placeholder stores ---------------------------------------------------------

@@ -7,8 +7,7 @@ import msgspec
 import pytest
 import zmq
 from fleet_support import manager_digests
-from vllm_structs import AllBlocksCleared, BlockRemoved, BlockStored
-from vllm_structs import MapKVEventBatch as KVEventBatch
+from vllm_structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, MapKVEventBatch
 
 from prefixcache import CacheManager, Namespace
 from prefixcache.errors import ConfigError, WireFormatError
@@ -38,7 +37,7 @@ class LegacyBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     events: list[LegacyStored | LegacyRemoved]
 
 
-VLLM = msgspec.msgpack.Decoder(KVEventBatch)
+VLLM = msgspec.msgpack.Decoder(KVEventBatch)  # vLLM 0.33's own decoder
 TIMEOUT_MS = 5000
 
 
@@ -70,10 +69,7 @@ def _connected(pub: KVEventPublisher, sub: zmq.Socket, mgr: CacheManager) -> Non
 @pytest.fixture
 def rig():
     mgr = CacheManager(64, 4)
-    # the map batch these structs declare (vLLM 0.33's array batch: test_engine_compat.py)
-    pub = KVEventPublisher(
-        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", layout=kv_wire.WireLayout.MAP
-    )
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv")
     pub.attach(mgr)
     sub = _sub(pub.endpoint)
     _connected(pub, sub, mgr)
@@ -104,9 +100,9 @@ def test_publisher_bytes_decode_with_vllm_structs(rig):
     assert second.token_ids == [99, 98, 97, 96] and second.extra_keys == [("sql",)]
     assert set(first.block_hashes + second.block_hashes) == manager_digests(mgr)
     assert all(isinstance(h, bytes) and len(h) == 16 for h in first.block_hashes)
-    # the raw shape: a map batch of tagged maps
+    # the raw shape: an array batch of tagged maps
     raw = msgspec.msgpack.decode(payload)
-    assert raw["events"][0]["type"] == "BlockStored"
+    assert raw[1][0]["type"] == "BlockStored"
 
     mgr.release("b")
     mgr.evict(1)
@@ -119,7 +115,7 @@ def test_vllm_encoded_bytes_decode_with_ours():
     ours = kv_wire.BatchDecoder()
     stored = BlockStored([7, b"\x01" * 16], 3, list(range(8)), 4, None, "CPU", "lora", [None, None])
     payload = msgspec.msgpack.encode(
-        KVEventBatch(1.5, [stored, BlockRemoved([7], "GPU"), AllBlocksCleared()], 2)
+        MapKVEventBatch(1.5, [stored, BlockRemoved([7], "GPU"), AllBlocksCleared()], 2)
     )
     got = ours.decode(payload)
     assert got.layout is kv_wire.WireLayout.MAP and got.ts == 1.5 and got.data_parallel_rank == 2
@@ -136,25 +132,63 @@ def test_vllm_encoded_bytes_decode_with_ours():
     assert got.events == [kv_wire.StoredBlocks([1], None, [1, 2], 2, None, None, None, None)]
 
 
+def _engine_payload(layout: kv_wire.WireLayout) -> bytes:
+    """A stored and a removed block in ``layout``, written with the engine's own structs: vLLM
+    0.33's (array batch, map events), vLLM's at commit 0181ea3 (all maps), older vLLM's and
+    SGLang's (all arrays, no rank)."""
+    stored = BlockStored([b"a" * 16], None, [5, 6], 2, None, "GPU", None)
+    removed = BlockRemoved([b"a" * 16], "GPU")
+    if layout is kv_wire.WireLayout.MAP_EVENTS:
+        return msgspec.msgpack.encode(KVEventBatch(3.0, [stored, removed], 1))
+    if layout is kv_wire.WireLayout.MAP:
+        return msgspec.msgpack.encode(MapKVEventBatch(3.0, [stored, removed], 1))
+    legacy = [LegacyStored([5], None, [5, 6], 2, None), LegacyRemoved([5])]
+    return msgspec.msgpack.encode(LegacyBatch(3.0, legacy))
+
+
 @pytest.mark.parametrize("layout", list(kv_wire.WireLayout))
-def test_every_layout_round_trips(layout):
-    batch = kv_wire.KVEventBatch(
-        3.0,
-        [
-            kv_wire.WireBlockStored([b"a" * 16], None, [5, 6], 2, None, "GPU", None),
-            kv_wire.WireBlockRemoved([b"a" * 16], "GPU"),
-        ],
-        1,
-    )
-    payload = kv_wire.encode_batch(batch, layout)
+def test_every_layout_an_engine_sends_decodes(layout):
+    payload = _engine_payload(layout)
     got = kv_wire.decode_batch(payload)
-    assert got.layout is layout and got.data_parallel_rank == 1
+    ranked = layout is not kv_wire.WireLayout.ARRAY  # the all-array batch has no rank
+    assert got.layout is layout and got.data_parallel_rank == (1 if ranked else None)
     assert [type(e) for e in got.events] == [kv_wire.StoredBlocks, kv_wire.RemovedBlocks]
     if layout is kv_wire.WireLayout.ARRAY:
         assert msgspec.msgpack.decode(payload)[1][0][0] == "BlockStored"
     if layout is kv_wire.WireLayout.MAP_EVENTS:
         raw = msgspec.msgpack.decode(payload)
         assert isinstance(raw, list) and raw[1][0]["type"] == "BlockStored"
+
+
+def test_only_the_layout_vllm_033_reads_is_sent():
+    batch = kv_wire.KVEventBatch(
+        3.0,
+        [
+            kv_wire.WireBlockStored([b"a" * 16], None, [5, 6], 2, None, "GPU", None),
+            kv_wire.WireBlockRemoved([b"a" * 16], "GPU"),
+            kv_wire.WireAllBlocksCleared(),
+        ],
+        1,
+    )
+    payload = kv_wire.encode_batch(batch)
+    assert payload == msgspec.msgpack.encode(
+        KVEventBatch(
+            3.0,
+            [
+                BlockStored([b"a" * 16], None, [5, 6], 2, None, "GPU", None),
+                BlockRemoved([b"a" * 16], "GPU"),
+                AllBlocksCleared(),
+            ],
+            1,
+        )
+    )  # byte for byte what vLLM 0.33 sends for these events
+    assert VLLM.decode(payload).events[1] == BlockRemoved([b"a" * 16], "GPU")
+    assert kv_wire.decode_batch(payload).layout is kv_wire.WireLayout.MAP_EVENTS
+    for layout in (kv_wire.WireLayout.MAP, kv_wire.WireLayout.ARRAY):
+        with pytest.raises(WireFormatError, match="read, not sent"):
+            kv_wire.encode_batch(batch, layout)
+        with pytest.raises(ConfigError, match="MAP_EVENTS"):
+            KVEventPublisher("tcp://127.0.0.1:*", layout=layout)
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,13 @@ media) (``ReplicaStream.blocks``).
 
 The namespace of a chain's first block is the endpoint's namespace with ``adapter`` set from
 ``lora_name`` (when given; its version is the one a replica dedicated to that adapter pins, as
-the router's clients name it) and the first block's ``extra_keys``: prefixcache's publisher sends
-``(name, value)`` pairs (``adapter_version``, ``salt``, ``extra``). vLLM's keys are the LoRA name
-(dropped: ``lora_name`` carries it), multimodal keys, then ``cache_salt`` on a first block: a
-single string left after the LoRA name is that salt. Any other keys become ``Namespace.extra``
-entries, each the JSON text of one key (prompts the router cannot build, as multimodal ones).
+the router's clients name it) and the first block's ``extra_keys``. vLLM's keys, which
+prefixcache's publisher sends too, are the LoRA name (dropped: ``lora_name`` carries it),
+multimodal keys, then ``cache_salt`` on a first block: a single string left after the LoRA name
+is that salt. ``(name, value)`` pairs (``adapter_version``, ``salt``, ``extra``), which
+prefixcache's publisher sent before it matched vLLM, are still read. Any other keys become
+``Namespace.extra`` entries, each the JSON text of one key (prompts the router cannot build, as
+multimodal ones).
 
 Only the main attention group (``group_idx`` 0 or absent) is indexed, for stores and removals
 alike: a hybrid model's sliding-window group evicts blocks whose hashes equal the main group's.

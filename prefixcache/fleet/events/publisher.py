@@ -11,14 +11,20 @@ it.
 How prefixcache's events map onto the wire, as vLLM 0.33 fills its fields: block hashes are the
 16-byte digests; ``medium`` is the event's (``"GPU"``, or ``"CPU"`` for the host tier);
 ``lora_name`` is the namespace's adapter and ``lora_id`` a stable positive int derived from it
-(``adapter_id``); ``extra_keys`` has one entry per block: the adapter name first, then, on the
-block that starts at token 0 (the first of a chain, ``parent_block_hash`` None), the salt as
-vLLM's ``cache_salt``, and prefixcache's own ``(name, value)`` pairs for the rest of the
-namespace (``("adapter_version", v)``, ``("extra", x)`` per extra key); a block with no keys has
-None, and an event none of whose blocks has keys has ``extra_keys`` None.
+(``adapter_id``); ``extra_keys`` is what vLLM's ``to_event_extra_keys`` makes of
+``generate_block_hash_extra_keys`` for a text prompt, one entry per block: the adapter name, then,
+on the block that starts at token 0 (the first of a chain, ``parent_block_hash`` None), the salt
+as vLLM's ``cache_salt`` (when not empty); a block with no keys has None, and an event none of
+whose blocks has keys has ``extra_keys`` None. Nothing else goes there: the rest of the
+namespace (``adapter_version``, ``extra``), which vLLM has no key for, is in the block hashes
+themselves (prefixcache's digests are seeded by the whole namespace), and a subscriber takes it
+from the replica's configuration (``ReplicaEndpoint.namespace``). Two differences remain, both
+read alike by vLLM's decoder and its consumers: a run none of whose blocks has keys sends
+``extra_keys`` None, where vLLM 0.33 sends None per block, and ``group_idx`` is left out (the
+main group), where vLLM 0.33 sends 0.
 
-The batch goes out in ``WireLayout.MAP_EVENTS`` by default, the layout vLLM 0.33's decoder
-reads; ``layout`` picks another.
+The batch goes out in ``WireLayout.MAP_EVENTS``, the layout vLLM 0.33's decoder reads; the
+older layouts are read by the subscriber but never sent (``layout`` takes no other value).
 """
 
 from __future__ import annotations
@@ -62,16 +68,6 @@ class PublisherClosedError(PrefixCacheError, RuntimeError):
     """The publisher was closed."""
 
 
-def namespace_keys(namespace: Namespace) -> tuple[tuple[str, str], ...] | None:
-    """The namespace fields vLLM has no key for, as ``(name, value)`` pairs on a chain's first
-    block: ``("adapter_version", v)``, then ``("extra", x)`` per extra key."""
-    keys: list[tuple[str, str]] = []
-    if namespace.adapter_version is not None:
-        keys.append(("adapter_version", namespace.adapter_version))
-    keys.extend(("extra", x) for x in namespace.extra)
-    return tuple(keys) or None
-
-
 def adapter_id(adapter: str) -> int:
     """The ``lora_id`` sent for ``adapter``: a stable int in 1 .. 2**31 - 1."""
     return xxhash.xxh32_intdigest(adapter.encode("utf-8")) % 0x7FFFFFFF + 1
@@ -80,18 +76,16 @@ def adapter_id(adapter: str) -> int:
 def block_extra_keys(
     namespace: Namespace, n_blocks: int, chain_start: bool
 ) -> list[tuple[Any, ...] | None] | None:
-    """``extra_keys`` of a run of ``n_blocks`` blocks as vLLM fills it: per block the adapter
-    name, then on the block at token 0 (``chain_start``) the salt and ``namespace_keys``."""
+    """``extra_keys`` of a run of ``n_blocks`` blocks as vLLM 0.33 sends it: per block the
+    adapter name, then on the block at token 0 (``chain_start``) the salt, when not empty."""
     every: tuple[Any, ...] = () if namespace.adapter is None else (namespace.adapter,)
     first = every
-    if chain_start:
-        if namespace.salt is not None:
-            first += (namespace.salt,)
-        first += namespace_keys(namespace) or ()
-    if not n_blocks or (not every and not first):
+    if chain_start and namespace.salt:  # vLLM: ``if start_token_idx == 0 and cache_salt``
+        first += (namespace.salt,)
+    if not n_blocks or not first:  # ``first`` holds every key ``every`` does
         return None
     rest = every or None
-    return [first or None] + [rest] * (n_blocks - 1)
+    return [first] + [rest] * (n_blocks - 1)
 
 
 def to_wire(event: CacheEvent) -> WireEvent:
@@ -137,8 +131,11 @@ class KVEventPublisher:
     ) -> None:
         if not isinstance(buffer_steps, int) or buffer_steps < 1:
             raise ConfigError(f"buffer_steps must be a positive int, got {buffer_steps!r}")
-        if not isinstance(layout, WireLayout):
-            raise ConfigError(f"layout must be a WireLayout, got {layout!r}")
+        if layout is not WireLayout.MAP_EVENTS:
+            raise ConfigError(
+                f"layout must be WireLayout.MAP_EVENTS, the layout vLLM 0.33's decoder reads, "
+                f"got {layout!r}: the older layouts are read by the subscriber, never sent"
+            )
         self.topic = topic.encode("utf-8")
         self.layout = layout
         self.data_parallel_rank = data_parallel_rank

@@ -1,23 +1,26 @@
 """KV cache events on the wire, as vLLM publishes them: msgpack batches of tagged events.
 
 The structs below carry the field names, order, types and struct options of
-``vllm/distributed/kv_events.py`` as defined in vLLM at commit
-``0181ea3173e53eea8cf04a86891488e3dc89bb34``: ``KVEventBatch(ts, events, data_parallel_rank)``
-and the events ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, msgspec structs with
-``omit_defaults=True, gc=False`` and, for events, ``tag=True`` (the tag is the class name under the
-key ``"type"``). Block hashes are ``bytes | int`` there; prefixcache sends its 16-byte digests.
-Here the events are ``WireBlockStored``, ``WireBlockRemoved`` and ``WireAllBlocksCleared``, each
-tagged with vLLM's class name (prefixcache's own events of those names, which the publisher turns
-into these, are in ``prefixcache.manager.block_events``).
+``vllm/distributed/kv_events.py`` in vLLM 0.33: ``KVEventBatch(ts, events, data_parallel_rank)``,
+an ``array_like`` struct, and the events ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``,
+msgspec structs with ``omit_defaults=True, gc=False`` and ``tag=True`` (the tag is the class name
+under the key ``"type"``). Block hashes are ``bytes | int`` there; prefixcache sends its 16-byte
+digests. Here the events are ``WireBlockStored``, ``WireBlockRemoved`` and
+``WireAllBlocksCleared``, each tagged with vLLM's class name (prefixcache's own events of those
+names, which the publisher turns into these, are in ``prefixcache.manager.block_events``); the
+publisher leaves their optional fields None (omitted), so an encoded batch is byte for byte what
+vLLM 0.33 encodes for the same values.
 
-vLLM has used three layouts, all decoded here (``decode_batch`` tries each):
+vLLM has used three layouts, all decoded here (``decode_batch`` tries each); only the first is
+sent (``encode_batch``), since it is the only one vLLM 0.33's own decoder,
+``msgspec.msgpack.Decoder(KVEventBatch)``, reads:
 
 - ``WireLayout.MAP_EVENTS``: the batch is an array ``[ts, events, data_parallel_rank]`` and each
   event a map tagged ``"type"``, its required fields always present and the optional ones
   omitted when None. vLLM 0.33 (``EventBatch`` is ``array_like``, events are not) and SGLang 0.5
-  (whose batch ends in ``attn_dp_rank``) publish this, and vLLM's own
-  ``msgspec.msgpack.Decoder(KVEventBatch)`` reads only this; the publisher sends it by default.
-- ``WireLayout.MAP``: the batch and its events are maps, as the commit above declares them.
+  (whose batch ends in ``attn_dp_rank``) publish this.
+- ``WireLayout.MAP``: the batch and its events are maps, as vLLM declared them at commit
+  ``0181ea3173e53eea8cf04a86891488e3dc89bb34`` (``EventBatch`` without ``array_like``).
 - ``WireLayout.ARRAY``: everything is an array, an event being ``[tag, field, ...]`` in
   declaration order; vLLM before events became maps (e.g. commit
   ``b4e69e0af33f4698e157a262cc787fe61983cd3d``) and older SGLang
@@ -54,7 +57,8 @@ BlockHash = bytes | int
 
 
 class WireLayout(str, enum.Enum):
-    """Which of vLLM's encodings a publisher sends (see the module docstring)."""
+    """Which of vLLM's encodings a batch came in (see the module docstring); only
+    ``MAP_EVENTS`` is sent."""
 
     MAP = "map"
     MAP_EVENTS = "map-events"
@@ -65,7 +69,7 @@ class WireLayout(str, enum.Enum):
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base of every KV cache event (map layout)."""
+    """Base of every KV cache event (a tagged map)."""
 
 
 class WireBlockStored(KVCacheEvent, tag="BlockStored"):
@@ -82,6 +86,10 @@ class WireBlockStored(KVCacheEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class WireBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
@@ -90,6 +98,8 @@ class WireBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class WireAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
@@ -99,33 +109,9 @@ class WireAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
 WireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """One published message: the events of one step (map layout)."""
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One published message: the events of one step (``[ts, events, data_parallel_rank]``)."""
 
-    ts: float
-    events: list[WireEvent]
-    data_parallel_rank: int | None = None
-
-
-class _ArrayStored(WireBlockStored, array_like=True, tag="BlockStored"):
-    pass
-
-
-class _ArrayRemoved(WireBlockRemoved, array_like=True, tag="BlockRemoved"):
-    pass
-
-
-class _ArrayCleared(WireAllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
-    pass
-
-
-class _ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
-    data_parallel_rank: int | None = None
-
-
-class _MapEventsBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[WireEvent]
     data_parallel_rank: int | None = None
@@ -239,26 +225,17 @@ class DecodedBatch(NamedTuple):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_ARRAY_TYPES: dict[type, type] = {
-    WireBlockStored: _ArrayStored,
-    WireBlockRemoved: _ArrayRemoved,
-    WireAllBlocksCleared: _ArrayCleared,
-}
 
 
-def encode_batch(batch: KVEventBatch, layout: WireLayout = WireLayout.MAP) -> bytes:
-    """The msgpack payload of ``batch`` in ``layout``."""
-    if layout is WireLayout.MAP:
-        return _ENCODER.encode(batch)
-    if layout is WireLayout.MAP_EVENTS:
-        return _ENCODER.encode(_MapEventsBatch(batch.ts, batch.events, batch.data_parallel_rank))
-    if layout is WireLayout.ARRAY:
-        events = [
-            _ARRAY_TYPES[type(e)](*(getattr(e, f) for f in e.__struct_fields__))
-            for e in batch.events
-        ]
-        return _ENCODER.encode(_ArrayBatch(batch.ts, events, batch.data_parallel_rank))
-    raise WireFormatError(f"unknown wire layout {layout!r}")
+def encode_batch(batch: KVEventBatch, layout: WireLayout = WireLayout.MAP_EVENTS) -> bytes:
+    """The msgpack payload of ``batch``, in vLLM 0.33's layout (``MAP_EVENTS``, the only one
+    sent); WireFormatError for another ``layout``, which no current engine's decoder reads."""
+    if layout is not WireLayout.MAP_EVENTS:
+        raise WireFormatError(
+            f"the {getattr(layout, 'value', layout)!r} layout is read, not sent: vLLM 0.33's "
+            f"decoder reads only {WireLayout.MAP_EVENTS.value!r}"
+        )
+    return _ENCODER.encode(batch)
 
 
 class BatchDecoder:
