@@ -5,8 +5,10 @@ PYTHON ?= python3
 install:  ## torch first (pinned: the CPU build here), the package with its test extras (the core compiled with mypyc), Chromium, Redis
 	$(PYTHON) -m pip install -q "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
-	@$(PYTHON) -m prefixcache --version | tee /dev/stderr | grep -q "core: compiled" \
-		|| echo "note: the core was not compiled and runs as plain Python (slower); the line above says why"
+	@version=$$($(PYTHON) -m prefixcache --version) && echo "$$version" && case "$$version" in \
+		*"core: compiled"*) ;; \
+		*) echo "note: the core was not compiled and runs as plain Python (slower); the line above says why";; \
+	esac
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "note: the HTML report test needs headless Chromium (apt-get install chromium)"

@@ -154,7 +154,7 @@ class FingerprintRuntime:
     def check_cached(self) -> None:
         """Every block in the index holds the K/V of exactly the prefix it claims."""
         mgr = self.mgr
-        pending = mgr.pending_blocks
+        pending = mgr.internals.pending_blocks
         p = mgr.block_size
         prefixes: dict[bytes, list[int]] = {}  # digest of an indexed block -> tokens through it
         for root in list(mgr.index.roots.values()):

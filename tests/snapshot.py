@@ -38,7 +38,7 @@ def snapshot(mgr: CacheManager) -> dict[str, Any]:
             mgr.index.path_blocks(s.deepest),
             None if s.copy_source is None else mgr.index.path_blocks(s.copy_source),
         )
-        for rid, s in mgr.states.items()
+        for rid, s in mgr.internals.states.items()
     }
     return {
         "trees": sorted((repr(ns), _node(root)) for ns, root in mgr.index.roots.items()),
@@ -46,14 +46,14 @@ def snapshot(mgr: CacheManager) -> dict[str, Any]:
         "free": mgr.pool.free_ids(),
         "refcount": sorted(mgr.pool.refcount.items()),
         "seqs": seqs,
-        "pins": {h: mgr.index.path_blocks(n) for h, n in mgr.pins.items()},
-        "pending": sorted(mgr.pending_blocks),
+        "pins": {h: mgr.index.path_blocks(n) for h, n in mgr.internals.pins.items()},
+        "pending": sorted(mgr.internals.pending_blocks),
         "step_holds": (
-            [mgr.index.path_blocks(n) for n in mgr.step_holds[0]],
-            mgr.step_holds[1],
+            [mgr.index.path_blocks(n) for n in mgr.internals.step_holds[0]],
+            mgr.internals.step_holds[1],
         ),
         "stats": mgr.stats.as_dict(),
-        "tick": mgr.clock_ticks,
+        "tick": mgr.internals.clock_ticks,
         "host": _host(mgr),
     }
 

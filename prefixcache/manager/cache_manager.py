@@ -6,17 +6,18 @@ rejected call raises a typed error and changes nothing.
 The step protocol (pending blocks, abort, copy sources held through a step) is described once,
 in docs/architecture.md ("The step protocol"); each operation's docstring says its part.
 
-The work is done by helpers built around the index (see ``_build_helpers``): planning
+All it knows is one ``CacheState`` (state.py), built once and again by ``reset``; the helpers
+built around it (``_build_helpers``) each take that state and do one job: planning
 (admission_planning), block tables (request_blocks), indexing (block_indexing), allocation and
-eviction (block_supply), the step ledger (step_ledger), the host tier (host_offload) and the
-listeners (listeners).
+eviction (block_supply), the step ledger (step_ledger) and the host tier (host_offload).
+Introspection (tests, tools, the integrity check) goes through one accessor, ``internals``.
 """
 
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -42,32 +43,33 @@ from prefixcache.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from prefixcache.manager.block_events import AllBlocksCleared, EventListener
-from prefixcache.manager.bookkeeping.admission_planning import AdmissionPlanner
-from prefixcache.manager.bookkeeping.arguments import (
+from prefixcache.manager.admission_planning import AdmissionPlanner
+from prefixcache.manager.argument_checks import (
     check_force,
     check_namespace,
     check_pad,
+    check_policy,
     check_priority,
+    check_settings,
     check_transfer_model,
     is_live,
     live_request,
     request_id_list,
     torch_device,
 )
-from prefixcache.manager.bookkeeping.block_indexing import BlockIndexer
-from prefixcache.manager.bookkeeping.block_supply import BlockSupply, TickClock
-from prefixcache.manager.bookkeeping.host_offload import HostOffload
-from prefixcache.manager.bookkeeping.listeners import Listeners
-from prefixcache.manager.bookkeeping.request_blocks import RequestBlocks
-from prefixcache.manager.bookkeeping.request_state import RequestState
-from prefixcache.manager.bookkeeping.step_ledger import StepLedger
+from prefixcache.manager.block_events import AllBlocksCleared, EventListener
+from prefixcache.manager.block_indexing import BlockIndexer
+from prefixcache.manager.block_supply import BlockSupply
+from prefixcache.manager.host_offload import HostOffload
 from prefixcache.manager.integrity import check_manager
+from prefixcache.manager.request_blocks import RequestBlocks
 from prefixcache.manager.results import Admission, AppendResult, Lookup
+from prefixcache.manager.state import CacheState, ManagerInternals, RequestState
 from prefixcache.manager.stats import BlockCounts, CacheStats
+from prefixcache.manager.step_ledger import StepLedger
 from prefixcache.manager.transfers import TransferModel, Transfers
 
-__all__ = ["CacheManager", "RequestState"]
+__all__ = ["CacheManager", "ManagerInternals", "RequestState"]
 
 
 class CacheManager:
@@ -97,72 +99,98 @@ class CacheManager:
         host_blocks: int = 0,
         transfer_model: TransferModel | None = None,
     ) -> None:
-        self.num_blocks = as_size(num_blocks, "num_blocks", 1)
-        self.block_size = as_size(block_size, "block_size", 1)
+        blocks = as_size(num_blocks, "num_blocks", 1)
+        size = as_size(block_size, "block_size", 1)
         num_host = as_size(host_blocks, "host_blocks")
+        check_policy(policy)
+        check_settings(hash_algo, partial_copy, enable_caching, stepped, clock)
         if num_host and not enable_caching:
             raise ConfigError("a host tier (host_blocks > 0) needs enable_caching=True")
         if transfer_model is not None:
             check_transfer_model(transfer_model)
-        self.hasher = BlockHasher(self.block_size, hash_algo)
-        self.index = RadixIndex(self.hasher)
-        self.pool = BlockPool(self.num_blocks)
-        self.evictor = Evictor(policy)
-        # settings: the helpers take them when they are built
-        self.partial_copy = partial_copy
-        self.enable_caching = enable_caching
-        self.stepped = stepped
+        self._state = state = CacheState.build(
+            blocks,
+            size,
+            hash_algo=hash_algo,
+            policy=policy,
+            host_blocks=num_host,
+            clock=clock,
+            partial_copy=bool(partial_copy),
+            enable_caching=bool(enable_caching),
+            stepped=bool(stepped),
+        )
+        if state.host is not None:
+            state.offload = HostOffload(state, state.host, transfer_model)
         self.transfer_model = transfer_model
-        self._claims_all = policy == "priority"  # a default claim (0, forever) counts too
-        self.stats = CacheStats()
-        self.host: HostTier | None = HostTier(num_host, self.index) if num_host else None
-        self._ticks = TickClock()  # the clock when none is given
-        self._clock: Callable[[], float] = self._ticks.tick if clock is None else clock
-        self._seqs: dict[Hashable, RequestState] = {}  # the live requests
-        self._pins: dict[int, Node] = {}
-        self._pin_ids = itertools.count(1)
-        self._listeners = Listeners()
-        self._offload: HostOffload | None = None
-        if self.host is not None:
-            self._offload = HostOffload(self.host, transfer_model, self.stats, self._listeners)
+        self._pin_ids = itertools.count(1)  # handles stay unique across resets
         self._build_helpers()
 
     def _build_helpers(self) -> None:
-        """The helpers that work on the current index (built again when ``reset`` replaces it)."""
-        if self.host is not None:  # its nodes live in the index
-            self.host.index = self.index
-        self._supply = BlockSupply(
-            self.index,
-            self.pool,
-            self.evictor,
-            self.stats,
-            self._listeners,
-            self._offload,
-            self._clock,
-        )
-        self._planner = AdmissionPlanner(
-            self.index,
-            self.pool,
-            self._offload,
-            partial_copy=self.partial_copy,
-            enable_caching=self.enable_caching,
-        )
-        self._ledger = StepLedger(
-            self._seqs, self.index, self.pool, self._supply, self.stats, stepped=self.stepped
-        )
-        indexer = BlockIndexer(
-            self.index, self.pool, self.hasher, self.stats, self._listeners, self._offload
-        )
-        self._requests = RequestBlocks(
-            self._seqs,
-            self._supply,
-            indexer,
-            self._ledger,
-            self.stats,
-            enable_caching=self.enable_caching,
-            stepped=self.stepped,
-            claims_all=self._claims_all,
-        )
+        """The helpers, around the current state (built again when ``reset`` replaces it)."""
+        state = self._state
+        self._supply = supply = BlockSupply(state)
+        self._planner = AdmissionPlanner(state)
+        self._ledger = ledger = StepLedger(state, supply)
+        self._requests = RequestBlocks(state, supply, BlockIndexer(state), ledger)
+        self._seqs = state.seqs  # the live requests: every call looks one up
+        self._offload = state.offload
+
+    # ---- settings and components ----------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """Physical blocks in the pool."""
+        return self._state.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._state.block_size
+
+    @property
+    def hasher(self) -> BlockHasher:
+        """How blocks are named: the hash algorithm, chained over tokens, position, namespace."""
+        return self._state.hasher
+
+    @property
+    def stats(self) -> CacheStats:
+        """The counters (they survive ``reset``)."""
+        return self._state.stats
+
+    @property
+    def partial_copy(self) -> bool:
+        return self._state.partial_copy
+
+    @property
+    def enable_caching(self) -> bool:
+        return self._state.enable_caching
+
+    @property
+    def stepped(self) -> bool:
+        return self._state.stepped
+
+    @property
+    def index(self) -> RadixIndex:
+        """The radix index of cached blocks (a new one after ``reset``)."""
+        return self._state.index
+
+    @property
+    def pool(self) -> BlockPool:
+        return self._state.pool
+
+    @property
+    def evictor(self) -> Evictor:
+        return self._state.evictor
+
+    @property
+    def host(self) -> HostTier | None:
+        """The host tier, when ``host_blocks`` gave one."""
+        return self._state.host
+
+    @property
+    def internals(self) -> ManagerInternals:
+        """A read-only look at the state: live requests, pins, pending blocks, the step's held
+        copy sources, the clock and listener errors."""
+        return ManagerInternals(self._state)
 
     # ---- admission ------------------------------------------------------------------------
     def lookup(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> Lookup:
@@ -179,7 +207,8 @@ class CacheManager:
         for a prompt that can never fit; ``admit`` says why."""
         arr = as_token_array(tokens)
         check_namespace(namespace)
-        if -(-len(arr) // self.block_size) > self.num_blocks:
+        state = self._state
+        if -(-len(arr) // state.block_size) > state.num_blocks:
             return False
         plan = self._planner.plan(arr.tobytes(), namespace)
         return plan.need <= self._supply.available(plan.held_cached)
@@ -205,7 +234,7 @@ class CacheManager:
         if type(namespace) is not Namespace:
             check_namespace(namespace)
         if type(priority) is not int or retention is not None:
-            check_priority(priority, retention)
+            priority, retention = check_priority(priority, retention)
         plan = self._planner.plan(buf, namespace)
         available = self._supply.available(plan.held_cached)
         if plan.need > available:
@@ -291,12 +320,13 @@ class CacheManager:
         """
         arr = as_token_array(tokens)
         check_namespace(namespace)
-        index = self.index
+        state = self._state
+        index = state.index
         root = index.roots.get(namespace)
         if root is None:
             return 0, 0
         buf = arr.tobytes()
-        match = index.match(root, buf, len(arr) // self.block_size)
+        match = index.match(root, buf, len(arr) // state.block_size)
         pending = self._ledger.pending_blocks()
         if pending and match.n:  # stop before the first block whose K/V is not written yet
             blocks = index.path_blocks(match.node)[: match.n]
@@ -308,10 +338,10 @@ class CacheManager:
         node = match.node
         if match.j < len(node.blocks):
             node = index.split(node, match.j)
-        index.hold(node, self._clock())
+        index.hold(node, state.now())
         handle = next(self._pin_ids)
-        self._pins[handle] = node
-        return handle, match.n * self.block_size
+        state.pins[handle] = node
+        return handle, match.n * state.block_size
 
     def unpin(self, handle: int) -> None:
         """Let a pinned prefix be evicted again (``handle`` from ``pin``; 0: pinned nothing)."""
@@ -319,7 +349,7 @@ class CacheManager:
             raise InvalidArgumentError(f"a pin handle is an int from pin(), got {handle!r}")
         if handle == 0:
             return
-        node = self._pins.pop(handle, None)
+        node = self._state.pins.pop(handle, None)
         if node is None:
             raise UnknownRequestError(f"pin handle {handle!r} is not active")
         self._supply.unhold(node)
@@ -360,38 +390,45 @@ class CacheManager:
 
     @property
     def states(self) -> Mapping[Hashable, RequestState]:
-        """Read-only view of every live request's state (integrity checks, tools)."""
-        return MappingProxyType(self._seqs)
+        """Deprecated: ``internals.states``."""
+        _deprecated("states")
+        return self.internals.states
 
     @property
     def pins(self) -> Mapping[int, Node]:
-        """Read-only view of the active pins: handle -> the deepest pinned node."""
-        return MappingProxyType(self._pins)
+        """Deprecated: ``internals.pins``."""
+        _deprecated("pins")
+        return self.internals.pins
 
     @property
     def pending_blocks(self) -> frozenset[int]:
-        """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
-        return self._ledger.pending_blocks()
+        """Deprecated: ``internals.pending_blocks``."""
+        _deprecated("pending_blocks")
+        return self.internals.pending_blocks
 
     @property
     def step_holds(self) -> tuple[list[Node], list[int]]:
-        """Copy sources held until ``end_step`` (stepped): index nodes and private blocks."""
-        return [node for node, _ in self._ledger.holds], list(self._ledger.refs)
+        """Deprecated: ``internals.step_holds``."""
+        _deprecated("step_holds")
+        return self.internals.step_holds
 
     @property
     def clock_ticks(self) -> float:
-        """The internal clock used when no ``clock`` was given (advances once per event)."""
-        return self._ticks.ticks
+        """Deprecated: ``internals.clock_ticks``."""
+        _deprecated("clock_ticks")
+        return self.internals.clock_ticks
 
     @property
     def listener_errors(self) -> int:
-        """Exceptions raised by listeners (logged, then ignored)."""
-        return self._listeners.errors
+        """Deprecated: ``internals.listener_errors``."""
+        _deprecated("listener_errors")
+        return self.internals.listener_errors
 
     def block_counts(self) -> BlockCounts:
         """Free, active (held by requests, pins or the step) and cached (evictable) blocks."""
-        active = self.index.active_blocks + self.pool.num_private
-        return BlockCounts(self.pool.num_free, active, self._supply.evictable())
+        state = self._state
+        active = state.index.active_blocks + state.pool.num_private
+        return BlockCounts(state.pool.num_free, active, self._supply.evictable())
 
     # ---- events ---------------------------------------------------------------------------
     def add_listener(self, listener: EventListener) -> None:
@@ -404,13 +441,13 @@ class CacheManager:
             raise InvalidArgumentError(
                 f"a listener must be a callable (it is called with each event), got {listener!r}"
             )
-        self._listeners.add(listener)
+        self._state.listeners.add(listener)
 
     def remove_listener(self, listener: EventListener) -> None:
         """Stop calling ``listener`` (InvalidArgumentError when it was not added); safe from
         inside a listener or another thread: an event being sent still reaches the others."""
         try:
-            self._listeners.remove(listener)
+            self._state.listeners.remove(listener)
         except ValueError:
             raise InvalidArgumentError(f"{listener!r} is not a listener of this manager") from None
 
@@ -424,19 +461,23 @@ class CacheManager:
             held = self._ledger.num_holds()
             step = f" and {held} holds of this step (end_step() ends them)" if held else ""
             raise CacheInUseError(
-                f"{in_use} blocks are in use by {len(self._seqs)} requests and {len(self._pins)}"
-                f" pins{step}; release them first or pass force=True"
+                f"{in_use} blocks are in use by {len(self._seqs)} requests and "
+                f"{len(self._state.pins)} pins{step}; release them first or pass force=True"
             )
-        self._seqs.clear()
-        self._pins.clear()
-        self.index = RadixIndex(self.hasher)
-        self.pool.reset()
-        self.evictor.clear()
         if self._offload is not None:
             self._offload.clear()
+        self._state = self._state.emptied()
         self._build_helpers()
-        self._listeners.emit(AllBlocksCleared())
+        self._state.listeners.emit(AllBlocksCleared())
 
     def check_integrity(self) -> None:
         """Assert every invariant the bookkeeping can see (docs/architecture.md). O(cache)."""
         check_manager(self)
+
+
+def _deprecated(name: str) -> None:
+    warnings.warn(
+        f"CacheManager.{name} is deprecated; read CacheManager.internals.{name}",
+        DeprecationWarning,
+        stacklevel=3,
+    )

@@ -35,10 +35,10 @@ def _check_gpu(mgr: CacheManager) -> None:
     bb = 4 * p
     tree_blocks: list[int] = []
     expected_ref: Counter[int] = Counter()
-    states, pins = mgr.states, mgr.pins
+    states, pins = mgr.internals.states, mgr.internals.pins
     holders = [s.deepest for s in states.values()] + list(pins.values())
     holders += [s.copy_source for s in states.values()]
-    step_nodes, step_refs = mgr.step_holds
+    step_nodes, step_refs = mgr.internals.step_holds
     holders += step_nodes
     for node in holders:
         while node is not None and node.parent is not None:
@@ -135,7 +135,7 @@ def _check_gpu(mgr: CacheManager) -> None:
     _require(counts.total == pool.num_blocks, "block states do not add up")
 
     tree_set = set(tree_blocks)
-    pending = mgr.pending_blocks
+    pending = mgr.internals.pending_blocks
     _require(pending <= tree_set, "a pending block is not in the index")
     own: list[int] = []
     for rid, seq in states.items():

@@ -291,7 +291,7 @@ def test_unpin_takes_only_an_int_handle(handle) -> None:
     assert real == 1
     with pytest.raises(InvalidArgumentError, match="a pin handle is an int"):
         m.unpin(handle)
-    assert list(m.pins) == [1]  # still pinned
+    assert list(m.internals.pins) == [1]  # still pinned
     m.unpin(real)
 
 
@@ -404,7 +404,7 @@ def test_a_listener_that_raises_leaves_the_cache_consistent(caplog):
     a = m.admit("a", toks(0, 9), NS)  # stores two blocks: the listener raises
     m.check_integrity()
     assert m.requests == ["a"] and a.cached_len == 0
-    assert m.listener_errors == 1 and seen and "event plane down" in caplog.text
+    assert m.internals.listener_errors == 1 and seen and "event plane down" in caplog.text
     m.release("a")
     m.admit("b", toks(100, 30), NS)  # evicts: BlockRemoved raises too
     m.check_integrity()
@@ -427,7 +427,7 @@ def test_a_closed_publisher_stops_listening():
     pub.close()
     m.admit("b", toks(50, 9), NS)  # no PublisherClosedError, no half-done admission
     m.check_integrity()
-    assert m.listener_errors == 0 and m.requests == ["a", "b"]
+    assert m.internals.listener_errors == 0 and m.requests == ["a", "b"]
 
 
 def test_reset_names_the_steps_holds_when_they_keep_blocks_in_use():

@@ -382,7 +382,7 @@ def test_forks_of_a_long_lived_unconfirmed_request_are_not_kept_for_ever() -> No
         m.fork("sys", i)
         m.append(i, 7)
         m.release(i)
-    assert len(m.states["sys"].dependents) < 64
+    assert len(m.internals.states["sys"].dependents) < 64
     m.fork("sys", "kept")  # live, and forked again after its own release
     m.fork("kept", "grandchild")
     m.release("kept")

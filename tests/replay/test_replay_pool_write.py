@@ -130,7 +130,7 @@ def _pool_hits(
     for i, (tokens, k) in enumerate(zip(prompts, route, strict=True)):
         admitter, mgr = tiers.admitters[k], managers[k]
         adm = admitter.admit(i, tokens, NS)
-        hit = admitter.split(bytes(mgr.states[i].tokens), NS, adm)
+        hit = admitter.split(bytes(mgr.internals.states[i].tokens), NS, adm)
         mgr.release(i)
         replayed += hit.pool_blocks
         modelled += model.request(k, hasher.hash_prompt(tokens, NS), len(tokens))

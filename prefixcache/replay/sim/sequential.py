@@ -35,7 +35,7 @@ def run_sequential(
     release, stats, counts = mgr.release, mgr.stats, mgr.block_counts
     admit: Callable[[Hashable, np.ndarray, Namespace], Admission]
     admit = mgr.admit if tiers is None else tiers.admit
-    states = mgr.states
+    states = mgr.internals.states
     record, note_usage, timeline = acc.record, acc.note_usage, acc.timeline
     samples = TokenTape(stream_key("sequential-samples"))
     truncated = 0

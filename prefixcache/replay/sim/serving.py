@@ -207,14 +207,16 @@ class Simulator:
             self.waiting.popleft()
             cached_len, partial, host_tokens, pool_tokens = adm.cached_len, adm.partial_tokens, 0, 0
             if tiers is not None:
-                hit = tiers.split(bytes(mgr.states[r.idx].tokens), r.req.namespace, adm, r.digests)
+                hit = tiers.split(
+                    bytes(mgr.internals.states[r.idx].tokens), r.req.namespace, adm, r.digests
+                )
                 cached_len, partial = hit.cached_len, hit.partial_tokens
                 host_tokens, pool_tokens = hit.host_tokens, hit.pool_tokens
                 work.transfer_s += tiers.settings.load_seconds(hit.host_blocks, hit.pool_blocks)
             if not r.recorded:
                 r.recorded = True
                 if acc is not None:
-                    r.prompt_bytes = bytes(mgr.states[r.idx].tokens)  # no second copy
+                    r.prompt_bytes = bytes(mgr.internals.states[r.idx].tokens)  # no second copy
                     acc.record(
                         r.idx,
                         r.req,

@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from prefixcache.blocks.namespace import Namespace
-from prefixcache.blocks.pool import BlockPool
-from prefixcache.blocks.radix import MatchResult, Node, PartialMatch, RadixIndex
+from prefixcache.blocks.radix import MatchResult, Node, PartialMatch
 from prefixcache.errors import RequestTooLargeError
-from prefixcache.manager.bookkeeping.host_offload import HostOffload
+from prefixcache.manager.state import CacheState
 
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
 
@@ -44,22 +43,14 @@ class AdmissionPlanner:
         "pool",
     )
 
-    def __init__(
-        self,
-        index: RadixIndex,
-        pool: BlockPool,
-        offload: HostOffload | None,
-        *,
-        partial_copy: bool,
-        enable_caching: bool,
-    ) -> None:
-        self.index = index
-        self.pool = pool
-        self.offload = offload
-        self.block_size = index.block_size
-        self.num_blocks = pool.num_blocks
-        self.partial_copy = partial_copy
-        self.enable_caching = enable_caching
+    def __init__(self, state: CacheState) -> None:
+        self.index = state.index
+        self.pool = state.pool
+        self.offload = state.offload
+        self.block_size = state.block_size
+        self.num_blocks = state.num_blocks
+        self.partial_copy = state.partial_copy
+        self.enable_caching = state.enable_caching
 
     def plan(self, buf: bytes, namespace: Namespace, *, check_size: bool = True) -> AdmissionPlan:
         """Match and size the admission of the prompt ``buf`` (int32 LE tokens).

@@ -14,12 +14,10 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from prefixcache.blocks.hashing import split_digests
-from prefixcache.blocks.pool import BlockPool
-from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.blocks.radix import Node
 from prefixcache.manager.block_events import BlockRemoved
-from prefixcache.manager.bookkeeping.block_supply import BlockSupply
-from prefixcache.manager.bookkeeping.request_state import RequestState
-from prefixcache.manager.stats import CacheStats
+from prefixcache.manager.block_supply import BlockSupply
+from prefixcache.manager.state import CacheState, RequestState
 
 
 class AbortScope(NamedTuple):
@@ -32,27 +30,16 @@ class AbortScope(NamedTuple):
 class StepLedger:
     """Tracks unwritten K/V per request and the copy sources held through a step."""
 
-    __slots__ = ("holds", "index", "pool", "refs", "seqs", "stats", "stepped", "supply")
+    __slots__ = ("index", "pool", "seqs", "state", "stats", "stepped", "supply")
 
-    def __init__(
-        self,
-        seqs: dict[Hashable, RequestState],
-        index: RadixIndex,
-        pool: BlockPool,
-        supply: BlockSupply,
-        stats: CacheStats,
-        *,
-        stepped: bool,
-    ) -> None:
-        self.seqs = seqs  # the live requests, shared with the manager
-        self.index = index
-        self.pool = pool
+    def __init__(self, state: CacheState, supply: BlockSupply) -> None:
+        self.state = state  # its ``holds`` and ``refs``: the copy sources the step still reads
+        self.seqs = state.seqs
+        self.index = state.index
+        self.pool = state.pool
         self.supply = supply
-        self.stats = stats
-        self.stepped = stepped
-        # stepped: copy sources of the current step that their request let go of before its end
-        self.holds: list[tuple[Node, RequestState]] = []  # partial-copy source nodes
-        self.refs: list[int] = []  # private blocks a copy-on-write of the step reads
+        self.stats = state.stats
+        self.stepped = state.stepped
 
     # ---- during a step --------------------------------------------------------------------
     def let_go_copy_source(self, seq: RequestState) -> None:
@@ -61,7 +48,7 @@ class StepLedger:
         source = seq.copy_source
         assert source is not None
         if self.stepped:
-            self.holds.append((source, seq))
+            self.state.holds.append((source, seq))
         else:
             self.supply.unhold(source)
         seq.copy_source = None
@@ -70,7 +57,7 @@ class StepLedger:
         """A shared private block was copied out of: its other owners may leave in this step,
         so with steps it is kept until the end."""
         if self.stepped:
-            self.refs.append(block)
+            self.state.refs.append(block)
         else:
             self.pool.drop([block])
 
@@ -97,11 +84,12 @@ class StepLedger:
         for seq in self.seqs.values():
             if seq.unconfirmed:
                 seq.confirm()
-        for node, _ in self.holds:
+        state = self.state
+        for node, _ in state.holds:
             self.supply.unhold(node)
-        self.holds.clear()
-        self.pool.drop(self.refs)
-        self.refs.clear()
+        state.holds.clear()
+        self.pool.drop(state.refs)
+        state.refs.clear()
 
     # ---- abort ----------------------------------------------------------------------------
     def abort(self, seq: RequestState) -> list[Hashable]:
@@ -110,16 +98,17 @@ class StepLedger:
         scope = self._abort_scope(seq)
         supply = self.supply
         now = supply.now()
-        if self.holds:  # the copies of dropped requests do not run
+        state = self.state
+        if state.holds:  # the copies of dropped requests do not run
             gone = {id(dead) for dead in scope.requests}
             region = {id(top) for top in scope.tops}  # and no hold may keep a node that leaves
             keep = []
-            for node, owner in self.holds:
+            for node, owner in state.holds:
                 if id(owner) in gone or _under(node, region):
                     supply.unhold(node)
                 else:
                     keep.append((node, owner))
-            self.holds = keep
+            state.holds = keep
         for dead in scope.requests:
             del self.seqs[dead.request_id]
             supply.release_request(dead)
@@ -183,7 +172,7 @@ class StepLedger:
                 readers: list[tuple[Node | None, RequestState]]
                 readers = [(s.deepest, s) for s in seqs.values()]
                 readers += [(s.copy_source, s) for s in seqs.values()]
-                readers += [(node, s) for node, s in self.holds]
+                readers += [(node, s) for node, s in self.state.holds]
                 for held, other in readers:
                     if id(other) in seen or seqs.get(other.request_id) is not other:
                         continue
@@ -215,7 +204,7 @@ class StepLedger:
 
     def num_holds(self) -> int:
         """Copy sources held until the end of the step (nodes and private blocks)."""
-        return len(self.holds) + len(self.refs)
+        return len(self.state.holds) + len(self.state.refs)
 
 
 def _under(node: Node | None, region: set[int]) -> bool:

@@ -1,6 +1,6 @@
 """Requests' block tables: setting up an admitted prompt's from its plan, growing them as
 tokens are appended (copying a shared partial last block before it is written), and sharing
-them with a fork.
+them with a fork; and the retention claims a request puts on its blocks.
 
 Capacity is checked before anything changes (by the caller for an admission), so nothing
 here fails half-way.
@@ -9,23 +9,19 @@ here fails half-way.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 import numpy as np
 
 from prefixcache.blocks.namespace import Namespace
-from prefixcache.blocks.pool import BlockPool
-from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.blocks.radix import Node
 from prefixcache.errors import OutOfBlocksError
-from prefixcache.manager.bookkeeping.admission_planning import AdmissionPlan
-from prefixcache.manager.bookkeeping.block_indexing import BlockIndexer
-from prefixcache.manager.bookkeeping.block_supply import BlockSupply
-from prefixcache.manager.bookkeeping.host_offload import HostOffload
-from prefixcache.manager.bookkeeping.request_state import RequestState
-from prefixcache.manager.bookkeeping.retention import add_claim
-from prefixcache.manager.bookkeeping.step_ledger import StepLedger
+from prefixcache.manager.admission_planning import AdmissionPlan
+from prefixcache.manager.block_indexing import BlockIndexer
+from prefixcache.manager.block_supply import BlockSupply
 from prefixcache.manager.results import Admission, AppendResult, Copy, slots_of
-from prefixcache.manager.stats import CacheStats
+from prefixcache.manager.state import CacheState, RequestState
+from prefixcache.manager.step_ledger import StepLedger
 
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
 
@@ -50,32 +46,21 @@ class RequestBlocks:
     )
 
     def __init__(
-        self,
-        seqs: dict[Hashable, RequestState],
-        supply: BlockSupply,
-        indexer: BlockIndexer,
-        ledger: StepLedger,
-        stats: CacheStats,
-        *,
-        enable_caching: bool,
-        stepped: bool,
-        claims_all: bool,
+        self, state: CacheState, supply: BlockSupply, indexer: BlockIndexer, ledger: StepLedger
     ) -> None:
-        self.seqs = seqs  # the live requests, shared with the manager
+        self.seqs = state.seqs
         self.supply = supply
-        self.index: RadixIndex = supply.index
-        self.pool: BlockPool = supply.pool
-        self.offload: HostOffload | None = supply.offload
-        self.now: Callable[[], float] = supply.now
+        self.index = state.index
+        self.pool = state.pool
+        self.offload = state.offload
+        self.now = state.now
         self.indexer = indexer
         self.ledger = ledger
-        self.stats = stats
-        self.block_size = self.index.block_size
-        self.enable_caching = enable_caching
-        self.stepped = stepped
-        # under the priority policy a default request's claim (0, forever) counts too: it lifts a
-        # lower priority left by another request on the blocks it shares
-        self.claims_all = claims_all
+        self.stats = state.stats
+        self.block_size = state.block_size
+        self.enable_caching = state.enable_caching
+        self.stepped = state.stepped
+        self.claims_all = state.claims_all  # a default request's claim counts (priority policy)
 
     def admit(
         self,
@@ -234,3 +219,37 @@ class RequestBlocks:
         self.ledger.add_fork(parent, child)
         self.seqs[child_id] = child
         self.stats.forks += 1
+
+
+# ---- retention claims: the priority a request gives its blocks under the ``priority``
+# eviction policy, and how long that priority holds
+
+Claim = tuple[int, float]  # (priority, retained until): lower priority is evicted first
+
+
+def add_claim(node: Node | None, claim: Claim, now: float) -> None:
+    """Add a request's retention claim to its path, from ``node`` up to the root.
+
+    A node keeps the claims that can still decide: the highest live priority wins, and a lower
+    one that outlives it takes over when its retention ends. A node that keeps the claim already
+    has it on its whole path (it was added to the path, or dropped where a claim that outlasts
+    it wins): the walk stops there, so a decoding request adds it to its new blocks only."""
+    while node is not None and node.parent is not None:
+        if (node.priority, node.retain_until) == claim or claim in node.later:
+            return
+        claims = [(node.priority, node.retain_until), *node.later, claim]
+        claims.sort(key=_strongest_first)
+        kept: list[Claim] = []
+        outlasted = now  # a claim counts while no higher one outlasts it
+        for priority, until in claims:
+            if until > outlasted:
+                kept.append((priority, until))
+                outlasted = until
+        node.priority, node.retain_until = kept[0] if kept else (0, 0.0)
+        node.later = tuple(kept[1:])
+        node = node.parent
+
+
+def _strongest_first(claim: Claim) -> tuple[int, float]:
+    priority, until = claim
+    return -priority, -until

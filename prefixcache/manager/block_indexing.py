@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.host_tier import HostTier
-from prefixcache.blocks.pool import BlockPool
-from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.blocks.radix import Node
 from prefixcache.manager.block_events import BlockStored
-from prefixcache.manager.bookkeeping.host_offload import HostOffload
-from prefixcache.manager.bookkeeping.listeners import Listeners
-from prefixcache.manager.bookkeeping.request_state import RequestState
-from prefixcache.manager.stats import CacheStats
+from prefixcache.manager.state import CacheState, RequestState
 
 
 class BlockIndexer:
@@ -26,21 +21,13 @@ class BlockIndexer:
 
     __slots__ = ("events", "hasher", "index", "offload", "pool", "stats")
 
-    def __init__(
-        self,
-        index: RadixIndex,
-        pool: BlockPool,
-        hasher: BlockHasher,
-        stats: CacheStats,
-        events: Listeners,
-        offload: HostOffload | None,
-    ) -> None:
-        self.index = index
-        self.pool = pool
-        self.hasher = hasher
-        self.stats = stats
-        self.events = events
-        self.offload = offload  # host copies of blocks computed again are dropped
+    def __init__(self, state: CacheState) -> None:
+        self.index = state.index
+        self.pool = state.pool
+        self.hasher = state.hasher
+        self.stats = state.stats
+        self.events = state.listeners
+        self.offload = state.offload  # host copies of blocks computed again are dropped
 
     def index_blocks(
         self,

@@ -19,8 +19,7 @@ from prefixcache.blocks.host_tier import HostBlock, HostTier
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.radix import MatchResult, Node
 from prefixcache.manager.block_events import BlockRemoved, BlockStored
-from prefixcache.manager.bookkeeping.listeners import Listeners
-from prefixcache.manager.stats import CacheStats
+from prefixcache.manager.state import CacheState
 from prefixcache.manager.transfers import Load, Offload, TransferModel, Transfers
 
 D: Final = DIGEST_SIZE
@@ -51,20 +50,15 @@ class HostOffload:
     )
 
     def __init__(
-        self,
-        tier: HostTier,
-        transfer_model: TransferModel | None,
-        stats: CacheStats,
-        events: Listeners,
+        self, state: CacheState, tier: HostTier, transfer_model: TransferModel | None
     ) -> None:
-        self.tier = tier  # its index is the manager's current one
-        index = tier.index
-        self.hasher: BlockHasher = index.hasher
-        self.block_size = index.block_size
-        self.block_bytes = index.block_bytes
+        self.tier = tier  # its index is the state's, that of every later state too
+        self.hasher: BlockHasher = state.hasher
+        self.block_size = state.block_size
+        self.block_bytes = state.index.block_bytes
         self.transfer_model = transfer_model  # None: always load what is found
-        self.stats = stats
-        self.events = events
+        self.stats = state.stats  # the counters and listeners outlive a reset
+        self.events = state.listeners
         self.offloads: list[Offload] = []  # since the last take_transfers()
         self.loads: list[Load] = []
 

@@ -1,34 +1,12 @@
 """Where a request's new blocks come from: the pool's free blocks first, then cached blocks
-evicted in policy order (offered to the host tier when there is one), and the clock that
-orders them."""
+evicted in policy order (offered to the host tier when there is one)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from prefixcache.blocks.eviction import Evictor
 from prefixcache.blocks.hashing import DIGEST_SIZE, split_digests
-from prefixcache.blocks.pool import BlockPool
-from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.blocks.radix import Node
 from prefixcache.manager.block_events import BlockRemoved
-from prefixcache.manager.bookkeeping.host_offload import HostOffload
-from prefixcache.manager.bookkeeping.listeners import Listeners
-from prefixcache.manager.bookkeeping.request_state import RequestState
-from prefixcache.manager.stats import CacheStats
-
-
-class TickClock:
-    """The manager's clock when the runtime gives none: it advances one tick per reading."""
-
-    __slots__ = ("ticks",)
-
-    def __init__(self) -> None:
-        self.ticks = 0.0
-
-    def tick(self) -> float:
-        """The next tick (the bound method is the clock: cheaper to call than an instance)."""
-        self.ticks += 1.0
-        return self.ticks
+from prefixcache.manager.state import CacheState, RequestState
 
 
 class BlockSupply:
@@ -37,23 +15,14 @@ class BlockSupply:
 
     __slots__ = ("events", "evictor", "index", "now", "offload", "pool", "stats")
 
-    def __init__(
-        self,
-        index: RadixIndex,
-        pool: BlockPool,
-        evictor: Evictor,
-        stats: CacheStats,
-        events: Listeners,
-        offload: HostOffload | None,
-        now: Callable[[], float],
-    ) -> None:
-        self.index = index
-        self.pool = pool
-        self.evictor = evictor
-        self.stats = stats
-        self.events = events
-        self.offload = offload  # None: evicted blocks leave the cache
-        self.now = now
+    def __init__(self, state: CacheState) -> None:
+        self.index = state.index
+        self.pool = state.pool
+        self.evictor = state.evictor
+        self.stats = state.stats
+        self.events = state.listeners
+        self.offload = state.offload  # None: evicted blocks leave the cache
+        self.now = state.now
 
     def evictable(self) -> int:
         """Cached blocks nobody holds."""

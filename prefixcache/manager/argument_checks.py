@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache.blocks.eviction import POLICIES
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError, InvalidArgumentError, UnknownRequestError
-from prefixcache.manager.bookkeeping.request_state import RequestState
+from prefixcache.manager.state import RequestState
 from prefixcache.manager.transfers import TransferModel
 
 UNHASHABLE = "request ids must be hashable (a str, an int, a tuple of them), got {}"
@@ -52,18 +53,49 @@ def check_namespace(namespace: Any) -> None:
         )
 
 
-def check_priority(priority: Any, retention: Any) -> None:
-    """A priority is an int; a retention is None or a number of clock units >= 0."""
-    if type(priority) is not int and not isinstance(priority, np.integer):
+def check_priority(priority: Any, retention: Any) -> tuple[int, float | None]:
+    """A priority is an int (a numpy integer too); a retention is None or a number of clock
+    units >= 0. Returns them as a plain int and float, which is what the compiled code takes."""
+    if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
         raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
     if retention is None:
-        return
+        return int(priority), None
     if isinstance(retention, bool) or not isinstance(retention, int | float | np.number):
         raise InvalidArgumentError(
             f"retention must be a number of clock units or None, got {retention!r}"
         )
     if math.isnan(retention) or retention < 0:
         raise InvalidArgumentError(f"retention must be >= 0, got {retention!r}")
+    return int(priority), float(retention)
+
+
+def check_policy(policy: Any) -> None:
+    """An eviction policy is one of ``POLICIES`` by name, or a key function ``(node, now)``."""
+    if callable(policy):
+        return
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ConfigError(
+            f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)} or pass a "
+            "key function (node, now) -> sortable key"
+        )
+
+
+def check_settings(
+    hash_algo: Any, partial_copy: Any, enable_caching: Any, stepped: Any, clock: Any
+) -> None:
+    """The manager's settings have their types: the compiled code would refuse any other with
+    a bare TypeError, so the manager names the setting first."""
+    if not isinstance(hash_algo, str):
+        raise ConfigError(f"hash_algo must be the name of a hash algorithm, got {hash_algo!r}")
+    for name, value in (
+        ("partial_copy", partial_copy),
+        ("enable_caching", enable_caching),
+        ("stepped", stepped),
+    ):
+        if not isinstance(value, bool | np.bool_):
+            raise ConfigError(f"{name} must be True or False, got {value!r}")
+    if clock is not None and not callable(clock):
+        raise ConfigError(f"clock must be None or a callable returning the time, got {clock!r}")
 
 
 def check_pad(pad: Any) -> None:
