@@ -31,7 +31,7 @@ AUTH_KEYS = (
 )  # fmt: skip
 SERVER_KEYS = (
     "header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections", "max_header_bytes",
-    "http",
+    "http", "max_requests_per_client",
 )  # fmt: skip
 HTTP_PARSERS = ("auto", "h11", "httptools")
 TLS_KEYS = ("certfile", "keyfile")
@@ -77,6 +77,9 @@ class ServerConfig:
     certfile: str | None = None
     keyfile: str | None = None
     http: str = "auto"  # the HTTP/1.1 parser: httptools when installed ("auto"), or h11
+    # requests in progress per client address; beyond: 429 and the connection is closed
+    # (None: half of max_connections, see ``connection_budget``)
+    max_requests_per_client: int | None = None
 
     @property
     def tls(self) -> bool:
@@ -184,6 +187,7 @@ def parse_server(r: _Reader, raw: Any, raw_tls: Any, base_dir: Path | None) -> S
     m = r.mapping(raw, "server", SERVER_KEYS)
     d = ServerConfig()
     conns = m.get("max_connections", d.max_connections)
+    per_client = m.get("max_requests_per_client")
     http = m.get("http", d.http)
     if http not in HTTP_PARSERS:
         raise r.fail("server.http", f"expected one of {', '.join(HTTP_PARSERS)}, got {http!r}")
@@ -210,4 +214,5 @@ def parse_server(r: _Reader, raw: Any, raw_tls: Any, base_dir: Path | None) -> S
         files[0],
         files[1],
         http,
+        None if per_client is None else r.integer(per_client, "server.max_requests_per_client", 1),
     )

@@ -5,7 +5,9 @@ Endpoints (``routes``): ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/rele
 with proxying on, also ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``proxy``).
 Bad input gets a 4xx answer ``{"error": {"type": ..., "message": ...}}`` (``http_errors``) and
 changes nothing. The handlers share one ``FleetService``, kept in ``app.state.service``.
-With API keys in the config (``auth``), every request passes the ``access`` gate first.
+With API keys in the config (``auth``), every request passes the ``access`` gate first; before
+that, one client address may have only so many requests in progress (``client_limits``). While
+the app runs, what clients cause is counted rather than logged line by line (``quiet_log``).
 """
 
 from __future__ import annotations
@@ -18,20 +20,25 @@ from contextlib import asynccontextmanager, suppress
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.fleet.events.ingest import IngestSource, IngestStats
 from prefixcache.fleet.router import Router
 from prefixcache.fleet.service.access import AccessGate
+from prefixcache.fleet.service.client_limits import ClientRequestLimit
+from prefixcache.fleet.service.connection_budget import service_budget
 from prefixcache.fleet.service.fleet_service import FleetService
 from prefixcache.fleet.service.health_probe import probe_replicas
 from prefixcache.fleet.service.http_errors import (
+    aborted_request,
     http_error,
     nesting_error,
     typed_error,
     unexpected_error,
 )
 from prefixcache.fleet.service.metrics import ServiceMetrics
+from prefixcache.fleet.service.quiet_log import quiet_service_logs
 from prefixcache.fleet.service.routes import add_api_routes
 from prefixcache.fleet.service.settings import ServiceConfig
 from prefixcache.text.chat_template import ChatTemplate
@@ -79,6 +86,7 @@ def create_app(
     app.exception_handler(PrefixCacheError)(typed_error)
     app.exception_handler(StarletteHTTPException)(http_error)
     app.exception_handler(RecursionError)(nesting_error)
+    app.exception_handler(ClientDisconnect)(aborted_request)
     app.exception_handler(Exception)(unexpected_error)
     add_api_routes(app)
     if proxying:
@@ -87,6 +95,9 @@ def create_app(
         add_proxy_routes(app)
     if config.access.enabled:  # a plain ASGI middleware: a check per request, nothing more
         app.add_middleware(AccessGate, access=config.access, metrics=service.metrics)
+    per_client = service_budget(config).max_requests_per_client
+    if per_client is not None:  # added last: it runs first, before any key is checked
+        app.add_middleware(ClientRequestLimit, limit=per_client, metrics=service.metrics)
     return app
 
 
@@ -113,9 +124,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # behind (a full pass over everything took 15-30 ms, a stall in the latency tail).
     gc.collect()
     gc.freeze()
+    restore_logs = quiet_service_logs(asyncio.get_running_loop())
     try:
         yield
     finally:
+        restore_logs()
         gc.unfreeze()
         if prober is not None:
             prober.cancel()

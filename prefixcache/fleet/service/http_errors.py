@@ -4,7 +4,10 @@ counted in the ``prefixcache_http_errors`` metric by endpoint and status.
 A typed error (``PrefixCacheError``) gets the status its kind names (``status_of``), including the
 service's own ``TooManyRequestsError`` (429) and ``BodyTimeoutError`` (408); an unknown
 path (404) or a wrong method (405) answers in the same shape; a body nested too deeply for any
-step that reads it is a 400; anything unforeseen is a 500 in the same shape, counted too.
+step that reads it is a 400; anything unforeseen is a 500 in the same shape, counted too. A
+client that goes away before its body has arrived is not an error: it is counted in
+``prefixcache_aborted_requests`` and answered 499 (nginx's "client closed request"), which no one
+reads.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from prefixcache.errors import (
     ConfigError,
@@ -56,6 +60,7 @@ _STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
     (ConfigError, 500),
 )
 _HTTP_STATUSES = {int(status) for status in HTTPStatus}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client gave up on
 
 
 def error_response(status: int, kind: str, message: str) -> Response:
@@ -105,6 +110,12 @@ async def nesting_error(request: Request, exc: RecursionError) -> Response:
     """A body nested so deeply that reading it ran out of stack, at whatever step: a 400."""
     request.app.state.service.metrics.errors.labels(request.url.path, "400").inc()
     return error_response(400, "MalformedJSONError", "request body is nested too deeply")
+
+
+async def aborted_request(request: Request, exc: ClientDisconnect) -> Response:
+    """A client that disconnected while its body was read: counted, and answered to no one."""
+    request.app.state.service.metrics.aborted.labels(request.url.path).inc()
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:

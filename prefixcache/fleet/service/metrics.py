@@ -1,10 +1,12 @@
 """Prometheus metrics of the service, in a registry of its own (one per app).
 
 Counted as they happen: route decisions (policy, replica, rule), the cached fraction of routed
-prompts, route latency, error responses, requests refused by access control and per-key limits.
-Read at each scrape: the index's blocks and the in-flight load per replica, whether each replica
-takes routes, the loads ended by the in-flight timeout, the health of a shared (Redis) index, and
-the counters of an ``IngestStats`` source when one is plugged in.
+prompts, route latency, error responses, requests refused by access control and per-key limits,
+requests their clients gave up on. Read at each scrape: the index's blocks and the in-flight load
+per replica, whether each replica takes routes, the loads ended by the in-flight timeout, the
+health of a shared (Redis) index, the counters of an ``IngestStats`` source when one is plugged
+in, and the connections closed past the connection budget and the accepts that failed for lack
+of descriptors (``ConnectionEvents``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from prefixcache.fleet.events.ingest import IngestStats
 from prefixcache.fleet.router import RouteDecision, Router
+from prefixcache.fleet.service.connection_budget import CONNECTION_EVENTS, ConnectionEvents
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
@@ -116,6 +119,28 @@ class _FleetCollector(Collector):
             yield family
 
 
+class _ConnectionCollector(Collector):
+    """What happened to connections below the app, read at scrape time."""
+
+    def __init__(self, events: ConnectionEvents) -> None:
+        self._events = events
+
+    def collect(self) -> Iterator[Metric]:
+        """The connection counters, read now."""
+        yield CounterMetricFamily(
+            "prefixcache_connections_closed_over_limit",
+            "Connections closed unanswered because the service held its maximum "
+            "(server.max_connections and the accept headroom)",
+            value=self._events.closed_over_limit,
+        )
+        yield CounterMetricFamily(
+            "prefixcache_accept_failures",
+            "accept() calls that failed for lack of descriptors or memory (the service then "
+            "stops accepting for a second)",
+            value=self._events.accept_failures,
+        )
+
+
 class ServiceMetrics:
     """The service's metrics and the registry that exports them."""
 
@@ -147,12 +172,20 @@ class ServiceMetrics:
         )
         self.rejected = Counter(
             "prefixcache_rejected_requests",
-            "Requests refused by access control and per-key limits, by reason (unauthenticated, "
-            "forbidden, rate_limited, in_flight_limit, body_timeout) and key name",
+            "Requests refused by access control and per-key or per-client limits, by reason "
+            "(unauthenticated, forbidden, rate_limited, in_flight_limit, body_timeout, "
+            "client_limit) and key name",
             ["reason", "key"],
             registry=self.registry,
         )
+        self.aborted = Counter(
+            "prefixcache_aborted_requests",
+            "Requests whose client disconnected before its body arrived, by endpoint",
+            ["endpoint"],
+            registry=self.registry,
+        )
         self.registry.register(_FleetCollector(router, ingest))
+        self.registry.register(_ConnectionCollector(CONNECTION_EVENTS))
 
     def observe_route(self, decision: RouteDecision, seconds: float) -> None:
         """Count one route decision."""

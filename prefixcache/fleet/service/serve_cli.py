@@ -1,7 +1,9 @@
 """``prefixcache serve``: the fleet routing service from a YAML config, run by uvicorn with the
 config's connection limits and TLS (``transport``); with ``--workers N``, N processes on one port
 over a shared (Redis) index (``service_process``). Requests are not logged one by one unless
-``--access-log``."""
+``--access-log``. At start the open-file limit is raised to what ``server.max_connections``
+needs where the hard limit allows, and where it does not, the connections are lowered to fit,
+with a warning naming the limit to raise (``connection_budget``)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from prefixcache.fleet.service.connection_budget import (
+            followed_replicas,
+            raise_descriptor_limit,
+            service_budget,
+        )
         from prefixcache.fleet.service.service_process import (
             WORKER_ENV,
             ServeOptions,
@@ -88,6 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
         options = ServeOptions(str(args.config.resolve()), args.index, args.proxy)
         config = load_config(args.config)
         check_workers(args.workers, index_of(options, config))
+        raised = raise_descriptor_limit(config.server, followed_replicas(config))
+        budget = service_budget(config)  # ConfigError when the limit leaves too few
         # opened here in either case, so that a bad config or index fails before any worker
         app, config = open_service(options)
     except (PrefixCacheError, OSError) as exc:
@@ -101,6 +110,10 @@ def _serve(args: argparse.Namespace) -> int:
             "(set chat_template to the model's tokenizer_config.json)",
             file=sys.stderr,
         )
+    if raised is not None:
+        print(f"prefixcache serve: note: {raised}", file=sys.stderr)
+    if budget.warning is not None:
+        print(f"prefixcache serve: warning: {budget.warning}", file=sys.stderr)
     warning = exposure_warning(args.host, config)
     if warning is not None:
         print(f"prefixcache serve: warning: {warning}", file=sys.stderr)

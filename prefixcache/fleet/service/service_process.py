@@ -26,6 +26,7 @@ from prefixcache.fleet.index.index_url import IN_PROCESS
 from prefixcache.fleet.index.open_index import check_index_url, open_index
 from prefixcache.fleet.service.access_settings import ServerConfig
 from prefixcache.fleet.service.app import create_app
+from prefixcache.fleet.service.connection_budget import service_budget
 from prefixcache.fleet.service.settings import ServiceConfig, build_router, load_config
 from prefixcache.fleet.service.transport import (
     HeadTimeoutProtocol,
@@ -140,8 +141,10 @@ def worker_app() -> Any:
     """The app of one worker process, from the options in ``WORKER_ENV``."""
     options = ServeOptions(**json.loads(os.environ[WORKER_ENV]))
     app, config = open_service(options)
+    budget = service_budget(config)
     for protocol in (WorkerProtocol, _FAST):
         if protocol is not None:
             protocol.head_timeout_s = config.server.header_timeout_s
             protocol.max_head_bytes = config.server.max_header_bytes
+            protocol.max_open_connections = budget.max_open_connections
     return app

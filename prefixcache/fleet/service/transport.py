@@ -8,7 +8,10 @@ uvicorn bounds the keep-alive idle time (``timeout_keep_alive``) and the connect
 (``h11_max_incomplete_event_size``), but not the time a client takes to send its head: a client
 that opens connections and trickles header bytes would hold them for good. Both protocols here
 close a connection whose next request head is not complete within ``server.header_timeout_s`` of
-the connection opening or of its first byte. On httptools (a C parser, about a quarter less CPU
+the connection opening or of its first byte, and close a connection at once, unanswered, while
+the service holds ``max_open_connections`` (``connection_budget``: ``server.max_connections``
+plus the headroom kept for 503 answers, within the open-file limit), so that the process never
+runs out of descriptors. On httptools (a C parser, about a quarter less CPU
 per request than h11, used when installed: ``server.http``) a head longer than
 ``server.max_header_bytes`` gets a 431 and the connection is closed; h11 bounds what it buffers
 of an incomplete head to that size (a 400). The body has its own timeout
@@ -30,6 +33,12 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prefixcache.fleet.service.access_settings import ServerConfig
+from prefixcache.fleet.service.connection_budget import (
+    CONNECTION_EVENTS,
+    ConnectionBudget,
+    connection_budget,
+    service_budget,
+)
 from prefixcache.fleet.service.settings import ServiceConfig
 
 _log = logging.getLogger("prefixcache.serve")
@@ -82,7 +91,25 @@ class _HeadTimeout:
             self.transport.close()
 
 
-class HeadTimeoutProtocol(_HeadTimeout, H11Protocol):  # type: ignore[misc]
+class _ConnectionCeiling:
+    """A connection past ``max_open_connections`` is closed as soon as it is made (counted in
+    ``CONNECTION_EVENTS``): mixed into a uvicorn HTTP protocol, which provides ``connections``
+    (the server's open connections, this one included)."""
+
+    max_open_connections: int | None = None  # set per service by ``http_protocol``
+    connections: set[Any]
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        """A new connection: served, or closed at once while the service holds its maximum."""
+        super().connection_made(transport)  # type: ignore[misc]
+        limit = self.max_open_connections
+        if limit is not None and len(self.connections) > limit:
+            CONNECTION_EVENTS.count_closed_over_limit()
+            _log.info("closing a connection past the %d the service holds", limit)
+            transport.close()
+
+
+class HeadTimeoutProtocol(_ConnectionCeiling, _HeadTimeout, H11Protocol):  # type: ignore[misc]
     """uvicorn's h11 protocol with a head timeout (h11 bounds the size of a head it buffers,
     ``h11_max_incomplete_event_size``)."""
 
@@ -98,7 +125,9 @@ def httptools_protocol() -> type[Any] | None:
         return None
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HttpToolsHeadProtocol(_HeadTimeout, HttpToolsProtocol):  # type: ignore[misc]
+    class HttpToolsHeadProtocol(  # type: ignore[misc]
+        _ConnectionCeiling, _HeadTimeout, HttpToolsProtocol
+    ):
         """uvicorn's httptools protocol with a head timeout and a head size limit: the parser's
         callbacks count the request line and header bytes of every head (pipelined ones too)
         and stop the parser past ``max_head_bytes``; the answer is a 431 and the connection is
@@ -157,16 +186,22 @@ def httptools_protocol() -> type[Any] | None:
     return HttpToolsHeadProtocol
 
 
-def http_protocol(server: ServerConfig) -> type[Any]:
+def http_protocol(server: ServerConfig, budget: ConnectionBudget | None = None) -> type[Any]:
     """The protocol class ``server.http`` names (``auto``: httptools when installed), carrying
-    this service's head limits; ConfigError when httptools is asked for and missing."""
+    this service's head limits and its connection ceiling (``budget``, default: ``server``'s
+    in this process); ConfigError when httptools is asked for and missing."""
     from prefixcache.errors import ConfigError
 
     fast = None if server.http == "h11" else httptools_protocol()
     if fast is None and server.http == "httptools":
         raise ConfigError("server.http: httptools is not installed (pip install httptools)")
     base = fast if fast is not None else HeadTimeoutProtocol
-    limits = {"head_timeout_s": server.header_timeout_s, "max_head_bytes": server.max_header_bytes}
+    budget = connection_budget(server) if budget is None else budget
+    limits = {
+        "head_timeout_s": server.header_timeout_s,
+        "max_head_bytes": server.max_header_bytes,
+        "max_open_connections": budget.max_open_connections,
+    }
     return type(base.__name__, (base,), limits)  # this service's limits, not every server's
 
 
@@ -174,9 +209,10 @@ def uvicorn_options(config: ServiceConfig) -> dict[str, Any]:
     """The keyword arguments of ``uvicorn.run`` (or ``uvicorn.Config``) that carry the limits
     and TLS of ``config``."""
     server = config.server
+    budget = service_budget(config)
     return {
-        "http": http_protocol(server),
-        "limit_concurrency": server.max_connections,
+        "http": http_protocol(server, budget),
+        "limit_concurrency": budget.max_connections,
         "timeout_keep_alive": max(1, math.ceil(server.keep_alive_s)),
         "h11_max_incomplete_event_size": server.max_header_bytes,
         "ssl_certfile": server.certfile,
