@@ -209,6 +209,7 @@ class FleetSimulator:
         self.p = o.block_size
         self.times = RequestTimes()  # per request, by the fleet's request index
         self.index = MemoryFleetIndex()
+        self.versions: dict[tuple[str, str], str] = {}  # adapter versions the requests name
         names = [f"replica-{k}" for k in range(o.replicas)]
         self.subscriber = KVEventSubscriber(
             self.index,
@@ -261,6 +262,13 @@ class FleetSimulator:
 
         return elsewhere
 
+    def _name_version(self, model: str, adapter: str, version: str) -> None:
+        """The first version a request names for an adapter is the one the fleet serves (the
+        replicas serve any adapter, so none pins it; KV events carry no version)."""
+        if (model, adapter) not in self.versions:
+            self.versions[(model, adapter)] = version
+            self.subscriber.pin_adapter_versions(self.versions)
+
     def run(self, requests: Iterable[Request]) -> None:
         """Route and serve every request, then run the fleet until all have finished."""
         hasher = self.replicas[0].mgr.hasher  # the router's algorithm and block size
@@ -273,6 +281,9 @@ class FleetSimulator:
                     f"{self.model or 'the default model'!r}: replay each model on its own"
                 )
             self._advance(req.arrival_s)
+            ns = req.namespace
+            if ns.adapter is not None and ns.adapter_version is not None:
+                self._name_version(ns.model, ns.adapter, ns.adapter_version)
             if self.caching:  # hashed once: the route, the pool and the report read them
                 digests: list[bytes] | None = hasher.hash_prompt(req.tokens, req.namespace)
                 route_digests = digests
