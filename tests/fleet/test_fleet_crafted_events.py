@@ -44,7 +44,7 @@ CASES = {
 def _index(kind: str, request: pytest.FixtureRequest):
     if kind == "memory":
         return MemoryFleetIndex()
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     server = request.getfixturevalue("redis_server")
     return RedisFleetIndex.from_url(server.url, prefix=f"c{os.urandom(4).hex()}")

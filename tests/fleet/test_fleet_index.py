@@ -16,7 +16,7 @@ from prefixcache.fleet.index.compact_index import CompactFleetIndex
 from prefixcache.fleet.index.memory_index import MemoryFleetIndex
 from prefixcache.fleet.index.open_index import open_index
 from prefixcache.fleet.index.prefix_index import CPU, GPU, AppliedBatch, EngineBlock, ReplicaMatch
-from prefixcache.fleet.index.redis_index import RedisFleetIndex
+from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
 CHAIN = [bytes([k]) * 16 for k in range(12)]
 OPS = st.lists(

@@ -16,7 +16,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.fleet.index.memory_index import MemoryFleetIndex
 from prefixcache.fleet.index.open_index import open_index
 from prefixcache.fleet.index.prefix_index import CPU, GPU, ReplicaMatch
-from prefixcache.fleet.index.redis_index import RedisFleetIndex
+from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 from tests.fleet_support import RedisClusterNodes, RedisServer, wait_until
 
 PROMPT = [os.urandom(16) for _ in range(48)]

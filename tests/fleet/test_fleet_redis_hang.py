@@ -30,7 +30,7 @@ def _batch(hashes: list[int], parent: int | None, first_token: int) -> bytes:
 
 
 def test_routes_are_answered_while_redis_hangs_and_the_index_resyncs_after(redis_server):
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     prefix = f"h{os.urandom(4).hex()}"
     index = RedisFleetIndex.from_url(
@@ -81,7 +81,7 @@ def test_routes_are_answered_while_redis_hangs_and_the_index_resyncs_after(redis
 
 
 def test_read_timeout_is_checked():
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     with pytest.raises(ConfigError):
         RedisFleetIndex.from_url("redis://127.0.0.1:1/0", read_timeout=0)

@@ -26,7 +26,7 @@ def _batch(*events: object, ts: float) -> bytes:
 
 
 def _router(url: str, prefix: str):
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     index = RedisFleetIndex.from_url(url, prefix=prefix, retry_interval=0.0)
     ep = ReplicaEndpoint("pod", namespace=Namespace("llama"), block_size=P)
@@ -35,7 +35,7 @@ def _router(url: str, prefix: str):
 
 @pytest.mark.parametrize("how", ["restart", "late join"])
 def test_a_write_back_after_a_restart_or_a_late_join_holds_the_recalled_blocks(how, redis_server):
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     prefix = f"w{os.urandom(4).hex()}"
     before = [
@@ -130,7 +130,7 @@ def test_adoption_reads_the_engine_map_step_by_step_up_to_a_limit(redis_server, 
     """``adopt`` scans the replica's engine map a step at a time (each step a read of its own,
     so routes go on between them) and stops at a limit (the subscriber's per-replica cap): the
     local view then holds just the blocks adopted."""
-    from prefixcache.fleet.index import redis_engine_map
+    from prefixcache.fleet.index.redis import engine_map as redis_engine_map
 
     monkeypatch.setattr(redis_engine_map, "ADOPT_CHUNK", 2)
     prefix = f"a{os.urandom(4).hex()}"

@@ -253,7 +253,7 @@ def test_redis_index_from_live_streams_survives_a_redis_restart(redis_server):
     """Managers -> publishers -> subscriber -> Redis; Redis is killed mid-stream and restarted
     empty: once resynced, another router reading Redis alone sees exactly what each manager
     holds."""
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     index = RedisFleetIndex.from_url(redis_server.url, retry_interval=0.0, pipeline_size=8)
     replicas = [Replica(f"pod-{k}", 10 + k) for k in range(2)]
@@ -517,7 +517,7 @@ def test_counters_do_not_wait_for_an_ingestion_in_progress() -> None:
 
 
 def _redis_router(url: str, prefix: str, replay: str | None = None):
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     index = RedisFleetIndex.from_url(url, prefix=prefix)
     endpoint = ReplicaEndpoint("pod", None, replay, Namespace("llama"), P)
@@ -587,7 +587,7 @@ def test_a_restarted_router_on_redis_replays_only_what_it_missed(redis_server):
     Redis. It replays the batches after the last one the index applied (the replica's replay
     buffer no longer has batch 0) and maps the blocks stored before: the index ends up exactly
     what each manager holds."""
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     prefix = f"rr{os.urandom(4).hex()}"
     replicas = [Replica(f"pod-{k}", 40 + k, buffer_steps=30) for k in range(2)]
@@ -690,7 +690,7 @@ def test_a_router_joining_while_redis_is_away_waits_to_map_the_old_blocks(redis_
     # entries), then the replica was cleared, wiping what other routers had right in Redis
     import redis
 
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     prefix = f"w{os.urandom(4).hex()}"
     batches = [

@@ -81,7 +81,7 @@ def test_serve_passes_engine_hash_workers_and_read_timeout_on(
     import uvicorn
 
     from prefixcache.cli import main
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     served: list[Any] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))

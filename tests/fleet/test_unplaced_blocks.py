@@ -530,7 +530,7 @@ def test_blocks_placed_by_a_lookup_reach_a_shared_index_and_its_engine_map(redis
     later maps the replica's removal of those blocks (no stale entry)."""
     import os
 
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     prefix = f"unplaced{os.urandom(4).hex()}"
     index = RedisFleetIndex.from_url(redis_server.url, prefix=prefix)

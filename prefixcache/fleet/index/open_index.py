@@ -19,7 +19,7 @@ from prefixcache.fleet.index.index_url import (
 
 if TYPE_CHECKING:
     from prefixcache.fleet.index.memory_index import MemoryFleetIndex
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
 __all__ = ["check_index_prefix", "check_index_url", "open_index"]
 
@@ -44,7 +44,7 @@ def open_index(
         from prefixcache.fleet.index.compact_index import CompactFleetIndex
 
         return CompactFleetIndex(**options)
-    from prefixcache.fleet.index.redis_index import RedisFleetIndex
+    from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
     if prefix is not None:
         options["prefix"] = prefix

@@ -1,8 +1,8 @@
 """The fleet index in Redis, shared by any number of router instances.
 
-The keys and the Lua scripts that write them are in ``redis_scripts``; the write queue, outages
-and resyncs in ``redis_sync``; the shared engine map (engine hash -> block, last applied batch)
-in ``redis_engine_map``; connecting, and a Redis Cluster's slot owner, in ``redis_connect``.
+The keys and the Lua scripts that write them are in ``scripts``; the write queue, outages
+and resyncs in ``sync``; the shared engine map (engine hash -> block, last applied batch)
+in ``engine_map``; connecting, and a Redis Cluster's slot owner, in ``connect``.
 
 Writes are queued script calls, one per stored or removed run of blocks, applied to a local
 ``MemoryFleetIndex`` as well (this instance's view, answered from while Redis is away).
@@ -34,7 +34,7 @@ from prefixcache.fleet.index.memory_index import (
     match_masks,
 )
 from prefixcache.fleet.index.prefix_index import CPU, GPU, ReplicaMatch
-from prefixcache.fleet.index.redis_connect import (
+from prefixcache.fleet.index.redis.connect import (
     DEFAULT_CLUSTER_PREFIX,
     DEFAULT_PREFIX,
     ClusterSlotOwner,
@@ -43,19 +43,19 @@ from prefixcache.fleet.index.redis_connect import (
     open_client,
     parse_index_url,
 )
-from prefixcache.fleet.index.redis_engine_map import RedisEngineMap
-from prefixcache.fleet.index.redis_scripts import (
+from prefixcache.fleet.index.redis.engine_map import RedisEngineMap
+from prefixcache.fleet.index.redis.scripts import (
     REVERSED_BITS,
     as_bytes,
     as_text,
     register_scripts,
     store_args,
 )
-from prefixcache.fleet.index.redis_sync import DEFAULT_READ_TIMEOUT, RedisIndexStats, RedisSync
+from prefixcache.fleet.index.redis.sync import DEFAULT_READ_TIMEOUT, RedisIndexStats, RedisSync
 
 
 class RedisFleetIndex(RedisEngineMap):
-    """``FleetIndex`` in Redis (see ``redis_scripts`` for the key schema), and the
+    """``FleetIndex`` in Redis (see ``scripts`` for the key schema), and the
     ``SharedEngineMap`` of the replicas it indexes."""
 
     def __init__(

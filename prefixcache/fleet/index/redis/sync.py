@@ -1,6 +1,6 @@
 """How the Redis fleet index stays in sync with Redis: the write queue, outages and resyncs.
 
-Writes are script calls (``redis_scripts``), queued and sent in pipelines of ``pipeline_size``
+Writes are script calls (``scripts``), queued and sent in pipelines of ``pipeline_size``
 calls; ``flush()`` sends what is queued, and every read flushes first. Each pipeline also reads
 ``P:epoch``, a random token set once, which names the data in Redis.
 
@@ -39,7 +39,7 @@ import redis
 
 from prefixcache.fleet.index.memory_index import MemoryFleetIndex
 from prefixcache.fleet.index.prefix_index import CPU, GPU
-from prefixcache.fleet.index.redis_scripts import (
+from prefixcache.fleet.index.redis.scripts import (
     CAP_ERROR,
     IndexScripts,
     applied_args,

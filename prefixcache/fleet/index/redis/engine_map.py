@@ -1,5 +1,5 @@
 """The shared engine map in Redis: each replica's engine block hash -> block (``P:e:<name>``) and
-the last event batch a router applied (``P:s:<name>``), see ``redis_scripts`` for the keys.
+the last event batch a router applied (``P:s:<name>``), see ``scripts`` for the keys.
 
 A router that joins a replica's stream midway (a restart, a new instance) reads them to replay
 only the batches the index missed and to map removals and continuations of blocks stored before
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
 from prefixcache.fleet.index.prefix_index import CPU, GPU, AppliedBatch, EngineBlock
-from prefixcache.fleet.index.redis_scripts import as_bytes, as_text, remember_args
-from prefixcache.fleet.index.redis_sync import EngineSource, RedisSync
+from prefixcache.fleet.index.redis.scripts import as_bytes, as_text, remember_args
+from prefixcache.fleet.index.redis.sync import EngineSource, RedisSync
 
 if TYPE_CHECKING:
     import redis
