@@ -11,7 +11,7 @@ from prefixcache.fleet.index.memory_index import MemoryFleetIndex
 from prefixcache.fleet.index.open_index import check_index_prefix, check_index_url, open_index
 from prefixcache.fleet.index.redis.connect import DEFAULT_PREFIX, open_client
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
-from prefixcache.fleet.service.settings import parse_config
+from prefixcache.fleet.service.config_file import parse_config
 from tests.fleet_support import RedisServer
 
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16

@@ -20,13 +20,13 @@ import httpx
 import pytest
 
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.service.access_settings import ServerConfig
+from prefixcache.fleet.service.access_config import ServerConfig
 from prefixcache.fleet.service.connection_budget import (
     ACCEPT_HEADROOM,
     RESERVED_DESCRIPTORS,
     connection_budget,
 )
-from prefixcache.fleet.service.settings import parse_config
+from prefixcache.fleet.service.config_file import parse_config
 from tests.fleet_processes import running
 from tests.fleet_support import free_port, wait_until
 from tests.serve_harness import make_app, make_config, serving

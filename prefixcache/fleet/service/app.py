@@ -27,6 +27,7 @@ from prefixcache.fleet.events.ingest import IngestSource, IngestStats
 from prefixcache.fleet.router import Router
 from prefixcache.fleet.service.access import AccessGate
 from prefixcache.fleet.service.client_limits import ClientRequestLimit
+from prefixcache.fleet.service.config_file import ServiceConfig
 from prefixcache.fleet.service.connection_budget import service_budget
 from prefixcache.fleet.service.fleet_service import FleetService
 from prefixcache.fleet.service.health_probe import probe_replicas
@@ -40,7 +41,6 @@ from prefixcache.fleet.service.http_errors import (
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.service.quiet_log import quiet_service_logs
 from prefixcache.fleet.service.routes import add_api_routes
-from prefixcache.fleet.service.settings import ServiceConfig
 from prefixcache.text.chat_template import ChatTemplate
 from prefixcache.text.tokenizers import Tokenizer, load_tokenizer
 

@@ -40,10 +40,10 @@ from prefixcache.fleet.replica_load import Released
 from prefixcache.fleet.router import PromptScores, RouteDecision, Router
 from prefixcache.fleet.service.access import ANONYMOUS, Caller
 from prefixcache.fleet.service.bodies import PromptBody, RouteBody
+from prefixcache.fleet.service.config_file import ServiceConfig
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.key_limits import KeyLimits
 from prefixcache.fleet.service.metrics import ServiceMetrics
-from prefixcache.fleet.service.settings import ServiceConfig
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.tokenizers import Tokenizer, render_chat
 
@@ -147,18 +147,13 @@ class FleetService:
         return b"".join(chunks)
 
     def tokens_of(self, tokens: Sequence[int] | None, text: str | None) -> TokenIds:
-        """The prompt's token ids: given ones, else ``text`` through the tokenizer. Checks the
-        prompt-token limit."""
+        """The prompt's token ids: given ones, else ``text`` through the tokenizer (the router
+        checks the prompt-token limit, once, for every way in)."""
         if (tokens is None) == (text is None):
             raise InvalidArgumentError(
                 "give exactly one of 'tokens' (token ids), 'text' or 'messages'"
             )
         ids: TokenIds = tokens if tokens is not None else self.tokenizer.encode(text or "")
-        limit = self.config.limits.max_prompt_tokens
-        if len(ids) > limit:
-            raise PayloadTooLargeError(
-                f"prompt has {len(ids)} tokens; this service accepts at most {limit}"
-            )
         return ids
 
     def chat_tokens(
@@ -202,49 +197,51 @@ class FleetService:
             return Prompt(ns, self.chat_tokens(body.messages))
         return Prompt(ns, self.tokens_of(body.tokens, body.text))
 
-    def lookup(self, body: PromptBody, caller: Caller = ANONYMOUS) -> PromptScores:
+    def _lookup_body(self, body: PromptBody, caller: Caller = ANONYMOUS) -> PromptScores:
         """A lookup body's per-replica scores (and its namespace)."""
         prompt = self.prompt(body, caller)
         return self.router.lookup(prompt.namespace, prompt.tokens)
 
-    def route_body(
+    def _route_body(
         self, body: RouteBody, caller: Caller = ANONYMOUS, routed_id: str | None = None
     ) -> RouteDecision:
         """Route a route body; ``routed_id`` (the caller's scoped id of its request id) counts
         as load until released."""
         prompt = self.prompt(body, caller)
         try:
-            return self.route(prompt.namespace, prompt.tokens, routed_id)
+            return self.route_tokens(prompt.namespace, prompt.tokens, routed_id)
         except DuplicateRequestError:  # in the caller's own words, not the scoped id
             raise DuplicateRequestError(
                 f"request {body.request_id!r} is already in flight"
             ) from None
 
-    async def lookup_request(self, body: PromptBody, caller: Caller) -> PromptScores:
+    async def lookup(self, body: PromptBody, caller: Caller) -> PromptScores:
         """A lookup body's scores, on the event loop or off it (``runs_inline``)."""
-        result: PromptScores = await self._run(self.runs_inline(body), self.lookup, body, caller)
+        result: PromptScores = await self._run(
+            self.runs_inline(body), self._lookup_body, body, caller
+        )
         return result
 
-    async def route_request(self, body: RouteBody, caller: Caller) -> RouteDecision:
+    async def route(self, body: RouteBody, caller: Caller) -> RouteDecision:
         """Route a route body within ``caller``'s limits, on the event loop or off it
         (``runs_inline``)."""
         inline = self.runs_inline(body)
         if body.request_id is None:
-            routed: RouteDecision = await self._run(inline, self.route_body, body, caller)
+            routed: RouteDecision = await self._run(inline, self._route_body, body, caller)
             return routed
         routed_id = caller.scoped_id(body.request_id)
         self.limits.reserve(caller)
         settled: str | None = None
         try:
             decision: RouteDecision = await self._run(
-                inline, self.route_body, body, caller, routed_id
+                inline, self._route_body, body, caller, routed_id
             )
             settled = routed_id
         finally:
             self.limits.settle(caller, settled)
         return decision
 
-    async def release_request(self, request_id: str, caller: Caller) -> Released:
+    async def release(self, request_id: str, caller: Caller) -> Released:
         """End the load of ``caller``'s ``request_id``; UnknownRequestError when that caller has
         no such request in flight (another key's request of that id is not its own)."""
         routed_id = caller.scoped_id(request_id)
@@ -257,7 +254,7 @@ class FleetService:
         self.limits.forget(caller, routed_id)
         return released._replace(request_id=request_id)
 
-    def route(
+    def route_tokens(
         self,
         namespace: Namespace,
         tokens: TokenIds,
@@ -265,7 +262,8 @@ class FleetService:
         *,
         expire: bool = True,
     ) -> RouteDecision:
-        """Route with the router and count the decision (``expire``: see ``Router.route``)."""
+        """Route a prompt's tokens with the router and count the decision (``expire``: see
+        ``Router.route``; the router checks the prompt-token limit)."""
         start = time.perf_counter()
         decision = self.router.route(namespace, tokens, request_id, expire=expire)
         self.metrics.observe_route(decision, time.perf_counter() - start)

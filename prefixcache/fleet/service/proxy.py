@@ -179,7 +179,7 @@ async def _forward(
     def choose() -> RouteDecision:  # tokenizing, hashing, the index: off the event loop
         namespace = namespace_for(service, payload.get("model"), salt)
         tokens = tokens_of(service, payload)
-        return service.route(namespace, tokens, request_id, expire=False)  # always released
+        return service.route_tokens(namespace, tokens, request_id, expire=False)  # always released
 
     service.limits.reserve(caller)
     settled: str | None = None

@@ -59,7 +59,7 @@ async def lookup(request: Request) -> Response:
     caller = caller_of(request)
     service.limits.take(caller)
     body = decode_body(await service.read_body(request, caller), PromptBody)
-    result = await service.lookup_request(body, caller)
+    result = await service.lookup(body, caller)
     return _json(
         {
             "namespace": result.namespace.label(),
@@ -77,7 +77,7 @@ async def route(request: Request) -> Response:
     caller = caller_of(request)
     service.limits.take(caller)
     body = decode_body(await service.read_body(request, caller), RouteBody)
-    decision = await service.route_request(body, caller)
+    decision = await service.route(body, caller)
     return _json(
         {
             "replica": decision.replica,
@@ -99,7 +99,7 @@ async def release(request: Request) -> Response:
     service: FleetService = request.app.state.service
     caller = caller_of(request)
     body = decode_body(await service.read_body(request, caller), ReleaseBody)
-    released = await service.release_request(body.request_id, caller)
+    released = await service.release(body.request_id, caller)
     return _json(released._asdict())
 
 

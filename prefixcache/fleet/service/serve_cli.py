@@ -67,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from prefixcache.fleet.service.config_file import load_config
         from prefixcache.fleet.service.connection_budget import (
             followed_replicas,
             raise_descriptor_limit,
@@ -80,7 +81,6 @@ def _serve(args: argparse.Namespace) -> int:
             open_service,
             worker_protocol,
         )
-        from prefixcache.fleet.service.settings import load_config
         from prefixcache.fleet.service.transport import exposure_warning, uvicorn_options
     except ImportError as exc:
         print(

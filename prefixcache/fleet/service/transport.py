@@ -32,14 +32,14 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from prefixcache.fleet.service.access_settings import ServerConfig
+from prefixcache.fleet.service.access_config import ServerConfig
+from prefixcache.fleet.service.config_file import ServiceConfig
 from prefixcache.fleet.service.connection_budget import (
     CONNECTION_EVENTS,
     ConnectionBudget,
     connection_budget,
     service_budget,
 )
-from prefixcache.fleet.service.settings import ServiceConfig
 
 _log = logging.getLogger("prefixcache.serve")
 

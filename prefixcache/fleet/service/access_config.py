@@ -1,5 +1,5 @@
-"""The service's access and transport settings: API keys and per-key limits (``auth``), connection
-and read limits (``server``) and TLS (``tls``), validated like the rest of the YAML file.
+"""The service's access and transport configuration: API keys and per-key limits (``auth``),
+connection and read limits (``server``) and TLS (``tls``), validated like the rest of the file.
 
 Keys never sit in the config itself: ``auth.keys_file`` names a YAML file and ``auth.keys_env``
 an environment variable, each holding a mapping ``<key>: {tenant: NAME, role: tenant|operator,
@@ -14,12 +14,11 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
-if TYPE_CHECKING:
-    from prefixcache.fleet.service.settings import _Reader
+from prefixcache.fleet.service.config_reader import ConfigReader
 
 TENANT = "tenant"
 OPERATOR = "operator"
@@ -92,7 +91,7 @@ def key_digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode("utf-8") if isinstance(key, str) else key).digest()
 
 
-def parse_keys(r: _Reader, text: str, where: str) -> list[ApiKey]:
+def parse_keys(r: ConfigReader, text: str, where: str) -> list[ApiKey]:
     """The keys of a keys file or variable (YAML ``<key>: {tenant, role, name}``)."""
     try:
         data = yaml.safe_load(text)
@@ -131,7 +130,7 @@ def parse_keys(r: _Reader, text: str, where: str) -> list[ApiKey]:
     return keys
 
 
-def _secret_env(r: _Reader, name: Any, where: str) -> str:
+def _secret_env(r: ConfigReader, name: Any, where: str) -> str:
     var = r.string(name, where, optional=False)
     assert var is not None
     value = os.environ.get(var)
@@ -140,7 +139,7 @@ def _secret_env(r: _Reader, name: Any, where: str) -> str:
     return value
 
 
-def parse_access(r: _Reader, raw: Any, base_dir: Path | None) -> AccessConfig:
+def parse_access(r: ConfigReader, raw: Any, base_dir: Path | None) -> AccessConfig:
     """The ``auth`` section: keys from a file and/or a variable, and the per-key limits."""
     m = r.mapping(raw, "auth", AUTH_KEYS)
     keys: list[ApiKey] = []
@@ -182,7 +181,7 @@ def parse_access(r: _Reader, raw: Any, base_dir: Path | None) -> AccessConfig:
     )
 
 
-def parse_server(r: _Reader, raw: Any, raw_tls: Any, base_dir: Path | None) -> ServerConfig:
+def parse_server(r: ConfigReader, raw: Any, raw_tls: Any, base_dir: Path | None) -> ServerConfig:
     """The ``server`` section (read and connection limits) and the ``tls`` section."""
     m = r.mapping(raw, "server", SERVER_KEYS)
     d = ServerConfig()

@@ -7,12 +7,10 @@ is expected; unknown keys are mistakes too, so a misspelt option never passes si
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 
@@ -35,17 +33,16 @@ from prefixcache.fleet.index.prefix_index import FleetIndex
 from prefixcache.fleet.policies import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.router import Router
-from prefixcache.fleet.service.access_settings import (
+from prefixcache.fleet.service.access_config import (
     AccessConfig,
     ServerConfig,
     parse_access,
     parse_server,
 )
+from prefixcache.fleet.service.config_reader import ConfigReader
 from prefixcache.text.chat_template import ChatTemplate
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-# tcp://host:port to connect to: ``*`` (bind to every interface) is an engine's bind address
-_ENDPOINT = re.compile(r"(tcp://[^\s:/*]+:\d{1,5}|ipc://\S+|inproc://\S+)")
 
 
 @dataclass(frozen=True)
@@ -169,79 +166,7 @@ MAX_EVENT_MESSAGE_BYTES = 1 << 40  # ZMQ_MAXMSGSIZE is an int64; beyond this is 
 _PROXY = ("enabled", "timeout_s")
 
 
-class _Reader:
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, where: str, message: str) -> ConfigError:
-        return ConfigError(
-            f"{self.source}: {where}: {message}" if where else f"{self.source}: {message}"
-        )
-
-    def mapping(self, value: Any, where: str, known: tuple[str, ...]) -> dict[str, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise self.fail(where, f"expected a mapping, got {type(value).__name__}")
-        for key in value:
-            if key not in known:
-                raise self.fail(where, f"unknown key {key!r}; known keys: {', '.join(known)}")
-        return value
-
-    def string(self, value: Any, where: str, *, optional: bool = True) -> str | None:
-        if value is None and optional:
-            return None
-        if not isinstance(value, str) or not value:
-            raise self.fail(where, f"expected a non-empty string, got {value!r}")
-        return value
-
-    def integer(self, value: Any, where: str, minimum: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(where, f"expected an integer >= {minimum}, got {value!r}")
-        return value
-
-    def number(self, value: Any, where: str) -> float:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not 0 < value < math.inf
-        ):
-            raise self.fail(where, f"expected a positive finite number, got {value!r}")
-        return float(value)
-
-    def url(self, value: Any, where: str) -> str | None:
-        text = self.string(value, where)
-        if text is None:
-            return None
-        parts = urlsplit(text)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise self.fail(where, f"expected an http(s)://host:port URL, got {text!r}")
-        try:
-            parts.port  # noqa: B018 - raises on a bad port
-        except ValueError:
-            raise self.fail(where, f"bad port in {text!r}") from None
-        return text.rstrip("/")
-
-    def endpoint(self, value: Any, where: str) -> str | None:
-        text = self.string(value, where)
-        if text is not None and text.startswith("tcp://*"):
-            raise self.fail(
-                where,
-                f"{text!r} is a bind address (the engine's); give the engine's host, e.g. "
-                f"{text.replace('*', '127.0.0.1', 1)!r}",
-            )
-        if text is not None and not _ENDPOINT.fullmatch(text):
-            raise self.fail(
-                where, f"expected a ZMQ endpoint tcp://host:port or ipc://path, got {text!r}"
-            )
-        if text is not None and text.startswith("tcp://"):
-            port = int(text.rsplit(":", 1)[1])
-            if not 0 < port < 65536:
-                raise self.fail(where, f"port {port} in {text!r} is not in 1..65535")
-        return text
-
-
-def _replica(r: _Reader, raw: Any, where: str) -> ReplicaConfig:
+def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
     m = r.mapping(raw, where, _REPLICA)
     name = r.string(m.get("name"), f"{where}.name", optional=False)
     assert name is not None
@@ -281,61 +206,86 @@ def _replica(r: _Reader, raw: Any, where: str) -> ReplicaConfig:
 def parse_config(
     data: Any, source: str = "<config>", base_dir: Path | None = None
 ) -> ServiceConfig:
-    """A ServiceConfig from parsed YAML; relative tokenizer paths are taken from ``base_dir``."""
-    r = _Reader(source)
+    """A ServiceConfig from parsed YAML (one reader of each section below); relative tokenizer
+    and chat template paths are taken from ``base_dir``. ConfigError names the first mistake."""
+    r = ConfigReader(source)
     top = r.mapping(data, "", _TOP)
     if data is None:
         raise r.fail("", "the file is empty; it needs at least a 'replicas' list")
+    limits = _limits(r, top.get("limits"))  # the sections in order: the first mistake is said
+    replicas = _replicas(r, top.get("replicas"), limits.max_replicas)
+    routing = _routing(r, top.get("routing"))
+    proxy = _proxy(r, top.get("proxy"))
+    health = _health(r, top.get("health"))
+    tokenizer = _tokenizer(r, top.get("tokenizer"), base_dir)
+    chat_template = _chat_template(r, top.get("chat_template"), base_dir)
+    index, index_prefix = _index(r, top.get("index", "memory"), top.get("index_prefix"))
+    hash_algo = _hash_algo(r, top.get("hash_algo", "xxh3_128"))
+    return ServiceConfig(
+        replicas,
+        routing,
+        limits,
+        proxy,
+        tokenizer,
+        index,
+        hash_algo,
+        source,
+        chat_template,
+        health,
+        index_prefix,
+        access=parse_access(r, top.get("auth"), base_dir),
+        server=parse_server(r, top.get("server"), top.get("tls"), base_dir),
+    )
 
-    lim = r.mapping(top.get("limits"), "limits", _LIMITS)
-    defaults = Limits()
+
+def _limits(r: ConfigReader, raw: Any) -> Limits:
+    """``limits``: sizes and deadlines, each with its floor."""
+    lim = r.mapping(raw, "limits", _LIMITS)
+    d = Limits()
     limits = Limits(
+        r.integer(lim.get("max_body_bytes", d.max_body_bytes), "limits.max_body_bytes", 1024),
+        r.integer(lim.get("max_prompt_tokens", d.max_prompt_tokens), "limits.max_prompt_tokens", 1),
+        r.integer(lim.get("max_replicas", d.max_replicas), "limits.max_replicas", 1),
         r.integer(
-            lim.get("max_body_bytes", defaults.max_body_bytes), "limits.max_body_bytes", 1024
-        ),
-        r.integer(
-            lim.get("max_prompt_tokens", defaults.max_prompt_tokens), "limits.max_prompt_tokens", 1
-        ),
-        r.integer(lim.get("max_replicas", defaults.max_replicas), "limits.max_replicas", 1),
-        r.integer(
-            lim.get("max_event_message_bytes", defaults.max_event_message_bytes),
+            lim.get("max_event_message_bytes", d.max_event_message_bytes),
             "limits.max_event_message_bytes",
             1024,
         ),
+        r.number(lim.get("replay_deadline_s", d.replay_deadline_s), "limits.replay_deadline_s"),
+        r.integer(lim.get("max_replay_frames", d.max_replay_frames), "limits.max_replay_frames", 2),
         r.number(
-            lim.get("replay_deadline_s", defaults.replay_deadline_s), "limits.replay_deadline_s"
+            lim.get("redis_read_timeout_s", d.redis_read_timeout_s), "limits.redis_read_timeout_s"
         ),
-        r.integer(
-            lim.get("max_replay_frames", defaults.max_replay_frames), "limits.max_replay_frames", 2
-        ),
-        r.number(
-            lim.get("redis_read_timeout_s", defaults.redis_read_timeout_s),
-            "limits.redis_read_timeout_s",
-        ),
-        r.integer(lim.get("ingest_workers", defaults.ingest_workers), "limits.ingest_workers", 1),
+        r.integer(lim.get("ingest_workers", d.ingest_workers), "limits.ingest_workers", 1),
     )
     if limits.max_event_message_bytes > MAX_EVENT_MESSAGE_BYTES:
         raise r.fail(
             "limits.max_event_message_bytes",
             f"expected at most {MAX_EVENT_MESSAGE_BYTES}, got {limits.max_event_message_bytes}",
         )
+    return limits
 
-    raw_replicas = top.get("replicas")
-    if not isinstance(raw_replicas, list) or not raw_replicas:
+
+def _replicas(r: ConfigReader, raw: Any, max_replicas: int) -> tuple[ReplicaConfig, ...]:
+    """``replicas``: a non-empty list of at most ``max_replicas``, names unique."""
+    if not isinstance(raw, list) or not raw:
         raise r.fail("replicas", "expected a non-empty list of replicas")
-    if len(raw_replicas) > limits.max_replicas:
+    if len(raw) > max_replicas:
         raise r.fail(
-            "replicas", f"{len(raw_replicas)} replicas, more than limits.max_replicas "
-            f"({limits.max_replicas})"
-        )  # fmt: skip
-    replicas = tuple(_replica(r, raw, f"replicas[{i}]") for i, raw in enumerate(raw_replicas))
+            "replicas", f"{len(raw)} replicas, more than limits.max_replicas ({max_replicas})"
+        )
+    replicas = tuple(_replica(r, entry, f"replicas[{i}]") for i, entry in enumerate(raw))
     seen: set[str] = set()
     for i, rep in enumerate(replicas):
         if rep.name in seen:
             raise r.fail(f"replicas[{i}].name", f"duplicate replica name {rep.name!r}")
         seen.add(rep.name)
+    return replicas
 
-    rt = r.mapping(top.get("routing"), "routing", _ROUTING)
+
+def _routing(r: ConfigReader, raw: Any) -> RoutingConfig:
+    """``routing``: the policy, its parameters and how long an unreleased route counts."""
+    rt = r.mapping(raw, "routing", _ROUTING)
     policy = rt.get("policy", DEFAULT_POLICY)
     if not isinstance(policy, str) or policy not in POLICIES:
         raise r.fail(
@@ -357,14 +307,21 @@ def parse_config(
     timeout = rt.get("in_flight_timeout_s", RoutingConfig.in_flight_timeout_s)
     if timeout is not None:  # null: loads end only when released
         timeout = r.number(timeout, "routing.in_flight_timeout_s")
+    return RoutingConfig(policy, params, timeout)
 
-    px = r.mapping(top.get("proxy"), "proxy", _PROXY)
+
+def _proxy(r: ConfigReader, raw: Any) -> ProxyConfig:
+    """``proxy``: whether the OpenAI-compatible endpoints forward, and their timeout."""
+    px = r.mapping(raw, "proxy", _PROXY)
     enabled = px.get("enabled", False)
     if not isinstance(enabled, bool):
         raise r.fail("proxy.enabled", f"expected true or false, got {enabled!r}")
-    proxy = ProxyConfig(enabled, r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"))
+    return ProxyConfig(enabled, r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"))
 
-    hc = r.mapping(top.get("health"), "health", _HEALTH)
+
+def _health(r: ConfigReader, raw: Any) -> HealthConfig:
+    """``health``: the replicas' probes and how long a failed replica stays down."""
+    hc = r.mapping(raw, "health", _HEALTH)
     hd = HealthConfig()
     interval = hc.get("probe_interval_s", hd.probe_interval_s)
     if interval is not None:  # null: no probes (failed requests still take a replica out)
@@ -372,72 +329,74 @@ def parse_config(
     probe_path = hc.get("probe_path", hd.probe_path)
     if not isinstance(probe_path, str) or not probe_path.startswith("/"):
         raise r.fail("health.probe_path", f"expected a path starting with '/', got {probe_path!r}")
-    health = HealthConfig(
+    return HealthConfig(
         interval,
         r.number(hc.get("probe_timeout_s", hd.probe_timeout_s), "health.probe_timeout_s"),
         probe_path,
         r.number(hc.get("down_s", hd.down_s), "health.down_s"),
     )
 
-    tokenizer = r.string(top.get("tokenizer"), "tokenizer")
-    if tokenizer is not None and tokenizer != "bytes":
-        path = Path(tokenizer)
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        if not path.is_file():
-            raise r.fail("tokenizer", f"file {str(path)!r} does not exist")
-        tokenizer = str(path)
-    elif tokenizer == "bytes":
-        tokenizer = None
-    chat_template = r.string(top.get("chat_template"), "chat_template")
-    if chat_template is not None:
-        path = Path(chat_template)
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        if not path.is_file():
-            raise r.fail("chat_template", f"file {str(path)!r} does not exist")
-        try:
-            ChatTemplate.load(path)  # it compiles, and names a template
-        except ConfigError as exc:
-            raise r.fail("chat_template", str(exc)) from None
-        chat_template = str(path)
 
+def _existing_file(r: ConfigReader, text: str, where: str, base_dir: Path | None) -> Path:
+    """``text`` as a path (relative ones from ``base_dir``) to a file that exists."""
+    path = Path(text)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.is_file():
+        raise r.fail(where, f"file {str(path)!r} does not exist")
+    return path
+
+
+def _tokenizer(r: ConfigReader, raw: Any, base_dir: Path | None) -> str | None:
+    """``tokenizer``: a tokenizer.json file, or None for ``bytes`` (UTF-8 bytes as ids)."""
+    tokenizer = r.string(raw, "tokenizer")
+    if tokenizer is None or tokenizer == "bytes":
+        return None
+    return str(_existing_file(r, tokenizer, "tokenizer", base_dir))
+
+
+def _chat_template(r: ConfigReader, raw: Any, base_dir: Path | None) -> str | None:
+    """``chat_template``: a template file that compiles and names a template."""
+    chat_template = r.string(raw, "chat_template")
+    if chat_template is None:
+        return None
+    path = _existing_file(r, chat_template, "chat_template", base_dir)
     try:
-        index = check_index_url(top.get("index", "memory"))
+        ChatTemplate.load(path)
+    except ConfigError as exc:
+        raise r.fail("chat_template", str(exc)) from None
+    return str(path)
+
+
+def _index(r: ConfigReader, raw: Any, raw_prefix: Any) -> tuple[str, str | None]:
+    """``index`` (memory, or a Redis URL) and ``index_prefix``, which must agree with a prefix
+    the URL names."""
+    try:
+        index = check_index_url(raw)
     except ConfigError as exc:
         raise r.fail("", str(exc)) from None
-    index_prefix = top.get("index_prefix")
-    if index_prefix is not None:
-        try:
-            check_index_prefix(index_prefix, "index_prefix", cluster=is_cluster_url(index))
-        except ConfigError as exc:
-            raise r.fail("", str(exc)) from None
-        in_url = split_prefix(index)[1] if index not in IN_PROCESS else None
-        if in_url is not None and in_url != index_prefix:
-            raise r.fail(
-                "index_prefix",
-                f"{index_prefix!r}, but the index URL names the prefix {in_url!r}; give one",
-            )
-    hash_algo = top.get("hash_algo", "xxh3_128")
-    if not isinstance(hash_algo, str) or hash_algo not in HASH_FUNCTIONS:
+    if raw_prefix is None:
+        return index, None
+    try:
+        check_index_prefix(raw_prefix, "index_prefix", cluster=is_cluster_url(index))
+    except ConfigError as exc:
+        raise r.fail("", str(exc)) from None
+    in_url = split_prefix(index)[1] if index not in IN_PROCESS else None
+    if in_url is not None and in_url != raw_prefix:
         raise r.fail(
-            "hash_algo", f"unknown hash {hash_algo!r}; choose one of {', '.join(HASH_FUNCTIONS)}"
+            "index_prefix",
+            f"{raw_prefix!r}, but the index URL names the prefix {in_url!r}; give one",
         )
-    return ServiceConfig(
-        replicas,
-        RoutingConfig(policy, params, timeout),
-        limits,
-        proxy,
-        tokenizer,
-        index,
-        hash_algo,
-        source,
-        chat_template,
-        health,
-        index_prefix,
-        access=parse_access(r, top.get("auth"), base_dir),
-        server=parse_server(r, top.get("server"), top.get("tls"), base_dir),
-    )
+    return index, raw_prefix
+
+
+def _hash_algo(r: ConfigReader, raw: Any) -> str:
+    """``hash_algo``: one of prefixcache's block hash functions."""
+    if not isinstance(raw, str) or raw not in HASH_FUNCTIONS:
+        raise r.fail(
+            "hash_algo", f"unknown hash {raw!r}; choose one of {', '.join(HASH_FUNCTIONS)}"
+        )
+    return raw
 
 
 def build_router(config: ServiceConfig, index: FleetIndex) -> Router:
