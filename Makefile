@@ -32,8 +32,8 @@ test-pure:  ## the core and replay tests on the Python sources of the compiled m
 lint:
 	ruff check . && ruff format --check .
 
-typecheck:  ## mypy over prefixcache/ and kernels/ (as prefixcache.kernels)
-	$(PYTHON) .ci/typecheck.py
+typecheck:  ## mypy over prefixcache/, kernels/ included through the prefixcache/kernels link
+	$(PYTHON) -m mypy
 
 bench:
 	$(PYTHON) bench/hash_throughput.py

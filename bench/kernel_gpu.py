@@ -369,7 +369,7 @@ def bench_graphs(grid: list[tuple[int, int]]) -> None:
     eager minus launch is the wrapper's own cost. Eager calls (and SDPA's) are timed back to back
     (``loop_us``), graph replays one at a time with the L2 flushed (``timer``).
     """
-    from prefixcache.kernels import paged_attention, workspace_size
+    from prefixcache.kernels import PagedBatch, paged_attention, workspace_size
     from prefixcache.kernels.attention_launch import choose_launch_config, launch_attention
     from prefixcache.kernels.validation import check_attention_args
 
@@ -385,7 +385,7 @@ def bench_graphs(grid: list[tuple[int, int]]) -> None:
         case = make_case(batch, context)
         out = torch.empty_like(case.q)
         ws = torch.empty(workspace_size(batch, NUM_Q_HEADS, HEAD_DIM), device=DEV)
-        args = (
+        args = PagedBatch(
             case.q,
             case.k_cache,
             case.v_cache,
@@ -397,11 +397,11 @@ def bench_graphs(grid: list[tuple[int, int]]) -> None:
         step = partial(
             paged_attention, *args, out=out, workspace=ws, max_seq_len=context, validate=False
         )
-        shapes = check_attention_args(*args, out)
+        shapes = check_attention_args(args, out)
         cfg = choose_launch_config(shapes, case.q.device, context, None)
         launch = partial(
             launch_attention,
-            *args,
+            args,
             out=out,
             lse=None,
             shapes=shapes,

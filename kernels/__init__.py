@@ -1,6 +1,7 @@
 """Attention kernels over paged K/V.
 
-Lives in the top-level ``kernels/`` folder, imported as ``prefixcache.kernels`` (pyproject maps it).
+Lives in the top-level ``kernels/`` folder; ``prefixcache/kernels`` links to it, so it is imported,
+type-checked and installed as ``prefixcache.kernels``.
 
 ``paged_attention`` and ``store_kv`` run the Triton kernels on CUDA (or through the Triton
 interpreter when TRITON_INTERPRET=1) and the torch reference otherwise; triton is optional.
@@ -19,6 +20,7 @@ from prefixcache.kernels.backend import (
     resolve_backend,
     triton_available,
 )
+from prefixcache.kernels.batch import PagedBatch
 from prefixcache.kernels.cascade import (
     CascadePlan,
     PrefixGroup,
@@ -40,6 +42,7 @@ __all__ = [
     "CascadePlan",
     "KernelDTypeError",
     "KernelInputError",
+    "PagedBatch",
     "PrefixGroup",
     "TritonUnavailableError",
     "UnsupportedConfigError",

@@ -27,6 +27,7 @@ from prefixcache.kernels.attention_launch import (
     launch_cascade,
 )
 from prefixcache.kernels.backend import Backend, resolve_backend
+from prefixcache.kernels.batch import PagedBatch
 from prefixcache.kernels.cascade import (
     CascadePlan,
     PrefixGroup,
@@ -127,7 +128,8 @@ def paged_attention(
     ``validate=False`` the call allocates nothing and does not sync (CUDA-graph capturable).
     ``backend``: see ``resolve_backend``.
     """
-    shapes = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    batch = PagedBatch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    shapes = check_attention_args(batch, out)
     fp8 = is_fp8(k_cache)
     if lse is not None and (
         not isinstance(lse, torch.Tensor)
@@ -158,7 +160,7 @@ def paged_attention(
     if workspace is not None:
         check_workspace(workspace, q.device)
     if validate:
-        max_seq_len = check_attention_values(shapes, block_tables, seq_lens, query_start_loc)
+        max_seq_len = check_attention_values(batch, shapes)
     if isinstance(shared_prefix, CascadePlan):
         plan: CascadePlan | None = _check_plan(shared_prefix, shapes, q.device)
     else:
@@ -183,12 +185,7 @@ def paged_attention(
     if use == "torch":
         out.copy_(
             reference_paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                seq_lens,
-                query_start_loc,
+                batch,
                 scale=scale,
                 lse_out=lse,
                 k_scale=k_scale if fp8 else None,
@@ -205,12 +202,7 @@ def paged_attention(
 
     if plan is not None:
         launch_cascade(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
+            batch,
             plan=plan,
             shapes=shapes,
             max_seq_len=max_seq_len,
@@ -228,12 +220,7 @@ def paged_attention(
         shapes, q.device, max_seq_len, num_splits, q.element_size()
     )
     launch_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
+        batch,
         out=out,
         lse=lse,
         shapes=shapes,

@@ -17,6 +17,7 @@ import torch
 
 from prefixcache.errors import KernelInputError
 from prefixcache.kernels.backend import check_kernel_mode
+from prefixcache.kernels.batch import PagedBatch
 from prefixcache.kernels.cascade import CascadePlan
 from prefixcache.kernels.config import AttentionConfig, choose_config
 from prefixcache.kernels.validation import AttentionShapes, check_workspace
@@ -100,12 +101,7 @@ def _block_h(num_q_heads: int, head_dim: int, num_splits: int) -> int:
 
 
 def launch_cascade(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    batch: PagedBatch,
     *,
     plan: CascadePlan,
     shapes: AttentionShapes,
@@ -121,16 +117,12 @@ def launch_cascade(
     """Prefix pass (group queries stacked, no mask) + own-keys pass, merged by log-sum-exp."""
     from prefixcache.kernels.triton_attention import merge_prefix_kernel
 
+    q = batch.q
     # Own keys: every sequence from its prefix length (0 without a group) to its causal bound.
     suffix_out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [total_q, Hq, D]
     suffix_lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # [total_q, Hq]
     launch_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
+        batch,
         out=suffix_out,
         lse=suffix_lse,
         shapes=shapes,
@@ -152,13 +144,14 @@ def launch_cascade(
     )
     prefix_out = torch.empty(q_prefix.shape, dtype=torch.float32, device=q.device)  # like q_prefix
     prefix_lse = torch.empty(q_prefix.shape[:2], dtype=torch.float32, device=q.device)  # [rows, Hq]
+    prefix_batch = batch._replace(
+        q=q_prefix,
+        block_tables=plan.prefix_tables,
+        seq_lens=plan.prefix_lens,
+        query_start_loc=plan.prefix_query_start_loc,
+    )
     launch_attention(
-        q_prefix,
-        k_cache,
-        v_cache,
-        plan.prefix_tables,
-        plan.prefix_lens,
-        plan.prefix_query_start_loc,
+        prefix_batch,
         out=prefix_out,
         lse=prefix_lse,
         shapes=prefix_shapes,
@@ -191,12 +184,7 @@ def launch_cascade(
 
 
 def launch_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    batch: PagedBatch,
     *,
     out: torch.Tensor,
     lse: torch.Tensor | None,
@@ -213,6 +201,7 @@ def launch_attention(
     a workspace when splitting."""
     from prefixcache.kernels.triton_attention import merge_splits_kernel, paged_attention_kernel
 
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = batch
     check_kernel_mode(paged_attention_kernel, q.device)
     split = cfg.num_splits > 1
     if split:

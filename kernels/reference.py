@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from prefixcache.kernels.batch import PagedBatch
+
 
 def reference_attention(
     q: torch.Tensor,
@@ -77,13 +79,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 def reference_paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
+    batch: PagedBatch | torch.Tensor,
+    *tensors: torch.Tensor,
     scale: float | None = None,
     lse_out: torch.Tensor | None = None,
     k_scale: float | None = None,
@@ -91,22 +88,28 @@ def reference_paged_attention(
 ) -> torch.Tensor:
     """Varlen paged attention by gathering each sequence and running ``reference_attention``.
 
-    q: [total_q, Hq, D] packed; sequence b owns rows query_start_loc[b]:query_start_loc[b+1], the
-    last q_len of its seq_lens[b] tokens. Returns [total_q, Hq, D] in q's dtype. ``lse_out``
-    [total_q, Hq] receives the rows' log-sum-exp. With ``k_scale``/``v_scale`` the caches hold
-    e4m3 values (see ``dequantize_fp8``).
+    ``batch``: a ``PagedBatch``, or its six tensors in order as ``paged_attention`` takes them
+    (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc). q: [total_q, Hq, D] packed;
+    sequence b owns rows query_start_loc[b]:query_start_loc[b+1], the last q_len of its
+    seq_lens[b] tokens. Returns [total_q, Hq, D] in q's dtype. ``lse_out`` [total_q, Hq] receives
+    the rows' log-sum-exp. With ``k_scale``/``v_scale`` the caches hold e4m3 values (see
+    ``dequantize_fp8``).
     """
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
+    if not isinstance(batch, PagedBatch):
+        batch = PagedBatch(batch, *tensors)
+    out = torch.empty_like(batch.q)
+    starts = batch.query_start_loc.tolist()
+    for b, seq_len in enumerate(batch.seq_lens.tolist()):
         lo, hi = starts[b], starts[b + 1]
-        k = gather_kv(k_cache, block_tables[b], seq_len)
-        v = gather_kv(v_cache, block_tables[b], seq_len)
+        k = gather_kv(batch.k_cache, batch.block_tables[b], seq_len)  # [seq_len, Hkv, D]
+        v = gather_kv(batch.v_cache, batch.block_tables[b], seq_len)  # [seq_len, Hkv, D]
         if k_scale is not None or v_scale is not None:
             k = dequantize_fp8(k, 1.0 if k_scale is None else k_scale)
             v = dequantize_fp8(v, 1.0 if v_scale is None else v_scale)
         lse = None if lse_out is None else lse_out[lo:hi]
-        out[lo:hi] = reference_attention(q[lo:hi], k, v, causal=True, scale=scale, lse_out=lse)
+        out[lo:hi] = reference_attention(
+            batch.q[lo:hi], k, v, causal=True, scale=scale, lse_out=lse
+        )
     return out
 
 

@@ -7,33 +7,26 @@ block-table padding, so any load the kernel fails to mask shows up as NaN in its
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from prefixcache.kernels.batch import PagedBatch
 from prefixcache.kernels.reference import reference_attention
 
 NAN_BLOCK = 0
 
 
-@dataclass
-class PagedBatch:
-    """A varlen batch whose K/V live both in a paged cache and contiguously per sequence."""
+class RandomBatch(PagedBatch):
+    """A random ``PagedBatch`` whose K/V are also held contiguously per sequence (the truth)."""
 
-    q: torch.Tensor  # [total_q, Hq, D]
-    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32
-    query_start_loc: torch.Tensor  # [B + 1] int32
     keys: list[torch.Tensor]  # B x [seq_len, Hkv, D] contiguous truth
     values: list[torch.Tensor]  # B x [seq_len, Hkv, D]
 
     def slot_mapping(self, b: int) -> torch.Tensor:
         """int64 [seq_len] slots of sequence b's tokens."""
         block_size = self.k_cache.shape[1]
-        pos = torch.arange(int(self.seq_lens[b]), device=self.block_tables.device)
-        blocks = self.block_tables[b, pos // block_size].long()
+        pos = torch.arange(int(self.seq_lens[b]), device=self.block_tables.device)  # [seq_len]
+        blocks = self.block_tables[b, pos // block_size].long()  # [seq_len]
         return blocks * block_size + pos % block_size
 
 
@@ -52,7 +45,7 @@ def make_paged_batch(
     spare_blocks: int = 3,
     pad_id: int = NAN_BLOCK,
     seed: int = 0,
-) -> PagedBatch:
+) -> RandomBatch:
     """Build a batch: sequence b has ``seq_lens[b]`` tokens of which the last ``q_lens[b]`` query.
 
     Physical block ids are shuffled; the first ``shared_prefix_blocks`` blocks of every sequence
@@ -113,20 +106,20 @@ def make_paged_batch(
         v_cache[blocks, pos % block_size] = v
         keys.append(k.to(device))
         values.append(v.to(device))
-    starts = torch.tensor([0, *q_lens]).cumsum(0)
-    return PagedBatch(
+    starts = torch.tensor([0, *q_lens]).cumsum(0)  # [B + 1]
+    batch = RandomBatch(
         q=randn(int(starts[-1]), num_q_heads, head_dim).to(device),
         k_cache=k_cache.to(device),
         v_cache=v_cache.to(device),
         block_tables=table.to(device=device, dtype=torch.int32),
         seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
         query_start_loc=starts.to(device=device, dtype=torch.int32),
-        keys=keys,
-        values=values,
     )
+    batch.keys, batch.values = keys, values
+    return batch
 
 
-def contiguous_attention(batch: PagedBatch, scale: float | None = None) -> torch.Tensor:
+def contiguous_attention(batch: RandomBatch, scale: float | None = None) -> torch.Tensor:
     """Truth for ``batch``: ``reference_attention`` over each sequence's contiguous K/V."""
     out = torch.empty_like(batch.q)
     starts = batch.query_start_loc.tolist()

@@ -16,6 +16,7 @@ from prefixcache.errors import (
     KernelInputError,
     UnsupportedConfigError,
 )
+from prefixcache.kernels.batch import PagedBatch
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -102,17 +103,10 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
-def check_attention_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    out: torch.Tensor | None,
-) -> AttentionShapes:
+def check_attention_args(batch: PagedBatch, out: torch.Tensor | None) -> AttentionShapes:
     """Shape, dtype, device and layout checks for ``paged_attention`` (no device reads)."""
-    _tensors(q=q, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
+    _tensors(**batch._asdict())
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = batch
     num_blocks, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     _rank("q", q, 3, "[total_q, num_q_heads, head_dim]")
     _rank("block_tables", block_tables, 2, "[batch, max_blocks]")
@@ -127,8 +121,7 @@ def check_attention_args(
         ("query_start_loc", query_start_loc),
     ):
         _dtype(name, t, (torch.int32,))
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
-    tensors |= {"seq_lens": seq_lens, "query_start_loc": query_start_loc}
+    tensors = batch._asdict()
     if out is not None:
         _tensors(out=out)
         if out.shape != q.shape or out.dtype != q.dtype:
@@ -177,15 +170,10 @@ def check_attention_args(
     )
 
 
-def check_attention_values(
-    shapes: AttentionShapes,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-) -> int:
+def check_attention_values(batch: PagedBatch, shapes: AttentionShapes) -> int:
     """Check lengths and the used part of every block table; returns the max sequence length."""
-    qsl = query_start_loc.cpu().long()
-    lens = seq_lens.cpu().long()
+    qsl = batch.query_start_loc.cpu().long()
+    lens = batch.seq_lens.cpu().long()
     if qsl[0] != 0 or qsl[-1] != shapes.total_q:
         raise KernelInputError(
             f"query_start_loc must start at 0 and end at total_q={shapes.total_q}, got "
@@ -206,7 +194,7 @@ def check_attention_values(
             f"sequence {b} has {lens[b].item()} tokens = {used[b].item()} blocks of "
             f"{shapes.block_size}, but block_tables has only {shapes.max_blocks} columns"
         )
-    table = block_tables.cpu()
+    table = batch.block_tables.cpu()
     in_use = torch.arange(shapes.max_blocks)[None, :] < used[:, None]  # [B, max_blocks]
     bad = torch.nonzero(in_use & ((table < 0) | (table >= shapes.num_blocks)))
     if len(bad):

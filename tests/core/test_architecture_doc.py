@@ -1,9 +1,9 @@
 """docs/architecture.md's module table lists exactly the modules in the tree.
 
-A module is every ``.py`` file under ``prefixcache/`` and ``kernels/``, ``__init__.py`` and
-``__main__.py`` included (a package's ``__init__`` is where its public names live, so it gets a
-row too). The table is the one under the ``## Modules`` heading; each row's first cell is the
-file's path from the repository root in backticks, e.g. `` `prefixcache/blocks/radix.py` ``.
+A module is every ``.py`` file of the package, ``__init__.py`` and ``__main__.py`` included (a
+package's ``__init__`` is where its public names live, so it gets a row too). The table is the one
+under the ``## Modules`` heading; each row's first cell is the file's path from the repository
+root in backticks, e.g. `` `prefixcache/blocks/radix.py` ``.
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|(.*)\|\s*$")
 
 
 def tree_modules() -> set[str]:
-    """Every ``.py`` file under prefixcache/ and kernels/, as a path from the repository root.
-    Links to folders are not followed (a checkout may link ``prefixcache/kernels`` to
-    ``kernels/``, which is listed once, under its own name)."""
+    """Every ``.py`` file of the package as a path from the repository root; a linked folder is
+    walked and its files named where they are (``prefixcache/kernels`` links to ``kernels/``,
+    whose modules are listed as ``kernels/...``)."""
     found = set()
-    for folder in ("prefixcache", "kernels"):
-        for here, dirs, files in os.walk(ROOT / folder):
-            dirs[:] = [d for d in dirs if d != "__pycache__"]
-            rel = Path(here).relative_to(ROOT).as_posix()
-            found.update(f"{rel}/{name}" for name in files if name.endswith(".py"))
+    for here, dirs, files in os.walk(ROOT / "prefixcache", followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        rel = Path(here).resolve().relative_to(ROOT).as_posix()
+        found.update(f"{rel}/{name}" for name in files if name.endswith(".py"))
     return found
 
 

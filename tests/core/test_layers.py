@@ -14,6 +14,7 @@ file (lazy imports inside functions included), and fails on any import against t
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,18 +31,16 @@ FORBIDDEN = {
 
 
 def module_files() -> dict[str, Path]:
+    """Every module of the package by its import name; a linked folder is walked as the imports
+    see it (``kernels/`` is linked in as ``prefixcache/kernels``)."""
     files = {}
-    for path in sorted((ROOT / "prefixcache").rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        files[".".join(parts).removesuffix(".__init__")] = path
-    for path in sorted((ROOT / "kernels").rglob("*.py")):
-        parts = (
-            "prefixcache",
-            "kernels",
-            *path.relative_to(ROOT / "kernels").with_suffix("").parts,
-        )
-        files[".".join(parts).removesuffix(".__init__")] = path
-    return files
+    for here, dirs, names in os.walk(ROOT / "prefixcache", followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in names:
+            if name.endswith(".py"):
+                parts = Path(here, name).relative_to(ROOT).with_suffix("").parts
+                files[".".join(parts).removesuffix(".__init__")] = Path(here, name)
+    return dict(sorted(files.items()))
 
 
 def layer(module: str) -> str:

@@ -17,8 +17,15 @@ from typing import Any
 import pytest
 import torch
 
-from prefixcache.kernels import AttentionConfig, interpreter_enabled, paged_attention, store_kv
-from prefixcache.kernels.testing import PagedBatch, contiguous_attention, make_paged_batch
+from prefixcache.kernels import (
+    AttentionConfig,
+    PagedBatch,
+    interpreter_enabled,
+    paged_attention,
+    reference_paged_attention,
+    store_kv,
+)
+from prefixcache.kernels.testing import RandomBatch, contiguous_attention, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreter_enabled() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -42,7 +49,7 @@ def _ids(case: tuple) -> str:
     return f"d{d}-p{p}-h{hq}x{hkv}-{str(dtype).removeprefix('torch.')}"
 
 
-def _build(case: tuple, seq_lens: list[int], q_lens: list[int], **kw: Any) -> PagedBatch:
+def _build(case: tuple, seq_lens: list[int], q_lens: list[int], **kw: Any) -> RandomBatch:
     d, p, (hq, hkv), dtype = case
     return make_paged_batch(
         seq_lens,
@@ -57,7 +64,7 @@ def _build(case: tuple, seq_lens: list[int], q_lens: list[int], **kw: Any) -> Pa
     )
 
 
-def _run(batch: PagedBatch, **kw: Any) -> torch.Tensor:
+def _run(batch: RandomBatch, **kw: Any) -> torch.Tensor:
     return paged_attention(
         batch.q,
         batch.k_cache,
@@ -69,7 +76,7 @@ def _run(batch: PagedBatch, **kw: Any) -> torch.Tensor:
     )
 
 
-def _check(batch: PagedBatch, out: torch.Tensor, scale: float | None = None) -> None:
+def _check(batch: RandomBatch, out: torch.Tensor, scale: float | None = None) -> None:
     tol = TOL[batch.q.dtype]
     expected = contiguous_attention(batch, scale=scale)
     assert not out.isnan().any(), "NaN in output: the kernel read an unowned slot"
@@ -273,3 +280,14 @@ def test_offsets_beyond_int32() -> None:
     torch.testing.assert_close(
         out.float(), contiguous_attention(small).float(), atol=2e-2, rtol=2e-2
     )
+
+
+def test_a_paged_batch_is_taken_whole() -> None:
+    """``PagedBatch`` holds ``paged_attention``'s six tensors in its order: unpacked into it, or
+    whole into the reference, it gives what the six tensors give."""
+    batch = _build(GRID[0], [20, 5], [3, 1], seed=3)
+    paged = PagedBatch(*batch)
+    expected = reference_paged_attention(*batch)  # the six tensors, as before
+    torch.testing.assert_close(reference_paged_attention(paged), expected)
+    torch.testing.assert_close(paged_attention(*paged, backend="torch"), expected)
+    _check(batch, expected)

@@ -23,7 +23,7 @@ from prefixcache.kernels import (
     plan_shared_prefix,
 )
 from prefixcache.kernels.cascade import find_prefix_groups
-from prefixcache.kernels.testing import PagedBatch, contiguous_attention, make_paged_batch
+from prefixcache.kernels.testing import RandomBatch, contiguous_attention, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreter_enabled() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -38,7 +38,7 @@ def _batch(
     dtype: torch.dtype = torch.float32,
     block_size: int = 8,
     seed: int = 0,
-) -> PagedBatch:
+) -> RandomBatch:
     return make_paged_batch(
         seq_lens,
         q_lens,
@@ -53,13 +53,13 @@ def _batch(
     )
 
 
-def _attend(b: PagedBatch, **kw: Any) -> torch.Tensor:
+def _attend(b: RandomBatch, **kw: Any) -> torch.Tensor:
     return paged_attention(
         b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, **kw
     )
 
 
-def _check(b: PagedBatch, out: torch.Tensor) -> None:
+def _check(b: RandomBatch, out: torch.Tensor) -> None:
     tol = TOL[b.q.dtype]
     assert not out.isnan().any(), "NaN in output: a pass read an unowned slot"
     torch.testing.assert_close(out.float(), contiguous_attention(b).float(), atol=tol, rtol=tol)

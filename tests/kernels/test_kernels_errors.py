@@ -18,17 +18,17 @@ from prefixcache.kernels import (
     paged_attention,
     store_kv,
 )
-from prefixcache.kernels.testing import PagedBatch, make_paged_batch
+from prefixcache.kernels.testing import RandomBatch, make_paged_batch
 
 
 @pytest.fixture
-def batch() -> PagedBatch:
+def batch() -> RandomBatch:
     return make_paged_batch(
         [20, 5], [3, 1], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=1
     )
 
 
-def _attend(b: PagedBatch, **override: Any) -> torch.Tensor:
+def _attend(b: RandomBatch, **override: Any) -> torch.Tensor:
     args: dict[str, Any] = {
         "q": b.q,
         "k_cache": b.k_cache,
@@ -46,13 +46,13 @@ def _i32(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-def _table(b: PagedBatch, row: int, col: int, value: int) -> torch.Tensor:
+def _table(b: RandomBatch, row: int, col: int, value: int) -> torch.Tensor:
     table = b.block_tables.clone()
     table[row, col] = value
     return table
 
 
-ATTENTION_ERRORS: list[tuple[str, Callable[[PagedBatch], dict], type[Exception], str]] = [
+ATTENTION_ERRORS: list[tuple[str, Callable[[RandomBatch], dict], type[Exception], str]] = [
     ("q-not-tensor", lambda b: {"q": b.q.tolist()}, KernelDTypeError, "q must be a torch.Tensor"),
     ("q-int", lambda b: {"q": b.q.long()}, KernelDTypeError, "q has dtype torch.int64"),
     ("q-vs-cache", lambda b: {"q": b.q.half()}, KernelDTypeError, "cast one"),
@@ -146,7 +146,7 @@ ATTENTION_ERRORS: list[tuple[str, Callable[[PagedBatch], dict], type[Exception],
     ids=[case[0] for case in ATTENTION_ERRORS],
 )
 def test_attention_rejects(
-    batch: PagedBatch, override: Callable[[PagedBatch], dict], error: type, match: str
+    batch: RandomBatch, override: Callable[[RandomBatch], dict], error: type, match: str
 ) -> None:
     with pytest.raises(error, match=match):
         _attend(batch, **override(batch))
@@ -165,7 +165,7 @@ def test_bf16_under_the_interpreter_is_refused_or_runs_on_torch() -> None:
     torch.testing.assert_close(auto, _attend(b, backend="torch"), rtol=0, atol=0)
 
 
-def test_bad_backend_and_split_arguments_are_typed(batch: PagedBatch) -> None:
+def test_bad_backend_and_split_arguments_are_typed(batch: RandomBatch) -> None:
     with pytest.raises(KernelInputError, match="backend must be"):
         _attend(batch, backend="cuda")
     with pytest.raises(KernelInputError, match="not both"):
@@ -180,7 +180,7 @@ def test_unsupported_head_dim_and_block_size(head_dim: int, block_size: int) -> 
         paged_attention(q, cache, cache, _i32(0)[None], _i32(1), _i32(0, 1))
 
 
-def test_negative_padding_past_the_used_blocks_is_accepted(batch: PagedBatch) -> None:
+def test_negative_padding_past_the_used_blocks_is_accepted(batch: RandomBatch) -> None:
     _attend(batch, block_tables=_table(batch, 1, 1, -1), backend="torch")
 
 
@@ -240,13 +240,13 @@ def test_kernel_errors_are_library_errors() -> None:
     ],
     ids=["tile-not-pow2", "rows", "splits-not-pow2"],
 )
-def test_bad_config_rejected_on_torch_backend(batch: PagedBatch, config: AttentionConfig) -> None:
+def test_bad_config_rejected_on_torch_backend(batch: RandomBatch, config: AttentionConfig) -> None:
     """The torch backend ignores tile sizes but must still reject a config no kernel can run."""
     with pytest.raises(UnsupportedConfigError):
         _attend(batch, config=config, backend="torch")
 
 
-def test_bad_config_rejected_before_an_empty_batch_returns(batch: PagedBatch) -> None:
+def test_bad_config_rejected_before_an_empty_batch_returns(batch: RandomBatch) -> None:
     qsl = torch.zeros(1, dtype=torch.int32)
     empty = torch.zeros(0, dtype=torch.int32)
     with pytest.raises(UnsupportedConfigError):
@@ -292,14 +292,14 @@ def test_attention_over_fp8_refuses_a_scale_that_is_not_positive(scale: float) -
 )
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_more_bad_arguments_are_typed_errors_on_every_backend(
-    batch: PagedBatch, override: dict, error: type, match: str, backend: str
+    batch: RandomBatch, override: dict, error: type, match: str, backend: str
 ) -> None:
     # these were AttributeError, ZeroDivisionError, an interpreter error, or silently accepted
     with pytest.raises(error, match=match):
         _attend(batch, backend=backend, **dict(override))
 
 
-def test_an_empty_batch_still_refuses_a_backend_that_cannot_run(batch: PagedBatch) -> None:
+def test_an_empty_batch_still_refuses_a_backend_that_cannot_run(batch: RandomBatch) -> None:
     qsl, empty = torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     with pytest.raises(ValueError, match="backend must be"):
         paged_attention(
@@ -314,7 +314,7 @@ def test_an_empty_batch_still_refuses_a_backend_that_cannot_run(batch: PagedBatc
         )  # fmt: skip
 
 
-def test_explicit_groups_are_checked_without_validation(batch: PagedBatch) -> None:
+def test_explicit_groups_are_checked_without_validation(batch: RandomBatch) -> None:
     # with validate=False, sequence -1 wrapped to the last one and gave wrong output silently
     from prefixcache.kernels import PrefixGroup
 

@@ -25,12 +25,12 @@ from prefixcache.kernels import (
     workspace_size,
 )
 from prefixcache.kernels.config import MAX_SPLITS
-from prefixcache.kernels.testing import PagedBatch, contiguous_attention, make_paged_batch
+from prefixcache.kernels.testing import RandomBatch, contiguous_attention, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreter_enabled() else "cpu"
 
 
-def _batch(seed: int = 0, dtype: torch.dtype = torch.float32) -> PagedBatch:
+def _batch(seed: int = 0, dtype: torch.dtype = torch.float32) -> RandomBatch:
     return make_paged_batch(
         [37, 9, 20],
         [1, 1, 4],
@@ -45,11 +45,11 @@ def _batch(seed: int = 0, dtype: torch.dtype = torch.float32) -> PagedBatch:
     )
 
 
-def _args(b: PagedBatch) -> tuple[torch.Tensor, ...]:
+def _args(b: RandomBatch) -> tuple[torch.Tensor, ...]:
     return (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc)
 
 
-def _workspace(b: PagedBatch) -> torch.Tensor:
+def _workspace(b: RandomBatch) -> torch.Tensor:
     n = workspace_size(b.q.shape[0], b.q.shape[1], b.q.shape[2], MAX_SPLITS)
     return torch.empty(n, dtype=torch.float32, device=DEVICE)
 
