@@ -13,8 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.service.transport import exposure_warning
-from tests.fleet_support import wait_until
-from tests.serve_harness import (
+from tests.fleet.service.serve_harness import (
     ALICE,
     ALICE2,
     MALLORY,
@@ -26,6 +25,7 @@ from tests.serve_harness import (
     make_app,
     make_config,
 )
+from tests.fleet_support import wait_until
 
 SECRET_PROMPT = [7, 3, 1, 9, 4, 4, 2, 8, 5, 0, 6, 1, 2, 3, 4, 5]  # the PIN is in tokens 4..11
 

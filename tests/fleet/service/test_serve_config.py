@@ -17,7 +17,7 @@ from prefixcache.fleet.service.config_file import (
     parse_config,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet" / "fleet.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "fleet" / "fleet.yaml"
 
 
 def test_example_config_loads() -> None:

@@ -15,7 +15,7 @@ import yaml
 
 from prefixcache import CacheManager, Namespace
 from prefixcache.fleet.events.publisher import KVEventPublisher
-from tests.fleet_processes import running
+from tests.fleet.fleet_processes import running
 from tests.fleet_support import free_port, wait_until
 
 MODEL = "tiny-model"

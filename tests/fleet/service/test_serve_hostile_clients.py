@@ -1,6 +1,6 @@
 """What one hostile client can do to ``prefixcache serve`` run in a subprocess with its open-file
-limit lowered to 256 (``tests/fleet/limited_serve.py``): it sends 300 requests over raw sockets,
-each a full head and 1 of 50 body bytes, and holds them. Health checks from another address
+limit lowered to 256 (``tests/fleet/service/limited_serve.py``): it sends 300 requests over raw
+sockets, each a full head and 1 of 50 body bytes, and holds them. Health checks from another address
 still answer within a second, another client's routes succeed, and once the hostile client
 closes its sockets the service answers at once. The budget itself (``connection_budget``) is
 checked without a server: what the limit leaves, the warning naming what to raise."""
@@ -21,15 +21,15 @@ import pytest
 
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.service.access_config import ServerConfig
+from prefixcache.fleet.service.config_file import parse_config
 from prefixcache.fleet.service.connection_budget import (
     ACCEPT_HEADROOM,
     RESERVED_DESCRIPTORS,
     connection_budget,
 )
-from prefixcache.fleet.service.config_file import parse_config
-from tests.fleet_processes import running
+from tests.fleet.fleet_processes import running
+from tests.fleet.service.serve_harness import make_app, make_config, serving
 from tests.fleet_support import free_port, wait_until
-from tests.serve_harness import make_app, make_config, serving
 
 NOFILE = 256
 HOSTILE = "127.0.0.2"  # the hostile client's address (Linux answers all of 127/8 on lo)
@@ -56,7 +56,7 @@ def _limited_service(tmp_path: Path, server: dict[str, Any]) -> Iterator[str]:
     }
     (tmp_path / "fleet.yaml").write_text(json.dumps(config))
     port = free_port()
-    args = ["tests.fleet.limited_serve", str(NOFILE), "serve"]
+    args = ["tests.fleet.service.limited_serve", str(NOFILE), "serve"]
     args += ["--config", str(tmp_path / "fleet.yaml"), "--port", str(port)]
     with running(args, port, tmp_path / "service.log") as base:
         yield base

@@ -1,6 +1,6 @@
 """A tiny OpenAI-compatible upstream for the proxy tests, serving several named replicas.
 
-    python -m tests.fake_openai_upstream --port 8124
+    python -m tests.fleet.service.fake_openai_upstream --port 8124
 
 ``POST /{name}/v1/completions`` and ``/{name}/v1/chat/completions`` answer as replica ``name``;
 with ``"stream": true`` they send ``max_tokens`` server-sent events (``delay`` seconds apart when

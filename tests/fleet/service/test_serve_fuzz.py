@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serve_harness import (
+from tests.fleet.service.serve_harness import (
     ALICE,
     MALLORY,
     MODEL,

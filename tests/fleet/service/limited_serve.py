@@ -1,7 +1,7 @@
 """Runs ``prefixcache serve`` under a lowered open-file limit, soft and hard alike (as
 ``ulimit -n`` sets it), for the tests of what one hostile client can do:
 
-    python -m tests.fleet.limited_serve 256 serve --config fleet.yaml --port 8123
+    python -m tests.fleet.service.limited_serve 256 serve --config fleet.yaml --port 8123
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fleet_processes import ROOT, running
+from tests.fleet.fleet_processes import ROOT, running
 from tests.fleet_support import free_port, wait_until
 
 PROMPT = list(range(1, 33))  # 8 blocks of 4 tokens
@@ -72,13 +72,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     markers = tmp / "markers"
     markers.mkdir()
     service_args = [
-        "tests.fleet_launcher",
+        "tests.fleet.service.fleet_launcher",
         "--config", str(tmp / "fleet.yaml"),
         "--port", str(port),
         "--seed", str(tmp / "seed.json"),
         "--markers", str(markers),
     ]  # fmt: skip
-    upstream_args = ["tests.fake_openai_upstream", "--port", str(up_port)]
+    upstream_args = ["tests.fleet.service.fake_openai_upstream", "--port", str(up_port)]
     with (
         running(upstream_args, up_port, tmp / "upstream.log"),
         running(service_args, port, tmp / "service.log") as base,
@@ -158,7 +158,13 @@ def _service(tmp_path: Path, config: str) -> Iterator[httpx.Client]:
     """The service (test launcher) on a free port with ``config`` as its YAML, and a client."""
     port = free_port()
     (tmp_path / "fleet.yaml").write_text(config)
-    args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml"), "--port", str(port)]
+    args = [
+        "tests.fleet.service.fleet_launcher",
+        "--config",
+        str(tmp_path / "fleet.yaml"),
+        "--port",
+        str(port),
+    ]
     with (
         running(args, port, tmp_path / "service.log") as base,
         httpx.Client(base_url=base, timeout=10.0) as client,
@@ -168,7 +174,9 @@ def _service(tmp_path: Path, config: str) -> Iterator[httpx.Client]:
 
 def _upstream(port: int, tmp_path: Path, name: str) -> contextlib.AbstractContextManager[str]:
     """The fake OpenAI upstream on ``port``."""
-    return running(["tests.fake_openai_upstream", "--port", str(port)], port, tmp_path / name)
+    return running(
+        ["tests.fleet.service.fake_openai_upstream", "--port", str(port)], port, tmp_path / name
+    )
 
 
 def test_unreleased_route_load_expires(tmp_path: Path) -> None:
@@ -554,7 +562,7 @@ def test_proxy_bad_input(
 def test_ingest_source_starts_and_stops_with_the_app(tmp_path: Path) -> None:
     (tmp_path / "fleet.yaml").write_text("replicas: [{name: replica-a, model: m}]\n")
     port = free_port()
-    args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
+    args = ["tests.fleet.service.fleet_launcher", "--config", str(tmp_path / "fleet.yaml")]
     args += ["--port", str(port), "--markers", str(tmp_path)]
     with running(args, port, tmp_path / "service.log"):
         assert (tmp_path / "started").exists() and not (tmp_path / "stopped").exists()

@@ -16,8 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.fleet.service.serve_harness import (
+    ALICE,
+    MODEL,
+    OPERATOR,
+    bearer,
+    make_app,
+    make_config,
+    serving,
+)
 from tests.fleet_support import wait_until
-from tests.serve_harness import ALICE, MODEL, OPERATOR, bearer, make_app, make_config, serving
 
 
 @pytest.fixture(params=["h11", "httptools"])

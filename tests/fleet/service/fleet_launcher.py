@@ -1,7 +1,8 @@
 """Runs the fleet service for the tests: a config file, the in-memory fleet index seeded from a
 JSON file, and an ingest source that leaves marker files when started and stopped.
 
-    python -m tests.fleet_launcher --config fleet.yaml --port 8123 --seed seed.json --markers DIR
+    python -m tests.fleet.service.fleet_launcher --config fleet.yaml --port 8123 \
+        --seed seed.json --markers DIR
 
 ``seed.json`` lists ``{"replica": name, "tokens": [...] | "text": "...", "medium": "GPU"}``; the
 prompt's full blocks are stored for that replica under its configured namespace and block size.

@@ -24,7 +24,7 @@ from prefixcache.fleet.service.quiet_log import (
     QuietExceptionHandler,
     RepeatFilter,
 )
-from tests.fleet_processes import running
+from tests.fleet.fleet_processes import running
 from tests.fleet_support import free_port, wait_until
 
 ABORTED = 1000

@@ -19,9 +19,9 @@ import yaml
 from fastapi.testclient import TestClient
 
 from prefixcache.fleet.service.fleet_service import INLINE_MAX_TOKENS, FleetService
-from tests.fleet_processes import ROOT, running
+from tests.fleet.fleet_processes import ROOT, running
+from tests.fleet.service.serve_harness import BLOCK, MODEL, engine_stores, make_app, make_config
 from tests.fleet_support import free_port
-from tests.serve_harness import BLOCK, MODEL, engine_stores, make_app, make_config
 
 
 def seeded(tmp_path: Path, inline: bool) -> tuple[Any, FleetService, list[str]]:

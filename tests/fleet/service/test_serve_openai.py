@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fleet_processes import running
+from tests.fleet.fleet_processes import running
 from tests.fleet_support import free_port
 
 REPLICAS = """
@@ -27,7 +27,13 @@ def service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[httpx.Cl
     config = f"index: memory\nproxy: {{enabled: {proxy}}}\n" + REPLICAS
     (tmp_path / "fleet.yaml").write_text(config)
     port = free_port()
-    args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml"), "--port", str(port)]
+    args = [
+        "tests.fleet.service.fleet_launcher",
+        "--config",
+        str(tmp_path / "fleet.yaml"),
+        "--port",
+        str(port),
+    ]
     with (
         running(args, port, tmp_path / "service.log") as base,
         httpx.Client(base_url=base, timeout=10.0) as client,
@@ -65,8 +71,14 @@ replicas:
   - {{name: dead, model: m, block_size: 4, url: "http://127.0.0.1:{dead_port}"}}
 """
     )
-    args = ["tests.fleet_launcher", "--config", str(tmp_path / "fleet.yaml"), "--port", str(port)]
-    upstream = ["tests.fake_openai_upstream", "--port", str(up_port)]
+    args = [
+        "tests.fleet.service.fleet_launcher",
+        "--config",
+        str(tmp_path / "fleet.yaml"),
+        "--port",
+        str(port),
+    ]
+    upstream = ["tests.fleet.service.fake_openai_upstream", "--port", str(up_port)]
     with (
         running(upstream, up_port, tmp_path / "upstream.log"),
         running(args, port, tmp_path / "service.log") as base,
