@@ -25,7 +25,7 @@ from typing import Any
 
 from prefixcache.errors import ConfigError, InvalidArgumentError
 
-_SPECIAL = (
+_SPECIAL = (  # the special tokens a tokenizer config may hand a template
     "bos_token",
     "eos_token",
     "unk_token",
@@ -43,12 +43,14 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
+    """The template's ``tojson`` filter, as transformers defines it: non-ASCII kept."""
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
 
 
 def _strftime_now(fmt: str) -> str:
+    """The template's ``strftime_now(fmt)``: the local time now, formatted."""
     return datetime.now().strftime(fmt)
 
 
@@ -71,6 +73,7 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> Any:
+    """A JSON file's value; ConfigError when it cannot be read or is not JSON."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -81,7 +84,8 @@ def _read_json(path: Path) -> Any:
 
 @functools.cache
 def _environment() -> Any:
-    """The Jinja environment transformers renders chat templates in (built once)."""
+    """The Jinja environment transformers renders chat templates in (built once); ConfigError
+    when jinja2 is not installed."""
     try:
         import jinja2
         import jinja2.ext
@@ -93,6 +97,7 @@ def _environment() -> Any:
         ) from None
 
     def raise_exception(message: str) -> None:
+        """The template's ``raise_exception(message)``: refuses the conversation."""
         raise jinja2.exceptions.TemplateError(message)
 
     class Generation(jinja2.ext.Extension):
@@ -119,7 +124,11 @@ def _environment() -> Any:
 
 
 class ChatTemplate:
-    """A compiled chat template and the special tokens it may use."""
+    """A compiled chat template (Jinja ``source``) and the special tokens it may use, by name
+    (``bos_token``: ``"<s>"``, ...); ``name`` identifies it in errors. ``content_format`` is
+    ``"parts"`` when the template loops over a message's content (then ``chat_messages`` must
+    hand it content as a list of parts), else ``"string"``. Raises ConfigError when jinja2 is
+    not installed or the source is not a valid template."""
 
     def __init__(self, source: str, special_tokens: dict[str, Any], name: str = "<template>"):
         env = _environment()  # a clear ConfigError without jinja2
@@ -140,7 +149,9 @@ class ChatTemplate:
     def load(cls, path: str | Path) -> ChatTemplate:
         """From the ``chat_template`` of a JSON tokenizer config (its default one where it
         lists several), or from a ``.jinja`` file (as models ship ``chat_template.jinja``),
-        with the special tokens of the ``tokenizer_config.json`` beside it if there is one."""
+        with the special tokens of the ``tokenizer_config.json`` beside it if there is one.
+        Raises ConfigError when a file cannot be read or is not JSON, a JSON config has no
+        template string, or the template does not compile (or jinja2 is not installed)."""
         path = Path(path)
         if path.suffix == ".json":
             config = _read_json(path)
@@ -169,11 +180,18 @@ class ChatTemplate:
         documents: list[Any] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt text of a conversation. ``continue_final_message`` ends the text right
-        after the last message's content (no end-of-turn marker), so the model continues it;
-        trailing spaces stay where the template kept them.
-        InvalidArgumentError when the template refuses the conversation (a
-        ``raise_exception``) or fails on it."""
+        """The prompt text of a conversation (``messages`` as ``chat_messages`` shapes them).
+        ``add_generation_prompt`` has the template end it with the assistant's turn header;
+        ``continue_final_message`` instead ends the text right after the last message's
+        content (no end-of-turn marker), so the model continues it; trailing spaces stay where
+        the template kept them. ``tools`` (function tools shaped as vLLM hands them) and
+        ``documents`` go to the template as given (None: none); ``extra`` adds template
+        variables (over the special tokens).
+
+        Raises InvalidArgumentError when both ``add_generation_prompt`` and
+        ``continue_final_message`` are true, the template refuses the conversation (a
+        ``raise_exception``) or fails on it, or (continuing) the final message's content is not
+        in the rendered text."""
         import jinja2
 
         if add_generation_prompt and continue_final_message:
@@ -287,11 +305,15 @@ def _parts(content: Any) -> list[dict[str, Any]]:
 
 
 def chat_messages(messages: Any, content_format: str = "string") -> list[dict[str, Any]]:
-    """The messages of a chat request, checked. Each content becomes one string (text parts
-    joined by newlines, as vLLM passes them to a string-content template), or with
-    ``content_format="parts"`` a list of parts (``ChatTemplate.content_format`` says which).
-    Other fields of a message (``name``, ``tool_calls``, ``tool_call_id``) are kept, the
-    arguments of an assistant's tool calls parsed from JSON."""
+    """The messages of a chat request, checked, as new dicts. Each content becomes one string
+    (text parts joined by newlines, as vLLM passes them to a string-content template; None:
+    empty), or with ``content_format="parts"`` a list of parts (``ChatTemplate.content_format``
+    says which). Other fields of a message (``name``, ``tool_calls``, ``tool_call_id``) are
+    kept, the arguments of an assistant's tool calls parsed from JSON.
+
+    Raises InvalidArgumentError when ``messages`` is not a non-empty list, a message is not an
+    object with a string ``role``, a content is neither a string, a list of objects nor null,
+    or a tool call's arguments are not readable JSON."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgumentError("'messages' must be a non-empty list")
     out = []

@@ -17,9 +17,14 @@ from prefixcache.errors import ConfigError
 
 
 class Tokenizer(Protocol):
+    """What the replay and the service need of a tokenizer: a ``name`` (for reports and logs)
+    and ``encode``."""
+
     name: str
 
-    def encode(self, text: str) -> np.ndarray: ...
+    def encode(self, text: str) -> np.ndarray:
+        """The token ids of ``text`` as a 1-D int32 array, no special tokens added."""
+        ...
 
 
 class ByteTokenizer:
@@ -28,11 +33,14 @@ class ByteTokenizer:
     name = "bytes"
 
     def encode(self, text: str) -> np.ndarray:
+        """The UTF-8 bytes of ``text`` as a new int32 array (empty for empty text)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype("<i4")
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` as written by Hugging Face ``tokenizers`` / ``transformers``."""
+    """A ``tokenizer.json`` as written by Hugging Face ``tokenizers`` / ``transformers``, read
+    from ``path``; ``name`` is the file's name. Raises ConfigError when the ``tokenizers``
+    package is not installed or the file is not a tokenizer it can read."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -49,10 +57,15 @@ class HFTokenizer:
         self.name = Path(path).name
 
     def encode(self, text: str) -> np.ndarray:
+        """The token ids of ``text`` as an int32 array, without the special tokens the
+        tokenizer would add (a chat template writes its own)."""
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype="<i4")
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    """The byte-level tokenizer for None, ``""`` or ``"bytes"``, else the Hugging Face one in
+    file ``path``. Raises ConfigError when the file does not exist or cannot be read as one
+    (or ``tokenizers`` is not installed)."""
     if path is None or str(path) in ("", "bytes"):
         return ByteTokenizer()
     if not Path(path).is_file():
@@ -61,5 +74,7 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
 
 
 def render_chat(messages: list[dict[str, str]]) -> str:
-    """A neutral chat rendering (role tag, content) so equal conversations give equal tokens."""
+    """A neutral chat rendering, ``<|role|>`` then the content on its own line, message after
+    message, so equal conversations give equal tokens. Each message needs ``role`` and
+    ``content`` keys (a missing one raises KeyError); nothing else is read."""
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)

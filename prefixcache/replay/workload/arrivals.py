@@ -17,14 +17,16 @@ MAX_TIME_S = 1e12  # arrival times in seconds: Unix epochs in s or ms fit, 1e300
 
 
 class ScaledArrivals:
-    """The requests of ``requests`` with every arrival time multiplied by ``factor``; iterable
-    as often as ``requests`` is."""
+    """The requests of ``requests`` with every arrival time multiplied by ``factor``
+    (``time_scale / rate_scale``; 1.0 yields the requests themselves); iterable as often as
+    ``requests`` is. Nothing is checked until iteration."""
 
     def __init__(self, requests: Iterable[Request], factor: float) -> None:
         self.requests, self.factor = requests, factor
 
     def __iter__(self) -> Iterator[Request]:
-        """Each request, its arrival time scaled."""
+        """Each request, its arrival time (seconds) scaled. Raises ConfigError, naming the
+        request's 1-based position, at the first arrival past ``MAX_TIME_S`` or NaN."""
         f = self.factor
         if f == 1.0:  # the requests themselves, each still checked
             for k, r in enumerate(self.requests):
@@ -40,6 +42,7 @@ class ScaledArrivals:
 
 
 def _too_late(k: int, arrival: float, f: float) -> ConfigError:
+    """The error for request ``k`` (0-based) arriving at ``arrival`` s after scaling by ``f``."""
     return ConfigError(
         f"request {k + 1} would arrive at {arrival:g} s"
         + ("" if f == 1.0 else f" (scaled by {f:g})")

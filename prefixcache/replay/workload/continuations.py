@@ -41,8 +41,10 @@ _BRANCHED = -1  # a prefix that earlier requests went on from with different ids
 
 @dataclass
 class ContinuationPlan:
-    """Which requests (by position in the trace) continue which, and how often each is
-    continued (so the replay can forget a request after its last continuation)."""
+    """Which requests (by 0-based position among the trace's non-empty lines) continue which,
+    and how often each is continued (so the replay can forget a request after its last
+    continuation). Built by ``plan_continuations``; ``len()`` is the number of continuing
+    requests."""
 
     parent: dict[int, int] = field(default_factory=dict)  # continuing request -> continued one
     uses: dict[int, int] = field(default_factory=dict)  # continued request -> continuations
@@ -52,6 +54,8 @@ class ContinuationPlan:
 
 
 class _Seen:
+    """What the planner keeps of one request: its position, lengths (tokens) and hash ids."""
+
     __slots__ = ("ids", "index", "input_length", "output_length")
 
     def __init__(self, index: int, input_length: int, output_length: int, ids: list[int]):
@@ -66,10 +70,11 @@ def find_parent(
     latest: dict[int, _Seen],
     successor: dict[int, int],
 ) -> _Seen | None:
-    """The earlier request that a request with these ids and input length continues, if any.
-    ``latest``: by the id of its last full block, the latest request whose full blocks end
-    there; ``successor``: by id, the one id that followed it in every request so far, or
-    ``_BRANCHED``."""
+    """The earlier request that a request with these hash ids and ``input_length`` (tokens)
+    continues, or None. ``block``: tokens per hash id (the trace's block size). ``latest``: by
+    the id of its last full block, the latest request whose full blocks end there;
+    ``successor``: by id, the one id that followed it in every request so far, or
+    ``_BRANCHED``. Both are kept up to date by ``note_request``; neither is changed here."""
     for n in range(len(ids) - 1, 0, -1):  # n: the parent's full blocks, longest first
         seen = latest.get(ids[n - 1])
         if seen is None or seen.input_length // block != n:
@@ -88,7 +93,9 @@ def find_parent(
 def note_request(
     seen: _Seen, block: int, latest: dict[int, _Seen], successor: dict[int, int]
 ) -> None:
-    """Remember a request for the ones after it."""
+    """Remember a request for the ones after it: update ``successor`` with each pair of
+    consecutive ids and, when it has a full block (``block`` tokens per id), make it the
+    ``latest`` request ending on its last full block's id."""
     ids = seen.ids
     for k in range(len(ids) - 1):
         before = successor.get(ids[k])
@@ -102,8 +109,10 @@ def note_request(
 
 
 def plan_continuations(lines: Iterator[tuple[int, str]], block: int) -> ContinuationPlan:
-    """The continuations of a Mooncake trace's lines (already validated by the reader, which
-    reads them again after this)."""
+    """The continuations of a Mooncake trace: ``lines`` are (line number, text) pairs of its
+    non-empty lines, ``block`` its tokens per hash id. A line that is not a valid record is
+    skipped here (the reader, which reads the lines again after this, reports it); nothing is
+    raised but what iterating ``lines`` raises."""
     plan = ContinuationPlan()
     latest: dict[int, _Seen] = {}
     successor: dict[int, int] = {}
@@ -129,13 +138,15 @@ def plan_continuations(lines: Iterator[tuple[int, str]], block: int) -> Continua
 
 
 def output_tokens(seed: int, index: int, length: int, vocab: int) -> np.ndarray:
-    """The tokens request ``index`` of a trace decodes when a later turn continues it."""
+    """The ``length`` int32 tokens, in ``[0, vocab)``, that request ``index`` of a trace
+    decodes when a later turn continues it; the same for the same ``seed``."""
     return stream_tokens(stream_key("mooncake-output", seed, index), length, vocab)
 
 
 class Continuations:
-    """Applies a plan while the reader builds requests: the decoded context of each continued
-    request, until its last continuation took it."""
+    """Applies a plan while the reader builds requests, in trace order: keeps the decoded
+    context of each continued request until its last continuation took it. ``seed`` and
+    ``vocab`` (token ids are below it) choose the synthesized outputs."""
 
     def __init__(self, plan: ContinuationPlan, seed: int, vocab: int) -> None:
         self.plan, self.seed, self.vocab = plan, seed, vocab
@@ -144,7 +155,9 @@ class Continuations:
     def output_of(
         self, index: int, prompt: np.ndarray, output_length: int, block: int
     ) -> np.ndarray | None:
-        """The output request ``index`` writes (None when no later turn continues it)."""
+        """The ``output_length`` tokens (int32) request ``index`` writes, or None when no later
+        turn continues it. Also keeps its context for its continuations: ``prompt`` from its
+        last full block (``block`` tokens per hash id) on, then that output."""
         if index not in self.plan.uses:
             return None
         out = output_tokens(self.seed, index, output_length, self.vocab)
@@ -153,8 +166,10 @@ class Continuations:
         return out
 
     def parent_context(self, index: int) -> tuple[int, np.ndarray] | None:
-        """For a continuing request: where its parent's context starts and its tokens (the
-        parent's prompt tail, then its output)."""
+        """For continuing request ``index``: ``(start, tokens)``, the token position where its
+        parent's context starts and that context (the parent's prompt tail, then its output);
+        None when it continues no request or the parent's output was not kept. Counts one use
+        of the parent: the context is forgotten after its last continuation."""
         parent = self.plan.parent.get(index)
         if parent is None or parent not in self._context:
             return None

@@ -20,11 +20,14 @@ from collections.abc import Iterable, Iterator
 
 from prefixcache.replay.workload.request import Request
 
-FORMATS = ("mooncake", "openai-jsonl")
+FORMATS = ("mooncake", "openai-jsonl")  # the names the export command takes
 
 
 def mooncake_lines(requests: Iterable[Request], block_size: int = 512) -> Iterator[str]:
-    """One Mooncake trace line per request (``n`` equal lines for ``n`` parallel samples)."""
+    """One Mooncake trace line (JSON, no newline) per request, ``n`` equal lines for ``n``
+    parallel samples. ``block_size``: prompt tokens per hash id. Ids are numbered from 0 in
+    order of first appearance and depend on the namespace too, so requests of different
+    namespaces never share one; ``timestamp`` is the arrival in whole milliseconds."""
     ids: dict[bytes, int] = {}
     for req in requests:
         tokens = req.tokens
@@ -47,9 +50,10 @@ def mooncake_lines(requests: Iterable[Request], block_size: int = 512) -> Iterat
 
 
 def openai_lines(requests: Iterable[Request], model: str, vocab_size: int) -> Iterator[str]:
-    """One OpenAI batch line (a ``/v1/completions`` request of token ids) per request; ids are
-    taken modulo ``vocab_size`` so the server's tokenizer accepts them (equal prompts stay
-    equal)."""
+    """One OpenAI batch line (JSON, no newline) per request: a ``/v1/completions`` request
+    for ``model`` whose prompt is the token ids taken modulo ``vocab_size`` (so the server's
+    tokenizer accepts them; equal prompts stay equal), ``max_tokens`` the output length and
+    ``n`` when above 1. The namespace is not written."""
     for i, req in enumerate(requests):
         body: dict[str, object] = {
             "model": model,

@@ -10,7 +10,10 @@ from prefixcache.blocks.namespace import Namespace
 
 
 class Request(NamedTuple):
-    arrival_s: float
+    """A request to replay: when it arrives, its prompt, how much it generates and in which
+    namespace. ``output_tokens`` is None unless a later turn reuses its output."""
+
+    arrival_s: float  # seconds on the workload's clock (a trace's may count from an epoch)
     tokens: np.ndarray  # prompt token ids, contiguous little-endian int32
     output_len: int  # tokens generated per sample
     namespace: Namespace

@@ -40,8 +40,8 @@ from prefixcache.replay.workload.scenario_values import (
 from prefixcache.replay.workload.synth import FULL_VOCAB
 from prefixcache.replay.workload.text_input import read_utf8
 
-SCENARIO_SUFFIXES = (".yaml", ".yml", ".toml")
-_TOP = (
+SCENARIO_SUFFIXES = (".yaml", ".yml", ".toml")  # a file with one of these is a scenario
+_TOP = (  # the top-level fields a scenario may have
     "name",
     "description",
     "seed",
@@ -55,75 +55,95 @@ _TOP = (
     "n",
     "session",
 )
-PROCESSES = ("poisson", "constant", "gamma")
+PROCESSES = ("poisson", "constant", "gamma")  # the arrival processes besides timestamps
 
 
 @dataclass(frozen=True)
 class Segment:
+    """One part of a prompt (see the module docstring). ``name`` keys its token streams and
+    random draws; ``length`` is in tokens, drawn once per variant or pool item for ``shared``
+    and ``pool``, once per request for ``unique``."""
+
     kind: str  # shared | pool | unique
     name: str
     length: Dist
     variants: int = 1  # shared
     size: int = 0  # pool
-    pick: Dist | None = None  # pool
+    pick: Dist | None = None  # pool: distinct items per request (None for other kinds)
     order: str = "random"  # pool
     weights: tuple[float, ...] = ()  # shared variants / pool popularity (probabilities)
 
 
 @dataclass(frozen=True)
 class Arrivals:
+    """When sessions (or single requests) start: a process at ``rate`` per second, or the
+    given ``timestamps``."""
+
     process: str  # poisson | constant | gamma | timestamps
     rate: float = 0.0  # sessions (or requests) per second
     cv: float = 1.0  # gamma: coefficient of variation of the gaps
-    timestamps: tuple[float, ...] = ()
+    timestamps: tuple[float, ...] = ()  # process "timestamps": the times, non-decreasing seconds
 
 
 @dataclass(frozen=True)
 class NamespaceMix:
+    """The namespaces requests are spread over: every tenant (a cache salt; None: none) with
+    every adapter (None: the base model), each picked by its weight (probabilities)."""
+
     model: str = ""
     tenants: tuple[str | None, ...] = (None,)
     tenant_weights: tuple[float, ...] = (1.0,)
     adapters: tuple[str | None, ...] = (None,)
     adapter_weights: tuple[float, ...] = (1.0,)
-    adapter_version: str | None = None
+    adapter_version: str | None = None  # of every adapter; None: unversioned
 
     @property
     def count(self) -> int:
+        """How many namespaces: tenants times adapters."""
         return len(self.tenants) * len(self.adapters)
 
 
 @dataclass(frozen=True)
 class Session:
-    turns: Dist
-    think_time_s: Dist
+    """Multi-turn sessions: each later turn's prompt is the previous prompt, its output when
+    ``keep_output``, then the ``turn`` segments."""
+
+    turns: Dist  # turns per session (at least 1)
+    think_time_s: Dist  # seconds from one turn's arrival to the next's
     keep_output: bool
     turn: tuple[Segment, ...]
-    max_context: int | None
+    max_context: int | None  # tokens; a session ends before a turn that would pass it
 
 
 @dataclass(frozen=True)
 class Scenario:
+    """A validated scenario file (``load_scenario``); ``Workload`` turns it into requests."""
+
     path: str
-    name: str
+    name: str  # the file's stem unless it names itself
     description: str
     seed: int
-    requests: int | None
-    duration_s: float | None
-    vocab_size: int
+    requests: int | None  # at most this many requests; None: bounded by time or timestamps
+    duration_s: float | None  # no request arrives after this many seconds; None: no horizon
+    vocab_size: int  # token ids are below it
     arrivals: Arrivals
     namespace: NamespaceMix
     prompt: tuple[Segment, ...]
-    output: Dist
-    n: int
-    session: Session | None
+    output: Dist  # output tokens per request
+    n: int  # parallel samples per request
+    session: Session | None  # None: single requests
 
 
 def is_scenario_path(path: str | Path) -> bool:
+    """Whether ``path`` names a scenario file, by its suffix (``SCENARIO_SUFFIXES``, any case);
+    the file is not opened."""
     return Path(path).suffix.lower() in SCENARIO_SUFFIXES
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario file; a problem raises ScenarioError naming the field."""
+    """Read and validate a scenario file (YAML, or TOML by its ``.toml`` suffix). A file that
+    cannot be read, does not parse or has a bad field raises ScenarioError naming the field;
+    bytes that are not UTF-8 raise TraceFormatError naming the line."""
     p = Path(path)
     try:
         text = read_utf8(p)
@@ -133,6 +153,10 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 def parse_scenario(doc: Any, file: str, default_name: str = "scenario") -> Scenario:
+    """Validate a parsed scenario document (the mapping YAML or TOML gives) into a
+    ``Scenario``; ``file`` names it in errors, ``default_name`` is the name when it gives none.
+    Raises ScenarioError for an unknown or missing field or a value of the wrong type or
+    range."""
     top = Where(file)
     m = mapping(doc, top, _TOP)
     requests = get(m, "requests", top, None)
@@ -167,6 +191,7 @@ def parse_scenario(doc: Any, file: str, default_name: str = "scenario") -> Scena
 
 
 def _load_document(text: str, file: str) -> Any:
+    """``text`` parsed as TOML or YAML (by ``file``'s suffix); ScenarioError when it does not."""
     if file.lower().endswith(".toml"):
         if sys.version_info >= (3, 11):
             import tomllib
@@ -212,6 +237,7 @@ def _load_document(text: str, file: str) -> Any:
 
 
 def _arrivals(value: Any, where: Where) -> Arrivals:
+    """The ``arrivals`` mapping, checked."""
     m = mapping(value, where, ("process", "rate", "cv", "timestamps"))
     if "timestamps" in m:
         for other in ("process", "rate", "cv"):
@@ -234,6 +260,7 @@ def _arrivals(value: Any, where: Where) -> Arrivals:
 
 
 def _segment(value: Any, where: Where, index: int, prefix: str = "") -> Segment:
+    """One prompt or turn segment, checked; unnamed, it is named ``{prefix}{kind}{index}``."""
     if not isinstance(value, dict) or len(value) != 1:
         raise where.fail("a one-key mapping: shared, pool or unique", value)
     kind, body = next(iter(value.items()))
@@ -265,6 +292,8 @@ def _segment(value: Any, where: Where, index: int, prefix: str = "") -> Segment:
 
 
 def _names(value: Any, where: Where, prefix: str) -> tuple[str | None, ...]:
+    """Tenant or adapter names: a list of distinct names (or nulls), or a count N that names
+    ``{prefix}-0 .. {prefix}-(N-1)`` (1: one unnamed)."""
     if isinstance(value, int) and not isinstance(value, bool):
         count = integer(value, where, minimum=1)
         return tuple(f"{prefix}-{i}" for i in range(count)) if count > 1 else (None,)
@@ -280,6 +309,7 @@ def _names(value: Any, where: Where, prefix: str) -> tuple[str | None, ...]:
 
 
 def _namespace(value: Any, where: Where) -> NamespaceMix:
+    """The ``namespace`` mapping, checked."""
     m = mapping(
         value,
         where,
@@ -305,6 +335,7 @@ def _namespace(value: Any, where: Where) -> NamespaceMix:
 
 
 def _session(value: Any, where: Where) -> Session:
+    """The ``session`` mapping, checked."""
     m = mapping(value, where, ("turns", "think_time_s", "keep_output", "turn", "max_context"))
     turn_where = where / "turn"
     turn = tuple(

@@ -20,6 +20,7 @@ from prefixcache.replay.workload.synth import TokenTape, stream_key, stream_toke
 
 
 def _rng(seed: int, *parts: object) -> np.random.Generator:
+    """The generator of the draws named by ``parts`` under ``seed``."""
     return np.random.default_rng([seed, stream_key(*parts) & 0xFFFFFFFF])
 
 
@@ -62,6 +63,7 @@ class _SegmentSource:
             self._fill_rng = _rng(seed, "fill", seg.name)
 
     def item(self, i: int) -> np.ndarray:
+        """The tokens of variant or pool item ``i`` (built once, then the same array)."""
         tokens = self._items.get(i)
         if tokens is None:
             key = stream_key(self.seed, self.seg.kind, self.seg.name, i)
@@ -69,6 +71,7 @@ class _SegmentSource:
         return tokens
 
     def emit(self, out: list[np.ndarray]) -> None:
+        """Append this segment's tokens for the next request to ``out``."""
         kind = self.seg.kind
         if kind == "unique":
             out.append(self._tape.take(self._length()))
@@ -120,11 +123,16 @@ def _clock(arrivals: Arrivals, rng: np.random.Generator) -> Iterator[float]:
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts as one array (the part itself when there is one)."""
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class Workload:
-    """The request stream of a scenario (iterate it any number of times: same requests)."""
+    """The request stream of a scenario, drawn with ``seed`` (None: the scenario's). Iterate
+    it any number of times: the same requests each time, in arrival order (a session's turns
+    interleaved with other sessions'), until ``requests`` were made, the next would arrive
+    after ``duration_s``, or the timestamps run out. Shared prompt parts are the same array in
+    every request that has them: read, never write, a request's tokens."""
 
     def __init__(self, scenario: Scenario, seed: int | None = None) -> None:
         self.scenario = scenario
@@ -132,6 +140,8 @@ class Workload:
 
     @property
     def namespaces(self) -> list[Namespace]:
+        """Every namespace requests may come in, tenant by tenant, adapter by adapter: the
+        scenario's model, the adapter (versioned when it has one) and the tenant as the salt."""
         mix = self.scenario.namespace
         return [
             Namespace(
@@ -145,6 +155,7 @@ class Workload:
         ]
 
     def __iter__(self) -> Iterator[Request]:
+        """The requests, generated lazily."""
         sc, seed = self.scenario, self.seed
         tapes: dict[str, TokenTape] = {}
         prompt = [_SegmentSource(s, sc, seed, tapes) for s in sc.prompt]
@@ -175,6 +186,7 @@ class Workload:
         horizon: float,
         tapes: dict[str, TokenTape],
     ) -> Iterator[Request]:
+        """The requests of a scenario with sessions: turns kept in a heap by arrival time."""
         sc, seed = self.scenario, self.seed
         spec = sc.session
         assert spec is not None
@@ -219,6 +231,7 @@ class Workload:
                     order += 1
 
     def _namespace_picker(self) -> Callable[[], Namespace]:
+        """A function drawing each request's namespace: tenant and adapter by their weights."""
         mix = self.scenario.namespace
         spaces = self.namespaces
         if len(spaces) == 1:

@@ -5,6 +5,8 @@ so a failure names the file, the field and what was expected.
 
 A distribution is either a plain number (fixed) or ``{dist: NAME, ...}``; every form takes
 optional ``min`` / ``max`` clips. Draws come from numpy in chunks, so one draw costs a list pop.
+
+Every check raises ``ScenarioError`` (a ``ConfigError``) naming the field.
 """
 
 from __future__ import annotations
@@ -19,21 +21,27 @@ from prefixcache.replay.workload.input_errors import UNSET, ScenarioError
 
 
 class Where:
-    """A position in a scenario file: the file and a dotted field path like ``prompt[1].length``."""
+    """A position in a scenario file: the file and a dotted field path like ``prompt[1].length``
+    (empty: the top level). ``where / "key"`` and ``where / 1`` name a field or item in it."""
 
     def __init__(self, file: str, path: str = "") -> None:
         self.file, self.path = file, path
 
     def __truediv__(self, key: str | int) -> Where:
+        """The position of field ``key`` (a str) or item ``key`` (an int) below this one."""
         if isinstance(key, int):
             return Where(self.file, f"{self.path}[{key}]")
         return Where(self.file, f"{self.path}.{key}" if self.path else key)
 
     def fail(self, expected: str, got: Any = UNSET) -> ScenarioError:
+        """The ScenarioError (returned, to be raised) for this position: what was
+        ``expected``, and what was given unless ``got`` is left out."""
         return ScenarioError(self.file, self.path or "(top level)", expected, got)
 
 
 def mapping(value: Any, where: Where, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+    """``value`` itself when it is a mapping whose keys are all in ``allowed``; ScenarioError
+    when it is not a mapping or has another key (naming the first)."""
     if not isinstance(value, Mapping):
         raise where.fail("a mapping", value)
     for key in value:
@@ -43,6 +51,8 @@ def mapping(value: Any, where: Where, allowed: tuple[str, ...]) -> Mapping[str, 
 
 
 def get(m: Mapping[str, Any], key: str, where: Where, default: Any = UNSET) -> Any:
+    """``m[key]``, or ``default`` when the key is missing or null; with no default the field is
+    required and its absence raises ScenarioError (``where`` is the mapping's position)."""
     if key in m and m[key] is not None:
         return m[key]
     if default is UNSET:
@@ -51,6 +61,8 @@ def get(m: Mapping[str, Any], key: str, where: Where, default: Any = UNSET) -> A
 
 
 def integer(value: Any, where: Where, minimum: int | None = None) -> int:
+    """``value`` as an int: an int, or a float with an integral value (``4.0``), never a bool;
+    ScenarioError when it is not one or is below ``minimum`` (None: no bound)."""
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -64,6 +76,8 @@ def integer(value: Any, where: Where, minimum: int | None = None) -> int:
 
 
 def number(value: Any, where: Where, minimum: float | None = None, strict: bool = False) -> float:
+    """``value`` (an int or float, never a bool) as a finite float; ScenarioError when it is not
+    one or is below ``minimum`` (at or below it when ``strict``; None: no bound)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise where.fail("a number", value)
     try:
@@ -78,6 +92,7 @@ def number(value: Any, where: Where, minimum: float | None = None, strict: bool 
 
 
 def string(value: Any, where: Where, choices: tuple[str, ...] | None = None) -> str:
+    """``value`` when it is a str (one of ``choices`` unless None); else ScenarioError."""
     if not isinstance(value, str):
         raise where.fail("a string" if choices is None else f"one of {', '.join(choices)}", value)
     if choices is not None and value not in choices:
@@ -86,12 +101,14 @@ def string(value: Any, where: Where, choices: tuple[str, ...] | None = None) -> 
 
 
 def boolean(value: Any, where: Where) -> bool:
+    """``value`` when it is a bool (``true`` / ``false``); else ScenarioError."""
     if not isinstance(value, bool):
         raise where.fail("true or false", value)
     return value
 
 
 def sequence(value: Any, where: Where, min_len: int = 0) -> list[Any]:
+    """``value`` when it is a list of at least ``min_len`` items; else ScenarioError."""
     if not isinstance(value, list):
         raise where.fail("a list", value)
     if len(value) < min_len:
@@ -102,9 +119,9 @@ def sequence(value: Any, where: Where, min_len: int = 0) -> list[Any]:
 # ---- distributions and weights ----------------------------------------------------------------
 
 
-KINDS = ("fixed", "uniform", "normal", "lognormal", "exponential", "choice")
+KINDS = ("fixed", "uniform", "normal", "lognormal", "exponential", "choice")  # dist: names
 _COMMON = ("dist", "min", "max")
-_PARAMS = {
+_PARAMS = {  # the parameters each kind takes (lognormal: median or mean, and sigma)
     "fixed": ("value",),
     "uniform": ("low", "high"),
     "normal": ("mean", "std"),
@@ -116,13 +133,17 @@ _PARAMS = {
 
 @dataclass(frozen=True)
 class Dist:
-    kind: str
-    params: tuple[tuple[str, Any], ...]
-    lo: float
-    hi: float | None
-    integer: bool
+    """A validated distribution of a length, count or time (``parse_dist``)."""
+
+    kind: str  # one of KINDS
+    params: tuple[tuple[str, Any], ...]  # (name, value) of its parameters, as _PARAMS names them
+    lo: float  # draws are clipped to [lo, hi]
+    hi: float | None  # None: no upper clip (parse_dist always sets one)
+    integer: bool  # draws are rounded to whole numbers
 
     def draw(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """``size`` draws from ``rng`` as a float64 array, rounded to whole numbers when
+        ``integer``, then clipped to ``[lo, hi]``."""
         p = dict(self.params)
         k = self.kind
         if k == "fixed":
@@ -149,7 +170,8 @@ class Dist:
         return np.clip(x, self.lo, self.hi)
 
     def sampler(self, rng: np.random.Generator) -> Callable[[], Any]:
-        """A zero-argument function returning the next draw (int for integer distributions)."""
+        """A zero-argument function returning the next draw from ``rng`` (an int for integer
+        distributions, else a float); a ``fixed`` one returns its value without drawing."""
         if self.kind == "fixed":
             value = self.draw(rng, 1)[0]
             const = int(value) if self.integer else float(value)
@@ -158,6 +180,8 @@ class Dist:
 
 
 class _Chunked:
+    """Draws of one distribution, taken from numpy 4096 at a time (``next`` returns one)."""
+
     __slots__ = ("_buf", "_dist", "_rng")
 
     def __init__(self, dist: Dist, rng: np.random.Generator) -> None:
@@ -174,8 +198,11 @@ class _Chunked:
 
 
 def parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float) -> Dist:
-    """Parse a number or ``{dist: ...}`` mapping; draws never go below ``minimum``. Counts
-    (``integer_valued``: token lengths, turns) are given at most ``MAX_COUNT``."""
+    """Parse a number (fixed) or a ``{dist: ...}`` mapping; draws never go below ``minimum``.
+    Counts (``integer_valued``: token lengths, turns) draw whole numbers, and no value, ``min``
+    or ``max`` of theirs may pass ``MAX_COUNT``, which is also their upper clip when no ``max``
+    is given; times are clipped at ``MAX_SECONDS``. Raises ScenarioError naming the parameter
+    that is wrong."""
     dist = _parse_dist(value, where, integer_valued=integer_valued, minimum=minimum)
     if not integer_valued:  # times: a heavy tail must not draw infinity
         return dist if dist.hi is not None else replace(dist, hi=MAX_SECONDS)
@@ -197,6 +224,7 @@ MAX_SECONDS = 1e12  # the longest time a scenario may draw
 
 
 def _parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: float) -> Dist:
+    """``parse_dist`` without the bounds on counts and times."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         v = number(value, where, minimum=minimum)
         if integer_valued:
@@ -239,6 +267,8 @@ def _parse_dist(value: Any, where: Where, *, integer_valued: bool, minimum: floa
 
 
 def parse_weight_list(value: Any, where: Where, count: int) -> list[float]:
+    """A list of ``count`` weights (numbers >= 0 with a positive sum), returned as given (not
+    normalized); ScenarioError otherwise."""
     items = sequence(value, where)
     if len(items) != count:
         raise where.fail(f"a list of {count} weights (one per item)", value)
@@ -249,8 +279,9 @@ def parse_weight_list(value: Any, where: Where, count: int) -> list[float]:
 
 
 def parse_weights(value: Any, where: Where, count: int) -> np.ndarray:
-    """Selection probabilities over ``count`` items: ``uniform``, ``{zipf: s}`` (item i has
-    weight 1/(i+1)**s) or an explicit list."""
+    """Selection probabilities over ``count`` items, as a float array summing to 1: from
+    ``uniform`` (or None), ``{zipf: s}`` (item i has weight 1/(i+1)**s, s >= 0) or a list of
+    ``count`` weights; ScenarioError for anything else."""
     if value is None or value == "uniform":
         w = np.ones(count)
     elif isinstance(value, dict) and set(value) == {"zipf"}:

@@ -24,18 +24,25 @@ from prefixcache.replay.workload.traces import (
 
 @dataclass
 class Source:
-    path: str
+    """A workload opened for replay (``open_source``, ``Source.from_requests``): what it is and
+    how to make its requests. Each iteration makes them again, from the start."""
+
+    path: str  # the file ("<memory>" for requests built in Python)
     kind: str  # scenario | mooncake | tokens | prompts | text | memory
-    name: str
+    name: str  # the scenario's name, else the file's stem
     seed: int | None  # the seed the requests were generated or synthesized with
     multi_namespace: bool  # several namespaces may occur (isolation misses possible)
     total: int | None  # request count when known up front
     _factory: Callable[[], Iterator[Request]]
 
     def __iter__(self) -> Iterator[Request]:
+        """The requests, from the first. A trace's bad line (TraceFormatError) or tokenizer
+        (ConfigError) is raised here."""
         return self._factory()
 
     def sha256(self) -> str:
+        """The hex SHA-256 of the file's bytes, or for requests built in Python of their tokens
+        in order; OSError when the file cannot be read."""
         h = hashlib.sha256()
         if self.kind == "memory":
             for req in self:
@@ -47,20 +54,33 @@ class Source:
         return h.hexdigest()
 
     def head(self, n: int) -> Source:
-        """The same source cut to its first ``n`` requests."""
+        """A copy of this source cut to its first ``n`` (>= 0) requests."""
         make = self._factory
         total = n if self.total is None else min(self.total, n)
         return replace(self, total=total, _factory=lambda: itertools.islice(make(), n))
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], name: str = "requests") -> Source:
-        """Requests built in Python (tests, notebooks); identified by their tokens' hash."""
+        """A source of requests built in Python (tests, notebooks), kept in a list; it has no
+        file or seed and is identified by its tokens' hash (``sha256``)."""
         items = list(requests)
         many = len({r.namespace for r in items}) > 1
         return cls("<memory>", "memory", name, None, many, len(items), lambda: iter(items))
 
 
 def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
+    """Open a scenario file (by its suffix, see ``is_scenario_path``) or a trace as a source,
+    read with ``config``'s seed and trace options (None: the defaults). A scenario is parsed
+    here; a trace has its format detected from its first line (unless the config names it)
+    and its token and prompt lines scanned for namespaces, and is read again at each
+    iteration.
+
+    Raises ConfigError when the file does not exist, trace options are given for a scenario,
+    an option does not apply to the trace's format, or a Mooncake trace's block size is not a
+    multiple of ``config.block_size``; ScenarioError (a ConfigError) for a bad scenario;
+    TraceFormatError when a trace is empty, its first line names no format or a line read
+    here is malformed (a scenario that is not UTF-8 too). A tokenizer or chat template that
+    cannot be loaded raises ConfigError when iteration starts."""
     config = config or ReplayConfig()
     p = Path(path)
     if not p.is_file():
@@ -109,7 +129,7 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
     )
 
 
-_NO_TEXT = {  # trace formats with no text to tokenize
+_NO_TEXT = {  # trace formats with no text to tokenize, as named in errors
     "mooncake": "a Mooncake trace (hash ids, no text)",
     "tokens": "a token-id trace (already tokenized)",
 }
@@ -139,15 +159,18 @@ def _refuse_options_of_other_formats(config: ReplayConfig, path: Path, fmt: str)
 
 
 def continuations_of(kind: str, config: ReplayConfig) -> bool | None:
-    """Whether a Mooncake trace is read with multi-turn continuations (None: not a Mooncake
-    trace, where they do not apply)."""
+    """Whether a trace of format ``kind`` is read with multi-turn continuations: the config's
+    choice, else ``MOONCAKE_CONTINUATIONS``; None when ``kind`` is not Mooncake (they do not
+    apply)."""
     if kind != "mooncake":
         return None
     return MOONCAKE_CONTINUATIONS if config.continuations is None else config.continuations
 
 
 def check_block_size(kind: str, trace_block_size: int, block_size: int) -> None:
-    """A Mooncake trace's blocks must split into whole cache blocks."""
+    """Check that a Mooncake trace's blocks (``trace_block_size`` tokens per hash id) split
+    into whole cache blocks of ``block_size`` tokens; ConfigError when they do not. Other
+    formats (``kind``) pass."""
     if kind == "mooncake" and trace_block_size % block_size:
         raise ConfigError(
             f"block size {block_size} does not divide the trace's {trace_block_size}"
@@ -155,7 +178,7 @@ def check_block_size(kind: str, trace_block_size: int, block_size: int) -> None:
         )
 
 
-_TRACE_FLAGS = (
+_TRACE_FLAGS = (  # (ReplayConfig field, its command-line flag) of the trace-only options
     ("trace_format", "--trace-format"),
     ("trace_block_size", "--trace-block-size"),
     ("tokenizer", "--tokenizer"),

@@ -46,9 +46,9 @@ from prefixcache.replay.workload.text_input import not_utf8_error
 from prefixcache.text.tokenizers import Tokenizer, load_tokenizer, render_chat
 
 FORMATS = ("mooncake", "tokens", "prompts", "text")
-TOKEN_KEYS = ("token_ids", "input_ids", "tokens")
-PROMPT_KEYS = ("prompt", "text", "messages")
-NAMESPACE_KEYS = ("model", "adapter", "adapter_version", "salt")
+TOKEN_KEYS = ("token_ids", "input_ids", "tokens")  # a token-id record's list, the first found
+PROMPT_KEYS = ("prompt", "text", "messages")  # what makes a record a prompt record
+NAMESPACE_KEYS = ("model", "adapter", "adapter_version", "salt")  # a record's namespace fields
 MAX_LINE_BYTES = 16 << 20  # a 2M-token prompt as token ids fits
 MAX_PROMPT_TOKENS = 2 << 20
 MOONCAKE_CONTINUATIONS = False  # the default of --continuations (see BENCHMARKS.md)
@@ -56,6 +56,8 @@ MOONCAKE_CONTINUATIONS = False  # the default of --continuations (see BENCHMARKS
 
 @dataclass(frozen=True)
 class TraceOptions:
+    """How ``read_trace`` reads a trace; each field says which formats it applies to."""
+
     format: str | None = None  # None: detect from the first line
     trace_block_size: int = 512  # Mooncake: tokens per hash id
     seed: int = 0  # Mooncake: token synthesis
@@ -70,7 +72,10 @@ class TraceOptions:
 
 
 def detect_format(path: str | Path, limit: int = MAX_LINE_BYTES) -> str:
-    """The format of a trace from its first non-empty line (and ``.txt`` for text)."""
+    """The format of a trace (one of ``FORMATS``): ``text`` for a ``.txt`` file, else from its
+    first non-empty line. Raises TraceFormatError when the trace is empty or that line is
+    longer than ``limit`` bytes, not UTF-8, not a JSON object or no known record; OSError when
+    the file cannot be read."""
     p = Path(path)
     if p.suffix.lower() == ".txt":
         return "text"
@@ -92,6 +97,10 @@ def detect_format(path: str | Path, limit: int = MAX_LINE_BYTES) -> str:
 
 
 def read_trace(path: str | Path, options: TraceOptions | None = None) -> Iterator[Request]:
+    """The requests of a trace, read lazily line by line with ``options`` (None: the
+    defaults); a bad line raises TraceFormatError with its number while iterating. Raised
+    now: the errors of ``detect_format`` when ``options.format`` is None, and ConfigError for
+    an unknown format or a tokenizer or chat template that cannot be loaded."""
     options = options or TraceOptions()
     fmt = options.format or detect_format(path, options.max_line_bytes)
     if fmt == "mooncake":
@@ -107,7 +116,9 @@ def read_trace(path: str | Path, options: TraceOptions | None = None) -> Iterato
 def trace_namespaces(path: str | Path, options: TraceOptions) -> bool:
     """Whether the trace's records name more than one namespace (model, adapter, version,
     salt). One pass over the lines, stopping at the second namespace; only a line that mentions
-    a namespace key is parsed."""
+    a namespace key is parsed. Mooncake and text traces have none: False without reading.
+    Raises TraceFormatError for a line that is too long, not UTF-8, or (when parsed) not a
+    JSON object."""
     fmt = options.format or detect_format(path, options.max_line_bytes)
     if fmt in ("mooncake", "text"):
         return False
@@ -146,6 +157,7 @@ def _lines(path: str, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[int, str]]:
 
 
 def _check_prompt(tokens: int, opt: TraceOptions, path: str, lineno: int) -> None:
+    """TraceFormatError when a prompt of ``tokens`` tokens passes ``opt.max_prompt_tokens``."""
     if tokens > opt.max_prompt_tokens:
         raise TraceFormatError(
             path,
@@ -156,6 +168,7 @@ def _check_prompt(tokens: int, opt: TraceOptions, path: str, lineno: int) -> Non
 
 
 def _parse(line: str, path: str, lineno: int) -> dict[str, Any]:
+    """The JSON object of a line; TraceFormatError when it is not one."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -168,6 +181,8 @@ def _parse(line: str, path: str, lineno: int) -> dict[str, Any]:
 def _int(
     obj: dict[str, Any], key: str, path: str, lineno: int, minimum: int, default: int | None = None
 ) -> int:
+    """Integer field ``key`` (>= ``minimum``; ``default`` when absent, None: required);
+    TraceFormatError otherwise."""
     value = obj.get(key, default)
     if value is None:
         raise TraceFormatError(path, lineno, f"missing field '{key}'")
@@ -181,6 +196,8 @@ def _int(
 def _time(
     obj: dict[str, Any], keys: tuple[str, ...], scale: float, path: str, lineno: int, default: float
 ) -> float:
+    """The first of ``keys`` present, times ``scale``, in seconds (``default`` when none is);
+    TraceFormatError unless it is a number in ``[0, MAX_TIME_S]``."""
     for key in keys:
         if key in obj:
             value = obj[key]
@@ -204,6 +221,7 @@ def _time(
 
 
 def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
+    """The requests of a Mooncake trace (planning its continuations first when asked)."""
     block = opt.trace_block_size
     synth = MooncakeTokens(block, opt.seed, opt.vocab_size)
     ns = opt.namespace
@@ -239,6 +257,8 @@ def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
 
 
 def _namespace(obj: dict[str, Any], base: Namespace, path: str, lineno: int) -> Namespace:
+    """A record's namespace: its namespace fields over ``base``'s; TraceFormatError for a
+    field that is not a string or null."""
     if not any(k in obj for k in NAMESPACE_KEYS):
         return base
     fields = {}
@@ -256,6 +276,7 @@ def _namespace(obj: dict[str, Any], base: Namespace, path: str, lineno: int) -> 
 
 
 def _tokens(path: str, opt: TraceOptions) -> Iterator[Request]:
+    """The requests of a token-id trace."""
     cache: dict[tuple, Namespace] = {}
     for lineno, line in _lines(path, opt.max_line_bytes):
         obj = _parse(line, path, lineno)
@@ -291,6 +312,8 @@ def _prompts(
     *,
     text: bool,
 ) -> Iterator[Request]:
+    """The requests of a prompt trace (JSON records) or, with ``text``, a text file (a prompt
+    per line, every request with ``opt``'s output length and namespace, at time 0)."""
     cache: dict[tuple, Namespace] = {}
     if text:
         for lineno, line in _lines(path, opt.max_line_bytes):
@@ -339,6 +362,7 @@ def _request(
     lineno: int,
     cache: dict[tuple, Namespace],
 ) -> Request:
+    """The request of a token or prompt record; equal namespaces share one object (``cache``)."""
     arrival = _time(obj, ("arrival_s", "timestamp"), 1.0, path, lineno, 0.0)
     output = _int(obj, "output_length", path, lineno, 0, default=opt.output_len)
     n = _int(obj, "n", path, lineno, 1, default=1)
@@ -351,7 +375,10 @@ def _request(
 
 
 class MooncakeTokens:
-    """Token ids of Mooncake requests, from one synthesized block per hash id."""
+    """Token ids of Mooncake requests, from one synthesized block of ``block_size`` tokens per
+    hash id, the same for the same ``seed`` and ``vocab_size`` (None: ``FULL_VOCAB``). At most
+    about ``max_cached_blocks`` blocks are kept; past that the cache is emptied and blocks are
+    synthesized again (identically), except the ones ``fix`` rebuilt."""
 
     def __init__(
         self,
@@ -368,7 +395,10 @@ class MooncakeTokens:
         self._limit = max_cached_blocks
 
     def tokens(self, hash_ids: list[int], length: int) -> np.ndarray:
-        """int32 tokens of a request with these hash ids and ``length`` input tokens."""
+        """The ``length`` int32 tokens of a request with these hash ids: their blocks in
+        order, the last one cut. With one id the result is a view of the cached block: read,
+        never write, it. Raises ValueError for a new id that is not an int >= 0, OverflowError
+        for one of 2**64 or more, TypeError for one that cannot be hashed."""
         cache = self._cache
         missing = [h for h in hash_ids if h not in cache]
         if missing:
@@ -389,7 +419,8 @@ class MooncakeTokens:
     def fix(self, hash_ids: list[int], start: int, context: np.ndarray) -> None:
         """Rebuild the blocks of ``hash_ids`` that cover positions ``start ..
         start + len(context)`` with ``context`` there (a continued turn's prompt tail and
-        output), the rest synthesized; each id keeps its first rebuilt block for good."""
+        output), the rest synthesized; each id keeps its first rebuilt block for good, so an
+        id rebuilt before is left as it is. Raises as ``tokens`` does for a bad id."""
         p, end = self.block_size, start + len(context)
         for b in range(start // p, min(len(hash_ids), -(-end // p))):
             h = hash_ids[b]

@@ -34,11 +34,12 @@ TILES = (
 WIDE_INCHES = 10.0  # plots at least this wide span the whole section
 SIDE_TABLE_COLUMNS = 5  # wider tables take the full width, with the plots below them
 SPLIT_FIELDS = 6  # more full-width figures than this are shown in two columns
-Plotter = Callable[[Run], tuple[str, bool]]
+Plotter = Callable[[Run], tuple[str, bool]]  # a run -> (base64 PNG, whether the plot is wide)
 
 
 def _plotters() -> dict[str, Plotter]:
-    """Each plot as a function from the run to a base64 PNG and whether it is wide."""
+    """Each plot, by name, as a function from the run to a base64 PNG and whether it is wide;
+    MissingDependencyError when matplotlib is not installed."""
     try:
         from prefixcache.report.render.plots import RUN_PLOTS, png_base64
         from prefixcache.report.render.sweep_plots import SWEEP_PLOTS
@@ -61,12 +62,14 @@ def _plotters() -> dict[str, Plotter]:
 
 
 def _term(label: str, key: str | None) -> str:
+    """``label`` as HTML, with its definition as a tooltip when ``key`` names one."""
     if key is None:
         return escape(label)
     return f'<span class="term" title="{escape(DEFINITIONS[key].text)}">{escape(label)}</span>'
 
 
 def _fields(fields: list[Field], narrow: bool = False) -> str:
+    """A section's figures as a two-column table."""
     rows = []
     for f in fields:
         note = f' <span class="note">({escape(f.note)})</span>' if f.note else ""
@@ -79,6 +82,7 @@ def _fields(fields: list[Field], narrow: bool = False) -> str:
 
 
 def _table(t: Table, failed: bool = False) -> str:
+    """A table in a sideways-scrolling box, then its caption; ``failed`` colours its rows."""
     head = "".join(f"<th>{escape(c)}</th>" for c in t.columns)
     keys = t.row_keys or [None] * len(t.rows)
     body = "".join(
@@ -99,6 +103,7 @@ def _table(t: Table, failed: bool = False) -> str:
 
 
 def _figure(name: str, run: Run, plotters: dict[str, Plotter]) -> tuple[str, bool]:
+    """Plot ``name`` drawn as an inline PNG ``<figure>``, and whether it is wide."""
     data, wide = plotters[name](run)
     alt = escape(name.replace("_", " "))
     cls = ' class="wide"' if wide else ""
@@ -129,6 +134,7 @@ def _section(s: Section, run: Run, plotters: dict[str, Plotter]) -> str:
 
 
 def _tiles(doc: Document) -> str:
+    """The ``TILES`` figures the document has, each from the first field with its key."""
     first: dict[str, Field] = {}
     for f in (f for s in doc.sections for f in s.fields):
         if f.key is not None:
@@ -143,6 +149,9 @@ def _tiles(doc: Document) -> str:
 
 
 def render_html(doc: Document, run: Run) -> str:
+    """The self-contained HTML page of ``doc`` (as ``build_document`` builds it from ``run``),
+    with the plots its sections name drawn from ``run``'s data. Raises MissingDependencyError when
+    matplotlib is not installed."""
     plotters = _plotters()
     nav = "".join(f'<a href="#{s.id}">{escape(s.title.split(":")[0])}</a>' for s in doc.sections)
     body = "".join(_section(s, run, plotters) for s in doc.sections)
@@ -165,16 +174,21 @@ def render_html(doc: Document, run: Run) -> str:
 
 
 def html_report(run: Run | str | Path) -> str:
-    """The self-contained HTML page; needs matplotlib (``pip install 'prefixcache[report]'``)."""
+    """The self-contained HTML page of a run: a loaded ``Run`` or a run directory's path.
+    Raises RunDirError or ReportSchemaError when the directory cannot be loaded (``load_run``),
+    MissingDependencyError when matplotlib is not installed
+    (``pip install 'prefixcache[report]'``)."""
     loaded = run if isinstance(run, Run) else load_run(run)
     return render_html(build_document(loaded), loaded)
 
 
 def render_all(run_dir: str | Path, html: bool = True) -> dict[str, Path]:
-    """Write report.md and report.html into the run directory; return their paths by format.
+    """Write report.md and, when ``html``, report.html into the run directory (each
+    atomically); return their paths by format (``"md"``, ``"html"``).
 
     report.md is written first, so it exists even when the HTML page cannot be drawn because
-    matplotlib is missing (:class:`MissingDependencyError`).
+    matplotlib is missing (:class:`MissingDependencyError`). A directory that cannot be loaded
+    raises RunDirError or ReportSchemaError and writes nothing.
     """
     run = load_run(run_dir)
     doc = build_document(run)
@@ -189,6 +203,7 @@ def render_all(run_dir: str | Path, html: bool = True) -> dict[str, Path]:
 # ---- the stylesheet ---------------------------------------------------------------------------
 
 
+# the page's whole stylesheet, inlined in its <style>
 CSS = """
 :root { --ink: #1d2430; --muted: #5b6575; --rule: #dfe3ea; --accent: #1f77b4; --bad: #b42318; }
 * { box-sizing: border-box; }

@@ -1,5 +1,11 @@
 """Plots of one run, drawn with matplotlib (imported by the HTML renderer only when needed);
-the colours and figure helpers the sweep plots (``sweep_plots``) share."""
+the colours and figure helpers the sweep plots (``sweep_plots``) share.
+
+Each plot takes a loaded, validated ``Run`` and returns a new matplotlib ``Figure`` (sizes in
+inches); ``RUN_PLOTS`` names them as report sections list them. Importing this module without
+matplotlib raises ModuleNotFoundError, which the HTML renderer turns into
+MissingDependencyError.
+"""
 
 from __future__ import annotations
 
@@ -38,10 +44,12 @@ BLUE, ORANGE, GREEN, RED, PURPLE, GREY = (
 MISS_COLORS = dict(zip(MISS_CAUSES, (BLUE, ORANGE, GREEN, RED, PURPLE), strict=True))
 MAX_POINTS = 4000  # timeline samples drawn; longer timelines are thinned evenly
 HEADROOM = 1.15  # the block axis of the timeline extends this far above the blocks in use
-WIDE, NARROW = (11.0, 3.4), (6.4, 3.4)
+WIDE, NARROW = (11.0, 3.4), (6.4, 3.4)  # figure sizes (width, height) in inches
 
 
 def new_figure(size: tuple[float, float] = NARROW, rows: int = 1) -> tuple[Figure, list[Axes]]:
+    """A figure of ``size`` (width, height) inches with ``rows`` axes stacked on one shared x
+    axis, each with a light grid and no top or right spine; returns it and its axes."""
     fig = Figure(figsize=size, layout="constrained")
     axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     for ax in axes:
@@ -51,12 +59,15 @@ def new_figure(size: tuple[float, float] = NARROW, rows: int = 1) -> tuple[Figur
 
 
 def png_base64(fig: Figure, dpi: int = 144) -> str:
+    """``fig`` as a PNG at ``dpi`` dots per inch on white, base64-encoded (ASCII)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, facecolor="white")
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def headline(run: Run) -> Figure:
+    """Block and token hit rate as bars, over the infinite cache's upper bounds when the run
+    has both."""
     r = run.report
     fig, (ax,) = new_figure((6.4, 2.2))
     names = ["Block hit rate", "Token hit rate"]
@@ -80,6 +91,8 @@ def headline(run: Run) -> Figure:
 
 
 def hit_ratio_histogram_plot(run: Run) -> Figure:
+    """Histogram of the requests' hit ratios (hit tokens / prompt tokens, requests with a
+    prompt), with the p50, p90 and p99 ratios as lines."""
     ratios = request_hit_ratios(run)
     hist = hit_ratio_histogram(ratios)
     fig, (ax,) = new_figure()
@@ -103,6 +116,7 @@ def hit_ratio_histogram_plot(run: Run) -> Figure:
 
 
 def misses(run: Run) -> Figure:
+    """Missed prompt tokens by cause, as bars labelled with their count and share."""
     m = run.report["misses"]
     fig, (ax,) = new_figure((6.4, 2.8))
     total = sum(m.values()) or 1
@@ -120,10 +134,15 @@ def misses(run: Run) -> Figure:
 
 
 def _thin(n: int) -> np.ndarray:
+    """Indices of at most ``MAX_POINTS`` of ``n`` samples, evenly spread, both ends included."""
     return np.linspace(0, n - 1, min(n, MAX_POINTS)).astype(np.int64)
 
 
 def timeline(run: Run) -> Figure:
+    """The run over time, in three panels: blocks active and cached (with the capacity, all
+    replicas together), cumulative evicted blocks, and the cumulative and rolling token hit
+    rate (with the upper bound). The x axis is simulated seconds for a serving run, else
+    requests replayed."""
     tl, r = run.timeline, run.report
     idx = _thin(len(tl["t"]))
     t = tl["t"][idx]
@@ -187,6 +206,7 @@ def _capacity_line(ax: Axes, capacity: int, used: int) -> None:
 
 
 def _thousands(value: float, _pos: object = None) -> str:
+    """A tick label with thousands separators: 12,500 (two significant digits when not whole)."""
     return f"{value:,.0f}" if value == round(value) else f"{value:,.2g}"
 
 
@@ -204,6 +224,8 @@ def _plain(value: float, _pos: object = None) -> str:
 
 
 def ttft(run: Run) -> Figure:
+    """The distribution (CDF) of estimated time to first token with and without the cache,
+    over the requests that have both, in ms or s (``ttft_unit``)."""
     cached, nocache = ttft_samples(run)
     fig, (ax,) = new_figure()
     unit, factor = ttft_unit(np.concatenate([cached, nocache]))

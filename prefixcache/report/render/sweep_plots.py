@@ -1,5 +1,9 @@
 """Plots of a run's sweep: hit rate against capacity, block size and policy, drawn with
-matplotlib (imported by the HTML renderer only when needed)."""
+matplotlib (imported by the HTML renderer only when needed).
+
+Each takes a loaded ``Run`` whose report has a non-empty ``sweep`` (the sweep section lists
+them only then) and returns a new ``Figure``; ``SWEEP_PLOTS`` names them.
+"""
 
 from __future__ import annotations
 
@@ -36,10 +40,15 @@ MAX_CAPACITY_TICKS = 8  # labelled capacities on a sweep's x axis; the others ar
 
 
 def _points(run: Run) -> list[dict[str, Any]]:
+    """The sweep's points (report rows), a new list; empty when the run has no sweep."""
     return list(run.report["sweep"] or [])
 
 
 def capacity(run: Run) -> Figure:
+    """Token hit rate against capacity in blocks, a curve per combination of the other swept
+    settings (``VARIANT_KEYS``) with each curve's knee marked; the upper bound when the block
+    size is not swept, this run's capacity, and unbounded caches as markers at the right edge.
+    A sweep at one capacity whose other settings vary is drawn as bars instead."""
     points = _points(run)
     by = [k for k in VARIANT_KEYS if varying(points, k)]
     if by and not varying(points, "capacity_blocks"):  # one capacity: nothing to draw along it
@@ -216,7 +225,8 @@ def _capacity_axis(ax: Axes, capacities: list[int]) -> None:
 
 
 def block_size(run: Run) -> Figure:
-    """Hit rate against block size, one line per capacity, for the first policy swept."""
+    """Token hit rate against block size (log2 axis), one line per capacity, for the policy of
+    the sweep's first point."""
     points = _points(run)
     policy = points[0].get("policy")
     chosen = [p for p in points if p.get("policy") == policy]
@@ -253,7 +263,8 @@ def block_size(run: Run) -> Figure:
 
 
 def policy(run: Run) -> Figure:
-    """Hit rate per policy at each capacity, for the first block size swept."""
+    """Token hit rate per policy at each capacity, as grouped bars, for the block size of the
+    sweep's first point (a missing point draws as 0)."""
     points = _points(run)
     size = points[0].get("block_size")
     chosen = [p for p in points if p.get("block_size") == size]
@@ -286,10 +297,12 @@ def policy(run: Run) -> Figure:
 
 
 def _complement(y: ArrayLike) -> np.ndarray:
+    """``1 - y``: hit rate to miss ratio and back, for the secondary axis."""
     return 1 - np.asarray(y)
 
 
 def _ramp(n: int) -> list[tuple[float, float, float, float]]:
+    """``n`` RGBA colours (at least one) along viridis, dark to light."""
     cmap = colormaps["viridis"]
     return [cmap(v) for v in np.linspace(0.05, 0.85, max(n, 1))]
 

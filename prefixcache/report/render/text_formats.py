@@ -1,5 +1,8 @@
 """Plain-text renderings: the terminal report and Markdown of a document, and the short summary
-of a report.json that ``prefixcache replay`` prints."""
+of a report.json that ``prefixcache replay`` prints.
+
+Every function returns text or lines and writes nothing.
+"""
 
 from __future__ import annotations
 
@@ -12,24 +15,28 @@ from prefixcache.report.run_warnings import run_warnings
 from prefixcache.report.serving_sections import no_tpot, same_load
 from prefixcache.report.sweep_curves import miss_causes, miss_share, varying
 
-WIDTH = 88
+WIDTH = 88  # characters: terminal rules and wrapped text fit in it (tables may be wider)
 
 
 # ---- terminal ---------------------------------------------------------------------------------
 
 
 def _rule(title: str, char: str = "─") -> str:
+    """A ``WIDTH``-wide rule of ``char`` with ``title`` near its start."""
     head = f"{char * 2} {title} "
     return head + char * max(0, WIDTH - len(head))
 
 
 def _field(f: Field, pad: int) -> str:
+    """One figure as a line: its label padded to ``pad``, its value and note."""
     note = f"  ({f.note})" if f.note else ""
     return f"  {f.label:<{pad}}  {f.value}{note}"
 
 
 def table_lines(table: Table, indent: str = "  ") -> list[str]:
-    """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
+    """A table as terminal lines, each starting with ``indent``: the header, a rule, the rows,
+    then the caption when there is one. Columns are padded to their widest cell; numbers are
+    right-aligned, text left-aligned; trailing spaces are dropped."""
     cells = [table.columns, *table.rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(table.columns))]
 
@@ -47,10 +54,13 @@ def table_lines(table: Table, indent: str = "  ") -> list[str]:
 
 
 def _numeric(cell: str) -> bool:
+    """Whether a cell reads as a number (starts with a digit or sign, no closing bracket)."""
     return bool(cell) and (cell[0].isdigit() or cell[0] in "+-") and cell[-1] not in ")"
 
 
 def section_lines(section: Section) -> list[str]:
+    """A section as terminal lines: a rule with its title, its figures, tables and text
+    charts, then its notes wrapped at ``WIDTH``."""
     lines = [_rule(section.title)]
     pad = max((len(f.label) for f in section.fields), default=0)
     lines += [_field(f, pad) for f in section.fields]
@@ -64,6 +74,8 @@ def section_lines(section: Section) -> list[str]:
 
 
 def render_terminal(doc: Document, definitions: bool = True) -> str:
+    """The document as terminal text: title and subtitle, warnings, each section, and the
+    definitions of the terms it uses unless ``definitions`` is false."""
     lines = [_rule(doc.title, "═"), f"  {doc.subtitle}", ""]
     for warning in doc.warnings:
         lines += textwrap.wrap(
@@ -87,10 +99,13 @@ def render_terminal(doc: Document, definitions: bool = True) -> str:
 
 
 def _escape(cell: str) -> str:
+    """A Markdown table cell: ``|`` escaped, newlines as spaces."""
     return cell.replace("|", "\\|").replace("\n", " ")
 
 
 def table_markdown(table: Table) -> list[str]:
+    """A table as Markdown lines (first column left-aligned, the others right), then its
+    caption in italics after a blank line when there is one."""
     lines = [
         "| " + " | ".join(_escape(c) for c in table.columns) + " |",
         "|" + "|".join("---" if i == 0 else "--:" for i in range(len(table.columns))) + "|",
@@ -102,6 +117,8 @@ def table_markdown(table: Table) -> list[str]:
 
 
 def section_markdown(section: Section) -> list[str]:
+    """A section as Markdown lines: a level-2 heading, its figures as a Figure / Value table,
+    its tables, its text charts as ``text`` code blocks, then its notes."""
     lines = [f"## {section.title}", ""]
     if section.fields:
         lines += ["| Figure | Value |", "|---|--:|"]
@@ -118,6 +135,8 @@ def section_markdown(section: Section) -> list[str]:
 
 
 def render_markdown(doc: Document) -> str:
+    """The document as Markdown (report.md): title, subtitle, warnings as quotes, each section
+    and the definitions of the terms it uses; ends with a newline."""
     lines = [f"# {doc.title}", "", doc.subtitle, ""]
     lines += [f"> **Warning:** {_escape(w)}\n" for w in doc.warnings]
     for section in doc.sections:
@@ -131,7 +150,9 @@ def render_markdown(doc: Document) -> str:
 
 
 def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
-    """A report.json in a dozen lines: setup, hit rates, misses, savings, latency, sweep."""
+    """A report.json (the dict, as ``prefixcache replay`` writes it) in a dozen lines: setup,
+    hit rates, misses, savings, latency, fleet, sweep, the top prefix, then ``run_dir`` when
+    given and the run's warnings. No trailing newline."""
     c, m, s = r["config"], r["misses"], r["savings"]
     size = fmt.capacity_blocks(c["capacity_blocks"])
     if c["capacity_bytes"] is not None:
@@ -327,6 +348,7 @@ def _serving_lines(c: dict[str, Any], sv: dict[str, Any]) -> list[str]:
 
 
 def _dur(x: float) -> str:
+    """``x`` seconds as ms below 10 s, else as seconds."""
     return f"{1000 * x:.1f} ms" if x < 10 else f"{x:,.1f} s"
 
 
