@@ -27,7 +27,8 @@ test:
 	$(PYTHON) -m pytest
 
 test-pure:  ## the core and replay tests on the Python sources of the compiled modules
-	PREFIXCACHE_PURE_PYTHON=1 $(PYTHON) -m pytest tests/core tests/replay
+	PREFIXCACHE_PURE_PYTHON=1 $(PYTHON) -m pytest tests/blocks tests/manager tests/core tests/replay \
+		tests/project/test_native_build.py
 
 lint:
 	ruff check . && ruff format --check .

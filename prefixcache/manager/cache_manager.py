@@ -158,14 +158,18 @@ class CacheManager:
 
     @property
     def partial_copy(self) -> bool:
+        """Whether a block whose leading tokens match is copied rather than recomputed."""
         return self._state.partial_copy
 
     @property
     def enable_caching(self) -> bool:
+        """Whether full blocks are indexed and reused (False: the no-cache baseline)."""
         return self._state.enable_caching
 
     @property
     def stepped(self) -> bool:
+        """Whether the runtime calls ``end_step()`` after each forward pass (copy sources are
+        then held until it does)."""
         return self._state.stepped
 
     @property
@@ -175,10 +179,12 @@ class CacheManager:
 
     @property
     def pool(self) -> BlockPool:
+        """The physical blocks: the free list and the refcounts of private blocks."""
         return self._state.pool
 
     @property
     def evictor(self) -> Evictor:
+        """The eviction order: evictable leaves keyed by the policy."""
         return self._state.evictor
 
     @property
