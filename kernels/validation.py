@@ -105,7 +105,8 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
 
 def check_attention_args(batch: PagedBatch, out: torch.Tensor | None) -> AttentionShapes:
     """Shape, dtype, device and layout checks for ``paged_attention`` (no device reads)."""
-    _tensors(**batch._asdict())
+    tensors = batch._asdict()
+    _tensors(**tensors)
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = batch
     num_blocks, block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     _rank("q", q, 3, "[total_q, num_q_heads, head_dim]")
@@ -121,7 +122,6 @@ def check_attention_args(batch: PagedBatch, out: torch.Tensor | None) -> Attenti
         ("query_start_loc", query_start_loc),
     ):
         _dtype(name, t, (torch.int32,))
-    tensors = batch._asdict()
     if out is not None:
         _tensors(out=out)
         if out.shape != q.shape or out.dtype != q.dtype:
