@@ -23,8 +23,8 @@ import tracemalloc
 
 from prefixcache.fleet.events import wire as kv_wire
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.index.compact_index import CompactFleetIndex
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.compact import CompactFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
 RUN = 64  # blocks per stored run, as one KV event carries them

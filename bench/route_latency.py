@@ -20,7 +20,7 @@ The same comparison runs first through the two ASGI apps in this process, which 
 sockets and the second process (and their noise on a busy machine). Each
 service's index holds the prompts under the namespace its routes see, so both do the same work.
 
-The index is the in-memory fleet index (``prefixcache.fleet.index.memory_index``). Every
+The index is the in-memory fleet index (``prefixcache.fleet.index.memory``). Every
 replica holds a different depth of one of four prompt families (0 to 100% of the prompt), so each
 route hashes all 512 blocks and each replica's match ends at another block.
 """
@@ -47,7 +47,7 @@ BLOCK = 16
 
 def make_index() -> tuple[Any, str]:
     """The in-memory fleet index, and a label for it."""
-    from prefixcache.fleet.index.open_index import open_index
+    from prefixcache.fleet.index.from_url import open_index
 
     return open_index("memory"), "MemoryFleetIndex"
 

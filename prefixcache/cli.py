@@ -15,11 +15,11 @@ EXIT_INTERRUPTED = 130  # as a shell reports a command that SIGINT (Ctrl-C) ende
 # Modules that add subcommands: each has ``register(subparsers)`` and sets ``func`` on its parsers.
 COMMAND_MODULES = (
     "prefixcache.demo",
-    "prefixcache.replay.replay_cli",
+    "prefixcache.replay.run_cli",
     "prefixcache.replay.analyze_cli",
     "prefixcache.replay.export_cli",
-    "prefixcache.replay.calibrate.calibrate_cli",
-    "prefixcache.report.report_cli",
+    "prefixcache.replay.calibrate.measure_cli",
+    "prefixcache.report.print_cli",
     "prefixcache.fleet.service.serve_cli",
 )
 

@@ -30,7 +30,7 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
-from prefixcache.fleet.index.prefix_index import GPU, FleetIndex, ReplicaMatch
+from prefixcache.fleet.index.interface import GPU, FleetIndex, ReplicaMatch
 from prefixcache.fleet.policies import (
     DEFAULT_POLICY,
     Policy,

@@ -13,11 +13,11 @@ from prefixcache.fleet.policies import DEFAULT_POLICY
 from prefixcache.fleet.policies import POLICIES as ROUTING_POLICIES
 from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu, get_model
-from prefixcache.replay.tiers.tier_settings import (
+from prefixcache.replay.tiers.sizes import (
     DEFAULT_HOST_BANDWIDTH,
     DEFAULT_POOL_BANDWIDTH,
     DEFAULT_POOL_WRITE,
-    TierSettings,
+    TierConfig,
     resolve_tiers,
 )
 from prefixcache.replay.workload.traces import MAX_LINE_BYTES, MAX_PROMPT_TOKENS
@@ -58,7 +58,7 @@ class ReplayConfig:
     max_prompt_tokens: int = MAX_PROMPT_TOKENS  # longer trace prompts are rejected
     continuations: bool | None = None  # Mooncake multi-turn continuations; None: the default
     record: bool = True  # per-request rows and timeline (off in sweep workers)
-    # memory tiers below the GPU cache (prefixcache.replay.tiers.tier_settings)
+    # memory tiers below the GPU cache (prefixcache.replay.tiers.sizes)
     host_memory: int | None = None  # host-memory tier per replica, bytes (needs model)
     pool_memory: int | None = None  # one pool shared by all replicas, bytes (needs model)
     host_bw: float = DEFAULT_HOST_BANDWIDTH  # host <-> GPU bytes/s
@@ -220,7 +220,7 @@ class ResolvedConfig:
     capacity_bytes: int | None
     bytes_per_block: int | None
     gpu: GpuConfig | None = None  # serving mode only
-    tiers: TierSettings | None = None  # host / pool tiers, when asked for
+    tiers: TierConfig | None = None  # host / pool tiers, when asked for
 
     def cache_manager(self, *, caching: bool = True) -> CacheManager:
         """A fresh, empty cache of this size and policy (``caching=False``: the no-cache

@@ -26,7 +26,7 @@ from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.request_rows import format_number, write_requests_csv
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad
-from prefixcache.replay.tiers.tier_report import tiers_row
+from prefixcache.replay.tiers.summary import tiers_row
 from prefixcache.replay.workload.sources import continuations_of
 from prefixcache.run_format import (
     MISS_CAUSES,

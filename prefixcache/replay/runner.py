@@ -30,7 +30,7 @@ from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.sequential import run_sequential
 from prefixcache.replay.sweep_executors import check_executor, open_executor
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
-from prefixcache.replay.tiers.tier_report import tiers_report
+from prefixcache.replay.tiers.summary import tiers_report
 from prefixcache.replay.workload.arrivals import ScaledArrivals
 from prefixcache.replay.workload.request import Request
 from prefixcache.replay.workload.sources import Source, open_source

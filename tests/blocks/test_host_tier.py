@@ -321,7 +321,7 @@ def test_offload_events_feed_a_fleet_index_without_unknown_parents() -> None:
     indexed on CPU after its GPU copy went, none is skipped for an unknown parent."""
     from prefixcache.fleet.events import wire as kv_wire
     from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-    from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+    from prefixcache.fleet.index.memory import MemoryFleetIndex
 
     mgr, rt = manager()
     wire: list = []

@@ -29,15 +29,15 @@ sys.exit(main(sys.argv[2:]))
 @pytest.mark.parametrize(
     ("target", "argv"),
     [
-        ("prefixcache.report.report_cli:load_run", ["report", "runs/x"]),
-        ("prefixcache.report.report_cli:load_run", ["compare", "runs/a", "runs/b"]),
+        ("prefixcache.report.print_cli:load_run", ["report", "runs/x"]),
+        ("prefixcache.report.print_cli:load_run", ["compare", "runs/a", "runs/b"]),
         ("prefixcache.replay.analyze:analyze_source", ["analyze", TRACE]),
         (
             "prefixcache.replay.workload.export:mooncake_lines",
             ["export", TRACE, "--format", "mooncake"],
         ),
         (
-            "prefixcache.replay.calibrate.calibrate_cli:_run",
+            "prefixcache.replay.calibrate.measure_cli:_run",
             ["calibrate", "--device", "cpu", "--tiny"],
         ),
         ("prefixcache.demo:run_demo", ["demo", "--device", "cpu"]),

@@ -22,8 +22,8 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
-from prefixcache.fleet.index.prefix_index import CPU
+from prefixcache.fleet.index.interface import CPU
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.policies import (
     POLICIES,
     ReplicaScore,

@@ -190,7 +190,7 @@ def test_points_that_differ_only_in_a_tier_are_matched_and_curved_apart(tmp_path
 def test_recompute_is_priced_at_the_serving_gpus_efficiency() -> None:
     # the load-or-recompute rule uses the MFU the step times use: a fitted GPU's, else 0.5
     from prefixcache.replay.model_specs import get_gpu, get_model
-    from prefixcache.replay.tiers.tier_settings import resolve_tiers
+    from prefixcache.replay.tiers.sizes import resolve_tiers
 
     model = get_model("llama-3.1-8b")
     for name, mfu in (("h200", get_gpu("h200").compute_efficiency), ("l40s", 0.5)):

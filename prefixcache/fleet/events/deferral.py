@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from prefixcache.fleet.events.event_applier import EventApplier
+from prefixcache.fleet.events.index_writer import EventApplier
 from prefixcache.fleet.events.replica_stream import ReplicaStream
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 One ``ReplicaEndpoint`` per replica (an engine's data-parallel rank): its event endpoint, its
 optional replay endpoint, the namespace its blocks live in, its block size. A poller thread
 (``start()``) reads every replica's PUB endpoint, or bytes are handed to ``ingest()``. Each
-message's sequence number is checked here; its events are applied by ``event_applier`` (blocks
+message's sequence number is checked here; its events are applied by ``index_writer`` (blocks
 keyed by prefixcache's own digests, namespaces, the rules for what is indexed) through
 ``deferral`` (events waiting, in order, for a shared index that cannot answer now); missed
 batches are asked of the replica's replay endpoint by ``replay_client``. The poller thread only
@@ -60,8 +60,8 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.events.deferral import DeferringApplier
 from prefixcache.fleet.events.engine_keys import EngineHasher
-from prefixcache.fleet.events.event_applier import EventApplier
 from prefixcache.fleet.events.inbox import ReplicaInboxes
+from prefixcache.fleet.events.index_writer import EventApplier
 from prefixcache.fleet.events.ingest import IngestCounts
 from prefixcache.fleet.events.replay_client import (
     DEFAULT_MAX_REPLAY_FRAMES,
@@ -76,7 +76,7 @@ from prefixcache.fleet.events.replica_stream import (
 )
 from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
 from prefixcache.fleet.events.wire import BatchDecoder, decode_seq
-from prefixcache.fleet.index.prefix_index import AppliedBatch, FleetIndex, SharedEngineMap
+from prefixcache.fleet.index.interface import AppliedBatch, FleetIndex, SharedEngineMap
 from prefixcache.fleet.replica_spec import pinned_adapter_versions
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ import numpy as np
 
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.fleet.events.engine_keys import BlockKey, EngineHasher, EngineHashSpec
-from prefixcache.fleet.events.event_applier import EventApplier
+from prefixcache.fleet.events.index_writer import EventApplier
 from prefixcache.fleet.events.replica_stream import ReplicaStream
 from prefixcache.fleet.events.unplaced import engine_match
-from prefixcache.fleet.index.prefix_index import ReplicaMatch
+from prefixcache.fleet.index.interface import ReplicaMatch
 
 MAX_REMEMBERED = 1_000_000  # engine hashes of blocks looked up, per engine hashing
 

@@ -29,7 +29,7 @@ from prefixcache.fleet.service.access import AccessGate
 from prefixcache.fleet.service.client_limits import ClientRequestLimit
 from prefixcache.fleet.service.config_file import ServiceConfig
 from prefixcache.fleet.service.connection_budget import service_budget
-from prefixcache.fleet.service.fleet_service import FleetService
+from prefixcache.fleet.service.dispatch import FleetService
 from prefixcache.fleet.service.health_probe import probe_replicas
 from prefixcache.fleet.service.http_errors import (
     aborted_request,

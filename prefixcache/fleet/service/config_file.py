@@ -22,14 +22,14 @@ from prefixcache.fleet.events.replay_client import (
     DEFAULT_MAX_REPLAY_FRAMES,
     DEFAULT_REPLAY_DEADLINE_S,
 )
-from prefixcache.fleet.index.index_url import (
+from prefixcache.fleet.index.interface import FleetIndex
+from prefixcache.fleet.index.url_checks import (
     IN_PROCESS,
     check_index_prefix,
     check_index_url,
     is_cluster_url,
     split_prefix,
 )
-from prefixcache.fleet.index.prefix_index import FleetIndex
 from prefixcache.fleet.policies import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.router import Router

@@ -8,7 +8,7 @@ import asyncio
 from contextlib import suppress
 
 from prefixcache.errors import UnknownReplicaError
-from prefixcache.fleet.service.fleet_service import FleetService
+from prefixcache.fleet.service.dispatch import FleetService
 
 
 async def probe_replicas(service: FleetService) -> None:

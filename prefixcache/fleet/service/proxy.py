@@ -48,7 +48,7 @@ from prefixcache.fleet.replica_spec import ANY_ADAPTER, pinned_adapter_versions,
 from prefixcache.fleet.router import RouteDecision
 from prefixcache.fleet.service.access import caller_of
 from prefixcache.fleet.service.bodies import decode_body
-from prefixcache.fleet.service.fleet_service import FleetService
+from prefixcache.fleet.service.dispatch import FleetService
 from prefixcache.fleet.service.http_errors import error_response
 
 _DROPPED_HEADERS = frozenset(

@@ -1,6 +1,6 @@
 """``prefixcache serve``: the fleet routing service from a YAML config, run by uvicorn with the
 config's connection limits and TLS (``transport``); with ``--workers N``, N processes on one port
-over a shared (Redis) index (``service_process``). Requests are not logged one by one unless
+over a shared (Redis) index (``startup``). Requests are not logged one by one unless
 ``--access-log``. At start the open-file limit is raised to what ``server.max_connections``
 needs where the hard limit allows, and where it does not, the connections are lowered to fit,
 with a warning naming the limit to raise (``connection_budget``)."""
@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise_descriptor_limit,
             service_budget,
         )
-        from prefixcache.fleet.service.service_process import (
+        from prefixcache.fleet.service.startup import (
             WORKER_ENV,
             ServeOptions,
             check_workers,
@@ -123,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers > 1:  # each worker opens its own service over the shared index
         os.environ[WORKER_ENV] = json.dumps(dataclasses.asdict(options))
         limits["http"] = worker_protocol(config.server)
-        worker = "prefixcache.fleet.service.service_process:worker_app"
+        worker = "prefixcache.fleet.service.startup:worker_app"
         uvicorn.run(worker, factory=True, workers=args.workers, **run, **limits)
     else:
         uvicorn.run(app, **run, **limits)

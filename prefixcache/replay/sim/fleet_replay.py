@@ -38,7 +38,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.fleet.events.publisher import to_wire
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
 from prefixcache.fleet.events.wire import KVEventBatch, WireEvent, encode_batch
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, ReplicaSpec
 from prefixcache.fleet.router import Router
 from prefixcache.manager.cache_manager import CacheManager

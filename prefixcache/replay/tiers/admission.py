@@ -7,7 +7,7 @@ blocks found there are loaded over the pool link when that is cheaper than recom
 indexed those blocks as the request's own already, which is what a runtime does once it has
 loaded them, so only the count of tokens not computed changes.
 
-How blocks reach the pool follows the pool write policy (``tier_settings``): ``evict`` pools
+How blocks reach the pool follows the pool write policy (``sizes``): ``evict`` pools
 the blocks that leave the replica (``PoolFeed``); ``through`` writes the prompt's full blocks
 that the admission computes (those past every tier's hits, in chain order) right after the
 lookup, so another replica finds them while this one still holds them. Output blocks written
@@ -26,7 +26,7 @@ from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.manager.results import Admission
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.tiers.shared_pool import PoolFeed, PoolTier
-from prefixcache.replay.tiers.tier_settings import TierSettings
+from prefixcache.replay.tiers.sizes import TierConfig
 
 
 class TierHit(NamedTuple):
@@ -45,7 +45,7 @@ class TierAdmitter:
     """One replica's admissions through its manager and the shared pool (if any)."""
 
     def __init__(
-        self, mgr: CacheManager, settings: TierSettings, pool: PoolTier | None = None
+        self, mgr: CacheManager, settings: TierConfig, pool: PoolTier | None = None
     ) -> None:
         self.mgr = mgr
         self.settings = settings
@@ -127,7 +127,7 @@ class TierAdmitter:
 class Tiers(NamedTuple):
     """The tiers of one replay: their settings, the shared pool, one admitter per replica."""
 
-    settings: TierSettings
+    settings: TierConfig
     pool: PoolTier | None
     admitters: list[TierAdmitter]
 

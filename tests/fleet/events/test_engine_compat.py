@@ -19,7 +19,7 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.fleet.events import wire as kv_wire
 from prefixcache.fleet.events.publisher import KVEventPublisher, to_wire
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 
 P = 4
 TOKENS = list(range(100, 108))  # two blocks of P

@@ -17,7 +17,7 @@ from prefixcache.errors import ConfigError, WireFormatError
 from prefixcache.fleet.events.engine_keys import EngineHasher, EngineHashSpec
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
 from prefixcache.fleet.events.wire import decode_batch, unpair_tokens
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.service.config_file import Limits, parse_config
 
 P = 4

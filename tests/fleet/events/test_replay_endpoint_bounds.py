@@ -17,7 +17,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.fleet.events import wire as kv_wire
 from prefixcache.fleet.events.replay_client import fetch_batches
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 
 log = logging.getLogger(__name__)
 P = 4

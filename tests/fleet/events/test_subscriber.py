@@ -15,7 +15,7 @@ from prefixcache.errors import ConfigError, FleetCapacityError, InvalidArgumentE
 from prefixcache.fleet.events import wire as kv_wire
 from prefixcache.fleet.events.publisher import KVEventPublisher
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 
 NS = Namespace("llama", salt="t1")
 P = 4

@@ -28,7 +28,7 @@ from prefixcache.fleet.events.engine_keys import (
 )
 from prefixcache.fleet.events.publisher import KVEventPublisher
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.router import Router
 from tests.fleet_support import wait_until

@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from prefixcache.fleet.index.compact_index import CompactFleetIndex
+from prefixcache.fleet.index.compact import CompactFleetIndex
 from prefixcache.fleet.index.digest_table import DigestTable, digest_keys, key_bytes
 
 # few distinct low halves, so keys share home buckets and chains run across full buckets

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from prefixcache.errors import ConfigError, FleetCapacityError, InvalidArgumentError
 from prefixcache.fleet.events import wire as kv_wire
-from prefixcache.fleet.index.compact_index import CompactFleetIndex
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
-from prefixcache.fleet.index.open_index import open_index
-from prefixcache.fleet.index.prefix_index import CPU, GPU, AppliedBatch, EngineBlock, ReplicaMatch
+from prefixcache.fleet.index.compact import CompactFleetIndex
+from prefixcache.fleet.index.from_url import open_index
+from prefixcache.fleet.index.interface import CPU, GPU, AppliedBatch, EngineBlock, ReplicaMatch
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
 CHAIN = [bytes([k]) * 16 for k in range(12)]

@@ -7,8 +7,8 @@ import pytest
 import redis
 
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
-from prefixcache.fleet.index.open_index import check_index_prefix, check_index_url, open_index
+from prefixcache.fleet.index.from_url import check_index_prefix, check_index_url, open_index
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.connect import DEFAULT_PREFIX, open_client
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 from prefixcache.fleet.service.config_file import parse_config

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
-from prefixcache.fleet.index.open_index import open_index
-from prefixcache.fleet.index.prefix_index import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.index.from_url import open_index
+from prefixcache.fleet.index.interface import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 from tests.fleet_support import RedisClusterNodes, RedisServer, wait_until
 
@@ -183,7 +183,7 @@ def test_a_plain_redis_behind_a_cluster_url_is_refused(tmp_path) -> None:
 def test_engine_map_lookups_go_to_the_node_serving_the_slot(cluster: RedisClusterNodes) -> None:
     # the lookup script ran on the client it was registered with (the URL's node), not the one
     # serving the slot: it found nothing, and a joining router cleared the replica
-    from prefixcache.fleet.index.prefix_index import EngineBlock
+    from prefixcache.fleet.index.interface import EngineBlock
 
     key = "{five}:fleet:replicas"
     index = _open(_url(_other_primary(cluster, key)), prefix="{five}:fleet")

@@ -11,7 +11,7 @@ import pytest
 from prefixcache import Namespace
 from prefixcache.fleet.events import wire as kv_wire
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 
 P = 4
 

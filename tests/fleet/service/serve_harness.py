@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.service.app import create_app
 from prefixcache.fleet.service.config_file import ServiceConfig, build_router, parse_config
 from prefixcache.fleet.service.transport import uvicorn_config

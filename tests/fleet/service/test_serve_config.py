@@ -9,7 +9,7 @@ import yaml
 
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.index.open_index import check_index_url, open_index
+from prefixcache.fleet.index.from_url import check_index_url, open_index
 from prefixcache.fleet.policies import RoutingParams
 from prefixcache.fleet.service.config_file import (
     HealthConfig,

@@ -129,7 +129,7 @@ def test_text_prompts_use_the_configured_tokenizer_file(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
     from prefixcache.blocks.hashing import BlockHasher
-    from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+    from prefixcache.fleet.index.memory import MemoryFleetIndex
     from prefixcache.fleet.router import Router
     from prefixcache.fleet.service.app import create_app
     from prefixcache.fleet.service.config_file import parse_config

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from prefixcache.fleet.service.fleet_service import INLINE_MAX_TOKENS, FleetService
+from prefixcache.fleet.service.dispatch import INLINE_MAX_TOKENS, FleetService
 from tests.fleet.fleet_processes import ROOT, running
 from tests.fleet.service.serve_harness import BLOCK, MODEL, engine_stores, make_app, make_config
 from tests.fleet_support import free_port
@@ -104,7 +104,7 @@ def test_long_prompts_leave_the_event_loop(tmp_path: Path) -> None:
 
 
 def test_redis_index_routes_in_the_thread_pool(tmp_path: Path, redis_server: Any) -> None:
-    from prefixcache.fleet.index.open_index import open_index
+    from prefixcache.fleet.index.from_url import open_index
     from prefixcache.fleet.service.app import create_app
     from prefixcache.fleet.service.config_file import build_router
 
@@ -154,7 +154,7 @@ def test_workers_must_be_positive(tmp_path: Path) -> None:
 def test_workers_serve_over_a_shared_redis_index(tmp_path: Path, redis_server: Any) -> None:
     from prefixcache.blocks.hashing import BlockHasher
     from prefixcache.blocks.namespace import Namespace
-    from prefixcache.fleet.index.open_index import open_index
+    from prefixcache.fleet.index.from_url import open_index
 
     cfg = write_config(tmp_path, "memory")
     index = open_index(redis_server.url, prefix="workers-test")
@@ -191,7 +191,7 @@ def test_workers_serve_over_a_shared_redis_index(tmp_path: Path, redis_server: A
 def test_worker_connections_turn_nagle_off() -> None:
     """A listening socket made as uvicorn makes it for workers (no protocol number): asyncio
     leaves Nagle on for its connections, ``no_delay`` turns it off."""
-    from prefixcache.fleet.service.service_process import no_delay
+    from prefixcache.fleet.service.startup import no_delay
 
     async def accepted(fix: bool) -> int:
         got: asyncio.Future[int] = asyncio.get_running_loop().create_future()

@@ -314,7 +314,7 @@ def test_workers_name_a_protocol_of_the_configured_parser() -> None:
     from uvicorn.importer import import_from_string
 
     from prefixcache.fleet.service.access_config import ServerConfig
-    from prefixcache.fleet.service.service_process import worker_protocol
+    from prefixcache.fleet.service.startup import worker_protocol
     from prefixcache.fleet.service.transport import HeadTimeoutProtocol
 
     h11 = import_from_string(worker_protocol(ServerConfig(http="h11")))

@@ -20,7 +20,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.index.index_url import redact
+from prefixcache.fleet.index.url_checks import redact
 
 DEFAULT_PREFIX = "prefixcache:fleet"
 DEFAULT_CLUSTER_PREFIX = "{prefixcache:fleet}"  # the hash tag puts every key in one slot

@@ -15,7 +15,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any, cast
 
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
-from prefixcache.fleet.index.prefix_index import CPU, GPU, AppliedBatch, EngineBlock
+from prefixcache.fleet.index.interface import CPU, GPU, AppliedBatch, EngineBlock
 from prefixcache.fleet.index.redis.scripts import as_bytes, as_text, remember_args
 from prefixcache.fleet.index.redis.sync import EngineSource, RedisSync
 

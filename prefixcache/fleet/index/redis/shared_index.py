@@ -18,13 +18,8 @@ from typing import Any
 import redis
 
 from prefixcache.errors import ConfigError, InvalidArgumentError
-from prefixcache.fleet.index.index_url import (
-    check_index_prefix,
-    is_cluster_url,
-    redact,
-    split_prefix,
-)
-from prefixcache.fleet.index.memory_index import (
+from prefixcache.fleet.index.interface import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.index.memory import (
     DEFAULT_MAX_BLOCKS_PER_REPLICA,
     DEFAULT_MAX_REPLICAS,
     MemoryFleetIndex,
@@ -33,7 +28,6 @@ from prefixcache.fleet.index.memory_index import (
     check_replica,
     match_masks,
 )
-from prefixcache.fleet.index.prefix_index import CPU, GPU, ReplicaMatch
 from prefixcache.fleet.index.redis.connect import (
     DEFAULT_CLUSTER_PREFIX,
     DEFAULT_PREFIX,
@@ -52,6 +46,12 @@ from prefixcache.fleet.index.redis.scripts import (
     store_args,
 )
 from prefixcache.fleet.index.redis.sync import DEFAULT_READ_TIMEOUT, RedisIndexStats, RedisSync
+from prefixcache.fleet.index.url_checks import (
+    check_index_prefix,
+    is_cluster_url,
+    redact,
+    split_prefix,
+)
 
 
 class RedisFleetIndex(RedisEngineMap):

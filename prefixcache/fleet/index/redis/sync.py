@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 
 import redis
 
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
-from prefixcache.fleet.index.prefix_index import CPU, GPU
+from prefixcache.fleet.index.interface import CPU, GPU
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.scripts import (
     CAP_ERROR,
     IndexScripts,

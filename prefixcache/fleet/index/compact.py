@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from prefixcache.fleet.index.digest_table import DigestTable, key_bytes
-from prefixcache.fleet.index.memory_index import (
+from prefixcache.fleet.index.interface import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.index.memory import (
     DEFAULT_MAX_BLOCKS_PER_REPLICA,
     DEFAULT_MAX_REPLICAS,
     MemoryFleetIndex,
@@ -31,7 +32,6 @@ from prefixcache.fleet.index.memory_index import (
     check_replica,
     match_masks,
 )
-from prefixcache.fleet.index.prefix_index import CPU, GPU, ReplicaMatch
 
 _FIRST_COLLECT = 1024  # mask ids in use before unused ones are first looked for
 

@@ -35,7 +35,7 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.events.ingest import IngestSource
 from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
-from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_load import Released
 from prefixcache.fleet.router import PromptScores, RouteDecision, Router
 from prefixcache.fleet.service.access import ANONYMOUS, Caller

@@ -20,7 +20,7 @@ from prefixcache.replay import cli_args
 from prefixcache.replay.model_specs import gpu_names, model_names
 from prefixcache.replay.run_config import MODES, ReplayConfig
 from prefixcache.replay.sweep_executors import EXECUTORS
-from prefixcache.replay.tiers.tier_settings import (
+from prefixcache.replay.tiers.sizes import (
     DEFAULT_HOST_BANDWIDTH,
     DEFAULT_POOL_BANDWIDTH,
     DEFAULT_POOL_WRITE,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.errors import ConfigError, MissingDependencyError, PrefixCacheError
-from prefixcache.replay.replay_options import add_replay_parser, sweep_configs
+from prefixcache.replay.run_options import add_replay_parser, sweep_configs
 
 EXIT_STRICT = 3  # --strict: the run finished but some requests were rejected, or it overloaded
 EXIT_INTERRUPTED = 130

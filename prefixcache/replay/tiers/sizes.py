@@ -45,7 +45,7 @@ DEFAULT_POOL_WRITE = "evict"
 
 
 @dataclass(frozen=True)
-class TierSettings:
+class TierConfig:
     """The tiers of one replay, resolved into blocks and transfer models."""
 
     host_blocks: int  # per replica (0: no host tier)
@@ -92,7 +92,7 @@ def resolve_tiers(
     block_size: int,
     tp: int,
     pool_write: str = DEFAULT_POOL_WRITE,
-) -> TierSettings | None:
+) -> TierConfig | None:
     """Size the tiers of a replay (``gpu``: the serving GPU, else ``gpu_name`` is looked up
     for the recompute cost); None when neither is asked for. Raises ConfigError with what
     to change."""
@@ -139,7 +139,7 @@ def resolve_tiers(
     mfu = gpu.compute_efficiency  # a fitted profile's, as the step times use
     mfu = DEFAULT_COMPUTE_EFFICIENCY if mfu is None else mfu
     flops = gpu.peak_flops * tp * mfu
-    return TierSettings(
+    return TierConfig(
         host_blocks,
         host_memory or 0,
         pool_blocks,

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from prefixcache.blocks.hashing import DIGEST_SIZE
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
-from prefixcache.fleet.index.prefix_index import CPU, GPU, MEDIA, ReplicaMatch
+from prefixcache.fleet.index.interface import CPU, GPU, MEDIA, ReplicaMatch
 
 DEFAULT_MAX_REPLICAS = 1024
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 16_000_000

@@ -3,7 +3,7 @@
 
 A Redis URL may carry credentials (``redis://user:password@host:port/db``), use TLS
 (``rediss://``) and name the key prefix of the index (``?prefix=team-a``), so that several
-deployments share one Redis without mixing their data (the rules: ``index_url``). Backends are
+deployments share one Redis without mixing their data (the rules: ``url_checks``). Backends are
 imported on demand, so the in-memory index never needs the Redis client.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.fleet.index.index_url import (
+from prefixcache.fleet.index.url_checks import (
     check_index_prefix,
     check_index_url,
     is_cluster_url,
 )
 
 if TYPE_CHECKING:
-    from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+    from prefixcache.fleet.index.memory import MemoryFleetIndex
     from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
 __all__ = ["check_index_prefix", "check_index_url", "open_index"]
@@ -37,11 +37,11 @@ def open_index(
     if prefix is not None:
         check_index_prefix(prefix, cluster=is_cluster_url(url))
     if url == "memory":
-        from prefixcache.fleet.index.memory_index import MemoryFleetIndex
+        from prefixcache.fleet.index.memory import MemoryFleetIndex
 
         return MemoryFleetIndex(**options)
     if url == "memory+compact":
-        from prefixcache.fleet.index.compact_index import CompactFleetIndex
+        from prefixcache.fleet.index.compact import CompactFleetIndex
 
         return CompactFleetIndex(**options)
     from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex

@@ -63,7 +63,7 @@ from prefixcache.blocks.tokens import as_token_array
 from prefixcache.errors import InvalidTokensError
 from prefixcache.fleet.events.replica_stream import ReplicaStream, block_hash_of_key, engine_key
 from prefixcache.fleet.events.wire import BlockHash, RemovedBlocks, StoredBlocks
-from prefixcache.fleet.index.prefix_index import CPU, GPU, FleetIndex, SharedEngineMap
+from prefixcache.fleet.index.interface import CPU, GPU, FleetIndex, SharedEngineMap
 
 log = logging.getLogger(__name__)
 

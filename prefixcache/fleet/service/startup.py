@@ -22,8 +22,8 @@ from typing import Any
 
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.index.index_url import IN_PROCESS
-from prefixcache.fleet.index.open_index import check_index_url, open_index
+from prefixcache.fleet.index.from_url import check_index_url, open_index
+from prefixcache.fleet.index.url_checks import IN_PROCESS
 from prefixcache.fleet.service.access_config import ServerConfig
 from prefixcache.fleet.service.app import create_app
 from prefixcache.fleet.service.config_file import ServiceConfig, build_router, load_config
@@ -134,7 +134,7 @@ def worker_protocol(server: ServerConfig) -> str:
     """The import string of the worker protocol for ``server.http``."""
     fast = _FAST is not None and server.http != "h11"  # httptools, when "auto" finds it
     name = "WorkerHttpToolsProtocol" if fast else "WorkerProtocol"
-    return f"prefixcache.fleet.service.service_process:{name}"
+    return f"prefixcache.fleet.service.startup:{name}"
 
 
 def worker_app() -> Any:
