@@ -47,7 +47,7 @@ class TwoLevelLRU:
     """A GPU LRU of prefix-chain blocks whose evictions go to a host LRU."""
 
     def __init__(self, gpu_blocks: int, host_blocks: int, block_size: int) -> None:
-        self.c, self.h, self.p = gpu_blocks, host_blocks, block_size
+        self.c, self.h, self.block_size = gpu_blocks, host_blocks, block_size
         self.gpu: dict[bytes, int] = {}  # digest -> time of last use
         self.gpu_parent: dict[bytes, bytes] = {}
         self.gpu_kids: dict[bytes, int] = {}  # children on the GPU
@@ -119,7 +119,7 @@ class TwoLevelLRU:
     # -- one request
     def request(self, now: int, seed: bytes, digests: list[bytes], t: int) -> tuple[int, int]:
         """Admit and release one prompt of ``t`` tokens; returns (GPU, host) hit tokens."""
-        p, f = self.p, len(digests)
+        p, f = self.block_size, len(digests)
         if -(-t // p) > self.c:
             return 0, 0
         n = 0

@@ -78,7 +78,7 @@ class Accountant:
         record: bool = True,
         upper_bound: bool = True,
     ) -> None:
-        self.p = block_size
+        self.block_size = block_size
         self.hasher = hasher
         self.shadow = Shadow(block_size, track_isolation, enabled=upper_bound)
         self.totals = Totals()
@@ -112,7 +112,7 @@ class Accountant:
         seen before that another replica holds and this cache missed are routing misses, taken
         out of the capacity misses. ``host_tokens`` / ``pool_tokens``: the part of
         ``cached_len`` loaded from the host tier / the pool (the rest matched on the GPU)."""
-        p = self.p
+        p = self.block_size
         arrival_s, tokens, output_len, namespace, samples = req[:5]
         t = len(tokens)
         f = t // p
@@ -187,8 +187,8 @@ class Accountant:
     def note_output(self, req: Request, full_tokens_buf: bytes) -> None:
         """A sequence grew by its output, which a later request may reuse: the infinite cache
         holds those blocks too (its prompt's were just recorded)."""
-        f = len(full_tokens_buf) // (4 * self.p)
-        self.shadow.observe(full_tokens_buf, f, req.namespace, len(req.tokens) // self.p)
+        f = len(full_tokens_buf) // (4 * self.block_size)
+        self.shadow.observe(full_tokens_buf, f, req.namespace, len(req.tokens) // self.block_size)
 
     def note_usage(self, physical: int, logical: int, fragmentation: int) -> None:
         if physical > self.physical_peak:

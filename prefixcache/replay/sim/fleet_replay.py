@@ -206,7 +206,7 @@ class FleetSimulator:
         self.model = namespace.model
         namespace = Namespace(namespace.model)
         self.cfg, self.acc = cfg, acc
-        self.p = o.block_size
+        self.block_size = o.block_size
         self.times = RequestTimes()  # per request, by the fleet's request index
         self.index = MemoryFleetIndex()
         self.versions: dict[tuple[str, str], str] = {}  # adapter versions the requests name
@@ -214,14 +214,16 @@ class FleetSimulator:
         self.subscriber = KVEventSubscriber(
             self.index,
             [
-                ReplicaEndpoint(name, namespace=namespace, block_size=self.p, hash_algo=o.hash_algo)
+                ReplicaEndpoint(
+                    name, namespace=namespace, block_size=self.block_size, hash_algo=o.hash_algo
+                )
                 for name in names
             ],
         )
         self.router = Router(
             self.index,
             [
-                ReplicaSpec(name, namespace, self.p, cfg.capacity_blocks, (ANY_ADAPTER,))
+                ReplicaSpec(name, namespace, self.block_size, cfg.capacity_blocks, (ANY_ADAPTER,))
                 for name in names
             ],
             o.routing_policy,

@@ -84,7 +84,7 @@ class Simulator:
     def __init__(self, mgr: CacheManager, cfg: ResolvedConfig, acc: Accountant | None) -> None:
         o = cfg.options
         assert cfg.model is not None and cfg.gpu is not None, "resolve a serving-mode config"
-        self.mgr, self.acc, self.p = mgr, acc, o.block_size
+        self.mgr, self.acc, self.block_size = mgr, acc, o.block_size
         self.roof = Roofline.for_gpu(cfg.model, cfg.gpu, o.tp)
         self.budget, self.max_seqs = o.token_budget, o.max_seqs
         self.tape = TokenTape(stream_key("serving-samples"))
@@ -145,7 +145,7 @@ class Simulator:
                 continue
             mine: list[_DecodingSample] = []
             gone = False
-            bs = self.p
+            bs = self.block_size
             for s in r.seqs:
                 if not budget:
                     break
@@ -357,7 +357,7 @@ class Simulator:
 
     def usage(self) -> tuple[int, int]:
         """Logical blocks of the running requests and the unused slots of their last blocks."""
-        p = self.p
+        p = self.block_size
         logical = frag = 0
         for r in self.running:
             if not r.seqs:  # prefilling: the whole prompt is allocated
