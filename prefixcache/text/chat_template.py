@@ -224,6 +224,9 @@ class ChatTemplate:
                     "continue_final_message: the final message's content is not in the prompt "
                     "the chat template rendered"
                 )
+            # as transformers' apply_chat_template cuts it, which engines use, quirks included: a
+            # final message that starts with whitespace loses its trailing space here too, and
+            # the prompt must be the engine's, token for token, for its blocks to be the same
             at = text.rindex(final.strip())
             if text[at : at + len(final.lstrip())] == final:  # the template kept its spacing
                 text = text[: at + len(final.lstrip())]
