@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixcache.replay import ScenarioError, Workload, load_scenario
+from prefixcache.replay import ReplayConfig, ScenarioError, Workload, load_scenario, open_source
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml")) + sorted((ROOT / "scenarios").glob("*.toml"))
@@ -383,3 +383,24 @@ def test_analyze_counts_the_answers_a_session_resends(
     analyzed = json.loads(capsys.readouterr().out)
     row = next(r for r in analyzed["infinite_cache"] if r["block_size"] == 16)
     assert row["upper_bound_token_hit_rate"] == pytest.approx(replayed)
+
+
+def test_timestamps_cut_by_duration_count_the_requests_that_come(tmp_path: Path) -> None:
+    path = tmp_path / "stamps.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            seed: 1
+            duration_s: 2.5
+            arrivals: {timestamps: [0, 1, 2, 3, 4]}
+            prompt: [{unique: {name: q, length: 8}}]
+            output: 1
+            """
+        )
+    )
+    config = ReplayConfig(capacity_blocks=16)
+    source = open_source(path, config)
+    assert source.total == len(list(source)) == 3  # 0, 1 and 2; 3 is past duration_s
+    path.write_text(path.read_text().replace("duration_s: 2.5", "requests: 2\nduration_s: 2.5"))
+    source = open_source(path, config)
+    assert source.total == len(list(source)) == 2

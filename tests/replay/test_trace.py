@@ -66,6 +66,9 @@ def test_mooncake_reader_and_block_size_rules(tmp_path: Path) -> None:
         ('{"input_length": 0, "hash_ids": []}', "'input_length' must be an integer >= 1"),
         ('{"input_length": 10, "hash_ids": [-1]}', "integers >= 0"),
         ('{"input_length": 10, "hash_ids": ["a"]}', "integers >= 0"),
+        # id 1 is cached by the good lines before: 1.0 and true are still no hash ids
+        ('{"input_length": 10, "hash_ids": [1.0]}', "integers >= 0"),
+        ('{"input_length": 10, "hash_ids": [true]}', "integers >= 0"),
         ('{"input_length": 10, "hash_ids": 5}', "must be a list"),
         ('{"input_length": 10, "hash_ids": [1], "timestamp": "x"}', "'timestamp' must be"),
     ],

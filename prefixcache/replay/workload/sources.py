@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -91,9 +92,11 @@ def open_source(path: str | Path, config: ReplayConfig | None = None) -> Source:
         workload = Workload(scenario, config.seed)
         total = scenario.requests if scenario.duration_s is None else None
         if scenario.arrivals.process == "timestamps" and scenario.session is None:
-            total = min(
-                total or len(scenario.arrivals.timestamps), len(scenario.arrivals.timestamps)
-            )
+            # the requests stop at the first timestamp past duration_s, or at the count
+            horizon = scenario.duration_s if scenario.duration_s is not None else math.inf
+            stamps = scenario.arrivals.timestamps
+            within = sum(1 for _ in itertools.takewhile(lambda t: t <= horizon, stamps))
+            total = within if scenario.requests is None else min(scenario.requests, within)
         return Source(
             str(p),
             "scenario",

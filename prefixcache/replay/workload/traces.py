@@ -399,10 +399,12 @@ class MooncakeTokens:
         order, the last one cut. With one id the result is a view of the cached block: read,
         never write, it. Raises ValueError for a new id that is not an int >= 0, OverflowError
         for one of 2**64 or more, TypeError for one that cannot be hashed."""
+        if not all(type(h) is int for h in hash_ids):  # 1.0 or True equal a cached 1
+            raise ValueError("hash ids must be integers >= 0")
         cache = self._cache
         missing = [h for h in hash_ids if h not in cache]
         if missing:
-            if not all(type(h) is int and h >= 0 for h in missing):
+            if not all(h >= 0 for h in missing):
                 raise ValueError("hash ids must be integers >= 0")
             if len(cache) + len(missing) > self._limit:
                 cache.clear()  # a crude bound: blocks are regenerated identically when needed
