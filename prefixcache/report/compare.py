@@ -9,7 +9,7 @@ from prefixcache.report import formatting as fmt
 from prefixcache.report.document import Document, Section, Table
 from prefixcache.report.figures import ratio_percentiles, request_hit_ratios
 from prefixcache.report.run_dir import Run
-from prefixcache.report.sweep_curves import miss_share, sort_key
+from prefixcache.report.sweep_curves import miss_share, sort_key, sweep_label
 from prefixcache.run_format import MISS_CAUSES, PERCENTILES
 
 Value = float | int | None
@@ -270,10 +270,7 @@ def sweep_section(a: Run, b: Run) -> Section:
                 delta = _pp(vb - va) if va is not None and vb is not None else fmt.NA
                 row += [fmt.pct(va), fmt.pct(vb), delta]
             rows.append(row)
-        columns = [
-            "Capacity (blocks)" if k == "capacity_blocks" else k.replace("_", " ").capitalize()
-            for k in keys
-        ]
+        columns = [sweep_label(k) for k in keys]
         columns += [
             f"{name} {side}"
             for name in ("Token hit rate", "Capacity miss", "Cold miss")

@@ -23,7 +23,8 @@ _ALL = (
     Definition(
         "capacity",
         "Capacity",
-        "Physical KV blocks in the pool; bytes = blocks × bytes per block of the model. While "
+        "Physical KV blocks in the GPU cache (per replica in a fleet); bytes = blocks × bytes per "
+        "block of the model. While "
         "a request's partial last block is in flight it holds one private block, so a cache "
         "of N blocks keeps at most N − 1 reusable (shared, full) blocks for it.",
     ),
@@ -251,7 +252,7 @@ _ALL = (
     Definition(
         "preemptions",
         "Preemptions",
-        "Requests paused and restarted because the pool ran out of blocks.",
+        "Requests paused and restarted because the GPU cache ran out of blocks.",
     ),
     Definition(
         "top_prefixes",

@@ -35,6 +35,7 @@ from prefixcache.report.sweep_curves import (
     miss_causes,
     miss_share,
     sort_key,
+    sweep_label,
     varying,
 )
 from prefixcache.report.tier_section import tiers_section
@@ -392,7 +393,9 @@ def over_time(run: Run) -> Section:
 
 def _cell(key: str, value: Any) -> str:
     if isinstance(value, bool) or value is None:
-        return fmt.NA if value is None else str(value)
+        return fmt.NA if value is None else ("yes" if value else "no")
+    if isinstance(value, (int, float)) and key.endswith("_s"):
+        return fmt.seconds(value)
     if isinstance(value, (int, float)) and ("rate" in key or "ratio" in key):
         return fmt.pct(value)
     if isinstance(value, int):
@@ -417,15 +420,15 @@ def sweep(run: Run) -> Section:
     knees = capacity_knees(points)
     knee_ids = {id(p) for p in knees.values()}
     columns = [
-        "Capacity (blocks)",
+        sweep_label("capacity_blocks"),
         *(["Capacity"] if with_bytes else []),
-        *(k.replace("_", " ").capitalize() for k in variants),
+        *(sweep_label(k) for k in variants),
         "Token hit rate",
         "Block hit rate",
         "Evicted blocks",
         *(f"{c.capitalize()} miss" for c in causes),
-        *(k.replace("_", " ").capitalize() for k in extras),
-        "Knee",
+        *(sweep_label(k) for k in extras),
+        *(["Knee"] if knees else []),
     ]
     ordered = sorted(
         points, key=lambda p: ([sort_key(p.get(k)) for k in variants], p["capacity_blocks"])
@@ -448,7 +451,7 @@ def sweep(run: Run) -> Section:
             fmt.count(p["evicted_blocks"]),
             *(fmt.pct(miss_share(p, c)) for c in causes),
             *(_cell(k, p.get(k)) for k in extras),
-            KNEE_MARK if id(p) in knee_ids else "",
+            *([KNEE_MARK if id(p) in knee_ids else ""] if knees else []),
         ]
         for p in ordered
     ]

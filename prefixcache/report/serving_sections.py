@@ -236,7 +236,7 @@ def fleet(run: Run) -> Section:
         Table(
             ["Replica", "Requests", "Busy", "Token hit rate", "TTFT p50", "TTFT p99", "Evicted"],
             rows,
-            caption="Pooled: one replica with N x the blocks and N x the compute",
+            caption=pooled_caption(run.report["config"].get("tiers")),
         )
     )
     section.fields += [
@@ -254,3 +254,15 @@ def fleet(run: Run) -> Section:
         ),
     ]
     return section
+
+
+def pooled_caption(tiers: dict[str, Any] | None) -> str:
+    """What the pooled line is: one replica of the fleet's size, and the same shared pool when
+    there is one (so it moves with the pool's write policy too)."""
+    text = "Pooled: one replica with N x the blocks and N x the compute"
+    if tiers and tiers.get("host_blocks"):
+        text += ", N x the host tier"
+    if tiers and tiers.get("pool_blocks"):
+        written = "as computed" if tiers.get("pool_write") == "through" else "on eviction"
+        text += f", and the same shared pool (written {written})"
+    return text

@@ -24,9 +24,41 @@ def varying(points: Sequence[Point], key: str) -> bool:
     return len({p.get(key) for p in points}) > 1
 
 
+# what a sweep point's keys are called in tables, in the order the extra ones are shown
+SWEEP_LABELS: dict[str, str] = {
+    "capacity_blocks": "Capacity (blocks)",
+    "block_size": "Block size (tokens)",
+    "policy": "Eviction policy",
+    "host_blocks": "Host tier (blocks)",
+    "pool_blocks": "Shared pool (blocks)",
+    "replicas": "Replicas",
+    "routing": "Routing",
+    "upper_bound_token_hit_rate": "Infinite cache: token hit rate",
+    "gpu_token_hit_rate": "Hits on GPU",
+    "host_token_hit_rate": "Hits loaded from the host tier",
+    "pool_token_hit_rate": "Hits loaded from the shared pool",
+    "pooled_token_hit_rate": "One replica of the fleet's size: token hit rate",
+    "routing_miss_tokens": "Routing-miss tokens",
+    "load_imbalance": "Load imbalance (max / mean busy)",
+    "ttft_p50_s": "TTFT p50",
+    "ttft_p99_s": "TTFT p99",
+    "overloaded": "Arrivals outrun the GPUs",
+    "rejected_requests": "Rejected requests",
+}
+
+
+def sweep_label(key: str) -> str:
+    """The table header of a sweep point's ``key``."""
+    return SWEEP_LABELS.get(key) or key.replace("_", " ").capitalize()
+
+
 def extra_keys(points: Sequence[Point]) -> list[str]:
+    """The keys of the points beyond capacity, the variants, the hit rates and the misses: the
+    labelled ones in ``SWEEP_LABELS``'s order, then any other alphabetically."""
     known = set(BASE_KEYS) | set(VARIANT_KEYS) | set(MISS_KEYS)
-    return sorted({k for p in points for k in p if k not in known})
+    extra = {k for p in points for k in p if k not in known}
+    order = {k: i for i, k in enumerate(SWEEP_LABELS)}
+    return sorted(extra, key=lambda k: (order.get(k, len(order)), k))
 
 
 def miss_causes(points: Sequence[Point]) -> list[str]:

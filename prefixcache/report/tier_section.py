@@ -15,37 +15,49 @@ _WRITES = {
 
 
 def tiers_section(report: dict[str, Any]) -> Section:
-    """Hit tokens per tier (GPU, host, pool, computed) and the cost of the loads."""
+    """Hit tokens per tier (GPU, host, shared pool, computed) and the cost of the loads; a tier
+    the run was not given (no blocks, no hits) is left out."""
     t = report["tiers"]
     prompt = report["prompt_tokens"]
-    rows = []
-    for label, key in (
-        ("GPU", "gpu_hit_tokens"),
-        ("Host", "host_hit_tokens"),
-        ("Pool", "pool_hit_tokens"),
-        ("Computed", "computed_tokens"),
-    ):
-        rows.append([label, fmt.count(t[key]), fmt.pct(t[key] / prompt if prompt else None)])
     host, pool = t["host"], t["pool"]
-    fields = [
-        Field(
-            "Host tier",
-            f"{fmt.nbytes(host['bytes'])} ({fmt.count(host['blocks'])} blocks) per replica at "
-            f"{host['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
-        ),
-        Field(
-            "Pool",
-            f"{fmt.nbytes(pool['bytes'])} ({fmt.count(pool['blocks'])} blocks) shared at "
-            f"{pool['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
-            f"{_WRITES.get(pool.get('write'), _WRITES['evict'])}",
-        ),
-        Field("Blocks loaded from host", fmt.count(host["loaded_blocks"])),
-        Field("Blocks loaded from the pool", fmt.count(pool["loaded_blocks"])),
-        *(
-            [Field("Blocks written to the pool", fmt.count(pool["written_blocks"]))]
-            if "written_blocks" in pool
-            else []
-        ),
+    has_host = bool(host["blocks"] or t["host_hit_tokens"])
+    has_pool = bool(pool["blocks"] or t["pool_hit_tokens"])
+    rows = []
+    for label, key, shown in (
+        ("GPU", "gpu_hit_tokens", True),
+        ("Host tier", "host_hit_tokens", has_host),
+        ("Shared pool", "pool_hit_tokens", has_pool),
+        ("Computed", "computed_tokens", True),
+    ):
+        if shown:
+            rows.append([label, fmt.count(t[key]), fmt.pct(t[key] / prompt if prompt else None)])
+    fields: list[Field] = []
+    if has_host:
+        fields.append(
+            Field(
+                "Host tier",
+                f"{fmt.nbytes(host['bytes'])} ({fmt.count(host['blocks'])} blocks) per replica "
+                f"at {host['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+            )
+        )
+    if has_pool:
+        fields.append(
+            Field(
+                "Shared pool",
+                f"{fmt.nbytes(pool['bytes'])} ({fmt.count(pool['blocks'])} blocks) shared at "
+                f"{pool['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+                f"{_WRITES.get(pool.get('write'), _WRITES['evict'])}",
+            )
+        )
+    if has_host:
+        fields.append(Field("Blocks loaded from the host tier", fmt.count(host["loaded_blocks"])))
+    if has_pool:
+        fields.append(Field("Blocks loaded from the shared pool", fmt.count(pool["loaded_blocks"])))
+        if "written_blocks" in pool:
+            fields.append(
+                Field("Blocks written to the shared pool", fmt.count(pool["written_blocks"]))
+            )
+    fields += [
         Field("Transfer time", fmt.seconds(t["transfer_seconds"]), "tier_transfer"),
         Field(
             "Prefill time saved net of transfers",

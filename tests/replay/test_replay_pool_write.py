@@ -224,7 +224,7 @@ def test_cli_pool_write_reaches_the_report(tmp_path: Path) -> None:
         pool["written_blocks"] * report["config"]["bytes_per_block"] / 25e9
     )
     text = render_markdown(build_document(load_run(out)))
-    assert "written through as computed" in text and "Blocks written to the pool" in text
+    assert "written through as computed" in text and "Blocks written to the shared pool" in text
 
 
 @pytest.mark.parametrize(
