@@ -155,7 +155,7 @@ def _app(tokens: int, replicas: int, secure: bool) -> tuple[Any, Any]:
     import os
 
     from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.config_file import parse_config
+    from prefixcache.fleet.service.configuration.config_file import parse_config
 
     router, _, _ = build(tokens, replicas, "tenant:bench" if secure else None)
     data: dict[str, Any] = {

@@ -25,11 +25,12 @@ from starlette.requests import ClientDisconnect
 from prefixcache.errors import ConfigError, PrefixCacheError
 from prefixcache.fleet.events.ingest import IngestSource, IngestStats
 from prefixcache.fleet.router import Router
-from prefixcache.fleet.service.access import AccessGate
-from prefixcache.fleet.service.client_limits import ClientRequestLimit
-from prefixcache.fleet.service.config_file import ServiceConfig
-from prefixcache.fleet.service.connection_budget import service_budget
+from prefixcache.fleet.service.configuration.config_file import ServiceConfig
 from prefixcache.fleet.service.dispatch import FleetService
+from prefixcache.fleet.service.guards.access import AccessGate
+from prefixcache.fleet.service.guards.client_limits import ClientRequestLimit
+from prefixcache.fleet.service.guards.connection_budget import service_budget
+from prefixcache.fleet.service.guards.quiet_log import quiet_service_logs
 from prefixcache.fleet.service.health_probe import probe_replicas
 from prefixcache.fleet.service.http_errors import (
     aborted_request,
@@ -39,7 +40,6 @@ from prefixcache.fleet.service.http_errors import (
     unexpected_error,
 )
 from prefixcache.fleet.service.metrics import ServiceMetrics
-from prefixcache.fleet.service.quiet_log import quiet_service_logs
 from prefixcache.fleet.service.routes import add_api_routes
 from prefixcache.text.chat_template import ChatTemplate
 from prefixcache.text.tokenizers import Tokenizer, load_tokenizer

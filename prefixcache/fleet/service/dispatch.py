@@ -38,11 +38,11 @@ from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_load import Released
 from prefixcache.fleet.router import PromptScores, RouteDecision, Router
-from prefixcache.fleet.service.access import ANONYMOUS, Caller
 from prefixcache.fleet.service.bodies import PromptBody, RouteBody
-from prefixcache.fleet.service.config_file import ServiceConfig
+from prefixcache.fleet.service.configuration.config_file import ServiceConfig
+from prefixcache.fleet.service.guards.access import ANONYMOUS, Caller
+from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
-from prefixcache.fleet.service.key_limits import KeyLimits
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.tokenizers import Tokenizer, render_chat

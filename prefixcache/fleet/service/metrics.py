@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from prefixcache.fleet.events.ingest import IngestStats
 from prefixcache.fleet.router import RouteDecision, Router
-from prefixcache.fleet.service.connection_budget import CONNECTION_EVENTS, ConnectionEvents
+from prefixcache.fleet.service.guards.connection_budget import CONNECTION_EVENTS, ConnectionEvents
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)

@@ -46,9 +46,9 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, pinned_adapter_versions, served_label
 from prefixcache.fleet.router import RouteDecision
-from prefixcache.fleet.service.access import caller_of
 from prefixcache.fleet.service.bodies import decode_body
 from prefixcache.fleet.service.dispatch import FleetService
+from prefixcache.fleet.service.guards.access import caller_of
 from prefixcache.fleet.service.http_errors import error_response
 
 _DROPPED_HEADERS = frozenset(

@@ -27,9 +27,9 @@ from prefixcache.fleet.index.interface import GPU
 from prefixcache.fleet.policies import ReplicaScore
 from prefixcache.fleet.replica_health import ReplicaHealth
 from prefixcache.fleet.replica_spec import ANY_ADAPTER
-from prefixcache.fleet.service.access import caller_of
 from prefixcache.fleet.service.bodies import PromptBody, ReleaseBody, RouteBody, decode_body
 from prefixcache.fleet.service.dispatch import FleetService
+from prefixcache.fleet.service.guards.access import caller_of
 from prefixcache.fleet.service.metrics import CONTENT_TYPE
 
 

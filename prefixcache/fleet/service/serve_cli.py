@@ -67,8 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from prefixcache.fleet.service.config_file import load_config
-        from prefixcache.fleet.service.connection_budget import (
+        from prefixcache.fleet.service.configuration.config_file import load_config
+        from prefixcache.fleet.service.guards.connection_budget import (
             followed_replicas,
             raise_descriptor_limit,
             service_budget,

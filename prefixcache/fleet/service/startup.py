@@ -24,10 +24,14 @@ from prefixcache.errors import ConfigError
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
 from prefixcache.fleet.index.from_url import check_index_url, open_index
 from prefixcache.fleet.index.url_checks import IN_PROCESS
-from prefixcache.fleet.service.access_config import ServerConfig
 from prefixcache.fleet.service.app import create_app
-from prefixcache.fleet.service.config_file import ServiceConfig, build_router, load_config
-from prefixcache.fleet.service.connection_budget import service_budget
+from prefixcache.fleet.service.configuration.access_config import ServerConfig
+from prefixcache.fleet.service.configuration.config_file import (
+    ServiceConfig,
+    build_router,
+    load_config,
+)
+from prefixcache.fleet.service.guards.connection_budget import service_budget
 from prefixcache.fleet.service.transport import (
     HeadTimeoutProtocol,
     httptools_protocol,

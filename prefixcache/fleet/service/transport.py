@@ -32,9 +32,9 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from prefixcache.fleet.service.access_config import ServerConfig
-from prefixcache.fleet.service.config_file import ServiceConfig
-from prefixcache.fleet.service.connection_budget import (
+from prefixcache.fleet.service.configuration.access_config import ServerConfig
+from prefixcache.fleet.service.configuration.config_file import ServiceConfig
+from prefixcache.fleet.service.guards.connection_budget import (
     CONNECTION_EVENTS,
     ConnectionBudget,
     connection_budget,

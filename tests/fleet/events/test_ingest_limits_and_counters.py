@@ -18,7 +18,7 @@ from prefixcache.fleet.events.engine_keys import EngineHasher, EngineHashSpec
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
 from prefixcache.fleet.events.wire import decode_batch, unpair_tokens
 from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.fleet.service.config_file import Limits, parse_config
+from prefixcache.fleet.service.configuration.config_file import Limits, parse_config
 
 P = 4
 NS = Namespace("llama")
@@ -34,7 +34,7 @@ def test_metrics_export_the_unplaced_placed_late_and_late_counters() -> None:
     from fastapi.testclient import TestClient
 
     from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.config_file import build_router
+    from prefixcache.fleet.service.configuration.config_file import build_router
 
     entry = {"name": "a", "model": "llama", "block_size": P, "engine_hash": "vllm-sha256_cbor"}
     config = parse_config({"replicas": [entry]})

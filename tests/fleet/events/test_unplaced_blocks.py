@@ -434,7 +434,7 @@ def test_a_repeated_or_swapped_batch_changes_nothing() -> None:
 
 
 def test_a_replicas_engine_hash_is_read_from_the_service_config() -> None:
-    from prefixcache.fleet.service.config_file import parse_config
+    from prefixcache.fleet.service.configuration.config_file import parse_config
 
     def replica(**kw: Any) -> dict[str, Any]:
         return {"replicas": [{"name": "a", "model": "llama", **kw}]}
@@ -476,7 +476,7 @@ def test_the_service_looks_up_unplaced_blocks_by_the_configured_engine_hash() ->
     from fastapi.testclient import TestClient
 
     from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.config_file import build_router, parse_config
+    from prefixcache.fleet.service.configuration.config_file import build_router, parse_config
 
     entry = {"name": "a", "model": "llama", "block_size": P, "engine_hash": "vllm-sha256_cbor"}
     config = parse_config({"replicas": [entry, {**entry, "name": "b", "engine_hash": None}]})

@@ -11,7 +11,7 @@ from prefixcache.fleet.index.from_url import check_index_prefix, check_index_url
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.connect import DEFAULT_PREFIX, open_client
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
-from prefixcache.fleet.service.config_file import parse_config
+from prefixcache.fleet.service.configuration.config_file import parse_config
 from tests.fleet_support import RedisServer
 
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16

@@ -20,7 +20,7 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.fleet.events.ingest import CallableIngest, IngestCounts
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.service.app import create_app
-from prefixcache.fleet.service.config_file import build_router, load_config
+from prefixcache.fleet.service.configuration.config_file import build_router, load_config
 from prefixcache.text.tokenizers import load_tokenizer
 
 INGEST_COUNTS = {

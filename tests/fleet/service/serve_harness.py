@@ -19,7 +19,11 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.service.app import create_app
-from prefixcache.fleet.service.config_file import ServiceConfig, build_router, parse_config
+from prefixcache.fleet.service.configuration.config_file import (
+    ServiceConfig,
+    build_router,
+    parse_config,
+)
 from prefixcache.fleet.service.transport import uvicorn_config
 from tests.fleet_support import free_port, wait_until
 

@@ -285,7 +285,7 @@ def test_listening_beyond_loopback_without_keys_is_warned_about(tmp_path: Path) 
 def test_auth_config_errors_say_where(
     tmp_path: Path, auth: dict[str, Any], keys: str | None, message: str
 ) -> None:
-    from prefixcache.fleet.service.config_file import parse_config
+    from prefixcache.fleet.service.configuration.config_file import parse_config
 
     if keys is not None:
         (tmp_path / "keys.yaml").write_text(keys)

@@ -11,7 +11,7 @@ from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.index.from_url import check_index_url, open_index
 from prefixcache.fleet.policies import RoutingParams
-from prefixcache.fleet.service.config_file import (
+from prefixcache.fleet.service.configuration.config_file import (
     HealthConfig,
     load_config,
     parse_config,

@@ -132,7 +132,7 @@ def test_text_prompts_use_the_configured_tokenizer_file(tmp_path: Path) -> None:
     from prefixcache.fleet.index.memory import MemoryFleetIndex
     from prefixcache.fleet.router import Router
     from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.config_file import parse_config
+    from prefixcache.fleet.service.configuration.config_file import parse_config
 
     words = [f"w{i}" for i in range(40)]
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.service.access_config import ServerConfig
-from prefixcache.fleet.service.config_file import parse_config
-from prefixcache.fleet.service.connection_budget import (
+from prefixcache.fleet.service.configuration.access_config import ServerConfig
+from prefixcache.fleet.service.configuration.config_file import parse_config
+from prefixcache.fleet.service.guards.connection_budget import (
     ACCEPT_HEADROOM,
     RESERVED_DESCRIPTORS,
     connection_budget,

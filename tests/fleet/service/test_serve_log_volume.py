@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 from starlette.requests import ClientDisconnect
 
-from prefixcache.fleet.service.connection_budget import ConnectionEvents
-from prefixcache.fleet.service.quiet_log import (
+from prefixcache.fleet.service.guards.connection_budget import ConnectionEvents
+from prefixcache.fleet.service.guards.quiet_log import (
     ACCEPT_FAILED,
     QuietExceptionHandler,
     RepeatFilter,

@@ -179,7 +179,7 @@ def test_large_bodies_and_early_answers_are_not_taken_for_heads(
 
 def _base_protocol() -> type:
     """The uvicorn protocol ``server.http: auto`` builds on here."""
-    from prefixcache.fleet.service.access_config import ServerConfig
+    from prefixcache.fleet.service.configuration.access_config import ServerConfig
     from prefixcache.fleet.service.transport import http_protocol
 
     return http_protocol(ServerConfig()).__mro__[1]
@@ -283,7 +283,7 @@ def test_serve_passes_the_limits_and_tls_to_uvicorn_and_warns_when_open(
     import uvicorn
 
     from prefixcache.cli import main
-    from prefixcache.fleet.service.access_config import ServerConfig
+    from prefixcache.fleet.service.configuration.access_config import ServerConfig
     from prefixcache.fleet.service.transport import HeadTimeoutProtocol, http_protocol
 
     cert, key = _self_signed(tmp_path)
@@ -313,7 +313,7 @@ def test_workers_name_a_protocol_of_the_configured_parser() -> None:
     for, and the class keeps the head limits and turns Nagle's algorithm off."""
     from uvicorn.importer import import_from_string
 
-    from prefixcache.fleet.service.access_config import ServerConfig
+    from prefixcache.fleet.service.configuration.access_config import ServerConfig
     from prefixcache.fleet.service.startup import worker_protocol
     from prefixcache.fleet.service.transport import HeadTimeoutProtocol
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prefixcache.fleet.service.access import Caller
-from prefixcache.fleet.service.access_config import AccessConfig
+from prefixcache.fleet.service.configuration.access_config import AccessConfig
+from prefixcache.fleet.service.guards.access import Caller
 from prefixcache.fleet.service.http_errors import TooManyRequestsError
 from prefixcache.fleet.service.metrics import ServiceMetrics
 

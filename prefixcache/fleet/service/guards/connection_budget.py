@@ -24,8 +24,8 @@ import threading
 from dataclasses import dataclass
 
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.service.access_config import ServerConfig
-from prefixcache.fleet.service.config_file import ServiceConfig
+from prefixcache.fleet.service.configuration.access_config import ServerConfig
+from prefixcache.fleet.service.configuration.config_file import ServiceConfig
 
 try:  # POSIX only: elsewhere the budget is the configured limits as they are
     import resource

@@ -29,7 +29,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect
 
-from prefixcache.fleet.service.connection_budget import CONNECTION_EVENTS, ConnectionEvents
+from prefixcache.fleet.service.guards.connection_budget import CONNECTION_EVENTS, ConnectionEvents
 
 REPEAT_WINDOW_S = 10.0
 QUIET_LOGGERS = ("uvicorn.error", "asyncio", "prefixcache.serve")

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from prefixcache.fleet.service.config_reader import ConfigReader
+from prefixcache.fleet.service.configuration.config_reader import ConfigReader
 
 TENANT = "tenant"
 OPERATOR = "operator"

@@ -23,7 +23,12 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixcache.fleet.router import MAX_REQUEST_ID_CHARS
-from prefixcache.fleet.service.access_config import OPERATOR, AccessConfig, ApiKey, key_digest
+from prefixcache.fleet.service.configuration.access_config import (
+    OPERATOR,
+    AccessConfig,
+    ApiKey,
+    key_digest,
+)
 from prefixcache.fleet.service.http_errors import error_response
 from prefixcache.fleet.service.metrics import ServiceMetrics
 

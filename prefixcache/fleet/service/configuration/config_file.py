@@ -33,13 +33,13 @@ from prefixcache.fleet.index.url_checks import (
 from prefixcache.fleet.policies import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.router import Router
-from prefixcache.fleet.service.access_config import (
+from prefixcache.fleet.service.configuration.access_config import (
     AccessConfig,
     ServerConfig,
     parse_access,
     parse_server,
 )
-from prefixcache.fleet.service.config_reader import ConfigReader
+from prefixcache.fleet.service.configuration.config_reader import ConfigReader
 from prefixcache.text.chat_template import ChatTemplate
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")

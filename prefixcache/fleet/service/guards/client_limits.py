@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prefixcache.fleet.service.access import OPEN_PATHS
+from prefixcache.fleet.service.guards.access import OPEN_PATHS
 from prefixcache.fleet.service.http_errors import error_response
 from prefixcache.fleet.service.metrics import ServiceMetrics
 
