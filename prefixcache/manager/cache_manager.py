@@ -333,7 +333,7 @@ class CacheManager:
             return 0, 0
         buf = arr.tobytes()
         match = index.match(root, buf, len(arr) // state.block_size)
-        pending = self._ledger.pending_blocks()
+        pending = state.pending_blocks()
         if pending and match.n:  # stop before the first block whose K/V is not written yet
             blocks = index.path_blocks(match.node)[: match.n]
             written = next((i for i, b in enumerate(blocks) if b in pending), None)

@@ -199,6 +199,10 @@ class CacheState:
         self.holds: list[tuple[Node, RequestState]] = []  # partial-copy source nodes
         self.refs: list[int] = []  # private blocks a copy-on-write of the step reads
 
+    def pending_blocks(self) -> frozenset[int]:
+        """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
+        return frozenset(b for seq in self.seqs.values() for b in seq.pending)
+
     @classmethod
     def build(
         cls,
@@ -216,11 +220,11 @@ class CacheState:
         """A manager's first state: empty, its sizes checked by the caller."""
         hasher = BlockHasher(block_size, hash_algo)
         ticks = TickClock()
-        return cls(
+        state = cls(
             hasher,
             BlockPool(num_blocks),
             Evictor(policy),
-            HostTier(host_blocks, RadixIndex(hasher)) if host_blocks else None,
+            None,
             CacheStats(),
             Listeners(),
             ticks,
@@ -230,6 +234,9 @@ class CacheState:
             stepped=stepped,
             claims_all=policy == "priority",  # a default claim (0, forever) counts too
         )
+        if host_blocks:  # its nodes live in the state's index
+            state.host = HostTier(host_blocks, state.index)
+        return state
 
     def emptied(self) -> CacheState:
         """The state after a reset: no request, pin, cached or host block, the same settings,
@@ -281,7 +288,7 @@ class ManagerInternals:
     @property
     def pending_blocks(self) -> frozenset[int]:
         """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
-        return frozenset(b for seq in self._state.seqs.values() for b in seq.pending)
+        return self._state.pending_blocks()
 
     @property
     def step_holds(self) -> tuple[list[Node], list[int]]:

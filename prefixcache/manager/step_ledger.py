@@ -198,10 +198,6 @@ class StepLedger:
         return node
 
     # ---- views ----------------------------------------------------------------------------
-    def pending_blocks(self) -> frozenset[int]:
-        """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
-        return frozenset(b for seq in self.seqs.values() for b in seq.pending)
-
     def num_holds(self) -> int:
         """Copy sources held until the end of the step (nodes and private blocks)."""
         return len(self.state.holds) + len(self.state.refs)
