@@ -153,6 +153,23 @@ def num_sms() -> int:
     return device_num_sms(torch.device(DEV))
 
 
+def model_config(num_seqs: int, total_q: int, max_seq_len: int, sms: int, **extra: Any) -> Any:
+    """The launch heuristic's choice for this script's model heads (``extra``: capability,
+    elem_bytes, ...)."""
+    from prefixcache.kernels import choose_config
+
+    return choose_config(
+        num_seqs=num_seqs,
+        total_q=total_q,
+        num_kv_heads=NUM_KV_HEADS,
+        group=NUM_Q_HEADS // NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_seq_len=max_seq_len,
+        num_sms=sms,
+        **extra,
+    )
+
+
 def randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=DEV, dtype=DTYPE)
 
@@ -233,7 +250,6 @@ def paged(case: DecodeCase, table: torch.Tensor, splits: int | None = None) -> t
 
 
 def bench(grid: list[tuple[int, int]]) -> None:
-    from prefixcache.kernels import choose_config
 
     sms = num_sms()
     print(
@@ -247,14 +263,11 @@ def bench(grid: list[tuple[int, int]]) -> None:
     )
     for batch, context in grid:
         case = make_case(batch, context)
-        cfg = choose_config(
-            num_seqs=batch,
-            total_q=batch,
-            num_kv_heads=NUM_KV_HEADS,
-            group=NUM_Q_HEADS // NUM_KV_HEADS,
-            head_dim=HEAD_DIM,
-            max_seq_len=context,
-            num_sms=sms,
+        cfg = model_config(
+            batch,
+            batch,
+            context,
+            sms,
         )
         k, v = contiguous_kv(case, case.k_cache), contiguous_kv(case, case.v_cache)
         t_paged = timer(partial(paged, case, case.shuffled))
@@ -544,7 +557,7 @@ def extend_sdpa(case: ExtendCase) -> Callable[[], torch.Tensor]:
 
 def bench_extend(cases: list[tuple[int, int, int]], sweep: bool) -> None:
     """Extend attention TFLOP/s against the same run's dense matmul; SDPA beside it."""
-    from prefixcache.kernels import AttentionConfig, choose_config
+    from prefixcache.kernels import AttentionConfig
     from prefixcache.kernels.attention_launch import device_capability
 
     peak = matmul_tflops(8192 if DEV == "cuda" else 128)
@@ -556,14 +569,11 @@ def bench_extend(cases: list[tuple[int, int, int]], sweep: bool) -> None:
     long_case = None
     for batch, cached, new in cases:
         case = make_extend(batch, cached, new)
-        cfg = choose_config(
-            num_seqs=batch,
-            total_q=batch * new,
-            num_kv_heads=NUM_KV_HEADS,
-            group=NUM_Q_HEADS // NUM_KV_HEADS,
-            head_dim=HEAD_DIM,
-            max_seq_len=cached + new,
-            num_sms=num_sms(),
+        cfg = model_config(
+            batch,
+            batch * new,
+            cached + new,
+            num_sms(),
             capability=device_capability(torch.device(DEV)),
         )
         t = timer(partial(extend, case))
@@ -786,21 +796,17 @@ def decode_step(case: DecodeCase, cfg: Any, k_scale: float | None = None, kv: An
 
 def bench_splits(grid: list[tuple[int, int]], splits: tuple[int, ...]) -> None:
     """Small-batch decode kernel time (graph replay) for each KV split count."""
-    from prefixcache.kernels import choose_config
 
     sms = num_sms()
     print(f"\n== KV splits, decode kernel time from graph replays (us), {sms} SMs")
     print(f"{'batch':>5} {'ctx':>6} {'chosen':>6} " + " ".join(f"{f's={n}':>8}" for n in splits))
     for batch, context in grid:
         case = make_case(batch, context)
-        base = choose_config(
-            num_seqs=batch,
-            total_q=batch,
-            num_kv_heads=NUM_KV_HEADS,
-            group=NUM_Q_HEADS // NUM_KV_HEADS,
-            head_dim=HEAD_DIM,
-            max_seq_len=context,
-            num_sms=sms,
+        base = model_config(
+            batch,
+            batch,
+            context,
+            sms,
         )
         times = []
         for n in splits:
