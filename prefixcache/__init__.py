@@ -27,6 +27,7 @@ from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, Blo
 from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.manager.results import Admission, AppendResult, Copy, Lookup
 from prefixcache.manager.stats import BlockCounts, CacheStats
+from prefixcache.manager.tenant_shares import TenantShare, TenantStats
 from prefixcache.manager.transfers import Load, Offload, TransferModel, Transfers
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ __all__ = [
     "PagedKVCache",
     "PrefixCacheError",
     "RequestTooLargeError",
+    "TenantShare",
+    "TenantStats",
     "TransferModel",
     "Transfers",
     "UnknownRequestError",

@@ -53,6 +53,7 @@ COMPILED_MODULES = (
     "prefixcache.manager.state",
     "prefixcache.manager.stats",
     "prefixcache.manager.step_ledger",
+    "prefixcache.manager.tenant_shares",
     "prefixcache.replay.sim.accounting",
     "prefixcache.replay.sim.keyset",
     "prefixcache.replay.sim.request_rows",

@@ -43,6 +43,7 @@ def snapshot(mgr: CacheManager) -> dict[str, Any]:
     return {
         "trees": sorted((repr(ns), _node(root)) for ns, root in mgr.index.roots.items()),
         "counts": (mgr.index.num_blocks, mgr.index.active_blocks, mgr.index.num_nodes),
+        "tenants": (dict(mgr.index.tenant_blocks), mgr.tenant_stats(), mgr.shares),
         "free": mgr.pool.free_ids(),
         "refcount": sorted(mgr.pool.refcount.items()),
         "seqs": seqs,

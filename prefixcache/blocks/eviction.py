@@ -60,14 +60,41 @@ class Evictor:
         self._expiring: list[tuple[float, int, int, Node]] = []
         self._counter = 0
 
-    def push(self, node: Node, now: float) -> None:
+    def push(self, node: Node, now: float) -> Any:
+        """File an evictable leaf under its key now (an earlier entry for it goes stale);
+        returns the key."""
         node.heap_token += 1
         self._counter += 1
-        heapq.heappush(self._heap, (self.key(node, now), self._counter, node.heap_token, node))
+        key = self.key(node, now)
+        heapq.heappush(self._heap, (key, self._counter, node.heap_token, node))
         if node.retain_until > now or node.later:  # only nodes with claims (not lru's)
             expiry = live_claim(node, now)[1]
             if expiry < math.inf:
                 heapq.heappush(self._expiring, (expiry, self._counter, node.heap_token, node))
+        return key
+
+    def peek(self, now: float) -> tuple[Any, Node] | None:
+        """The key and the leaf ``pop`` would return now, left in the heap (stale entries on
+        top are dropped); None when nothing is evictable."""
+        while self._expiring and self._expiring[0][0] <= now:
+            _, _, token, node = heapq.heappop(self._expiring)
+            if token == node.heap_token and self.evictable(node):
+                self.push(node, now)
+        heap = self._heap
+        while heap:
+            key, _, token, node = heap[0]
+            if token == node.heap_token and self.evictable(node):
+                return key, node
+            heapq.heappop(heap)
+        return None
+
+    def files(self, node: Node) -> bool:
+        """Whether the heap holds a current entry for ``node`` (an integrity check: O(heap))."""
+        return any(e[2] == node.heap_token and e[3] is node for e in self._heap)
+
+    def __len__(self) -> int:
+        """Entries in the heap, stale ones included (an upper bound on the evictable leaves)."""
+        return len(self._heap)
 
     def pop(self, now: float) -> Node | None:
         """Remove and return the evictable leaf with the smallest key (None if there is none)."""
@@ -98,11 +125,14 @@ class Evictor:
             heapq.heapify(self._expiring)
 
     def clear(self) -> None:
+        """Forget every entry (the index they point into was emptied)."""
         self._heap.clear()
         self._expiring.clear()
 
     @staticmethod
     def evictable(node: Node) -> bool:
+        """Whether ``node`` is a leaf eviction may take: cached on the GPU, nobody holds it,
+        nothing below it."""
         return (
             node.ref == 0
             and not node.children

@@ -199,6 +199,7 @@ class HostTier:
                 parent.host_children[key] = node
             index.detach(node)  # a root keeps its host child
             index.num_blocks -= k
+            index.count_tenant(node, -k)
             node.parent = parent
             blocks = node.blocks  # reused for the slots
             if s < k:
@@ -224,6 +225,7 @@ class HostTier:
             self.hang(node, host)  # what continued the node's last block continues the host's
             del node.blocks[first:], node.digests[first * D :], node.tokens[first * bb :]
             index.num_blocks -= k
+            index.count_tenant(node, -k)
             node.host_children = {bytes(host.digests[:D]): host}
         host.stamp = self._stamp + 1
         self._stamp += s

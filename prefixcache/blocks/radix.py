@@ -265,6 +265,20 @@ class RadixIndex:
         self.num_blocks = 0  # blocks in any tree
         self.active_blocks = 0  # blocks in trees whose node has ref > 0
         self.num_nodes = 0
+        # blocks in the trees of each tenant (a namespace's salt; None: no salt), never 0
+        self.tenant_blocks: dict[str | None, int] = {}
+
+    def count_tenant(self, node: Node, delta: int) -> None:
+        """``delta`` blocks join (or, negative, leave) the trees of ``node``'s tenant."""
+        namespace = node.namespace
+        assert namespace is not None
+        tenant = namespace.salt
+        counts = self.tenant_blocks
+        n = counts.get(tenant, 0) + delta
+        if n:
+            counts[tenant] = n
+        else:
+            del counts[tenant]
 
     # ---- per-node accessors ---------------------------------------------------------------
     def block_tokens(self, node: Node, i: int) -> bytes:
@@ -449,6 +463,7 @@ class RadixIndex:
         node.last_access = now
         self.num_blocks += len(blocks)
         self.active_blocks += len(blocks)
+        self.count_tenant(node, len(blocks))
         return node
 
     def hold(
@@ -514,6 +529,7 @@ class RadixIndex:
         del node.digests[-k * D :]
         del node.tokens[-k * self.block_bytes :]
         self.num_blocks -= k
+        self.count_tenant(node, -k)
         return ids
 
     def remove_subtree(self, top: Node) -> list[tuple[Node, list[int], bytes]]:
@@ -532,6 +548,8 @@ class RadixIndex:
                 self.num_nodes -= 1
             out.append((node, node.blocks.tolist(), bytes(node.digests)))
             self.num_blocks -= len(node.blocks)
+            if node.blocks:
+                self.count_tenant(node, -len(node.blocks))
             node.parent = None
         return out
 

@@ -19,7 +19,7 @@ from prefixcache.manager.state import CacheState, RequestState
 class BlockIndexer:
     """Indexes requests' full blocks in order, and announces them to the listeners."""
 
-    __slots__ = ("events", "hasher", "index", "offload", "pool", "stats")
+    __slots__ = ("events", "hasher", "index", "offload", "pool", "stats", "tenants")
 
     def __init__(self, state: CacheState) -> None:
         self.index = state.index
@@ -28,6 +28,7 @@ class BlockIndexer:
         self.stats = state.stats
         self.events = state.listeners
         self.offload = state.offload  # host copies of blocks computed again are dropped
+        self.tenants = state.tenants  # per-tenant counters, when tenant accounting is on
 
     def index_blocks(
         self,
@@ -145,6 +146,8 @@ class BlockIndexer:
         else:  # a list by now
             seq.pending.extend(ids)  # type: ignore[union-attr]
         self.stats.stored_blocks += len(ids)
+        if self.tenants is not None:  # computed here: those a neighbour evicted count
+            self.tenants.note_stored(seq.namespace.salt, digests[loaded:])
         if self.events.callbacks:
             tokens = np.frombuffer(run, dtype="<i4").tolist()
             namespace = self.index.namespace_of(node)

@@ -1,5 +1,7 @@
 """Where a request's new blocks come from: the pool's free blocks first, then cached blocks
-evicted in policy order (offered to the host tier when there is one)."""
+evicted in policy order (offered to the host tier when there is one). With tenant shares
+(tenant_shares.py) the order keeps guarantees, and a tenant at its cap evicts its own blocks
+before it grows."""
 
 from __future__ import annotations
 
@@ -7,13 +9,24 @@ from prefixcache.blocks.hashing import DIGEST_SIZE, split_digests
 from prefixcache.blocks.radix import Node
 from prefixcache.manager.block_events import BlockRemoved
 from prefixcache.manager.state import CacheState, RequestState
+from prefixcache.manager.tenant_shares import ShareEvictor, TenantLedger
 
 
 class BlockSupply:
     """Hands out GPU blocks, evicting exactly the deficit, and takes back what requests let go
     of (an index path nobody holds any more becomes evictable)."""
 
-    __slots__ = ("events", "evictor", "index", "now", "offload", "pool", "stats")
+    __slots__ = (
+        "events",
+        "evictor",
+        "index",
+        "now",
+        "offload",
+        "pool",
+        "shares",
+        "stats",
+        "tenants",
+    )
 
     def __init__(self, state: CacheState) -> None:
         self.index = state.index
@@ -23,6 +36,10 @@ class BlockSupply:
         self.events = state.listeners
         self.offload = state.offload  # None: evicted blocks leave the cache
         self.now = state.now
+        evictor = state.evictor
+        # with tenant accounting on: the share-keeping order and the per-tenant counters
+        self.shares = evictor if isinstance(evictor, ShareEvictor) else None
+        self.tenants: TenantLedger | None = state.tenants
 
     def evictable(self) -> int:
         """Cached blocks nobody holds."""
@@ -34,18 +51,25 @@ class BlockSupply:
         index = self.index
         return self.pool.num_free + index.num_blocks - index.active_blocks - held_cached
 
-    def take(self, k: int, *, owned: bool = True) -> list[int]:
-        """``k`` private blocks, evicting exactly the deficit (capacity was checked). Not
-        ``owned``: no refcounts yet (see ``BlockPool.take_unowned``)."""
+    def take(self, k: int, *, owned: bool = True, tenant: str | None = None) -> list[int]:
+        """``k`` private blocks for a request of ``tenant``, evicting exactly the deficit
+        (capacity was checked); a tenant at its cap first evicts its own. Not ``owned``: no
+        refcounts yet (see ``BlockPool.take_unowned``)."""
+        if self.shares is not None and tenant is not None:
+            self._keep_cap(tenant, k)
         deficit = k - self.pool.num_free
         if deficit > 0:
-            self.evict(deficit)
+            self.evict(deficit, tenant)
         return self.pool.take(k) if owned else self.pool.take_unowned(k)
 
-    def evict(self, count: int) -> None:
+    def evict(self, count: int, cause: str | None = None, *, asked: bool = False) -> None:
         """Evict ``count`` cached blocks in policy order, each node from its tail (that many
-        are evictable: checked by the caller)."""
+        are evictable: checked by the caller), for an allocation of tenant ``cause``
+        (``asked``: for the runtime's own ``evict`` call, no tenant's)."""
         now = self.now()
+        if self.shares is not None:
+            self._evict_shared(count, cause, now, asked)
+            return
         index, evictor, events, offload = self.index, self.evictor, self.events, self.offload
         if offload is None and not events.callbacks:  # nobody needs the digests: drop the tails
             give_back = self.pool.give_back
@@ -87,6 +111,64 @@ class BlockSupply:
                 evictor.push(node, now)
             elif parent is not None and parent.parent is not None and evictor.evictable(parent):
                 evictor.push(parent, now)
+
+    def _evict_shared(self, count: int, cause: str | None, now: float, asked: bool) -> None:
+        """``evict`` with tenant shares: guarantees kept while anything else can go."""
+        shares = self.shares
+        assert shares is not None
+        while count > 0:
+            victim = shares.pop_victim(now)
+            assert victim is not None, "capacity check admitted more than is evictable"
+            node = victim.node
+            k = min(count, len(node.blocks), victim.limit)
+            if asked:  # nobody's allocation: not another tenant's doing
+                namespace = node.namespace
+                cause = namespace.salt if namespace is not None else None
+            self._evict_tail(node, k, cause, now, capped=False, breaks=victim.breaks_guarantee)
+            count -= k
+
+    def _keep_cap(self, tenant: str, k: int) -> None:
+        """Before ``tenant`` grows by ``k`` blocks: past its cap, it evicts its own oldest
+        blocks (those its running requests hold cannot go)."""
+        shares = self.shares
+        assert shares is not None
+        share = shares.shares.get(tenant)
+        if share is None or share.cap is None:
+            return
+        over = shares.counts.get(tenant, 0) + k - share.cap
+        now = self.now()
+        while over > 0:
+            node = shares.pop_own(tenant, now)
+            if node is None:
+                return
+            n = min(over, len(node.blocks))
+            self._evict_tail(node, n, tenant, now, capped=True, breaks=False)
+            over -= n
+
+    def _evict_tail(
+        self, node: Node, k: int, cause: str | None, now: float, *, capped: bool, breaks: bool
+    ) -> None:
+        """Evict the last ``k`` blocks of a leaf popped from the eviction order, for an
+        allocation of ``cause``, and file what is left (or its parent) again."""
+        index, evictor, events, offload = self.index, self.evictor, self.events, self.offload
+        parent = node.parent
+        namespace = node.namespace
+        assert namespace is not None
+        tail = bytes(node.digests[-k * DIGEST_SIZE :])
+        if events.callbacks:
+            events.emit(BlockRemoved(split_digests(tail), namespace))
+        if self.tenants is not None:
+            self.tenants.note_eviction(namespace.salt, cause, tail, k, capped, breaks)
+        if offload is not None:  # the blocks move to host (as many as it has room for)
+            ids = offload.offload(node, k)
+        else:
+            ids = index.trim_tail(node, k)
+        self.pool.give_back(ids)
+        self.stats.evicted_blocks += k
+        if node.blocks and not node.on_host:
+            evictor.push(node, now)
+        elif parent is not None and parent.parent is not None and evictor.evictable(parent):
+            evictor.push(parent, now)
 
     def unhold(self, node: Node | None) -> None:
         """Drop one hold on the path from the root to ``node``; a leaf nobody holds any more

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,15 @@ from prefixcache.manager.results import Admission, AppendResult, Lookup
 from prefixcache.manager.state import CacheState, ManagerInternals, RequestState
 from prefixcache.manager.stats import BlockCounts, CacheStats
 from prefixcache.manager.step_ledger import StepLedger
+from prefixcache.manager.tenant_shares import (
+    LOST_LIMIT_FACTOR,
+    TenantLedger,
+    TenantShare,
+    TenantStats,
+    check_shares,
+    share_evictor_for,
+    tenant_rows,
+)
 from prefixcache.manager.transfers import TransferModel, Transfers
 
 __all__ = ["CacheManager", "ManagerInternals", "RequestState"]
@@ -83,6 +93,11 @@ class CacheManager:
     cached prefix (``take_transfers()`` hands out the copies to run; see docs/architecture.md).
     ``transfer_model`` decides per admission whether loading beats recomputing (None: always
     load).
+
+    ``shares`` maps tenants (cache salts) to ``TenantShare(guaranteed, cap)`` in blocks: other
+    tenants' allocations leave a tenant its guarantee, and a tenant at its cap evicts its own
+    blocks before it grows (tenant_shares.py). ``{}`` counts per tenant without any share;
+    None (the default) keeps no tenant accounting. ``set_shares`` changes them at run time.
     """
 
     def __init__(
@@ -98,8 +113,10 @@ class CacheManager:
         clock: Callable[[], float] | None = None,
         host_blocks: int = 0,
         transfer_model: TransferModel | None = None,
+        shares: Mapping[str, TenantShare] | None = None,
     ) -> None:
         blocks = as_size(num_blocks, "num_blocks", 1)
+        checked = None if shares is None else check_shares(shares, blocks)
         size = as_size(block_size, "block_size", 1)
         num_host = as_size(host_blocks, "host_blocks")
         check_policy(policy)
@@ -118,6 +135,7 @@ class CacheManager:
             partial_copy=bool(partial_copy),
             enable_caching=bool(enable_caching),
             stepped=bool(stepped),
+            shares=checked,
         )
         if state.host is not None:
             state.offload = HostOffload(state, state.host, transfer_model)
@@ -315,8 +333,41 @@ class CacheManager:
         """Evict up to ``num_blocks`` cached blocks now (policy order); returns how many."""
         count = min(as_size(num_blocks, "num_blocks"), self._supply.evictable())
         if count:
-            self._supply.evict(count)
+            self._supply.evict(count, asked=True)
         return count
+
+    # ---- tenant shares ---------------------------------------------------------------------
+    @property
+    def shares(self) -> Mapping[str, TenantShare] | None:
+        """The tenant shares in force ({}: per-tenant counts only; None: no tenant accounting)."""
+        evictor = self._state.evictor
+        found = getattr(evictor, "shares", None)
+        return None if found is None else MappingProxyType(found)
+
+    def set_shares(self, shares: Mapping[str, TenantShare] | None) -> None:
+        """Replace every tenant share (None: stop tenant accounting). Checked first, so a bad
+        mapping changes nothing; refiles the evictable leaves in O(cached nodes)."""
+        state = self._state
+        checked = None if shares is None else check_shares(shares, state.num_blocks)
+        evictor = share_evictor_for(state.evictor, checked, state.index.tenant_blocks)
+        now = state.now()
+        for node in state.index.iter_nodes():
+            if evictor.evictable(node):
+                evictor.push(node, now)
+        state.evictor = evictor
+        if checked is None:
+            state.tenants = None
+        elif state.tenants is None:
+            state.tenants = TenantLedger(LOST_LIMIT_FACTOR * state.num_blocks)
+        self._build_helpers()
+
+    def tenant_stats(self) -> dict[str | None, TenantStats]:
+        """Per tenant (cache salt; None: no salt): cached blocks, its share, and evictions (by
+        others, at its cap, under its guarantee). Empty without tenant accounting."""
+        state = self._state
+        if state.tenants is None:
+            return {}
+        return tenant_rows(state.index.tenant_blocks, self.shares or {}, state.tenants)
 
     # ---- pins -----------------------------------------------------------------------------
     def pin(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> tuple[int, int]:

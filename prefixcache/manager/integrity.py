@@ -30,6 +30,26 @@ def check_manager(mgr: CacheManager) -> None:
     check_host_tier(mgr)
 
 
+def _check_tenants(mgr: CacheManager) -> None:
+    """With tenant shares: every evictable leaf is filed in its tenant's heap (or the common
+    one), the counters are not negative, and the shares still fit the pool."""
+    shares = mgr.shares
+    if shares is None:
+        return
+    evictor = mgr.evictor
+    _require(sum(s.guaranteed for s in shares.values()) <= mgr.num_blocks, "guarantees overflow")
+    for tenant, row in mgr.tenant_stats().items():
+        _require(min(row[3:]) >= 0, f"tenant {tenant!r} has a negative counter")
+        _require(row.evicted_by_others <= row.evicted_blocks, "more evicted by others than all")
+    heaps = getattr(evictor, "heaps", {})
+    for node in mgr.index.iter_nodes():
+        if not evictor.evictable(node):
+            continue
+        assert node.namespace is not None
+        heap = heaps.get(node.namespace.salt, evictor) if node.namespace.salt else evictor
+        _require(heap.files(node), "an evictable leaf is not filed in its tenant's eviction heap")
+
+
 def _check_gpu(mgr: CacheManager) -> None:
     index, pool, p = mgr.index, mgr.pool, mgr.block_size
     bb = 4 * p
@@ -45,6 +65,7 @@ def _check_gpu(mgr: CacheManager) -> None:
             expected_ref[id(node)] += 1
             node = node.parent
     nodes = active = 0
+    tenant_blocks: Counter[str | None] = Counter()
     for root in index.roots.values():
         _require(root.parent is None and len(root.blocks) == 0, "root holds blocks")
         _require(root.namespace is not None, "root without a namespace")
@@ -105,11 +126,18 @@ def _check_gpu(mgr: CacheManager) -> None:
             _require(not node.on_host, "a host node is among GPU children")
             _require(_chain_holds(mgr, node), "stored digest breaks the chain")
             tree_blocks.extend(node.blocks)
+            assert node.namespace is not None
+            tenant_blocks[node.namespace.salt] += n
             if node.ref:
                 active += n
     _require(nodes == index.num_nodes, f"num_nodes {index.num_nodes} != {nodes}")
     _require(len(tree_blocks) == index.num_blocks, "index block count is wrong")
     _require(active == index.active_blocks, f"active count {index.active_blocks} != {active}")
+    _require(
+        dict(tenant_blocks) == index.tenant_blocks,
+        f"tenant block counts {index.tenant_blocks} != {dict(tenant_blocks)}",
+    )
+    _check_tenants(mgr)
 
     private_refs: Counter[int] = Counter()
     for seq in states.values():

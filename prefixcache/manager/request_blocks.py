@@ -99,7 +99,7 @@ class RequestBlocks:
             if len(source.blocks) > 1:  # hold the copied block alone, not the whole run
                 source = index.split(source, 1)
             index.hold(source, now)
-        fresh = self.supply.take(plan.need, owned=False)  # private ones are owned after indexing
+        fresh = self.supply.take(plan.need, owned=False, tenant=namespace.salt)  # owned: below
         if host_run:
             assert self.offload is not None
             self.offload.plan_loads(host_slots, fresh, stepped=self.stepped)
@@ -173,7 +173,7 @@ class RequestBlocks:
             )
         if seq.copy_source is not None:  # the prefill that ran the partial copy is planned
             self.ledger.let_go_copy_source(seq)
-        fresh = self.supply.take(need)
+        fresh = self.supply.take(need, tenant=seq.namespace.salt)
         copies: list[Copy] = []
         if t0 % p and self.pool.refcount[seq.table[-1]] > 1:  # shared partial block: copy first
             old, dst = seq.table[-1], fresh.pop(0)

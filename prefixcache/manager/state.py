@@ -24,6 +24,12 @@ from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
 from prefixcache.manager.block_events import CacheEvent, EventListener
 from prefixcache.manager.stats import CacheStats
+from prefixcache.manager.tenant_shares import (
+    LOST_LIMIT_FACTOR,
+    ShareEvictor,
+    TenantLedger,
+    TenantShare,
+)
 
 if TYPE_CHECKING:
     from prefixcache.manager.host_offload import HostOffload
@@ -154,6 +160,7 @@ class CacheState:
         "seqs",
         "stats",
         "stepped",
+        "tenants",
         "ticks",
     )
 
@@ -198,6 +205,10 @@ class CacheState:
         # stepped: copy sources of the current step that their request let go of before its end
         self.holds: list[tuple[Node, RequestState]] = []  # partial-copy source nodes
         self.refs: list[int] = []  # private blocks a copy-on-write of the step reads
+        # per-tenant eviction counters: None unless tenant shares (or accounting) are on
+        self.tenants: TenantLedger | None = None
+        if isinstance(evictor, ShareEvictor):  # it counts the tenants of this state's index
+            evictor.counts = self.index.tenant_blocks
 
     def pending_blocks(self) -> frozenset[int]:
         """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
@@ -216,14 +227,17 @@ class CacheState:
         partial_copy: bool,
         enable_caching: bool,
         stepped: bool,
+        shares: Mapping[str, TenantShare] | None = None,
     ) -> CacheState:
-        """A manager's first state: empty, its sizes checked by the caller."""
+        """A manager's first state: empty, its sizes and shares checked by the caller
+        (``shares``: None for no tenant accounting)."""
         hasher = BlockHasher(block_size, hash_algo)
         ticks = TickClock()
+        evictor = Evictor(policy) if shares is None else ShareEvictor(policy, shares, {})
         state = cls(
             hasher,
             BlockPool(num_blocks),
-            Evictor(policy),
+            evictor,
             None,
             CacheStats(),
             Listeners(),
@@ -236,6 +250,8 @@ class CacheState:
         )
         if host_blocks:  # its nodes live in the state's index
             state.host = HostTier(host_blocks, state.index)
+        if shares is not None:
+            state.tenants = TenantLedger(LOST_LIMIT_FACTOR * num_blocks)
         return state
 
     def emptied(self) -> CacheState:
@@ -258,6 +274,9 @@ class CacheState:
             claims_all=self.claims_all,
         )
         state.offload = self.offload
+        state.tenants = self.tenants
+        if self.tenants is not None:  # what was evicted before the reset is not missed
+            self.tenants.lost.clear()
         return state
 
 

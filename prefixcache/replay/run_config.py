@@ -12,7 +12,9 @@ from prefixcache.errors import ConfigError
 from prefixcache.fleet.policies import DEFAULT_POLICY
 from prefixcache.fleet.policies import POLICIES as ROUTING_POLICIES
 from prefixcache.manager.cache_manager import CacheManager
+from prefixcache.manager.tenant_shares import TenantShare
 from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu, get_model
+from prefixcache.replay.share_specs import ShareSpec, resolve_shares, shares_text
 from prefixcache.replay.tiers.sizes import (
     DEFAULT_HOST_BANDWIDTH,
     DEFAULT_POOL_BANDWIDTH,
@@ -65,6 +67,9 @@ class ReplayConfig:
     pool_bw: float = DEFAULT_POOL_BANDWIDTH  # pool <-> GPU bytes/s
     pool_write: str = DEFAULT_POOL_WRITE  # when blocks enter the pool: evict or through
     upper_bound: bool = True  # the infinite-cache shadow (memory grows with unique blocks)
+    # tenant shares of each replica's GPU cache (share_specs.py); () per-tenant figures only,
+    # None no tenant accounting
+    shares: tuple[ShareSpec, ...] | None = None
 
     def with_(self, **changes: Any) -> ReplayConfig:
         return replace(self, **changes)
@@ -179,6 +184,8 @@ class ReplayConfig:
             self.tp,
             self.pool_write,
         )
+        if self.shares:
+            resolve_shares(self.shares, blocks)  # ConfigError now, not in a worker
         return ResolvedConfig(self, model, blocks, capacity_bytes, bytes_per_block, gpu, tiers)
 
     def _serving_gpu(self) -> GpuConfig | None:
@@ -233,8 +240,14 @@ class ResolvedConfig:
             policy=o.policy,
             partial_copy=o.partial_copy,
             enable_caching=caching,
+            shares=self.tenant_shares() if caching else None,
             **self._host_tier(caching),
         )
+
+    def tenant_shares(self) -> dict[str, TenantShare] | None:
+        """Each replica's tenant shares in blocks ({} per-tenant figures only; None none)."""
+        shares = self.options.shares
+        return None if shares is None else resolve_shares(shares, self.capacity_blocks)
 
     def _host_tier(self, caching: bool) -> dict[str, Any]:
         """The manager's host-tier arguments (none without a host tier or without caching)."""
@@ -272,4 +285,6 @@ class ResolvedConfig:
             out.update(replicas=o.replicas, routing=o.routing_policy)
         if self.tiers is not None:
             out["tiers"] = self.tiers.report_dict()
+        if o.shares is not None:
+            out["shares"] = shares_text(o.shares)
         return out

@@ -19,6 +19,7 @@ from prefixcache.fleet.policies import POLICIES as ROUTING_POLICIES
 from prefixcache.replay import cli_args
 from prefixcache.replay.model_specs import gpu_names, model_names
 from prefixcache.replay.run_config import MODES, ReplayConfig
+from prefixcache.replay.share_specs import parse_shares
 from prefixcache.replay.sweep_executors import EXECUTORS
 from prefixcache.replay.tiers.sizes import (
     DEFAULT_HOST_BANDWIDTH,
@@ -74,6 +75,14 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=cli_args.str_list,
         default=["lru"],
         help=f"eviction policy: {', '.join(sorted(POLICIES))} (lru)",
+    )
+    rp.add_argument(
+        "--shares",
+        metavar="TENANT=GUARANTEE[:CAP],...",
+        help="tenant shares of each replica's GPU cache, in blocks or percent (acme=25%%,"
+        "globex=512:1024): a tenant keeps its guarantee through other tenants' evictions and "
+        "evicts its own blocks past its cap; the report adds per-tenant figures and the same "
+        "replay without shares. 'none': per-tenant figures only",
     )
     rp.add_argument(
         "--mode",
@@ -285,6 +294,7 @@ def sweep_configs(args: argparse.Namespace) -> list[ReplayConfig]:
         pool_write=DEFAULT_POOL_WRITE if args.pool_write is None else args.pool_write,
         **cli_args.trace_settings(args),
         upper_bound=not args.no_upper_bound,
+        shares=None if args.shares is None else parse_shares(args.shares),
     )
     tiers: list[dict[str, Any]] = [
         {"host_memory": host, "pool_memory": pool}

@@ -18,10 +18,12 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from prefixcache.errors import MissingDependencyError
+from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.replay.progress import LINE_TRACE_KINDS, Progress, count_lines, counted
 from prefixcache.replay.progress import enabled as progress_enabled
 from prefixcache.replay.run_config import ReplayConfig, ResolvedConfig
@@ -29,6 +31,7 @@ from prefixcache.replay.run_result import ReplayResult
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.sequential import run_sequential
 from prefixcache.replay.sweep_executors import check_executor, open_executor
+from prefixcache.replay.tenant_report import tenants_report, with_comparison
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
 from prefixcache.replay.tiers.summary import tiers_report
 from prefixcache.replay.workload.arrivals import ScaledArrivals
@@ -68,6 +71,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     tiers: Tiers | None = None
     extra: dict[str, Any] = {}
     stats = mgr.stats
+    managers: tuple[CacheManager, ...] = (mgr,)
     with _no_automatic_gc():
         if config.is_fleet:
             run_fleet = _fleet_replay()
@@ -79,6 +83,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
                 if bar is not None:
                     bar.close(finished)
             serving, stats, tiers = fleet.serving, fleet.stats, fleet.tiers
+            managers = fleet.managers
             truncated = serving.truncated
             extra["fleet"] = fleet.fleet.report_dict()
         elif config.mode == "sequential":
@@ -108,6 +113,8 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     elapsed = time.perf_counter() - start
     if tiers is not None:
         extra["tiers"] = tiers_report(tiers, acc.totals, stats)
+    if config.shares is not None:
+        extra["tenants"] = _tenants(source, resolved, acc, managers)
     info = {
         "path": source.path,
         "kind": source.kind,
@@ -117,6 +124,18 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
     return ReplayResult(
         info, resolved, source.seed, acc, stats, elapsed, serving, truncated, extra=extra
     )
+
+
+def _tenants(
+    source: Source, resolved: ResolvedConfig, acc: Accountant, managers: Sequence[CacheManager]
+) -> dict[str, Any]:
+    """The per-tenant section; with shares, next to the same replay without them."""
+    report = tenants_report(acc, managers, resolved.tenant_shares())
+    if resolved.options.shares:  # shares given: replay once more, every tenant counted
+        twin = replace(resolved, options=resolved.options.with_(shares=()))
+        without = _replay(source, twin, False)
+        report = with_comparison(report, without.extra["tenants"])
+    return report
 
 
 def _fleet_replay() -> Callable[..., Any]:

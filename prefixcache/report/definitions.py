@@ -277,6 +277,15 @@ _ALL = (
         "Totals of requests.csv and timeline.csv recomputed and compared with report.json.",
     ),
     Definition(
+        "tenants",
+        "Tenants",
+        "Figures per tenant (a cache salt). A share guarantees a tenant a number of cached GPU "
+        "blocks that other tenants' allocations leave it, and a cap past which it evicts its "
+        "own blocks before growing. A neighbour's misses are capacity misses whose blocks "
+        "another tenant's allocation evicted; with shares, the same workload is replayed "
+        "without them for comparison.",
+    ),
+    Definition(
         "tier_hits",
         "Hit tokens by tier",
         "Where each prompt token's K/V came from: matched in the GPU cache, loaded from the "

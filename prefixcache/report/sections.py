@@ -38,6 +38,7 @@ from prefixcache.report.sweep_curves import (
     sweep_label,
     varying,
 )
+from prefixcache.report.tenant_section import tenants_section
 from prefixcache.report.tier_section import tiers_section
 from prefixcache.run_format import MISS_CAUSES, PERCENTILES
 
@@ -73,6 +74,7 @@ def build_document(run: Run) -> Document:
             requests(run),
             misses(run),
             *([tiers_section(r)] if r.get("tiers") else []),
+            *([tenants_section(r)] if r.get("tenants") else []),
             savings(run),
             over_time(run),
             serving(run),

@@ -8,7 +8,9 @@ index exactly. All three eviction policies, a listener attached, a small stepped
 of five blocks (a fully cached prompt fills it); a manager without steps, where each call is
 its own step as a simple user's would be (every call's K/V is written before the next); and a
 tiny GPU pool over a host tier, where every step runs its offloads and loads first and every host
-slot must hold the K/V of the prefix its entry claims.
+slot must hold the K/V of the prefix its entry claims. With tenant shares (changed at run time
+too), another tenant's admission never takes a tenant under its guarantee unless nothing else
+was evictable, and the per-tenant counts are checked after every call.
 """
 
 import os
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from prefixcache import CacheManager, Namespace, OutOfBlocksError, RequestTooLargeError
+from prefixcache.manager.tenant_shares import TenantShare
 from tests.kv_fingerprint import FingerprintRuntime
 from tests.snapshot import snapshot
 
@@ -47,6 +50,7 @@ class CacheMachine(RuleBasedStateMachine):
     num_blocks = NUM_BLOCKS
     stepped = True
     host_blocks = 0
+    shares: ClassVar[dict[str, TenantShare] | None] = None
     steps: ClassVar[list[int]] = [0]
     tier: ClassVar[list[int]] = [0, 0, 0]  # offloaded, loaded, host-evicted blocks
 
@@ -58,6 +62,7 @@ class CacheMachine(RuleBasedStateMachine):
             policy=self.policy,
             stepped=self.stepped,
             host_blocks=self.host_blocks,
+            shares=self.shares,
         )
         self.rt = FingerprintRuntime(self.mgr)
         self.next_id = 0
@@ -79,12 +84,17 @@ class CacheMachine(RuleBasedStateMachine):
         ahead = self.mgr.lookup(tokens, NAMESPACES[ns])
         can = self.mgr.can_admit(tokens, NAMESPACES[ns])
         loaded = self.mgr.stats.loaded_blocks
+        kept = self._guaranteed()
         try:
             cached = self.rt.admit(rid, tokens, NAMESPACES[ns], priority=priority, retention=5.0)
         except (OutOfBlocksError, RequestTooLargeError):
             assert not can and snapshot(self.mgr) == before
             return
         assert can and 0 <= cached < len(tokens)
+        if kept is not None and NAMESPACES[ns].salt != "t2":  # another tenant's admission
+            held, breaks = kept
+            now = self.mgr.tenant_stats().get("t2")
+            assert now is not None and (now.cached_blocks >= held or now.guarantee_breaks > breaks)
         assert cached == ahead.cached_len  # lookup promises exactly what admit gives
         assert self.mgr.stats.loaded_blocks - loaded == ahead.host_blocks
         self.seen.append((tokens, ns))
@@ -102,6 +112,17 @@ class CacheMachine(RuleBasedStateMachine):
             assert not can and snapshot(self.mgr) == before
             return
         assert can
+
+    def _guaranteed(self) -> tuple[int, int] | None:
+        """With shares: what tenant t2 must keep through another tenant's admission (its
+        cached blocks up to its guarantee) and its guarantee breaks so far."""
+        shares = self.mgr.shares
+        if shares is None or "t2" not in shares:
+            return None
+        row = self.mgr.tenant_stats().get("t2")
+        cached = row.cached_blocks if row is not None else 0
+        breaks = row.guarantee_breaks if row is not None else 0
+        return min(cached, shares["t2"].guaranteed), breaks
 
     @rule(i=rids)
     def fork(self, i):
@@ -185,33 +206,58 @@ class HostTierMachine(CacheMachine):
             self.rt.finish(rid)
 
 
+class ShareMachine(CacheMachine):
+    """With tenant shares that change at run time."""
+
+    @rule(guaranteed=st.integers(0, 8), cap=st.one_of(st.none(), st.integers(8, 16)))
+    def reshare(self, guaranteed, cap):
+        guaranteed = min(guaranteed, self.num_blocks)
+        self.mgr.set_shares({"t2": TenantShare(guaranteed, cap)})
+
+
+class HostShareMachine(HostTierMachine):
+    """A host tier and tenant shares that change at run time."""
+
+    reshare = ShareMachine.reshare
+
+
 # At least 3,000 steps per policy in CI; PREFIXCACHE_STATEFUL_EXAMPLES=N runs more.
 EXAMPLES = int(os.environ.get("PREFIXCACHE_STATEFUL_EXAMPLES", "150"))
 MIN_STEPS = 3000
 
 
+SHARES = {"t2": TenantShare(6, 12)}
+
+
 @pytest.mark.parametrize(
-    "policy, num_blocks, stepped, host_blocks",
+    "policy, num_blocks, stepped, host_blocks, shares",
     [
-        ("lru", NUM_BLOCKS, True, 0),
-        ("lfu", NUM_BLOCKS, True, 0),
-        ("priority", NUM_BLOCKS, True, 0),
-        ("lru", 5, True, 0),
-        ("lru", NUM_BLOCKS, False, 0),
-        ("lru", 6, True, 8),
+        ("lru", NUM_BLOCKS, True, 0, None),
+        ("lfu", NUM_BLOCKS, True, 0, None),
+        ("priority", NUM_BLOCKS, True, 0, None),
+        ("lru", 5, True, 0, None),
+        ("lru", NUM_BLOCKS, False, 0, None),
+        ("lru", 6, True, 8, None),
+        ("lru", 12, True, 0, SHARES),
+        ("priority", 6, True, 8, {"t2": TenantShare(2, 4)}),
     ],
 )
-def test_cache_machine(policy, num_blocks, stepped, host_blocks):
+def test_cache_machine(policy, num_blocks, stepped, host_blocks, shares):
     attrs = {
         "policy": policy,
         "num_blocks": num_blocks,
         "stepped": stepped,
         "host_blocks": host_blocks,
+        "shares": shares,
         "steps": [0],
         "tier": [0, 0, 0],
     }
-    name = f"CacheMachine_{policy}_{num_blocks}_{stepped}_{host_blocks}"
-    machine = type(name, (HostTierMachine if host_blocks else CacheMachine,), attrs)
+    name = f"CacheMachine_{policy}_{num_blocks}_{stepped}_{host_blocks}_{bool(shares)}"
+    if shares is None:
+        base = HostTierMachine if host_blocks else CacheMachine
+    else:
+        base = HostShareMachine if host_blocks else ShareMachine
+    machine = type(name, (base,), attrs)
     run_state_machine_as_test(
         machine,
         settings=settings(

@@ -462,6 +462,7 @@ class FleetRun(NamedTuple):
     fleet: FleetStats
     stats: CacheStats
     tiers: Tiers | None = None
+    managers: tuple[CacheManager, ...] = ()  # the replicas' caches, in replica order
 
 
 def run_fleet(
@@ -523,4 +524,5 @@ def run_fleet(
         pooled,
         sum(sim.index.num_blocks(r.name) for r in sim.replicas),
     )
-    return FleetRun(serving, fleet, sim.cache_stats(), sim.tiers)
+    managers = tuple(r.mgr for r in sim.replicas)
+    return FleetRun(serving, fleet, sim.cache_stats(), sim.tiers, managers)

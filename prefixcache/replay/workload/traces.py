@@ -9,8 +9,9 @@
   rendering); ``.txt`` files hold one prompt per line.
 
 Optional on the token and prompt formats: ``arrival_s`` (or ``timestamp`` in seconds),
-``output_length``, ``n``, and namespace fields ``model``, ``adapter``, ``adapter_version``,
-``salt``. A bad line raises TraceFormatError with its line number.
+``output_length``, ``n``; on those and on Mooncake lines, namespace fields ``model``,
+``adapter``, ``adapter_version``, ``salt`` (the tenant). A bad line raises TraceFormatError
+with its line number.
 
 Two guards stop a malformed or hostile line before it costs memory: a line longer than
 ``max_line_bytes`` is rejected while it is read (never held whole), and a prompt longer than
@@ -116,11 +117,11 @@ def read_trace(path: str | Path, options: TraceOptions | None = None) -> Iterato
 def trace_namespaces(path: str | Path, options: TraceOptions) -> bool:
     """Whether the trace's records name more than one namespace (model, adapter, version,
     salt). One pass over the lines, stopping at the second namespace; only a line that mentions
-    a namespace key is parsed. Mooncake and text traces have none: False without reading.
+    a namespace key is parsed. Text traces have none: False without reading.
     Raises TraceFormatError for a line that is too long, not UTF-8, or (when parsed) not a
     JSON object."""
     fmt = options.format or detect_format(path, options.max_line_bytes)
-    if fmt in ("mooncake", "text"):
+    if fmt == "text":
         return False
     needles = [f'"{k}"' for k in NAMESPACE_KEYS]
     default = (repr(None),) * len(NAMESPACE_KEYS)
@@ -224,7 +225,7 @@ def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
     """The requests of a Mooncake trace (planning its continuations first when asked)."""
     block = opt.trace_block_size
     synth = MooncakeTokens(block, opt.seed, opt.vocab_size)
-    ns = opt.namespace
+    cache: dict[tuple, Namespace] = {}
     turns = None
     if opt.continuations:
         plan = plan_continuations(_lines(path, opt.max_line_bytes), block)
@@ -253,6 +254,8 @@ def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
             raise TraceFormatError(path, lineno, "'hash_ids' must be integers >= 0") from None
         arrival = _time(obj, ("timestamp",), 1e-3, path, lineno, 0.0)
         out = turns.output_of(index, tokens, output, block) if turns is not None else None
+        ns = _namespace(obj, opt.namespace, path, lineno)
+        ns = cache.setdefault((ns.model, ns.adapter, ns.adapter_version, ns.salt), ns)
         yield Request(arrival, tokens, output, ns, 1, out)
 
 
