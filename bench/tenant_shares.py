@@ -49,9 +49,7 @@ def workload(tenants: int, requests: int, seed: int = 5) -> list[tuple[np.ndarra
 
 def shares_for(tenants: int, blocks: int) -> dict[str, TenantShare]:
     each = blocks // (2 * tenants)
-    return {
-        f"t{i}": TenantShare(each, blocks // 8 if i < 10 else None) for i in range(tenants)
-    }
+    return {f"t{i}": TenantShare(each, blocks // 8 if i < 10 else None) for i in range(tenants)}
 
 
 def run(
