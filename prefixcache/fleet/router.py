@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -30,6 +30,7 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
+from prefixcache.fleet.events.tenant_tally import tenant_of
 from prefixcache.fleet.index.interface import GPU, FleetIndex, ReplicaMatch
 from prefixcache.fleet.policies import (
     DEFAULT_POLICY,
@@ -123,6 +124,8 @@ class Router:
         held: HeldBlocks | None = None,
     ) -> None:
         self._held = held
+        self._tenant_shares: dict[str, int] = {}
+        self._tenant_blocks: Callable[[str], Mapping[str, int]] | None = None
         if in_flight_timeout is not None and (
             isinstance(in_flight_timeout, bool)
             or not isinstance(in_flight_timeout, int | float)
@@ -171,6 +174,32 @@ class Router:
     def index(self) -> FleetIndex:
         """The index the router reads."""
         return self._index
+
+    def attach_tenant_shares(
+        self, shares: Mapping[str, int], blocks: Callable[[str], Mapping[str, int]] | None
+    ) -> None:
+        """Prefer, for a tenant's prompt, replicas where the tenant holds fewer GPU blocks than
+        its share (``shares``: tenant -> blocks per replica; ``blocks(tenant)``: replica -> its
+        GPU blocks there, from the KV events): the policy chooses among those and any replica
+        holding the prompt's longest prefix; among all when none has room."""
+        self._tenant_shares = dict(shares)
+        self._tenant_blocks = blocks
+
+    def _with_room(
+        self, namespace: Namespace, scores: tuple[ReplicaScore, ...]
+    ) -> tuple[ReplicaScore, ...]:
+        """``scores`` less the replicas where the prompt's tenant is at its share (keeping any
+        with the longest cached prefix); all of them when none has room."""
+        tenant = tenant_of(namespace.salt)
+        share = self._tenant_shares.get(tenant) if tenant is not None else None
+        if share is None or self._tenant_blocks is None or tenant is None:
+            return scores
+        held = self._tenant_blocks(tenant)
+        best = max(s.cached_tokens for s in scores)
+        kept = tuple(
+            s for s in scores if held.get(s.name, 0) < share or (best and s.cached_tokens == best)
+        )
+        return kept or scores
 
     def attach_held(self, held: HeldBlocks | None) -> None:
         """Consult ``held`` on every lookup and route from now on (None: the index alone)."""
@@ -433,6 +462,8 @@ class Router:
                         retry_after_s=max(0.0, back - now),
                     )
                 raise UnknownNamespaceError(f"no replica serves namespace {namespace.label()}")
+            if self._tenant_shares:
+                scores = self._with_room(namespace, scores)
             eligible = tuple(s.name for s in scores)  # not the namespace: salts are unbounded
             turn = self._turns.get(eligible, 0)
             choice = self._policy(scores, RouteContext(n, turn, self._params))

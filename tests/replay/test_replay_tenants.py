@@ -110,3 +110,23 @@ def test_the_cli_says_what_is_wrong_with_shares(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "add up to 80 blocks, more than the pool's 64" in err
     assert "Traceback" not in err
+
+
+def test_a_tenant_field_names_the_salt_on_mooncake_and_token_lines(tmp_path):
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text(
+        '{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2], '
+        '"tenant": "acme"}\n'
+        '{"timestamp": 5, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2], '
+        '"salt": "globex"}\n'
+        '{"timestamp": 9, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2], '
+        '"tenant": "acme"}\n'
+    )
+    report = _replay(tmp_path, mooncake, "--shares", "none")
+    rows = _rows(report)
+    assert rows["acme"]["requests"] == 2 and rows["globex"]["requests"] == 1
+    assert rows["globex"]["hit_tokens"] == 0 < rows["acme"]["hit_tokens"]  # salts never match
+    assert rows["globex"]["misses"]["isolation"] > 0  # the same tokens, another tenant's
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2, 3], "tenant": "a", "salt": "b"}\n')
+    assert main(["replay", str(bad), "--blocks", "8", "--out", str(tmp_path / "bad")]) == 2

@@ -62,6 +62,7 @@ from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import as_token_array
 from prefixcache.errors import InvalidTokensError
 from prefixcache.fleet.events.replica_stream import ReplicaStream, block_hash_of_key, engine_key
+from prefixcache.fleet.events.tenant_tally import tenant_of
 from prefixcache.fleet.events.wire import BlockHash, RemovedBlocks, StoredBlocks
 from prefixcache.fleet.index.interface import CPU, GPU, FleetIndex, SharedEngineMap
 
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 _ALIASES = {"CPU_PINNED": CPU}  # SGLang's host memory
 STORAGE = "STORAGE"
 _FIXED_BITS = {GPU: 1, CPU: 2, STORAGE: 4}  # GPU and CPU as the shared engine map keeps them
+_GPU = _FIXED_BITS[GPU]
 _MAX_MEDIA = 24  # media told apart per replica; further names share the last bit
 _ALL_MEDIA = -1
 _OWN_KEYS = ("adapter_version", "salt", "extra")
@@ -122,18 +124,21 @@ class EventApplier:
     def apply(self, rep: ReplicaStream, events: Sequence[Any]) -> int | None:
         """Apply ``events`` in order; the index of the first that needs a lookup the shared
         index cannot answer now (nothing of it applied), or None when all were applied."""
-        for k, event in enumerate(events):
-            if isinstance(event, StoredBlocks):
-                done = self._stored(rep, event)
-            elif isinstance(event, RemovedBlocks):
-                done = self._removed(rep, event)
-            else:
-                self.clear(rep)
-                done = True
-            if not done:
-                return k
-            rep.counts.events += 1
-        return None
+        try:
+            for k, event in enumerate(events):
+                if isinstance(event, StoredBlocks):
+                    done = self._stored(rep, event)
+                elif isinstance(event, RemovedBlocks):
+                    done = self._removed(rep, event)
+                else:
+                    self.clear(rep)
+                    done = True
+                if not done:
+                    return k
+                rep.counts.events += 1
+            return None
+        finally:
+            rep.tenants.end_batch()  # its evictions, told apart by whose stores came with them
 
     def clear(self, rep: ReplicaStream) -> None:
         """The replica holds nothing any more: cleared here and in the index, and counted."""
@@ -142,6 +147,7 @@ class EventApplier:
         rep.skipped_hashes.clear()
         rep.unplaced.clear()
         rep.hashless.clear()
+        rep.tenants.clear()
         self.index.clear(rep.ep.name)
         rep.counts.cleared += 1
 
@@ -173,8 +179,10 @@ class EventApplier:
                 body = as_token_array(ev.token_ids, allow_empty=True).tobytes()
             except InvalidTokensError as exc:
                 problem = str(exc)
+        tenant = rep.tenants.tenant(ev.parent_block_hash)  # a chain continues its parent's
         if problem is None and ev.parent_block_hash is None:
-            prev, pos = rep.hasher.seed(self._namespace(rep, ev)), 0
+            namespace = self._namespace(rep, ev)
+            prev, pos, tenant = rep.hasher.seed(namespace), 0, tenant_of(namespace.salt)
         elif problem is None:
             parent = rep.blocks.get(ev.parent_block_hash)  # type: ignore[arg-type]
             if parent is None and rep.inherited:
@@ -206,9 +214,12 @@ class EventApplier:
                 blocks[h] = [digest, pos + k, bit]
             elif entry[0] != digest:  # stored again under another parent: the old block goes
                 self.index.remove(name, [entry[0]], None)
+                rep.tenants.removed(h)
                 entry[0], entry[1], entry[2] = digest, pos + k, bit
             else:
                 entry[1], entry[2] = pos + k, entry[2] | bit
+            if bit == _GPU:
+                rep.tenants.added(h, tenant)
             digests.append(digest)
         self.index.store(name, digests, index_medium(medium))
         if self.engine_map is not None:
@@ -271,6 +282,8 @@ class EventApplier:
                 rep.hashless.clear()
             if entry is None or not entry[2] & bits:
                 continue
+            if entry[2] & bits & _GPU:
+                rep.tenants.removed(h)
             entry[2] &= ~bits
             if not entry[2]:
                 del blocks[h]

@@ -15,6 +15,7 @@ import xxhash
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.fleet.events.engine_keys import EngineHasher, EngineHashSpec
+from prefixcache.fleet.events.tenant_tally import TenantTally
 from prefixcache.fleet.events.unplaced import RecentRoutes, UnplacedBlocks
 from prefixcache.fleet.events.wire import BlockHash
 
@@ -98,6 +99,7 @@ class ReplicaStream:
     hashless: set[bytes] = field(default_factory=set)
     recent: dict[int, int] = field(default_factory=dict)  # seq -> payload's hash, latest ones
     newest_ts: float | None = None  # of the batches applied since the last restart
+    tenants: TenantTally = field(default_factory=TenantTally)  # GPU blocks per service tenant
 
     def note_batch(self, seq: int, ts: float | None, payload: bytes) -> None:
         """Batch ``seq`` (stamped ``ts``, sent as ``payload``) was applied."""

@@ -74,6 +74,7 @@ from prefixcache.fleet.events.replica_stream import (
     ReplicaStream,
     engine_key,
 )
+from prefixcache.fleet.events.tenant_tally import TenantBlocks
 from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
 from prefixcache.fleet.events.wire import BatchDecoder, decode_seq
 from prefixcache.fleet.index.interface import AppliedBatch, FleetIndex, SharedEngineMap
@@ -218,6 +219,17 @@ class KVEventSubscriber:
             )
             for name, rep in sorted(self._replicas.items())  # a copy made in one step
         }
+
+    def tenant_counts(self) -> dict[str, dict[str, TenantBlocks]]:
+        """Replica -> tenant -> its GPU blocks there and evictions (own, by others), as the
+        replica's events show them (``tenant_tally``)."""
+        with self._lock:
+            return {name: rep.tenants.snapshot() for name, rep in sorted(self._replicas.items())}
+
+    def tenant_gpu_blocks(self, tenant: str) -> dict[str, int]:
+        """Replica -> the tenant's GPU blocks there (read per route: no lock, a dict read per
+        replica)."""
+        return {name: rep.tenants.gpu_blocks(tenant) for name, rep in list(self._replicas.items())}
 
     # ---- ingestion ------------------------------------------------------------------------
     def ingest(self, replica: str, seq: int, payload: bytes) -> int:

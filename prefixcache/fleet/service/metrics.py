@@ -109,6 +109,7 @@ class _FleetCollector(Collector):
             )
         if self._ingest is None:
             return
+        yield from _tenant_families(self._ingest)
         counts = self._ingest.ingest_counts()
         for position, (field, text) in enumerate(_INGEST):
             family = CounterMetricFamily(
@@ -117,6 +118,32 @@ class _FleetCollector(Collector):
             for replica, values in sorted(counts.items()):
                 family.add_metric([replica], values[position])
             yield family
+
+
+def _tenant_families(ingest: IngestStats) -> Iterator[Metric]:
+    """Per tenant (a key's tenant; bounded by the keys file) and replica: GPU blocks held and
+    evictions by whose stores came with them, when the ingestion counts them."""
+    read = getattr(ingest, "tenant_counts", None)
+    if not callable(read):
+        return
+    blocks = GaugeMetricFamily(
+        "prefixcache_tenant_gpu_blocks",
+        "GPU blocks of the tenant's namespaces the replica holds (from its KV events)",
+        labels=["replica", "tenant"],
+    )
+    evicted = CounterMetricFamily(
+        "prefixcache_tenant_evicted_blocks",
+        "The tenant's GPU blocks the replica evicted: in event batches that stored other "
+        "tenants' blocks only (by=others), or its own too (by=own)",
+        labels=["replica", "tenant", "by"],
+    )
+    for replica, tenants in read().items():
+        for tenant, row in tenants.items():
+            blocks.add_metric([replica, tenant], row.gpu_blocks)
+            evicted.add_metric([replica, tenant, "own"], row.evicted_own)
+            evicted.add_metric([replica, tenant, "others"], row.evicted_by_others)
+    yield blocks
+    yield evicted
 
 
 class _ConnectionCollector(Collector):

@@ -99,6 +99,8 @@ def open_service(options: ServeOptions) -> tuple[Any, ServiceConfig]:
         max_replay_frames=config.limits.max_replay_frames,
         ingest_workers=config.limits.ingest_workers,
     )
+    if config.routing.tenant_shares:  # room per tenant, from the replicas' events
+        router.attach_tenant_shares(config.routing.tenant_shares, subscriber.tenant_gpu_blocks)
     return create_app(router, config, proxy=options.proxy, ingest=subscriber), config
 
 

@@ -10,8 +10,8 @@
 
 Optional on the token and prompt formats: ``arrival_s`` (or ``timestamp`` in seconds),
 ``output_length``, ``n``; on those and on Mooncake lines, namespace fields ``model``,
-``adapter``, ``adapter_version``, ``salt`` (the tenant). A bad line raises TraceFormatError
-with its line number.
+``adapter``, ``adapter_version``, ``salt`` (the tenant; ``tenant`` is taken for it too). A bad
+line raises TraceFormatError with its line number.
 
 Two guards stop a malformed or hostile line before it costs memory: a line longer than
 ``max_line_bytes`` is rejected while it is read (never held whole), and a prompt longer than
@@ -50,6 +50,7 @@ FORMATS = ("mooncake", "tokens", "prompts", "text")
 TOKEN_KEYS = ("token_ids", "input_ids", "tokens")  # a token-id record's list, the first found
 PROMPT_KEYS = ("prompt", "text", "messages")  # what makes a record a prompt record
 NAMESPACE_KEYS = ("model", "adapter", "adapter_version", "salt")  # a record's namespace fields
+TENANT_KEY = "tenant"  # another name for ``salt``: the cache salt is the tenant
 MAX_LINE_BYTES = 16 << 20  # a 2M-token prompt as token ids fits
 MAX_PROMPT_TOKENS = 2 << 20
 MOONCAKE_CONTINUATIONS = False  # the default of --continuations (see BENCHMARKS.md)
@@ -123,13 +124,15 @@ def trace_namespaces(path: str | Path, options: TraceOptions) -> bool:
     fmt = options.format or detect_format(path, options.max_line_bytes)
     if fmt == "text":
         return False
-    needles = [f'"{k}"' for k in NAMESPACE_KEYS]
+    needles = [f'"{k}"' for k in (*NAMESPACE_KEYS, TENANT_KEY)]
     default = (repr(None),) * len(NAMESPACE_KEYS)
     seen: set[tuple[str, ...]] = set()
     for lineno, line in _lines(str(path), options.max_line_bytes):
         key = default
         if any(n in line for n in needles):
             record = _parse(line, str(path), lineno)
+            if TENANT_KEY in record and "salt" not in record:
+                record["salt"] = record[TENANT_KEY]
             key = tuple(repr(record.get(k)) for k in NAMESPACE_KEYS)  # any JSON value
         seen.add(key)
         if len(seen) > 1:
@@ -262,6 +265,10 @@ def _mooncake(path: str, opt: TraceOptions) -> Iterator[Request]:
 def _namespace(obj: dict[str, Any], base: Namespace, path: str, lineno: int) -> Namespace:
     """A record's namespace: its namespace fields over ``base``'s; TraceFormatError for a
     field that is not a string or null."""
+    if TENANT_KEY in obj:
+        if "salt" in obj and obj["salt"] != obj[TENANT_KEY]:
+            raise TraceFormatError(path, lineno, "'tenant' and 'salt' differ: give one of them")
+        obj = {**obj, "salt": obj[TENANT_KEY]}
     if not any(k in obj for k in NAMESPACE_KEYS):
         return base
     fields = {}

@@ -74,6 +74,8 @@ class RoutingConfig:
     policy: str = DEFAULT_POLICY
     params: RoutingParams = field(default_factory=RoutingParams)
     in_flight_timeout_s: float | None = 600.0  # a routed request's load ends then (None: never)
+    # tenant -> GPU blocks per replica: a tenant's prompts prefer replicas where it has room
+    tenant_shares: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ _REPLICA = (
 )  # fmt: skip
 _ROUTING = (
     "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
-    "prefill_weight", "in_flight_timeout_s",
+    "prefill_weight", "in_flight_timeout_s", "tenant_shares",
 )  # fmt: skip
 _LIMITS = (
     "max_body_bytes",
@@ -307,7 +309,20 @@ def _routing(r: ConfigReader, raw: Any) -> RoutingConfig:
     timeout = rt.get("in_flight_timeout_s", RoutingConfig.in_flight_timeout_s)
     if timeout is not None:  # null: loads end only when released
         timeout = r.number(timeout, "routing.in_flight_timeout_s")
-    return RoutingConfig(policy, params, timeout)
+    shares = rt.get("tenant_shares", {})
+    if not isinstance(shares, dict):
+        raise r.fail(
+            "routing.tenant_shares", f"expected a mapping of tenant to blocks, got {shares!r}"
+        )
+    for tenant, blocks in shares.items():
+        if not isinstance(tenant, str) or not tenant or ":" in tenant:
+            raise r.fail("routing.tenant_shares", f"expected a tenant name, got {tenant!r}")
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+            raise r.fail(
+                f"routing.tenant_shares.{tenant}",
+                f"expected a positive number of GPU blocks per replica, got {blocks!r}",
+            )
+    return RoutingConfig(policy, params, timeout, dict(shares))
 
 
 def _proxy(r: ConfigReader, raw: Any) -> ProxyConfig:
