@@ -17,12 +17,15 @@ those are never evicted, they only fill the guarantee.
   tenant whose working set alone exceeds its cap grows past it.
 
 ``ShareEvictor`` keeps one heap per tenant with a share and one for everything else, and a heap
-of the tenants' oldest keys, so picking a victim costs O(log tenants), not a scan.
+of the tenants' oldest keys, so picking a victim costs O(log tenants), not a scan. A tenant found
+at its guarantee is parked, out of that heap, and comes back when one of its leaves is filed
+while it holds more than its guarantee (its blocks become evictable at a release).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -115,7 +118,8 @@ class TenantLedger:
         self.recomputed: dict[str | None, int] = {}
         self.capped: dict[str | None, int] = {}
         self.breaks: dict[str | None, int] = {}
-        self.lost: dict[bytes, None] = {}  # digests evicted by another tenant, oldest first
+        # digests evicted by another tenant, oldest first
+        self.lost: OrderedDict[bytes, None] = OrderedDict()
 
     def note_eviction(
         self,
@@ -138,10 +142,8 @@ class TenantLedger:
             lost = self.lost
             for i in range(0, len(digests), 16):
                 lost[digests[i : i + 16]] = None
-            excess = len(lost) - self.limit
-            if excess > 0:
-                for d in _oldest(lost, excess):
-                    del lost[d]
+            for _ in range(len(lost) - self.limit):
+                lost.popitem(last=False)
 
     def note_stored(self, tenant: str | None, digests: list[bytes]) -> None:
         """``tenant`` computed and stored these blocks: those another tenant had evicted count
@@ -169,16 +171,6 @@ def _add(counts: dict[str | None, int], tenant: str | None, k: int) -> None:
     counts[tenant] = counts.get(tenant, 0) + k
 
 
-def _oldest(lost: dict[bytes, None], n: int) -> list[bytes]:
-    """The ``n`` oldest digests of ``lost``."""
-    out: list[bytes] = []
-    for d in lost:
-        if len(out) >= n:
-            break
-        out.append(d)
-    return out
-
-
 class ShareEvictor(Evictor):
     """The eviction order with tenant shares: the policy's order over tenants without a share
     and tenants over their guarantee; tenants at their guarantee last.
@@ -186,7 +178,7 @@ class ShareEvictor(Evictor):
     Its own heap (the base class's) holds the leaves of tenants without a share; each tenant
     with a share has its own ``Evictor``. ``_heads`` files each such tenant under its oldest
     key (lazily: an entry is checked against the tenant's heap when it comes up); a tenant at
-    or under its guarantee is parked until its count passes the guarantee again.
+    or under its guarantee is parked until a leaf of it is filed while it is past it.
     """
 
     def __init__(
@@ -204,6 +196,7 @@ class ShareEvictor(Evictor):
         self._filed: dict[str, Any] = {}  # tenant -> the smallest key it is filed under
         self._parked: set[str] = set()  # tenants at or under their guarantee
         self._order = 0
+        self._last: Evictor = self  # the heap the last push went to (the one to compact)
 
     def _tenant_heap(self, node: Node) -> tuple[str | None, Evictor | None]:
         namespace = node.namespace
@@ -216,27 +209,27 @@ class ShareEvictor(Evictor):
         """File an evictable leaf in its tenant's heap (or the common one); returns its key."""
         tenant, heap = self._tenant_heap(node)
         if heap is None or tenant is None:
+            self._last = self
             return Evictor.push(self, node, now)
+        self._last = heap
         key = heap.push(node, now)
-        if tenant not in self._parked:
-            filed = self._filed.get(tenant)
-            if filed is None or key < filed:
-                self._file(tenant, key)
+        if tenant in self._parked:  # back among the candidates once past its guarantee again
+            if self.counts.get(tenant, 0) <= self.shares[tenant].guaranteed:
+                return key
+            self._parked.discard(tenant)
+            top = heap.peek(now)
+            if top is not None:
+                self._file(tenant, top[0])
+            return key
+        filed = self._filed.get(tenant)
+        if filed is None or key < filed:
+            self._file(tenant, key)
         return key
 
     def _file(self, tenant: str, key: Any) -> None:
         self._order += 1
         heapq.heappush(self._heads, (key, self._order, tenant))
         self._filed[tenant] = key
-
-    def _unpark(self, now: float) -> None:
-        """Tenants parked at their guarantee that grew past it are candidates again."""
-        counts, shares = self.counts, self.shares
-        for tenant in [t for t in self._parked if counts.get(t, 0) > shares[t].guaranteed]:
-            self._parked.discard(tenant)
-            top = self.heaps[tenant].peek(now)
-            if top is not None:
-                self._file(tenant, top[0])
 
     def _share_head(self, now: float) -> tuple[Any, str] | None:
         """The oldest key among tenants with a share that are over their guarantee."""
@@ -264,8 +257,6 @@ class ShareEvictor(Evictor):
     def pop_victim(self, now: float) -> Victim | None:
         """The next leaf to evict from, and how many of its blocks may go; None when nothing
         is evictable."""
-        if self._parked:
-            self._unpark(now)
         common = Evictor.peek(self, now)
         share = self._share_head(now)
         if share is not None and (common is None or share[0] < common[0]):
@@ -308,10 +299,13 @@ class ShareEvictor(Evictor):
         return best
 
     def compact(self, live_nodes: int) -> None:
-        """Drop stale entries in every heap once they outnumber the live nodes."""
-        Evictor.compact(self, live_nodes)
-        for heap in self.heaps.values():
-            heap.compact(live_nodes)
+        """Drop stale entries of the heap the last push went to once they outnumber the live
+        nodes (each heap is compacted as it grows), and of the tenants' heap."""
+        last = self._last
+        if last is self:
+            Evictor.compact(self, live_nodes)
+        else:
+            last.compact(live_nodes)
         if len(self._heads) > 4 * len(self.heaps) + 64:
             best: dict[str, tuple[Any, int, str]] = {}
             for entry in self._heads:
