@@ -89,28 +89,12 @@ class BlockSupply:
                     evictor.push(parent, now)
             self.stats.evicted_blocks += evicted
             return
-        while count > 0:
+        while count > 0:  # the digests go to listeners, or the blocks to host
             node = evictor.pop(now)
             assert node is not None, "capacity check admitted more than is evictable"
             k = min(count, len(node.blocks))
-            parent = node.parent
-            if events.callbacks:
-                namespace = node.namespace
-                assert namespace is not None
-                events.emit(
-                    BlockRemoved(split_digests(bytes(node.digests[-k * DIGEST_SIZE :])), namespace)
-                )
-            if offload is not None:  # the blocks move to host (as many as it has room for)
-                ids = offload.offload(node, k)
-            else:
-                ids = index.trim_tail(node, k)
-            self.pool.give_back(ids)
-            self.stats.evicted_blocks += k
+            self._evict_tail(node, k, cause, now, capped=False, breaks=False)
             count -= k
-            if node.blocks and not node.on_host:
-                evictor.push(node, now)
-            elif parent is not None and parent.parent is not None and evictor.evictable(parent):
-                evictor.push(parent, now)
 
     def _evict_shared(self, count: int, cause: str | None, now: float, asked: bool) -> None:
         """``evict`` with tenant shares: guarantees kept while anything else can go."""
@@ -154,11 +138,12 @@ class BlockSupply:
         parent = node.parent
         namespace = node.namespace
         assert namespace is not None
-        tail = bytes(node.digests[-k * DIGEST_SIZE :])
-        if events.callbacks:
-            events.emit(BlockRemoved(split_digests(tail), namespace))
-        if self.tenants is not None:
-            self.tenants.note_eviction(namespace.salt, cause, tail, k, capped, breaks)
+        if events.callbacks or self.tenants is not None:
+            tail = bytes(node.digests[-k * DIGEST_SIZE :])
+            if events.callbacks:
+                events.emit(BlockRemoved(split_digests(tail), namespace))
+            if self.tenants is not None:
+                self.tenants.note_eviction(namespace.salt, cause, tail, k, capped, breaks)
         if offload is not None:  # the blocks move to host (as many as it has room for)
             ids = offload.offload(node, k)
         else:
