@@ -76,21 +76,41 @@ class Evictor:
     def peek(self, now: float) -> tuple[Any, Node] | None:
         """The key and the leaf ``pop`` would return now, left in the heap (stale entries on
         top are dropped); None when nothing is evictable."""
+        key = Evictor.own_top_key(self, now)
+        return (key, self._heap[0][3]) if key is not None else None
+
+    def own_top_key(self, now: float) -> Any:
+        """The smallest live key of this heap's own entries (None when there is none), left on
+        top (a subclass with more heaps keeps this to its own)."""
+        if self._expiring and self._expiring[0][0] <= now:
+            self._requeue_expired(now)
+        heap = self._heap
+        while heap:
+            entry = heap[0]
+            node = entry[3]
+            if entry[2] == node.heap_token and self.evictable(node):
+                return entry[0]
+            heapq.heappop(heap)
+        return None
+
+    def _requeue_expired(self, now: float) -> None:
+        """File again, under their key now, the leaves whose retention has ended."""
         while self._expiring and self._expiring[0][0] <= now:
             _, _, token, node = heapq.heappop(self._expiring)
             if token == node.heap_token and self.evictable(node):
                 self.push(node, now)
-        heap = self._heap
-        while heap:
-            key, _, token, node = heap[0]
-            if token == node.heap_token and self.evictable(node):
-                return key, node
-            heapq.heappop(heap)
-        return None
+
+    def pop_own_top(self) -> Node:
+        """Remove and return this heap's own top leaf (right after ``own_top_key`` found it)."""
+        return heapq.heappop(self._heap)[3]
 
     def files(self, node: Node) -> bool:
         """Whether the heap holds a current entry for ``node`` (an integrity check: O(heap))."""
         return any(e[2] == node.heap_token and e[3] is node for e in self._heap)
+
+    def filed_ids(self) -> set[int]:
+        """The ids of the nodes the heap holds a current entry for (an integrity check)."""
+        return {id(e[3]) for e in self._heap if e[2] == e[3].heap_token}
 
     def __len__(self) -> int:
         """Entries in the heap, stale ones included (an upper bound on the evictable leaves)."""
@@ -98,10 +118,8 @@ class Evictor:
 
     def pop(self, now: float) -> Node | None:
         """Remove and return the evictable leaf with the smallest key (None if there is none)."""
-        while self._expiring and self._expiring[0][0] <= now:
-            _, _, token, node = heapq.heappop(self._expiring)
-            if token == node.heap_token and self.evictable(node):
-                self.push(node, now)
+        if self._expiring and self._expiring[0][0] <= now:
+            self._requeue_expired(now)
         heap, pop = self._heap, heapq.heappop
         while heap:
             _, _, token, node = pop(heap)

@@ -147,7 +147,7 @@ class BlockIndexer:
             seq.pending.extend(ids)  # type: ignore[union-attr]
         self.stats.stored_blocks += len(ids)
         if self.tenants is not None:  # computed here: those a neighbour evicted count
-            self.tenants.note_stored(seq.namespace.salt, digests[loaded:])
+            self.tenants.note_stored(seq.namespace.salt, digests, loaded)
         if self.events.callbacks:
             tokens = np.frombuffer(run, dtype="<i4").tolist()
             namespace = self.index.namespace_of(node)

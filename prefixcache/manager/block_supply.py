@@ -138,12 +138,11 @@ class BlockSupply:
         parent = node.parent
         namespace = node.namespace
         assert namespace is not None
-        if events.callbacks or self.tenants is not None:
+        if events.callbacks:
             tail = bytes(node.digests[-k * DIGEST_SIZE :])
-            if events.callbacks:
-                events.emit(BlockRemoved(split_digests(tail), namespace))
-            if self.tenants is not None:
-                self.tenants.note_eviction(namespace.salt, cause, tail, k, capped, breaks)
+            events.emit(BlockRemoved(split_digests(tail), namespace))
+        if self.tenants is not None:
+            self.tenants.note_eviction(namespace.salt, cause, node, k, capped, breaks)
         if offload is not None:  # the blocks move to host (as many as it has room for)
             ids = offload.offload(node, k)
         else:

@@ -68,15 +68,7 @@ from prefixcache.manager.results import Admission, AppendResult, Lookup
 from prefixcache.manager.state import CacheState, ManagerInternals, RequestState
 from prefixcache.manager.stats import BlockCounts, CacheStats
 from prefixcache.manager.step_ledger import StepLedger
-from prefixcache.manager.tenant_shares import (
-    LOST_LIMIT_FACTOR,
-    TenantLedger,
-    TenantShare,
-    TenantStats,
-    check_shares,
-    share_evictor_for,
-    tenant_rows,
-)
+from prefixcache.manager.tenant_shares import TenantShare, TenantStats, check_shares
 from prefixcache.manager.transfers import TransferModel, Transfers
 
 __all__ = ["CacheManager", "ManagerInternals", "RequestState"]
@@ -340,34 +332,20 @@ class CacheManager:
     @property
     def shares(self) -> Mapping[str, TenantShare] | None:
         """The tenant shares in force ({}: per-tenant counts only; None: no tenant accounting)."""
-        evictor = self._state.evictor
-        found = getattr(evictor, "shares", None)
+        found = self._state.shares()
         return None if found is None else MappingProxyType(found)
 
     def set_shares(self, shares: Mapping[str, TenantShare] | None) -> None:
         """Replace every tenant share (None: stop tenant accounting). Checked first, so a bad
         mapping changes nothing; refiles the evictable leaves in O(cached nodes)."""
         state = self._state
-        checked = None if shares is None else check_shares(shares, state.num_blocks)
-        evictor = share_evictor_for(state.evictor, checked, state.index.tenant_blocks)
-        now = state.now()
-        for node in state.index.iter_nodes():
-            if evictor.evictable(node):
-                evictor.push(node, now)
-        state.evictor = evictor
-        if checked is None:
-            state.tenants = None
-        elif state.tenants is None:
-            state.tenants = TenantLedger(LOST_LIMIT_FACTOR * state.num_blocks)
+        state.apply_shares(None if shares is None else check_shares(shares, state.num_blocks))
         self._build_helpers()
 
     def tenant_stats(self) -> dict[str | None, TenantStats]:
         """Per tenant (cache salt; None: no salt): cached blocks, its share, and evictions (by
         others, at its cap, under its guarantee). Empty without tenant accounting."""
-        state = self._state
-        if state.tenants is None:
-            return {}
-        return tenant_rows(state.index.tenant_blocks, self.shares or {}, state.tenants)
+        return self._state.tenant_stats()
 
     # ---- pins -----------------------------------------------------------------------------
     def pin(self, tokens: TokenIds, namespace: Namespace = DEFAULT_NAMESPACE) -> tuple[int, int]:

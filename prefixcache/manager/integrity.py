@@ -42,12 +42,15 @@ def _check_tenants(mgr: CacheManager) -> None:
         _require(min(row[3:]) >= 0, f"tenant {tenant!r} has a negative counter")
         _require(row.evicted_by_others <= row.evicted_blocks, "more evicted by others than all")
     heaps = getattr(evictor, "heaps", {})
+    filed = {tenant: heap.filed_ids() for tenant, heap in heaps.items()}
+    common = evictor.filed_ids()
     for node in mgr.index.iter_nodes():
         if not evictor.evictable(node):
             continue
         assert node.namespace is not None
-        heap = heaps.get(node.namespace.salt, evictor) if node.namespace.salt else evictor
-        _require(heap.files(node), "an evictable leaf is not filed in its tenant's eviction heap")
+        salt = node.namespace.salt
+        ids = filed.get(salt, common) if salt else common
+        _require(id(node) in ids, "an evictable leaf is not filed in its tenant's eviction heap")
 
 
 def _check_gpu(mgr: CacheManager) -> None:

@@ -29,6 +29,9 @@ from prefixcache.manager.tenant_shares import (
     ShareEvictor,
     TenantLedger,
     TenantShare,
+    TenantStats,
+    share_evictor_for,
+    tenant_rows,
 )
 
 if TYPE_CHECKING:
@@ -214,6 +217,31 @@ class CacheState:
         """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
         return frozenset(b for seq in self.seqs.values() for b in seq.pending)
 
+    def shares(self) -> dict[str, TenantShare] | None:
+        """The tenant shares in force ({}: per-tenant counts only; None: no accounting)."""
+        evictor = self.evictor
+        return evictor.shares if isinstance(evictor, ShareEvictor) else None
+
+    def apply_shares(self, shares: dict[str, TenantShare] | None) -> None:
+        """Put ``shares`` (checked; None: no tenant accounting) in force: a new eviction order
+        with every evictable leaf filed in it (O(cached nodes)); the counters carry on."""
+        evictor = share_evictor_for(self.evictor, shares, self.index.tenant_blocks)
+        now = self.now()
+        for node in self.index.iter_nodes():
+            if evictor.evictable(node):
+                evictor.push(node, now)
+        self.evictor = evictor
+        if shares is None:
+            self.tenants = None
+        elif self.tenants is None:
+            self.tenants = TenantLedger(LOST_LIMIT_FACTOR * self.num_blocks)
+
+    def tenant_stats(self) -> dict[str | None, TenantStats]:
+        """Per tenant: cached blocks, its share and its eviction counters ({}: no accounting)."""
+        if self.tenants is None:
+            return {}
+        return tenant_rows(self.index.tenant_blocks, self.shares() or {}, self.tenants)
+
     @classmethod
     def build(
         cls,
@@ -276,7 +304,7 @@ class CacheState:
         state.offload = self.offload
         state.tenants = self.tenants
         if self.tenants is not None:  # what was evicted before the reset is not missed
-            self.tenants.lost.clear()
+            self.tenants.forget_lost()
         return state
 
 

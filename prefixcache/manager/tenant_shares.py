@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from prefixcache.blocks.eviction import Evictor, PolicyKey
+from prefixcache.blocks.hashing import DIGEST_SIZE
 from prefixcache.blocks.radix import Node
 from prefixcache.errors import ConfigError
 
@@ -56,12 +57,16 @@ class TenantStats(NamedTuple):
     guarantee_breaks: int  # of its blocks, evicted under its guarantee (nothing else was left)
 
 
-class Victim(NamedTuple):
-    """The leaf to evict from next, and how many of its blocks may go."""
+class Victim:
+    """The leaf to evict from next, and how many of its blocks may go (a plain class, not a
+    NamedTuple: one is made per eviction)."""
 
-    node: Node
-    limit: int  # its tenant's blocks over the guarantee (or every block of the node)
-    breaks_guarantee: bool  # taken under its tenant's guarantee: nothing else was evictable
+    __slots__ = ("breaks_guarantee", "limit", "node")
+
+    def __init__(self, node: Node, limit: int, breaks_guarantee: bool) -> None:
+        self.node = node
+        self.limit = limit  # its tenant's blocks over the guarantee (or every block of the node)
+        self.breaks_guarantee = breaks_guarantee  # taken under the guarantee: nothing else was
 
 
 def check_shares(shares: object, num_blocks: int) -> dict[str, TenantShare]:
@@ -104,71 +109,113 @@ def check_shares(shares: object, num_blocks: int) -> dict[str, TenantShare]:
     return out
 
 
-class TenantLedger:
-    """Per-tenant eviction counters, and the digests another tenant evicted (so the blocks a
-    tenant computes again because of a neighbour are counted). The digests kept are bounded:
-    past ``limit`` the oldest are forgotten."""
+class TenantCounters:
+    """One tenant's eviction counters (a row of ``TenantLedger``)."""
 
-    __slots__ = ("breaks", "by_others", "capped", "evicted", "limit", "lost", "recomputed")
+    __slots__ = ("breaks", "by_others", "capped", "evicted", "recomputed")
+
+    def __init__(self) -> None:
+        self.evicted = 0
+        self.by_others = 0
+        self.recomputed = 0
+        self.capped = 0
+        self.breaks = 0
+
+
+class TenantLedger:
+    """Per-tenant eviction counters, and the runs of blocks another tenant evicted (so the
+    blocks a tenant computes again because of a neighbour are counted). A run is remembered
+    as one entry, its first digest -> all its digests; the blocks remembered are bounded: past
+    ``limit`` the oldest runs are forgotten."""
+
+    __slots__ = ("limit", "lost", "lost_blocks", "rows")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.evicted: dict[str | None, int] = {}
-        self.by_others: dict[str | None, int] = {}
-        self.recomputed: dict[str | None, int] = {}
-        self.capped: dict[str | None, int] = {}
-        self.breaks: dict[str | None, int] = {}
-        # digests evicted by another tenant, oldest first
-        self.lost: OrderedDict[bytes, None] = OrderedDict()
+        self.rows: dict[str | None, TenantCounters] = {}
+        # runs evicted by another tenant, oldest first: first digest -> the run's digests
+        self.lost: OrderedDict[bytes, bytes] = OrderedDict()
+        self.lost_blocks = 0
+
+    def row(self, tenant: str | None) -> TenantCounters:
+        """``tenant``'s counters (made at first use)."""
+        row = self.rows.get(tenant)
+        if row is None:
+            row = self.rows[tenant] = TenantCounters()
+        return row
 
     def note_eviction(
-        self,
-        victim: str | None,
-        cause: str | None,
-        digests: bytes,
-        k: int,
-        capped: bool,
-        breaks: bool,
+        self, victim: str | None, cause: str | None, node: Node, k: int, capped: bool, breaks: bool
     ) -> None:
-        """``k`` blocks of ``victim`` (``digests``: theirs, 16 bytes each) left the GPU for an
-        allocation of ``cause``."""
-        _add(self.evicted, victim, k)
+        """The last ``k`` blocks of ``node`` (a leaf of ``victim``, its digests still in place)
+        leave the GPU for an allocation of ``cause``."""
+        row = self.row(victim)
+        row.evicted += k
         if capped:
-            _add(self.capped, victim, k)
+            row.capped += k
         if breaks:
-            _add(self.breaks, victim, k)
+            row.breaks += k
         if victim != cause:
-            _add(self.by_others, victim, k)
+            row.by_others += k
+            run = bytes(node.digests[-k * DIGEST_SIZE :])
+            self._remember(run)
             lost = self.lost
-            for i in range(0, len(digests), 16):
-                lost[digests[i : i + 16]] = None
-            for _ in range(len(lost) - self.limit):
-                lost.popitem(last=False)
+            while self.lost_blocks > self.limit:
+                _, old = lost.popitem(last=False)
+                self.lost_blocks -= len(old) // DIGEST_SIZE
 
-    def note_stored(self, tenant: str | None, digests: list[bytes]) -> None:
-        """``tenant`` computed and stored these blocks: those another tenant had evicted count
-        as recomputed after others."""
+    def _remember(self, run: bytes) -> None:
+        first = run[:DIGEST_SIZE]
+        old = self.lost.pop(first, None)
+        if old is not None:
+            self.lost_blocks -= len(old) // DIGEST_SIZE
+        self.lost[first] = run
+        self.lost_blocks += len(run) // DIGEST_SIZE
+
+    def note_stored(self, tenant: str | None, digests: list[bytes], start: int = 0) -> None:
+        """``tenant`` computed and stored ``digests[start:]`` (a run of one chain): those
+        another tenant had evicted count as recomputed after others."""
         lost = self.lost
         if not lost:
             return
         n = 0
-        for d in digests:
-            if d in lost:
-                del lost[d]
-                n += 1
+        i = start
+        m = len(digests)
+        while i < m:
+            if digests[i] not in lost:
+                i += 1
+                continue
+            run = lost.pop(digests[i])
+            k = len(run) // DIGEST_SIZE
+            self.lost_blocks -= k
+            j = 1  # the run is matched as far as the stored digests follow it
+            while j < k and i + j < m:
+                if digests[i + j] != run[j * DIGEST_SIZE : (j + 1) * DIGEST_SIZE]:
+                    break
+                j += 1
+            if j < k:  # the rest of the run is still lost
+                self._remember(run[j * DIGEST_SIZE :])
+            n += j
+            i += j
         if n:
-            _add(self.recomputed, tenant, n)
+            self.row(tenant).recomputed += n
 
-    def tenants(self) -> set[str | None]:
-        """Every tenant with a counter."""
-        out: set[str | None] = set()
-        for counts in (self.evicted, self.recomputed):
-            out.update(counts)
-        return out
+    def forget_lost(self) -> None:
+        """Forget every run remembered (what was evicted before an index reset is not missed)."""
+        self.lost.clear()
+        self.lost_blocks = 0
 
 
-def _add(counts: dict[str | None, int], tenant: str | None, k: int) -> None:
-    counts[tenant] = counts.get(tenant, 0) + k
+class TenantHeap(Evictor):
+    """The evictable leaves of one tenant with a share, and where it stands in the tenants'
+    heap."""
+
+    def __init__(self, policy: str | PolicyKey, tenant: str, guaranteed: int) -> None:
+        super().__init__(policy)
+        self.tenant = tenant
+        self.guaranteed = guaranteed
+        self.filed: Any = None  # the smallest key it is filed under in the tenants' heap
+        self.parked = False  # found at or under its guarantee: out of the tenants' heap
 
 
 class ShareEvictor(Evictor):
@@ -176,7 +223,7 @@ class ShareEvictor(Evictor):
     and tenants over their guarantee; tenants at their guarantee last.
 
     Its own heap (the base class's) holds the leaves of tenants without a share; each tenant
-    with a share has its own ``Evictor``. ``_heads`` files each such tenant under its oldest
+    with a share has its own ``TenantHeap``. ``_heads`` files each such tenant under its oldest
     key (lazily: an entry is checked against the tenant's heap when it comes up); a tenant at
     or under its guarantee is parked until a leaf of it is filed while it is past it.
     """
@@ -191,92 +238,86 @@ class ShareEvictor(Evictor):
         self.policy = policy
         self.shares: dict[str, TenantShare] = dict(shares)
         self.counts = counts  # the index's tenant_blocks (rebound when the index is replaced)
-        self.heaps: dict[str, Evictor] = {t: Evictor(policy) for t in self.shares}
-        self._heads: list[tuple[Any, int, str]] = []  # (oldest key, order, tenant)
-        self._filed: dict[str, Any] = {}  # tenant -> the smallest key it is filed under
-        self._parked: set[str] = set()  # tenants at or under their guarantee
+        self.heaps: dict[str, TenantHeap] = {
+            t: TenantHeap(policy, t, share.guaranteed) for t, share in self.shares.items()
+        }
+        self._heads: list[tuple[Any, int, TenantHeap]] = []  # (oldest key, order, its heap)
         self._order = 0
         self._last: Evictor = self  # the heap the last push went to (the one to compact)
 
-    def _tenant_heap(self, node: Node) -> tuple[str | None, Evictor | None]:
-        namespace = node.namespace
-        tenant = namespace.salt if namespace is not None else None
-        if tenant is None:
-            return None, None
-        return tenant, self.heaps.get(tenant)
-
     def push(self, node: Node, now: float) -> Any:
         """File an evictable leaf in its tenant's heap (or the common one); returns its key."""
-        tenant, heap = self._tenant_heap(node)
-        if heap is None or tenant is None:
+        namespace = node.namespace
+        tenant = namespace.salt if namespace is not None else None
+        heap = self.heaps.get(tenant) if tenant is not None else None
+        if heap is None:
             self._last = self
             return Evictor.push(self, node, now)
         self._last = heap
         key = heap.push(node, now)
-        if tenant in self._parked:  # back among the candidates once past its guarantee again
-            if self.counts.get(tenant, 0) <= self.shares[tenant].guaranteed:
+        if heap.parked:  # back among the candidates once past its guarantee again
+            if self.counts.get(heap.tenant, 0) <= heap.guaranteed:
                 return key
-            self._parked.discard(tenant)
+            heap.parked = False
             top = heap.peek(now)
             if top is not None:
-                self._file(tenant, top[0])
+                self._file(heap, top[0])
             return key
-        filed = self._filed.get(tenant)
-        if filed is None or key < filed:
-            self._file(tenant, key)
+        if heap.filed is None or key < heap.filed:
+            self._file(heap, key)
         return key
 
-    def _file(self, tenant: str, key: Any) -> None:
+    def _file(self, heap: TenantHeap, key: Any) -> None:
         self._order += 1
-        heapq.heappush(self._heads, (key, self._order, tenant))
-        self._filed[tenant] = key
+        heapq.heappush(self._heads, (key, self._order, heap))
+        heap.filed = key
 
-    def _share_head(self, now: float) -> tuple[Any, str] | None:
-        """The oldest key among tenants with a share that are over their guarantee."""
-        heads, counts, shares = self._heads, self.counts, self.shares
+    def _share_head(self, now: float) -> TenantHeap | None:
+        """The heap of the tenant with the oldest key among tenants with a share that are over
+        their guarantee (filed under that key: ``filed``)."""
+        heads, counts = self._heads, self.counts
         while heads:
-            key, _, tenant = heads[0]
-            top = self.heaps[tenant].peek(now)
+            key, _, heap = heads[0]
+            top = heap.own_top_key(now)
             if top is None:  # nothing of it is evictable now
                 heapq.heappop(heads)
-                self._filed.pop(tenant, None)
+                heap.filed = None
                 continue
-            if top[0] != key:  # its oldest leaf went or changed: file it under the new one
+            if top != key:  # its oldest leaf went or changed: file it under the new one
                 self._order += 1
-                heapq.heapreplace(heads, (top[0], self._order, tenant))
-                self._filed[tenant] = top[0]
+                heapq.heapreplace(heads, (top, self._order, heap))
+                heap.filed = top
                 continue
-            if counts.get(tenant, 0) <= shares[tenant].guaranteed:
+            if counts.get(heap.tenant, 0) <= heap.guaranteed:
                 heapq.heappop(heads)
-                self._filed.pop(tenant, None)
-                self._parked.add(tenant)
+                heap.filed = None
+                heap.parked = True
                 continue
-            return key, tenant
+            return heap
         return None
 
     def pop_victim(self, now: float) -> Victim | None:
         """The next leaf to evict from, and how many of its blocks may go; None when nothing
         is evictable."""
-        common = Evictor.peek(self, now)
+        common = Evictor.own_top_key(self, now)
         share = self._share_head(now)
-        if share is not None and (common is None or share[0] < common[0]):
-            tenant = share[1]
-            node = self.heaps[tenant].pop(now)
-            assert node is not None
-            return Victim(node, self.counts[tenant] - self.shares[tenant].guaranteed, False)
+        if share is not None and (common is None or share.filed < common):
+            node = share.pop_own_top()
+            return Victim(node, self.counts[share.tenant] - share.guaranteed, False)
         if common is not None:
-            node = Evictor.pop(self, now)
-            assert node is not None
+            node = self.pop_own_top()
             return Victim(node, len(node.blocks), False)
-        best: tuple[Any, str] | None = None  # the last resort: the oldest guaranteed block
-        for tenant in self._parked:
-            top = self.heaps[tenant].peek(now)
-            if top is not None and (best is None or top[0] < best[0]):
-                best = top[0], tenant
+        best: TenantHeap | None = None  # the last resort: the oldest guaranteed block
+        best_key: Any = None
+        for heap in self.heaps.values():
+            if not heap.parked:
+                continue
+            top = heap.own_top_key(now)
+            if top is not None and (best is None or top < best_key):
+                best, best_key = heap, top
         if best is None:
             return None
-        node = self.heaps[best[1]].pop(now)
-        assert node is not None
+        node = best.pop_own_top()
         return Victim(node, len(node.blocks), True)
 
     def pop_own(self, tenant: str, now: float) -> Node | None:
@@ -307,9 +348,9 @@ class ShareEvictor(Evictor):
         else:
             last.compact(live_nodes)
         if len(self._heads) > 4 * len(self.heaps) + 64:
-            best: dict[str, tuple[Any, int, str]] = {}
+            best: dict[str, tuple[Any, int, TenantHeap]] = {}
             for entry in self._heads:
-                t = entry[2]
+                t = entry[2].tenant
                 if t not in best or entry[0] < best[t][0]:
                     best[t] = entry
             self._heads = list(best.values())
@@ -320,9 +361,9 @@ class ShareEvictor(Evictor):
         Evictor.clear(self)
         for heap in self.heaps.values():
             heap.clear()
+            heap.filed = None
+            heap.parked = False
         self._heads.clear()
-        self._filed.clear()
-        self._parked.clear()
 
     def __len__(self) -> int:
         """Entries in every heap, stale ones included."""
@@ -345,18 +386,20 @@ def tenant_rows(
     ledger: TenantLedger,
 ) -> dict[str | None, TenantStats]:
     """Every tenant with cached blocks, a share or a counter, and its figures."""
-    names: set[str | None] = set(counts) | set(shares) | ledger.tenants()
+    names: set[str | None] = set(counts) | set(shares) | set(ledger.rows)
     out: dict[str | None, TenantStats] = {}
+    none = TenantCounters()
     for t in sorted(names, key=lambda t: (t is not None, t or "")):
         share = shares.get(t) if t is not None else None
+        row = ledger.rows.get(t, none)
         out[t] = TenantStats(
             counts.get(t, 0),
             share.guaranteed if share is not None else 0,
             share.cap if share is not None else None,
-            ledger.evicted.get(t, 0),
-            ledger.by_others.get(t, 0),
-            ledger.recomputed.get(t, 0),
-            ledger.capped.get(t, 0),
-            ledger.breaks.get(t, 0),
+            row.evicted,
+            row.by_others,
+            row.recomputed,
+            row.capped,
+            row.breaks,
         )
     return out

@@ -1,4 +1,5 @@
-"""Starting and stopping the service and the fake upstream as subprocesses on 127.0.0.1."""
+"""Starting and stopping the service and the fake upstream as subprocesses on 127.0.0.1, and
+replicas that publish their managers' KV events over real ZMQ sockets."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
+import yaml
+
+from prefixcache import CacheManager, Namespace
+from prefixcache.fleet.events.publisher import KVEventPublisher
+from tests.fleet_support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 30.0
@@ -54,3 +60,48 @@ def running(module_args: Sequence[str], port: int, log: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+class PublishingReplica:
+    """An engine embedding the manager: it serves prompts (under a tenant's salt, when given)
+    and publishes its KV events on loopback ZMQ sockets."""
+
+    def __init__(self, num_blocks: int, model: str, block_size: int) -> None:
+        self.model = model
+        self.events = f"tcp://127.0.0.1:{free_port()}"
+        self.replay = f"tcp://127.0.0.1:{free_port()}"
+        self.mgr = CacheManager(num_blocks, block_size)
+        self.publisher = KVEventPublisher(self.events, self.replay)
+        self.publisher.attach(self.mgr)
+        self.served = 0
+
+    def serve(self, tokens: list[int], salt: str | None = None) -> None:
+        rid = f"r{self.served}"
+        self.served += 1
+        self.mgr.admit(rid, tokens, Namespace(self.model, salt=salt))
+        self.mgr.release(rid)
+        self.publisher.flush()
+
+
+def write_fleet_config(
+    path: Path, replicas: dict[str, PublishingReplica], index: str, routing: dict, **extra: object
+) -> Path:
+    """A ``prefixcache serve`` config at ``path`` naming each replica's sockets and sizes."""
+    config = {
+        "index": index,
+        "routing": routing,
+        **extra,
+        "replicas": [
+            {
+                "name": name,
+                "events": rep.events,
+                "replay": rep.replay,
+                "model": rep.model,
+                "block_size": rep.mgr.block_size,
+                "capacity_blocks": rep.mgr.num_blocks,
+            }
+            for name, rep in replicas.items()
+        ],
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path

@@ -71,6 +71,34 @@ def test_without_shares_the_neighbour_is_named():
     assert rows["steady"].guaranteed == 0 and rows["steady"].cap is None
 
 
+def test_recomputed_after_others_counts_exactly_the_blocks_a_neighbour_took():
+    """A neighbour evicts the steady tenant's 8-block prompt; coming back with the first 3
+    blocks, then the whole prompt, then a prompt that leaves it after block 5, the steady
+    tenant recomputes 3, then 5, then nothing more of what the neighbour took."""
+    mgr = CacheManager(8, P, shares={})
+    system = list(range(8 * P))
+    mgr.admit("a", system, STEADY)
+    mgr.release("a")
+    mgr.admit("b", _burst_prompt(0)[: 8 * P], BURSTY)  # takes all 8
+    mgr.release("b")
+    assert mgr.tenant_stats()["steady"].evicted_by_others == 8
+    mgr.admit("c", system[: 3 * P], STEADY)
+    mgr.release("c")
+    assert mgr.tenant_stats()["steady"].recomputed_after_others == 3
+    mgr.admit("d", system, STEADY)
+    mgr.release("d")
+    assert mgr.tenant_stats()["steady"].recomputed_after_others == 8
+    other = CacheManager(8, P, shares={})
+    other.admit("a", system, STEADY)
+    other.release("a")
+    other.admit("b", _burst_prompt(0)[: 8 * P], BURSTY)
+    other.release("b")
+    other.admit("c", system[: 5 * P] + [9] * (3 * P), STEADY)  # the same five, then others
+    other.release("c")
+    assert other.tenant_stats()["steady"].recomputed_after_others == 5
+    other.check_integrity()
+
+
 def test_a_cap_evicts_the_tenants_own_blocks_first_even_with_free_blocks():
     mgr = CacheManager(100, P, shares={"bursty": TenantShare(0, 24)})
     mgr.admit("s", _steady_prompt(0), STEADY)

@@ -13,9 +13,8 @@ import httpx
 import pytest
 import yaml
 
-from prefixcache import CacheManager, Namespace
-from prefixcache.fleet.events.publisher import KVEventPublisher
-from tests.fleet.fleet_processes import running
+from prefixcache import Namespace
+from tests.fleet.fleet_processes import PublishingReplica, running, write_fleet_config
 from tests.fleet_support import free_port, wait_until
 
 MODEL = "tiny-model"
@@ -24,48 +23,13 @@ SYSTEM = list(range(100, 132))  # 8 full blocks
 OTHER = list(range(500, 532))
 
 
-class Replica:
-    """A cache manager publishing its events, as an engine embedding prefixcache does."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.events = f"tcp://127.0.0.1:{free_port()}"
-        self.replay = f"tcp://127.0.0.1:{free_port()}"
-        self.mgr = CacheManager(num_blocks, BLOCK)
-        self.publisher = KVEventPublisher(self.events, self.replay)
-        self.publisher.attach(self.mgr)
-        self.served = 0
-
-    def serve(self, tokens: list[int]) -> None:
-        rid = f"r{self.served}"
-        self.served += 1
-        self.mgr.admit(rid, tokens, Namespace(MODEL))
-        self.mgr.release(rid)
-        self.publisher.flush()
-
-
 @pytest.fixture(params=["memory", "redis"])
 def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
     index = "memory"
     if request.param == "redis":
         index = request.getfixturevalue("redis_server").url
-    replicas = {"a": Replica(64), "b": Replica(12)}
-    config = {
-        "index": index,
-        "routing": {"policy": "prefix"},
-        "replicas": [
-            {
-                "name": name,
-                "events": rep.events,
-                "replay": rep.replay,
-                "model": MODEL,
-                "block_size": BLOCK,
-                "capacity_blocks": rep.mgr.num_blocks,
-            }
-            for name, rep in replicas.items()
-        ],
-    }
-    path = tmp_path / "fleet.yaml"
-    path.write_text(yaml.safe_dump(config))
+    replicas = {"a": PublishingReplica(64, MODEL, BLOCK), "b": PublishingReplica(12, MODEL, BLOCK)}
+    path = write_fleet_config(tmp_path / "fleet.yaml", replicas, index, {"policy": "prefix"})
     port = free_port()
     args = ["prefixcache", "serve", "--config", str(path), "--port", str(port)]
     try:

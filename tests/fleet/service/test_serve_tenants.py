@@ -13,13 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache import CacheManager, Namespace
-from prefixcache.fleet.events.publisher import KVEventPublisher
 from prefixcache.fleet.events.tenant_tally import TenantTally, tenant_of
-from tests.fleet.fleet_processes import running
+from tests.fleet.fleet_processes import PublishingReplica, running, write_fleet_config
 from tests.fleet_support import free_port, wait_until
 
 MODEL = "tiny-model"
@@ -30,47 +27,13 @@ OPS = "sk-operator-0123456789abcdef"
 KEYS = f"{ACME}: acme\n{GLOBEX}: globex\n{OPS}: {{role: operator, name: ops}}\n"
 
 
-class Replica:
-    """An engine embedding the manager: it serves prompts under the salt the service gave."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.events = f"tcp://127.0.0.1:{free_port()}"
-        self.replay = f"tcp://127.0.0.1:{free_port()}"
-        self.mgr = CacheManager(num_blocks, BLOCK)
-        self.publisher = KVEventPublisher(self.events, self.replay)
-        self.publisher.attach(self.mgr)
-        self.served = 0
-
-    def serve(self, tokens: list[int], salt: str) -> None:
-        rid = f"r{self.served}"
-        self.served += 1
-        self.mgr.admit(rid, tokens, Namespace(MODEL, salt=salt))
-        self.mgr.release(rid)
-        self.publisher.flush()
-
-
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    replicas = {"a": Replica(24), "b": Replica(24)}
+    replicas = {"a": PublishingReplica(24, MODEL, BLOCK), "b": PublishingReplica(24, MODEL, BLOCK)}
     (tmp_path / "keys.yaml").write_text(KEYS)
-    config = {
-        "index": "memory",
-        "auth": {"keys_file": "keys.yaml"},
-        "routing": {"policy": "prefix", "tenant_shares": {"acme": 8}},
-        "replicas": [
-            {
-                "name": name,
-                "events": rep.events,
-                "replay": rep.replay,
-                "model": MODEL,
-                "block_size": BLOCK,
-                "capacity_blocks": rep.mgr.num_blocks,
-            }
-            for name, rep in replicas.items()
-        ],
-    }
-    path = tmp_path / "fleet.yaml"
-    path.write_text(yaml.safe_dump(config))
+    routing = {"policy": "prefix", "tenant_shares": {"acme": 8}}
+    auth = {"keys_file": "keys.yaml"}
+    path = write_fleet_config(tmp_path / "fleet.yaml", replicas, "memory", routing, auth=auth)
     port = free_port()
     args = ["prefixcache", "serve", "--config", str(path), "--port", str(port)]
     try:
