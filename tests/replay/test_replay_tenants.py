@@ -54,6 +54,17 @@ def test_a_guarantee_keeps_the_steady_tenant_as_if_alone(tmp_path):
     assert "## Tenants" in md and "| steady | 40 guaranteed | 600 |" in md
 
 
+def test_the_terminal_summary_shows_each_tenant_with_and_without_shares(tmp_path, capsys):
+    _replay(tmp_path, TRACE, "--shares", "steady=40")
+    out = capsys.readouterr().out
+    assert "tenants         hit rate  (no shares)  evicted by others  neighbour's misses" in out
+    steady = next(line for line in out.splitlines() if line.strip().startswith("steady"))
+    assert steady.split()[1:3] == ["80.46%", "31.90%"]
+    _replay(tmp_path, TRACE, "--shares", "none")
+    out = capsys.readouterr().out
+    assert "(no shares)" not in out and "neighbour's misses" in out
+
+
 def test_per_tenant_figures_without_shares_name_the_neighbour(tmp_path):
     report = _replay(tmp_path, TRACE, "--shares", "none")
     steady = _rows(report)["steady"]

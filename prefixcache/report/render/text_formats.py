@@ -232,6 +232,7 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
                 f"(one replica, {fmt.capacity_blocks(pooled['capacity_blocks'])}, "
                 f"{fl['replicas']}x compute)"
             )
+    lines += _tenant_lines(r.get("tenants"))
     # the keys that tell the sweep's points apart besides the ones every table shows
     sweep_keys = [
         (k, label)
@@ -288,6 +289,33 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
             f"WARNING: {warning}", WIDTH, initial_indent="  ", subsequent_indent="           "
         )
     return "\n".join(lines)
+
+
+def _tenant_lines(tenants: dict[str, Any] | None) -> list[str]:
+    """Per tenant: hit rate (and without shares, when the replay compared), blocks a neighbour
+    evicted and the tokens that cost it; at most eight tenants, the busiest."""
+    if not tenants or not tenants.get("rows"):
+        return []
+    rows = sorted(tenants["rows"], key=lambda t: -t["prompt_tokens"])
+    compared = tenants.get("compared_without_shares")
+    lines = [
+        "  tenants         hit rate"
+        + ("  (no shares)" if compared else "")
+        + "  evicted by others  neighbour's misses"
+    ]
+    for t in rows[:8]:
+        name = "(no salt)" if t["tenant"] is None else str(t["tenant"])
+        cell = f"    {name[:13]:<13} {fmt.pct(t['token_hit_rate']):>8}"
+        if compared:
+            cell += f"  {fmt.pct(t['without_shares']['token_hit_rate']):>11}"
+        cell += (
+            f"  {t['evicted_by_others_blocks']:>10,} blocks"
+            f"  {t['noisy_neighbour_tokens']:>11,} tokens"
+        )
+        lines.append(cell)
+    if len(rows) > 8:
+        lines.append(f"    ... {len(rows) - 8} more in the report")
+    return lines
 
 
 def _serving_lines(c: dict[str, Any], sv: dict[str, Any]) -> list[str]:
