@@ -86,6 +86,15 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
             managers = fleet.managers
             truncated = serving.truncated
             extra["fleet"] = fleet.fleet.report_dict()
+            tot = acc.totals
+            # the service's attribution, from the replay's own view: what another replica held
+            # beyond the chosen one's is the routing miss; the engine delivers what it holds
+            extra["fleet"]["attribution"] = {
+                "prompt_tokens": tot.prompt_tokens,
+                "available_tokens": tot.hit_tokens + tot.routing,
+                "captured_tokens": tot.hit_tokens,
+                "delivered_tokens": tot.hit_tokens,
+            }
         elif config.mode == "sequential":
             tiers = build_tiers(resolved, [mgr])
             truncated = run_sequential(requests, mgr, acc, tiers.admitters[0] if tiers else None)

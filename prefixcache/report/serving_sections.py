@@ -246,6 +246,7 @@ def fleet(run: Run) -> Section:
             fmt.pct(run.report["misses"]["routing"] / (run.report["prompt_tokens"] or 1)),
             note="of prompt tokens",
         ),
+        *_attribution_fields(fl.get("attribution")),
         Field("Load imbalance", f"{fl['load_imbalance']:.2f}", note="max / mean busy time"),
         Field("Request imbalance", f"{fl['request_imbalance']:.2f}", note="max / mean"),
         Field(
@@ -254,6 +255,26 @@ def fleet(run: Run) -> Section:
         ),
     ]
     return section
+
+
+def _attribution_fields(a: dict[str, Any] | None) -> list[Field]:
+    """Available, captured and delivered prompt tokens, as the service attributes them."""
+    if not a:
+        return []
+    prompt = a["prompt_tokens"] or 1
+    cells = ", ".join(
+        f"{name} {fmt.pct(a[f'{name}_tokens'] / prompt)}"
+        for name in ("available", "captured", "delivered")
+    )
+    return [
+        Field(
+            "Reuse available, captured, delivered",
+            cells,
+            note="of prompt tokens: the best any replica held, the chosen one's, the engine's "
+            "(a replay's engine delivers what its cache holds: delivered equals captured by "
+            "construction)",
+        )
+    ]
 
 
 def pooled_caption(tiers: dict[str, Any] | None) -> str:

@@ -68,6 +68,16 @@ def test_miss_breakdown_sums_exactly(small: Path, replicas: int, routing: str) -
     assert all(v >= 0 for v in r["misses"].values())
 
 
+def test_attribution_columns_are_the_replays_own_view(small: Path) -> None:
+    """Available is what any replica held (hits plus routing misses), captured what the chosen
+    one held, delivered equals captured: a replay's engine delivers what its cache holds."""
+    r = report(small, 4, "round_robin")
+    a = r["fleet"]["attribution"]
+    assert a["prompt_tokens"] == r["prompt_tokens"]
+    assert a["captured_tokens"] == a["delivered_tokens"] == r["hit_tokens"]
+    assert a["available_tokens"] - a["captured_tokens"] == r["misses"]["routing"] > 0
+
+
 def test_pooled_line_bounds_every_policy(small: Path) -> None:
     for routing in ("round_robin", "prefix", "prefix_balanced"):
         r = report(small, 4, routing)

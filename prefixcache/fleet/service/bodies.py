@@ -46,9 +46,11 @@ class RouteBody(PromptBody, forbid_unknown_fields=True):
 
 
 class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
-    """The request whose load ends."""
+    """The request whose load ends, and what its engine reported serving from its cache
+    (``usage.prompt_tokens_details.cached_tokens``), when the gateway has it."""
 
     request_id: RequestId
+    cached_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 Body = TypeVar("Body")

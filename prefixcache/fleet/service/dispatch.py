@@ -33,6 +33,7 @@ from prefixcache.errors import (
     PayloadTooLargeError,
     UnknownRequestError,
 )
+from prefixcache.fleet.delivery_check import DeliveryCheck, Prediction
 from prefixcache.fleet.events.ingest import IngestSource
 from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
 from prefixcache.fleet.index.memory import MemoryFleetIndex
@@ -86,6 +87,11 @@ class FleetService:
             engines = {r.name: r.engine_hash for r in config.replicas if r.engine_hash}
             held.use_engine_hashes(engines)
             router.attach_held(held)
+        # what the engines deliver against what routing predicted (a degraded replica keeps
+        # its routes: the verdict is for the operator, see docs/service.md)
+        self.delivery = DeliveryCheck(config.delivery)
+        metrics.watch_delivery(self.delivery, router)
+        self._block_sizes = {r.name: r.block_size for r in config.replicas}
         self.proxying = proxying  # the OpenAI-compatible endpoints forward to replicas
         self.urls = {r.name: r.url for r in config.replicas}
         self.http_client: Any = None  # httpx.AsyncClient while proxying
@@ -239,11 +245,17 @@ class FleetService:
             settled = routed_id
         finally:
             self.limits.settle(caller, settled)
+        prediction = self.prediction(decision, body.adapter or body.model, caller)
+        self.delivery.expect(routed_id, prediction)
         return decision
 
-    async def release(self, request_id: str, caller: Caller) -> Released:
+    async def release(
+        self, request_id: str, caller: Caller, cached_tokens: int | None = None
+    ) -> Released:
         """End the load of ``caller``'s ``request_id``; UnknownRequestError when that caller has
-        no such request in flight (another key's request of that id is not its own)."""
+        no such request in flight (another key's request of that id is not its own).
+        ``cached_tokens``: what the engine reported serving from its cache for it, checked
+        against the route's prediction."""
         routed_id = caller.scoped_id(request_id)
         try:
             released: Released = await self._run(self.inline, self.router.release, routed_id)
@@ -252,7 +264,25 @@ class FleetService:
             ended = f" (or its load ended after {timeout:g} s)" if timeout else ""
             raise UnknownRequestError(f"request {request_id!r} is not in flight{ended}") from None
         self.limits.forget(caller, routed_id)
+        self.delivery.report(routed_id, cached_tokens)
         return released._replace(request_id=request_id)
+
+    def prediction(self, decision: RouteDecision, model: str, caller: Caller) -> Prediction:
+        """What the route predicts for the engine's answer (``DeliveryCheck``); ``model`` as the
+        request named it (a base model or an adapter)."""
+        block_size = self._block_sizes.get(decision.replica)
+        if block_size is None:  # added at run time
+            spec = next((s for s in self.router.replicas() if s.name == decision.replica), None)
+            block_size = spec.block_size if spec is not None else 0
+        return Prediction(
+            decision.replica,
+            caller.tenant or "",
+            model,
+            block_size,
+            decision.prompt_tokens,
+            max((s.cached_tokens for s in decision.scores), default=0),
+            decision.cached_tokens,
+        )
 
     def route_tokens(
         self,

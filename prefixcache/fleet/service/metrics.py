@@ -11,12 +11,13 @@ of descriptors (``ConnectionEvents``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixcache.fleet.delivery_check import DeliveryCheck
 from prefixcache.fleet.events.ingest import IngestStats
 from prefixcache.fleet.router import RouteDecision, Router
 from prefixcache.fleet.service.guards.connection_budget import CONNECTION_EVENTS, ConnectionEvents
@@ -146,6 +147,68 @@ def _tenant_families(ingest: IngestStats) -> Iterator[Metric]:
     yield evicted
 
 
+class _DeliveryCollector(Collector):
+    """Predicted against delivered, read at scrape time: each replica's verdict and window, and
+    where reuse went per tenant (bounded by the keys file) and model (by the config)."""
+
+    def __init__(self, delivery: DeliveryCheck, replicas: Callable[[], list[str]]) -> None:
+        self._delivery = delivery
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        """The verdicts and the attribution sums, read now."""
+        delivery = self._delivery
+        degraded = GaugeMetricFamily(
+            "prefixcache_replica_degraded",
+            "1 while the replica's engine reports cached tokens off the route's predictions "
+            "(the reason is in /v1/replicas and the log)",
+            labels=["replica"],
+        )
+        window = GaugeMetricFamily(
+            "prefixcache_replica_delivery_window",
+            "Reported requests in the replica's window (kind=requests), those whose engine "
+            "delivered over a block less than predicted (under) or more (over)",
+            labels=["replica", "kind"],
+        )
+        for name in self._replicas():
+            state = delivery.state(name)
+            degraded.add_metric([name], int(state.degraded))
+            window.add_metric([name, "requests"], state.requests)
+            window.add_metric([name, "under"], state.under)
+            window.add_metric([name, "over"], state.over)
+        yield degraded
+        yield window
+        tokens = CounterMetricFamily(
+            "prefixcache_attributed_tokens",
+            "Prompt tokens of requests whose engine reported its cached tokens (kind=prompt), "
+            "the best any replica held when routed (available), what the chosen replica held "
+            "(captured) and what its engine served from cache (delivered)",
+            labels=["tenant", "model", "kind"],
+        )
+        requests = CounterMetricFamily(
+            "prefixcache_attributed_requests",
+            "Requests whose engine reported its cached tokens",
+            labels=["tenant", "model"],
+        )
+        for (tenant, model), a in sorted(delivery.attribution().items()):
+            requests.add_metric([tenant, model], a.requests)
+            for kind, value in (
+                ("prompt", a.prompt_tokens),
+                ("available", a.available_tokens),
+                ("captured", a.captured_tokens),
+                ("delivered", a.delivered_tokens),
+            ):
+                tokens.add_metric([tenant, model, kind], value)
+        yield tokens
+        yield requests
+        yield CounterMetricFamily(
+            "prefixcache_unreported_requests",
+            "Answered one-prompt requests whose answer carried no cached-token figure (the "
+            "engine's cache report is off, or a stream without its usage chunk)",
+            value=delivery.unreported,
+        )
+
+
 class _ConnectionCollector(Collector):
     """What happened to connections below the app, read at scrape time."""
 
@@ -213,6 +276,12 @@ class ServiceMetrics:
         )
         self.registry.register(_FleetCollector(router, ingest))
         self.registry.register(_ConnectionCollector(CONNECTION_EVENTS))
+
+    def watch_delivery(self, delivery: DeliveryCheck, router: Router) -> None:
+        """Export ``delivery``'s verdicts and attribution sums."""
+        self.registry.register(
+            _DeliveryCollector(delivery, lambda: [s.name for s in router.replicas()])
+        )
 
     def observe_route(self, decision: RouteDecision, seconds: float) -> None:
         """Count one route decision."""

@@ -20,6 +20,10 @@ With API keys, the caller's tenant salt (``Caller.salt``) replaces the body's ``
 what is forwarded, so the engine's blocks, and the KV events the index learns them from, are the
 tenant's own; the caller's key is not passed on (``auth.upstream_key_env`` names the one the
 replicas take). Each request counts against its key's rate limit and in-flight cap.
+
+The engine's cached-token figure (``usage.prompt_tokens_details.cached_tokens``) is read from
+each one-prompt answer as it passes (``usage_reader``) and checked against what the route
+predicted (``FleetService.delivery``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from prefixcache.fleet.service.bodies import decode_body
 from prefixcache.fleet.service.dispatch import FleetService
 from prefixcache.fleet.service.guards.access import caller_of
 from prefixcache.fleet.service.http_errors import error_response
+from prefixcache.fleet.service.usage_reader import UsageReader
 
 _DROPPED_HEADERS = frozenset(
     ("content-length", "transfer-encoding", "connection", "keep-alive", "host")
@@ -58,18 +63,25 @@ _FORWARDED_REQUEST_HEADERS = ("content-type", "authorization", "accept", "x-requ
 
 
 class _UpstreamStream(StreamingResponse):
-    """The replica's answer, relayed chunk by chunk; ``on_close`` runs however it ends."""
+    """The replica's answer, relayed chunk by chunk; ``on_close`` runs however it ends, with the
+    engine's cached-token figure when ``reader`` found one in a whole answer (else None)."""
 
     def __init__(
-        self, upstream: httpx.Response, extra_headers: dict[str, str], on_close: Callable[[], None]
+        self,
+        upstream: httpx.Response,
+        extra_headers: dict[str, str],
+        on_close: Callable[[int | None], None],
+        reader: UsageReader | None,
     ) -> None:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
         headers.update(extra_headers)
         replica = extra_headers.get("x-prefixcache-replica", "the replica")
-        relay = _relay(upstream, replica)
+        self._complete = False
+        relay = self._relay(upstream, replica, reader)
         super().__init__(relay, status_code=upstream.status_code, headers=headers)
         self._upstream = upstream
         self._on_close = on_close
+        self._reader = reader
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -78,24 +90,31 @@ class _UpstreamStream(StreamingResponse):
             try:
                 await self._upstream.aclose()
             finally:
-                self._on_close()
+                reader = self._reader
+                whole = self._complete and reader is not None and self._upstream.status_code == 200
+                self._on_close(reader.close() if whole and reader is not None else None)
 
-
-async def _relay(upstream: httpx.Response, replica: str) -> AsyncIterator[bytes]:
-    """The replica's bytes as they come. If it breaks off mid-answer, a streamed answer ends
-    with an error event, as vLLM ends a stream that fails (clients raise on it; a cut-off
-    stream would read as a short answer); any other answer just ends there."""
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:
-        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            error = {
-                "message": f"replica {replica} broke off the answer: {type(exc).__name__}",
-                "type": "UpstreamError",
-                "code": 502,
-            }
-            yield b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
+    async def _relay(
+        self, upstream: httpx.Response, replica: str, reader: UsageReader | None
+    ) -> AsyncIterator[bytes]:
+        """The replica's bytes as they come (each also to ``reader``). If it breaks off
+        mid-answer, a streamed answer ends with an error event, as vLLM ends a stream that fails
+        (clients raise on it; a cut-off stream would read as a short answer); any other answer
+        just ends there."""
+        try:
+            async for chunk in upstream.aiter_raw():
+                if reader is not None:
+                    reader.feed(chunk)
+                yield chunk
+            self._complete = True
+        except httpx.HTTPError as exc:
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                error = {
+                    "message": f"replica {replica} broke off the answer: {type(exc).__name__}",
+                    "type": "UpstreamError",
+                    "code": 502,
+                }
+                yield b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
@@ -176,26 +195,32 @@ async def _forward(
     if salt != given_salt:  # the engine keys the blocks under the tenant's salt
         raw = msgspec.json.encode({**payload, "cache_salt": salt})
 
-    def choose() -> RouteDecision:  # tokenizing, hashing, the index: off the event loop
+    def choose() -> tuple[RouteDecision, Namespace]:  # tokenizing, hashing, the index: off the loop
         namespace = namespace_for(service, payload.get("model"), salt)
         tokens = tokens_of(service, payload)
-        return service.route_tokens(namespace, tokens, request_id, expire=False)  # always released
+        # always released: no in-flight timeout
+        return service.route_tokens(namespace, tokens, request_id, expire=False), namespace
 
     service.limits.reserve(caller)
     settled: str | None = None
     try:
-        decision = await run_in_threadpool(choose)
+        decision, namespace = await run_in_threadpool(choose)
         settled = request_id
     finally:
         service.limits.settle(caller, settled)
     released = False
+    # one prompt, one answer: the engine's cached tokens are this prompt's
+    model = namespace.adapter or namespace.model
+    prediction = service.prediction(decision, model, caller) if _one_prompt(payload) else None
 
-    def release() -> None:
+    def release(delivered: int | None = None) -> None:
         nonlocal released
         if not released:
             released = True
             service.release_quietly(request_id)
             service.limits.forget(caller, request_id)
+            if prediction is not None:
+                service.delivery.observe(prediction, delivered)
 
     url = f"{service.urls[decision.replica]}{path}"
     headers = {k: v for k in _FORWARDED_REQUEST_HEADERS if (v := request.headers.get(k))}
@@ -225,7 +250,20 @@ async def _forward(
         release()
         raise
     extra = {"x-prefixcache-replica": decision.replica, "x-prefixcache-request-id": request_id}
-    return _UpstreamStream(upstream, extra, release)
+    reader = None
+    if prediction is not None:
+        reader = UsageReader(upstream.headers.get("content-type", ""))
+    return _UpstreamStream(upstream, extra, release, reader)
+
+
+def _one_prompt(payload: dict[str, Any]) -> bool:
+    """Whether the answer's usage is one prompt's: one prompt (or a chat) and one choice."""
+    n = payload.get("n")
+    if n is not None and n != 1:
+        return False
+    prompt = payload.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+    return not several
 
 
 async def completions(request: Request) -> Response:

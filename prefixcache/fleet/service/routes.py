@@ -1,9 +1,9 @@
 """The service's own endpoints: ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
-``GET /v1/replicas``, ``GET /v1/models``, ``GET /healthz``, ``GET /health`` and ``GET /metrics``,
-module functions that ``add_api_routes`` registers on the app's own router as plain Starlette
-routes: each takes the ``Request`` and answers a ``Response`` itself, so FastAPI's parameter
-and dependency machinery (and an included router's extra hop) is not paid per request. Each
-handler finds the ``FleetService`` in ``request.app.state.service``.
+``GET /v1/replicas``, ``GET /v1/models``, ``GET /v1/stats``, ``GET /healthz``, ``GET /health``
+and ``GET /metrics``, module functions that ``add_api_routes`` registers on the app's own router
+as plain Starlette routes: each takes the ``Request`` and answers a ``Response`` itself, so
+FastAPI's parameter and dependency machinery (and an included router's extra hop) is not paid
+per request. Each handler finds the ``FleetService`` in ``request.app.state.service``.
 
 A request has passed the ``access`` gate when keys are configured (``/v1/replicas`` and
 ``/metrics`` then only with an operator key); lookups and routes count against the caller's rate
@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import Route
 
+from prefixcache.fleet.delivery_check import DeliveryState
 from prefixcache.fleet.index.interface import GPU
 from prefixcache.fleet.policies import ReplicaScore
 from prefixcache.fleet.replica_health import ReplicaHealth
@@ -49,6 +50,22 @@ def _health(health: ReplicaHealth | None) -> dict[str, Any]:
         "down_for_s": round(health.down_for_s, 3),
         "down_reason": health.reason,
         "marked_down": health.marked_down,
+    }
+
+
+def _delivery(state: DeliveryState) -> dict[str, Any]:
+    return {
+        "degraded": state.degraded,
+        "degraded_reason": state.reason,
+        "delivery": {
+            "requests": state.requests,
+            "predicted_hits": state.predicted_hits,
+            "under_delivered": state.under,
+            "over_delivered": state.over,
+            "mean_predicted_tokens": round(state.mean_predicted, 1),
+            "mean_delivered_tokens": round(state.mean_delivered, 1),
+            "degraded_times": state.degraded_times,
+        },
     }
 
 
@@ -99,7 +116,7 @@ async def release(request: Request) -> Response:
     service: FleetService = request.app.state.service
     caller = caller_of(request)
     body = decode_body(await service.read_body(request, caller), ReleaseBody)
-    released = await service.release(body.request_id, caller)
+    released = await service.release(body.request_id, caller, body.cached_tokens)
     return _json(released._asdict())
 
 
@@ -137,6 +154,7 @@ def replica_rows(service: FleetService) -> list[dict[str, Any]]:
                 "index_blocks": held[spec.name],
                 "index_gpu_blocks": on_gpu[spec.name],
                 **_health(health.get(spec.name)),
+                **_delivery(service.delivery.state(spec.name)),
             }
         )
     return out
@@ -158,6 +176,7 @@ async def healthz(request: Request) -> Response:
             "status": "ok",
             "replicas": len(router.replicas()),
             "replicas_up": sum(h.up for h in router.health()),
+            "replicas_degraded": len(service.delivery.degraded()),
             "policy": router.policy,
             "proxy": service.proxying,
             "ingest": service.ingest is not None,
@@ -189,8 +208,30 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 while the service is up, with an empty body, as vLLM's ``GET /health``."""
-    return Response(status_code=200)
+    """200 while the service is up, with an empty body, as vLLM's ``GET /health``; the replicas
+    whose engines deliver off the predictions are counted in ``x-prefixcache-degraded`` (named,
+    with the reasons, in the operator's ``/v1/replicas``)."""
+    degraded = request.app.state.service.delivery.degraded()
+    headers = {"x-prefixcache-degraded": str(len(degraded))} if degraded else None
+    return Response(status_code=200, headers=headers)
+
+
+async def stats(request: Request) -> Response:
+    """Where reuse went, per tenant and model, over the requests whose engine reported its
+    cached tokens: the best any replica held (available), what the chosen one held (captured)
+    and what the engine served (delivered). A tenant key sees its own tenant's rows."""
+    service: FleetService = request.app.state.service
+    caller = caller_of(request)
+    rows = []
+    for (tenant, model), a in sorted(service.delivery.attribution().items()):
+        if caller.tenant is not None and tenant != caller.tenant:
+            continue
+        rows.append({"tenant": tenant or None, "model": model, **a._asdict()})
+    body: dict[str, Any] = {"attribution": rows}
+    if caller.operator:
+        body["unreported_requests"] = service.delivery.unreported
+        body["degraded"] = service.delivery.degraded()
+    return _json(body)
 
 
 async def metrics(request: Request) -> Response:
@@ -209,6 +250,7 @@ def add_api_routes(app: FastAPI) -> None:
         ("/v1/release", release, "POST"),
         ("/v1/replicas", replicas, "GET"),
         ("/v1/models", models, "GET"),
+        ("/v1/stats", stats, "GET"),
         ("/healthz", healthz, "GET"),
         ("/health", health, "GET"),
         ("/metrics", metrics, "GET"),

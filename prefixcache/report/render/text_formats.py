@@ -225,6 +225,17 @@ def format_summary(r: dict[str, Any], run_dir: str | None = None) -> str:
                 f"hit {fmt.pct(rep['token_hit_rate']):>6}  TTFT p50 {rep['ttft_p50_s']:.3f} s  "
                 f"p99 {rep['ttft_p99_s']:.3f} s"
             )
+        attribution = fl.get("attribution")
+        if attribution:
+            prompt_total = attribution["prompt_tokens"] or 1
+            lines.append(
+                "  reuse           "
+                + "  ".join(
+                    f"{k} {fmt.pct(attribution[f'{k}_tokens'] / prompt_total)}"
+                    for k in ("available", "captured", "delivered")
+                )
+                + " (delivered = captured in a replay)"
+            )
         pooled = fl["pooled"]
         if pooled:
             lines.append(

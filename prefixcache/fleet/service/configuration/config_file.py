@@ -17,6 +17,7 @@ import yaml
 from prefixcache.blocks.hashing import HASH_FUNCTIONS
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.fleet.delivery_check import DeliveryConfig
 from prefixcache.fleet.events.engine_keys import EngineHashSpec, parse_engine_hash
 from prefixcache.fleet.events.replay_client import (
     DEFAULT_MAX_REPLAY_FRAMES,
@@ -132,6 +133,8 @@ class ServiceConfig:
     # "{prefixcache:fleet}" on a cluster); deployments sharing one Redis each need their own
     index_prefix: str | None = None
     access: AccessConfig = field(default_factory=AccessConfig)  # API keys, per-key limits
+    # predicted against delivered cached tokens: when a replica counts as degraded
+    delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
     server: ServerConfig = field(default_factory=ServerConfig)  # connection and read limits, TLS
 
     def replica(self, name: str) -> ReplicaConfig | None:
@@ -143,8 +146,9 @@ class ServiceConfig:
 
 _TOP = (
     "replicas", "routing", "limits", "proxy", "health", "tokenizer", "chat_template", "index",
-    "index_prefix", "hash_algo", "auth", "server", "tls",
+    "index_prefix", "hash_algo", "auth", "server", "tls", "delivery",
 )  # fmt: skip
+_DELIVERY = ("window", "min_requests", "tolerance")
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s")
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
@@ -223,6 +227,7 @@ def parse_config(
     chat_template = _chat_template(r, top.get("chat_template"), base_dir)
     index, index_prefix = _index(r, top.get("index", "memory"), top.get("index_prefix"))
     hash_algo = _hash_algo(r, top.get("hash_algo", "xxh3_128"))
+    delivery = _delivery(r, top.get("delivery"))
     return ServiceConfig(
         replicas,
         routing,
@@ -237,6 +242,7 @@ def parse_config(
         index_prefix,
         access=parse_access(r, top.get("auth"), base_dir),
         server=parse_server(r, top.get("server"), top.get("tls"), base_dir),
+        delivery=delivery,
     )
 
 
@@ -350,6 +356,20 @@ def _health(r: ConfigReader, raw: Any) -> HealthConfig:
         probe_path,
         r.number(hc.get("down_s", hd.down_s), "health.down_s"),
     )
+
+
+def _delivery(r: ConfigReader, raw: Any) -> DeliveryConfig:
+    """``delivery``: how many engine reports a replica's verdict reads, and how far off."""
+    dc = r.mapping(raw, "delivery", _DELIVERY)
+    d = DeliveryConfig()
+    window = r.integer(dc.get("window", d.window), "delivery.window", 1)
+    min_requests = r.integer(dc.get("min_requests", d.min_requests), "delivery.min_requests", 1)
+    if min_requests > window:
+        raise r.fail("delivery.min_requests", f"must be at most the window ({window})")
+    tolerance = r.number(dc.get("tolerance", d.tolerance), "delivery.tolerance")
+    if not 0 < tolerance <= 1:
+        raise r.fail("delivery.tolerance", f"expected a share in (0, 1], got {tolerance!r}")
+    return DeliveryConfig(window, min_requests, tolerance)
 
 
 def _existing_file(r: ConfigReader, text: str, where: str, base_dir: Path | None) -> Path:

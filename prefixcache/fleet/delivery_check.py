@@ -1,0 +1,268 @@
+"""Predicted against delivered: what the router expected a replica to serve from its cache, next
+to what the engine reports it served, per request; a replica whose reports stay off the
+predictions is ``degraded``, with a reason a person can act on; and where each request's reuse
+went (available, captured, delivered), per tenant and model.
+
+A prediction is the chosen replica's cached tokens at route time, capped as engines cap a hit:
+vLLM and SGLang always compute a prompt's last token, so a fully cached prompt reports at most
+its whole blocks before the last token (``engine_cap``). The engine's figure is
+``usage.prompt_tokens_details.cached_tokens`` (vLLM with ``--enable-prompt-tokens-details``,
+SGLang with ``--enable-cache-report``) or, in route-API mode, what the gateway reports back.
+
+Per replica the last ``window`` reported requests are kept. Off by more than a block counts:
+
+- **under**: the index predicted a hit the engine did not deliver (hashes that differ: block
+  size, algorithm, seed or salt handling; an engine restarted empty without telling);
+- **over**: the engine served hits the index did not know (its KV events do not reach the
+  service, or are not understood).
+
+With at least ``min_requests`` in the window, a replica goes ``degraded`` when either share
+reaches ``tolerance`` (of the requests with a predicted hit for under, of all for over) and
+clears when both fall below half of it: a sliding window, so it clears by itself once they
+agree again. Not thread-safe on its own: ``DeliveryCheck`` takes its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+log = logging.getLogger("prefixcache.fleet")
+
+
+@dataclass(frozen=True)
+class DeliveryConfig:
+    """When a replica's delivered cached tokens count as off the predictions."""
+
+    window: int = 300  # reported requests kept per replica
+    min_requests: int = 50  # no verdict on fewer
+    tolerance: float = 0.5  # share of requests off by more than a block that degrades
+    max_pending: int = 100_000  # routed requests awaiting a report (route-API mode), oldest out
+
+
+class Prediction(NamedTuple):
+    """What routing knew of one request when it chose the replica."""
+
+    replica: str
+    tenant: str  # the caller's tenant ("" without keys)
+    model: str
+    block_size: int  # the chosen replica's
+    prompt_tokens: int
+    available: int  # the most any eligible replica held
+    captured: int  # what the chosen replica held
+
+
+class Attribution(NamedTuple):
+    """Where reuse went, summed over reported requests (one tenant and model)."""
+
+    requests: int
+    prompt_tokens: int
+    available_tokens: int  # the best any replica held when routed
+    captured_tokens: int  # what the chosen replica held
+    delivered_tokens: int  # what the engine reported serving from its cache
+
+
+class DeliveryState(NamedTuple):
+    """One replica's predictions against its engine's reports, over the window."""
+
+    replica: str
+    degraded: bool
+    reason: str  # what is off and what to check ("" while they agree)
+    requests: int  # reported requests in the window
+    predicted_hits: int  # of those, with a predicted hit
+    under: int  # predicted hits the engine did not deliver (off by more than a block)
+    over: int  # engine hits the index did not know (off by more than a block)
+    mean_predicted: float  # cached tokens, over the window
+    mean_delivered: float
+    degraded_times: int  # times it went degraded so far
+
+
+def engine_cap(prompt_tokens: int, cached: int, block_size: int) -> int:
+    """``cached`` as an engine can report it: whole blocks before the prompt's last token."""
+    if prompt_tokens <= 0 or block_size <= 0:
+        return 0
+    return min(cached, (prompt_tokens - 1) // block_size * block_size)
+
+
+class _Sample(NamedTuple):
+    predicted: int
+    delivered: int
+    block_size: int
+
+
+class _ReplicaWindow:
+    __slots__ = ("degraded", "degraded_times", "reason", "samples")
+
+    def __init__(self, window: int) -> None:
+        self.samples: deque[_Sample] = deque(maxlen=window)
+        self.degraded = False
+        self.reason = ""
+        self.degraded_times = 0
+
+
+def _counts(samples: deque[_Sample]) -> tuple[int, int, int, float, float]:
+    predicted_hits = under = over = 0
+    sum_p = sum_d = 0
+    for p, d, b in samples:
+        sum_p += p
+        sum_d += d
+        if p > 0:
+            predicted_hits += 1
+            if d < p - b:
+                under += 1
+        if d > p + b:
+            over += 1
+    n = len(samples) or 1
+    return predicted_hits, under, over, sum_p / n, sum_d / n
+
+
+class DeliveryCheck:
+    """Predictions, the engines' reports, the per-replica verdicts and the attribution sums."""
+
+    def __init__(
+        self,
+        config: DeliveryConfig | None = None,
+        on_change: Callable[[set[str]], None] | None = None,  # the degraded replicas, anew
+    ) -> None:
+        self.config = config or DeliveryConfig()
+        self._on_change = on_change  # told the degraded replicas whenever that set changes
+        self._lock = threading.Lock()
+        self._windows: dict[str, _ReplicaWindow] = {}
+        self._pending: OrderedDict[str, Prediction] = OrderedDict()
+        self._sums: dict[tuple[str, str], list[int]] = {}
+        self.unreported = 0  # requests whose answer carried no cached-token figure
+
+    # ---- route-API mode: predictions wait for the gateway's report --------------------------
+    def expect(self, request_id: str, prediction: Prediction) -> None:
+        """Remember a routed request's prediction until its report (the oldest are dropped past
+        ``max_pending``)."""
+        with self._lock:
+            pending = self._pending
+            pending[request_id] = prediction
+            while len(pending) > self.config.max_pending:
+                pending.popitem(last=False)
+
+    def forget(self, request_id: str) -> Prediction | None:
+        """Drop (and return) a request's prediction: released without a report."""
+        with self._lock:
+            return self._pending.pop(request_id, None)
+
+    def report(self, request_id: str, delivered: int | None) -> bool:
+        """The gateway's figure for a routed request (None: it has none); False when no
+        prediction waits under that id."""
+        prediction = self.forget(request_id)
+        if prediction is None:
+            return False
+        self.observe(prediction, delivered)
+        return True
+
+    # ---- what the engines delivered ---------------------------------------------------------
+    def observe(self, prediction: Prediction, delivered: int | None) -> None:
+        """One request's engine figure (None: the answer had none) against its prediction."""
+        if delivered is None:
+            with self._lock:
+                self.unreported += 1
+            return
+        p = prediction
+        predicted = engine_cap(p.prompt_tokens, p.captured, p.block_size)
+        delivered = max(0, min(delivered, p.prompt_tokens))
+        with self._lock:
+            sums = self._sums.get((p.tenant, p.model))
+            if sums is None:
+                sums = self._sums[(p.tenant, p.model)] = [0, 0, 0, 0, 0]
+            sums[0] += 1
+            sums[1] += p.prompt_tokens
+            sums[2] += max(p.available, p.captured)
+            sums[3] += p.captured
+            sums[4] += delivered
+            win = self._windows.get(p.replica)
+            if win is None:
+                win = self._windows[p.replica] = _ReplicaWindow(self.config.window)
+            win.samples.append(_Sample(predicted, delivered, p.block_size))
+            changed = self._judge(p.replica, win)
+            degraded = {name for name, w in self._windows.items() if w.degraded}
+        if changed and self._on_change is not None:
+            self._on_change(degraded)
+
+    def _judge(self, replica: str, win: _ReplicaWindow) -> bool:
+        """Degrade or clear ``replica`` on its window; whether its verdict changed."""
+        cfg = self.config
+        n = len(win.samples)
+        if n < cfg.min_requests:
+            return False
+        predicted_hits, under, over, mean_p, mean_d = _counts(win.samples)
+        under_share = under / predicted_hits if predicted_hits else 0.0
+        over_share = over / n
+        if not win.degraded:
+            if under_share >= cfg.tolerance and predicted_hits >= cfg.min_requests // 2:
+                reason = (
+                    f"predicted {mean_p:,.0f} cached tokens a request on average, the engine "
+                    f"reported {mean_d:,.0f}: less than predicted on {under_share:.0%} of "
+                    f"{predicted_hits} requests with a predicted hit; check block_size, the hash "
+                    "algorithm and seed (engine_hash) and cache_salt handling against the "
+                    "engine's, and whether it restarted empty"
+                )
+            elif over_share >= cfg.tolerance:
+                reason = (
+                    f"the engine reported cached tokens the index did not know on "
+                    f"{over_share:.0%} of {n} requests ({mean_d:,.0f} a request on average, "
+                    f"{mean_p:,.0f} predicted): its KV events do not reach the service or are "
+                    "not understood; check the events and replay endpoints, block_size and "
+                    "engine_hash"
+                )
+            else:
+                return False
+            win.degraded, win.reason = True, reason
+            win.degraded_times += 1
+            log.warning("replica %s degraded: %s", replica, reason)
+            return True
+        if under_share < cfg.tolerance / 2 and over_share < cfg.tolerance / 2:
+            win.degraded, win.reason = False, ""
+            log.warning(
+                "replica %s recovered: its engine delivers what the index predicts", replica
+            )
+            return True
+        return False
+
+    # ---- reading ----------------------------------------------------------------------------
+    def state(self, replica: str) -> DeliveryState:
+        """The replica's verdict and the window's figures (an empty one before any report)."""
+        with self._lock:
+            win = self._windows.get(replica)
+            if win is None:
+                return DeliveryState(replica, False, "", 0, 0, 0, 0, 0.0, 0.0, 0)
+            predicted_hits, under, over, mean_p, mean_d = _counts(win.samples)
+            return DeliveryState(
+                replica,
+                win.degraded,
+                win.reason,
+                len(win.samples),
+                predicted_hits,
+                under,
+                over,
+                mean_p,
+                mean_d,
+                win.degraded_times,
+            )
+
+    def degraded(self) -> dict[str, str]:
+        """Replica -> reason, for each degraded replica."""
+        with self._lock:
+            return {name: w.reason for name, w in self._windows.items() if w.degraded}
+
+    def attribution(self) -> dict[tuple[str, str], Attribution]:
+        """(tenant, model) -> the sums over reported requests."""
+        with self._lock:
+            return {key: Attribution(*sums) for key, sums in self._sums.items()}
+
+    def drop_replica(self, replica: str) -> None:
+        """Forget a replica that left the fleet."""
+        with self._lock:
+            win = self._windows.pop(replica, None)
+            degraded = {name for name, w in self._windows.items() if w.degraded}
+        if win is not None and win.degraded and self._on_change is not None:
+            self._on_change(degraded)
