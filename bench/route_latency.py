@@ -2,6 +2,7 @@
 
     python bench/route_latency.py [--routes 400] [--repeats 5] [--tokens 8192] [--replicas 16]
     python bench/route_latency.py --auth [--routes 300] [--repeats 6]
+    python bench/route_latency.py --attribution [--routes 400] [--repeats 7]
 
 In process: ``Router.route`` on an int32 array and on a Python list (what a JSON body gives),
 each route counted as load and released. Over HTTP: the service in a uvicorn subprocess on
@@ -19,6 +20,11 @@ the config's connection and read limits (``server``); routes alternate between t
 The same comparison runs first through the two ASGI apps in this process, which leaves out the
 sockets and the second process (and their noise on a busy machine). Each
 service's index holds the prompts under the namespace its routes see, so both do the same work.
+
+``--attribution``: the delivery check's cost (a prediction kept per routed request id, checked
+against the engine's figure on release, the attribution sums): two apps in this process, one
+with ``delivery: {enabled: false}``, routes alternating ABBA; p50, p99 and CPU per route +
+release on each side and their ratios (target: p99 and CPU within 3%).
 
 The index is the in-memory fleet index (``prefixcache.fleet.index.memory``). Every
 replica holds a different depth of one of four prompt families (0 to 100% of the prompt), so each
@@ -218,6 +224,88 @@ def auth_overhead_asgi(args: argparse.Namespace, prompts: list[np.ndarray]) -> f
         return samples
 
     return _report("in process (ASGI)", asyncio.run(run()))
+
+
+def attribution_overhead(args: argparse.Namespace, prompts: list[np.ndarray]) -> None:
+    """Route + release with the delivered figure, with the delivery check on and off: two ASGI
+    apps in this process, routes alternating ABBA; p50 and p99 of the route, and the process's
+    CPU time per route + release on each side."""
+    import asyncio
+
+    import httpx
+
+    from prefixcache.fleet.service.app import create_app
+    from prefixcache.fleet.service.configuration.config_file import parse_config
+
+    bodies = [
+        json.dumps({"model": MODEL, "tokens": p.tolist(), "request_id": "h"}).encode()
+        for p in prompts
+    ]
+
+    def app(enabled: bool) -> Any:
+        router, _, _ = build(args.tokens, args.replicas)
+        data: dict[str, Any] = {
+            "replicas": [{"name": s.name, "model": MODEL} for s in router.replicas()],
+            "limits": {"max_body_bytes": 64 * args.tokens, "max_prompt_tokens": 2 * args.tokens},
+            "delivery": {"enabled": enabled},
+        }
+        return create_app(router, parse_config(data))
+
+    async def run() -> tuple[dict[bool, list[tuple[float, float]]], dict[bool, float]]:
+        samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        cpu = {False: 0.0, True: 0.0}
+        clients = {
+            on: httpx.AsyncClient(
+                transport=httpx.ASGITransport(app(on)),
+                base_url="http://bench",
+                headers={"content-type": "application/json"},
+            )
+            for on in (False, True)
+        }
+        for repeat in range(args.repeats + 1):  # the first is a warm-up
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for i in range(2 * args.routes):
+                on = bool(i % 2) != bool((i // 2) % 2)  # ABBA order
+                client = clients[on]
+                c0 = time.process_time()
+                start = time.perf_counter()
+                r = await client.post("/v1/route", content=bodies[(i // 2) % len(bodies)])
+                times[on].append(time.perf_counter() - start)
+                assert r.status_code == 200, r.text
+                # an honest engine: it delivers what the route predicted
+                release = {"request_id": "h", "cached_tokens": r.json()["cached_tokens"]}
+                assert (await client.post("/v1/release", json=release)).status_code == 200
+                if repeat:
+                    cpu[on] += time.process_time() - c0
+            if repeat:
+                for on, values in times.items():
+                    samples[on].append(percentiles(values))
+        stats = (await clients[True].get("/v1/stats")).json()["attribution"]
+        assert stats and stats[0]["requests"] == (args.repeats + 1) * args.routes, stats
+        for client in clients.values():
+            await client.aclose()
+        return samples, cpu
+
+    samples, cpu = asyncio.run(run())
+    n = args.repeats * args.routes
+    p50 = {k: statistics.median(v[0] for v in samples[k]) * 1e3 for k in samples}
+    p99 = {k: statistics.median(v[1] for v in samples[k]) * 1e3 for k in samples}
+    print(
+        f"delivery check and attribution, in process (ASGI), {args.tokens}-token routes with a "
+        f"request id, each released with the engine's cached tokens; medians of {args.repeats} "
+        "repeats:"
+    )
+    for on, name in ((False, "off"), (True, "on")):
+        print(
+            f"  {name:4} p50 {p50[on]:7.3f} ms  p99 {p99[on]:7.3f} ms  "
+            f"CPU {cpu[on] / n * 1e6:7.1f} us per route + release"
+        )
+    ratios = (p50[True] / p50[False], p99[True] / p99[False], cpu[True] / cpu[False])
+    verdict = "met" if max(ratios[1:]) <= 1.03 else "NOT met"
+    print(
+        f"  ratio p50 {ratios[0]:.3f}, p99 {ratios[1]:.3f}, CPU {ratios[2]:.3f}  "
+        f"(target p99 and CPU <= 1.03: {verdict})"
+    )
 
 
 def _report(where: str, samples: dict[bool, list[tuple[float, float]]]) -> float:
@@ -426,6 +514,9 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=16)
     ap.add_argument("--auth", action="store_true", help="only the access-control comparison")
     ap.add_argument("--unplaced", action="store_true", help="only the engine-key lookup cost")
+    ap.add_argument(
+        "--attribution", action="store_true", help="only the delivery check's cost, on vs off"
+    )
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -439,6 +530,9 @@ def main() -> None:
         return
     if args.unplaced:
         unplaced_overhead(args)
+        return
+    if args.attribution:
+        attribution_overhead(args, build(args.tokens, args.replicas)[2])
         return
     router, label, prompts = build(args.tokens, args.replicas)
     as_lists = [p.tolist() for p in prompts]

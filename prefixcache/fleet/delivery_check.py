@@ -38,6 +38,7 @@ log = logging.getLogger("prefixcache.fleet")
 class DeliveryConfig:
     """When a replica's delivered cached tokens count as off the predictions."""
 
+    enabled: bool = True  # False: no predictions kept, no answer read, no verdicts
     window: int = 300  # reported requests kept per replica
     min_requests: int = 50  # no verdict on fewer
     tolerance: float = 0.5  # share of requests off by more than a block that degrades
@@ -91,33 +92,61 @@ def engine_cap(prompt_tokens: int, cached: int, block_size: int) -> int:
 class _Sample(NamedTuple):
     predicted: int
     delivered: int
-    block_size: int
+    predicted_hit: bool
+    under: bool
+    over: bool
 
 
 class _ReplicaWindow:
-    __slots__ = ("degraded", "degraded_times", "reason", "samples")
+    """The last ``window`` samples of one replica, with their counts kept as they come and go
+    (a verdict per report costs O(1), not a pass over the window)."""
+
+    __slots__ = (
+        "degraded",
+        "degraded_times",
+        "over",
+        "predicted_hits",
+        "reason",
+        "samples",
+        "sum_delivered",
+        "sum_predicted",
+        "under",
+    )
 
     def __init__(self, window: int) -> None:
         self.samples: deque[_Sample] = deque(maxlen=window)
+        self.predicted_hits = self.under = self.over = 0
+        self.sum_predicted = self.sum_delivered = 0
         self.degraded = False
         self.reason = ""
         self.degraded_times = 0
 
+    def add(self, predicted: int, delivered: int, block_size: int) -> None:
+        """One more report; the oldest leaves a full window."""
+        samples = self.samples
+        if len(samples) == samples.maxlen:
+            self._count(samples[0], -1)
+        sample = _Sample(
+            predicted,
+            delivered,
+            predicted > 0,
+            predicted > 0 and delivered < predicted - block_size,
+            delivered > predicted + block_size,
+        )
+        samples.append(sample)
+        self._count(sample, 1)
 
-def _counts(samples: deque[_Sample]) -> tuple[int, int, int, float, float]:
-    predicted_hits = under = over = 0
-    sum_p = sum_d = 0
-    for p, d, b in samples:
-        sum_p += p
-        sum_d += d
-        if p > 0:
-            predicted_hits += 1
-            if d < p - b:
-                under += 1
-        if d > p + b:
-            over += 1
-    n = len(samples) or 1
-    return predicted_hits, under, over, sum_p / n, sum_d / n
+    def _count(self, s: _Sample, sign: int) -> None:
+        self.predicted_hits += sign * s.predicted_hit
+        self.under += sign * s.under
+        self.over += sign * s.over
+        self.sum_predicted += sign * s.predicted
+        self.sum_delivered += sign * s.delivered
+
+    def means(self) -> tuple[float, float]:
+        """Mean predicted and delivered cached tokens over the window."""
+        n = len(self.samples) or 1
+        return self.sum_predicted / n, self.sum_delivered / n
 
 
 class DeliveryCheck:
@@ -140,6 +169,8 @@ class DeliveryCheck:
     def expect(self, request_id: str, prediction: Prediction) -> None:
         """Remember a routed request's prediction until its report (the oldest are dropped past
         ``max_pending``)."""
+        if not self.config.enabled:
+            return
         with self._lock:
             pending = self._pending
             pending[request_id] = prediction
@@ -163,6 +194,8 @@ class DeliveryCheck:
     # ---- what the engines delivered ---------------------------------------------------------
     def observe(self, prediction: Prediction, delivered: int | None) -> None:
         """One request's engine figure (None: the answer had none) against its prediction."""
+        if not self.config.enabled:
+            return
         if delivered is None:
             with self._lock:
                 self.unreported += 1
@@ -182,7 +215,7 @@ class DeliveryCheck:
             win = self._windows.get(p.replica)
             if win is None:
                 win = self._windows[p.replica] = _ReplicaWindow(self.config.window)
-            win.samples.append(_Sample(predicted, delivered, p.block_size))
+            win.add(predicted, delivered, p.block_size)
             changed = self._judge(p.replica, win)
             degraded = {name for name, w in self._windows.items() if w.degraded}
         if changed and self._on_change is not None:
@@ -194,7 +227,8 @@ class DeliveryCheck:
         n = len(win.samples)
         if n < cfg.min_requests:
             return False
-        predicted_hits, under, over, mean_p, mean_d = _counts(win.samples)
+        predicted_hits, under, over = win.predicted_hits, win.under, win.over
+        mean_p, mean_d = win.means()
         under_share = under / predicted_hits if predicted_hits else 0.0
         over_share = over / n
         if not win.degraded:
@@ -235,15 +269,15 @@ class DeliveryCheck:
             win = self._windows.get(replica)
             if win is None:
                 return DeliveryState(replica, False, "", 0, 0, 0, 0, 0.0, 0.0, 0)
-            predicted_hits, under, over, mean_p, mean_d = _counts(win.samples)
+            mean_p, mean_d = win.means()
             return DeliveryState(
                 replica,
                 win.degraded,
                 win.reason,
                 len(win.samples),
-                predicted_hits,
-                under,
-                over,
+                win.predicted_hits,
+                win.under,
+                win.over,
                 mean_p,
                 mean_d,
                 win.degraded_times,

@@ -245,8 +245,9 @@ class FleetService:
             settled = routed_id
         finally:
             self.limits.settle(caller, settled)
-        prediction = self.prediction(decision, body.adapter or body.model, caller)
-        self.delivery.expect(routed_id, prediction)
+        if self.delivery.config.enabled:
+            prediction = self.prediction(decision, body.adapter or body.model, caller)
+            self.delivery.expect(routed_id, prediction)
         return decision
 
     async def release(

@@ -211,7 +211,8 @@ async def _forward(
     released = False
     # one prompt, one answer: the engine's cached tokens are this prompt's
     model = namespace.adapter or namespace.model
-    prediction = service.prediction(decision, model, caller) if _one_prompt(payload) else None
+    checked = service.delivery.config.enabled and _one_prompt(payload)
+    prediction = service.prediction(decision, model, caller) if checked else None
 
     def release(delivered: int | None = None) -> None:
         nonlocal released

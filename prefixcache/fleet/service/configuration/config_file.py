@@ -148,7 +148,7 @@ _TOP = (
     "replicas", "routing", "limits", "proxy", "health", "tokenizer", "chat_template", "index",
     "index_prefix", "hash_algo", "auth", "server", "tls", "delivery",
 )  # fmt: skip
-_DELIVERY = ("window", "min_requests", "tolerance")
+_DELIVERY = ("enabled", "window", "min_requests", "tolerance")
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s")
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
@@ -362,6 +362,9 @@ def _delivery(r: ConfigReader, raw: Any) -> DeliveryConfig:
     """``delivery``: how many engine reports a replica's verdict reads, and how far off."""
     dc = r.mapping(raw, "delivery", _DELIVERY)
     d = DeliveryConfig()
+    enabled = dc.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise r.fail("delivery.enabled", f"expected true or false, got {enabled!r}")
     window = r.integer(dc.get("window", d.window), "delivery.window", 1)
     min_requests = r.integer(dc.get("min_requests", d.min_requests), "delivery.min_requests", 1)
     if min_requests > window:
@@ -369,7 +372,7 @@ def _delivery(r: ConfigReader, raw: Any) -> DeliveryConfig:
     tolerance = r.number(dc.get("tolerance", d.tolerance), "delivery.tolerance")
     if not 0 < tolerance <= 1:
         raise r.fail("delivery.tolerance", f"expected a share in (0, 1], got {tolerance!r}")
-    return DeliveryConfig(window, min_requests, tolerance)
+    return DeliveryConfig(enabled, window, min_requests, tolerance)
 
 
 def _existing_file(r: ConfigReader, text: str, where: str, base_dir: Path | None) -> Path:
