@@ -2,7 +2,8 @@
 
 For each routing policy this starts N replicas (``replica.py``: the tiny random-weight runtime
 with a real prefix cache, publishing its KV events on ZMQ), writes a fleet config naming their
-URLs and event endpoints, starts ``prefixcache serve --proxy`` on it, and sends a shared-prompt
+URLs and event endpoints, starts ``prefixcache serve --proxy`` on it, waits for the service's
+attach probe of each replica (printing anything it found), and sends a shared-prompt
 workload (a few system prompts, each followed by many short user turns) through the service's
 proxied ``/v1/completions``. Every policy starts from fresh processes, so fresh caches and a
 fresh index. It prints, per policy, the fraction of prompt tokens the replicas served from their
@@ -181,6 +182,22 @@ def fleet_config(policy: str, replicas: Sequence[StartedReplica]) -> dict[str, A
     }
 
 
+def wait_probed(client: httpx.Client, service: str) -> None:
+    """Until the service's attach probe has checked every replica (two requests each, straight
+    to the replica); a finding is printed, not raised."""
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        rows = client.get(f"{service}/v1/replicas").json()["replicas"]
+        if all(row["probe"] is not None for row in rows):
+            for row in rows:
+                for finding in row["probe"]["findings"]:
+                    if not finding["ok"]:
+                        print(f"{row['name']}: {finding['check']}: {finding['detail']}")
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the attach probes of {service} did not finish in time")
+
+
 def ingest_events(metrics_text: str) -> int:
     """The sum of ``prefixcache_ingest_events_total`` samples in a Prometheus exposition."""
     total = 0.0
@@ -232,6 +249,7 @@ def start_fleet(
              "--port", str(port), "--proxy", "--log-level", "warning"],
         )  # fmt: skip
         wait_healthy(client, procs, f"{policy}-serve", proc, service)
+        wait_probed(client, service)
         yield Fleet(service, replicas)
     finally:
         procs.stop_all()
@@ -252,6 +270,8 @@ def run_policy(
         start_fleet(policy, procs, client, num_replicas=num_replicas, num_blocks=num_blocks) as fl,
     ):
         service, replicas = fl
+        # the attach probes' requests are in the replicas' counters already: counted from here
+        before = {r.name: client.get(f"{r.url}/stats").json() for r in replicas}
         served_by: list[str] = []
         for prompt in workload.prompts:
             resp = client.post(
@@ -261,7 +281,14 @@ def run_policy(
             resp.raise_for_status()
             served_by.append(resp.headers["x-prefixcache-replica"])
 
-        stats = {r.name: client.get(f"{r.url}/stats").json() for r in replicas}
+        stats = {
+            r.name: {
+                k: v - before[r.name].get(k, 0)
+                for k, v in client.get(f"{r.url}/stats").json().items()
+                if k in ("requests", "prompt_tokens", "cached_tokens")
+            }
+            for r in replicas
+        }
         last, last_replica = workload.prompts[-1], served_by[-1]
         lookup_cached = _wait_for_lookup(client, service, last, last_replica)
         listed = client.get(f"{service}/v1/replicas").json()["replicas"]

@@ -45,7 +45,7 @@ def serving(run: Run) -> Section:
         )
     load = sv.get("load")
     if load:
-        section.fields += load_fields(load)
+        section.fields += load_fields(load, sv.get("ttft_p50_s"), sv.get("ttft_p99_s"))
     section.fields += [
         Field("Preemptions", fmt.count(sv["preemptions"]), "preemptions"),
         Field("Scheduler steps", fmt.count(sv["steps"])),
@@ -104,8 +104,15 @@ def benchmark_table(cached: dict[str, Any], nocache: dict[str, Any]) -> Table:
     return Table(["Figure", "With cache", "No cache", "Better by"], rows, caption, "benchmark")
 
 
-def load_fields(load: dict[str, Any]) -> list[Field]:
-    """Offered load: the GPUs' busy time against the span of the arrivals."""
+NEAR_CAPACITY = 0.9  # the busiest GPU busy this share of the span: bursts queue
+QUEUEING_TAIL = 10.0  # TTFT p99 over p50 past this (and over a second): requests wait in queues
+
+
+def load_fields(
+    load: dict[str, Any], ttft_p50: float | None = None, ttft_p99: float | None = None
+) -> list[Field]:
+    """Offered load: the GPUs' busy time against the span of the arrivals, and a verdict that
+    reads the busiest replica and the TTFT tail, not the average alone."""
     offered = load["offered_load"]
     replicas = load.get("replicas", 1)
     if offered is None:
@@ -123,10 +130,22 @@ def load_fields(load: dict[str, Any]) -> list[Field]:
                 f"{offered:.2f}x per replica, busiest {load['offered_load_busiest']:.2f}x "
                 f"({nocache})"
             )
+        binding = load.get("offered_load_busiest") or offered
+        queueing = (
+            ttft_p50 is not None
+            and ttft_p99 is not None
+            and ttft_p99 > 1.0
+            and ttft_p99 > QUEUEING_TAIL * ttft_p50
+        )
         if load["overloaded"]:
             note = "OVERLOADED: queue grows without bound"
-        elif offered > 1:
+        elif binding > 1:
             note = "busy past the last arrival, but no queue grew"
+        elif binding >= NEAR_CAPACITY or queueing:
+            busiest = "the busiest GPU" if replicas > 1 else "the GPU"
+            note = f"at capacity: {busiest} is busy {binding:.0%} of the span"
+            if queueing:
+                note += f"; TTFT p99 {ttft_p99:.3g} s against p50 {ttft_p50:.3g} s: requests queue"
         else:
             note = "sustainable"
     busy = f"GPU busy, {replicas} replicas" if replicas > 1 else "GPU busy"

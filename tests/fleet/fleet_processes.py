@@ -4,6 +4,7 @@ replicas that publish their managers' KV events over real ZMQ sockets."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import yaml
@@ -20,6 +22,7 @@ from prefixcache.fleet.events.publisher import KVEventPublisher
 from tests.fleet_support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+FLEET_EXAMPLE = ROOT / "examples" / "fleet"
 START_DEADLINE_S = 30.0
 
 
@@ -105,3 +108,15 @@ def write_fleet_config(
     }
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def load_fleet_example(name: str) -> ModuleType:
+    """``examples/fleet/<name>.py`` as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"fleet_example_{name}", FLEET_EXAMPLE / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module

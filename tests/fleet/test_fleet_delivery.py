@@ -7,32 +7,22 @@ Attribution sums add up per request and per tenant."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import yaml
 
-FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet"
+from tests.fleet.fleet_processes import FLEET_EXAMPLE as FLEET
+from tests.fleet.fleet_processes import load_fleet_example
+
 WINDOW = 24
 MIN_REQUESTS = 12
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"fleet_delivery_{name}", FLEET / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-run_fleet = _load("run_fleet")
+run_fleet = load_fleet_example("run_fleet")
 
 
 def _replica_args(port: int, block_size: int, events: str, replay: str) -> list[str]:

@@ -6,36 +6,23 @@ on 127.0.0.1) runs once with round robin and once with prefix routing.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from prefixcache.text.tokenizers import render_chat
-
-FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"fleet_example_{name}", FLEET / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+from tests.fleet.fleet_processes import load_fleet_example
 
 
 @pytest.fixture(scope="module")
 def replica_client() -> Iterator[TestClient]:
-    replica_mod = _load("replica")
+    replica_mod = load_fleet_example("replica")
     replica = replica_mod.Replica(
         model_name="tiny-random",
         events="tcp://127.0.0.1:*",
@@ -98,7 +85,7 @@ def test_replica_rejects_bad_requests(replica_client: TestClient, body: dict[str
 
 
 def test_prefix_routing_beats_round_robin_on_a_real_fleet(tmp_path: Path) -> None:
-    run_fleet = _load("run_fleet")
+    run_fleet = load_fleet_example("run_fleet")
     processes: list[subprocess.Popen[bytes]] = []
     system_len = 96  # 6 full blocks
     rr, px = run_fleet.run(
@@ -130,7 +117,7 @@ def test_prefix_routing_beats_round_robin_on_a_real_fleet(tmp_path: Path) -> Non
 
 
 def test_a_replica_that_fails_to_start_stops_the_fleet(tmp_path: Path) -> None:
-    run_fleet = _load("run_fleet")
+    run_fleet = load_fleet_example("run_fleet")
     processes: list[subprocess.Popen[bytes]] = []
     with pytest.raises(RuntimeError, match="exited with"):
         run_fleet.run(
@@ -231,7 +218,7 @@ def _cached_on(client: httpx.Client, service: str, messages: list[dict[str, str]
 
 
 def test_streams_and_chats_through_the_proxy(tmp_path: Path) -> None:
-    run_fleet = _load("run_fleet")
+    run_fleet = load_fleet_example("run_fleet")
     procs = run_fleet.Processes(tmp_path)
     with (
         httpx.Client(timeout=60.0) as client,

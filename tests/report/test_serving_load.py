@@ -352,3 +352,29 @@ def test_a_fleet_report_gives_the_capacity_per_replica(
     assert markdown_rows(render_markdown(doc))["Capacity"][0][0].startswith(
         "300 blocks (600.00 MiB) per replica"
     )
+
+
+def test_a_fleet_busy_to_the_brim_with_a_long_tail_is_not_called_sustainable() -> None:
+    """The average under 1x must not hide the busiest replica at capacity, nor a TTFT tail of
+    queued requests (0.99x per replica, busiest 1.00x, TTFT p99 13 s read "sustainable")."""
+    from prefixcache.report.serving_sections import load_fields
+
+    load = {
+        "offered_load": 0.99,
+        "offered_load_nocache": 1.4,
+        "offered_load_busiest": 0.999,
+        "overloaded": False,
+        "replicas": 4,
+        "busy_s": 396.0,
+        "arrival_span_s": 100.0,
+    }
+    (offered, *_) = load_fields(load, ttft_p50=0.4, ttft_p99=13.0)
+    assert "sustainable" not in offered.note
+    assert offered.note == (
+        "at capacity: the busiest GPU is busy 100% of the span; TTFT p99 13 s against p50 0.4 s: "
+        "requests queue"
+    )
+    calm = load | {"offered_load": 0.5, "offered_load_busiest": 0.55, "busy_s": 200.0}
+    assert load_fields(calm, ttft_p50=0.4, ttft_p99=0.9)[0].note == "sustainable"
+    tail_only = calm | {"offered_load_busiest": 0.6}
+    assert load_fields(tail_only, ttft_p50=0.2, ttft_p99=4.0)[0].note.startswith("at capacity")

@@ -199,6 +199,7 @@ class EventApplier:
                 prev, pos = linked
         if problem is not None:
             rep.counts.malformed += 1
+            rep.last_problem = problem
             log.warning("replica %s: stored event skipped: %s", name, problem)
             return True
         bit = self._bit(medium)

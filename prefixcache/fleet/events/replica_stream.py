@@ -55,6 +55,14 @@ class ReplicaCounters(NamedTuple):
     last_seq: int  # -1 before the first batch
 
 
+class StreamView(NamedTuple):
+    """One replica's stream as the attach probe reads it (``KVEventSubscriber.stream_view``)."""
+
+    counters: ReplicaCounters
+    last_problem: str  # why the last event that did not fit was skipped ("" if none was)
+    announced: dict[bytes, BlockHash]  # digest -> the engine hash its event named
+
+
 @dataclass
 class StreamCounts:
     """The running counters of one replica's stream (``ReplicaCounters`` without ``last_seq``)."""
@@ -100,6 +108,7 @@ class ReplicaStream:
     recent: dict[int, int] = field(default_factory=dict)  # seq -> payload's hash, latest ones
     newest_ts: float | None = None  # of the batches applied since the last restart
     tenants: TenantTally = field(default_factory=TenantTally)  # GPU blocks per service tenant
+    last_problem: str = ""  # why the last event that did not fit was skipped
 
     def note_batch(self, seq: int, ts: float | None, payload: bytes) -> None:
         """Batch ``seq`` (stamped ``ts``, sent as ``payload``) was applied."""

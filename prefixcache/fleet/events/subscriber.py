@@ -72,6 +72,7 @@ from prefixcache.fleet.events.replica_stream import (
     ReplicaCounters,
     ReplicaEndpoint,
     ReplicaStream,
+    StreamView,
     engine_key,
 )
 from prefixcache.fleet.events.tenant_tally import TenantBlocks
@@ -219,6 +220,17 @@ class KVEventSubscriber:
             )
             for name, rep in sorted(self._replicas.items())  # a copy made in one step
         }
+
+    def stream_view(self, name: str) -> StreamView | None:
+        """What the attach probe reads of replica ``name``: its counters, why its last event
+        was skipped, and the engine hash announced for each digest it holds (None: not
+        followed)."""
+        with self._lock:
+            rep = self._replicas.get(name)
+            if rep is None:
+                return None
+            keys = {entry[0]: h for h, entry in rep.blocks.items()}
+            return StreamView(rep.counters(), rep.last_problem, keys)
 
     def tenant_counts(self) -> dict[str, dict[str, TenantBlocks]]:
         """Replica -> tenant -> its GPU blocks there and evictions (own, by others), as the

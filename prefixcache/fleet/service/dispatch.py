@@ -91,6 +91,7 @@ class FleetService:
         # its routes: the verdict is for the operator, see docs/service.md)
         self.delivery = DeliveryCheck(config.delivery)
         metrics.watch_delivery(self.delivery, router)
+        self.probes: dict[str, Any] = {}  # replica -> its last attach probe's ProbeResult
         self._block_sizes = {r.name: r.block_size for r in config.replicas}
         self.proxying = proxying  # the OpenAI-compatible endpoints forward to replicas
         self.urls = {r.name: r.url for r in config.replicas}

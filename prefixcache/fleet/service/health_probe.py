@@ -1,6 +1,7 @@
 """Health probes of the replicas that have a ``url`` (``health.probe_interval_s`` set; proxy and
 route-API mode alike): a replica that fails a probe takes no routes for a while, one that answers
-takes routes again."""
+takes routes again. A replica that answers for the first time gets the attach probe
+(``attach_probe``, with ``health.attach_probe``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ async def probe_replicas(service: FleetService) -> None:
     # down at least until the next probe has had its time to answer
     down_s = max(health.down_s, interval + health.probe_timeout_s)
     router = service.router
+    attached: set[str] = set()
+    probing: set[asyncio.Task[object]] = set()  # held until done
     async with httpx.AsyncClient(timeout=health.probe_timeout_s) as client:
         while True:
             targets = [
@@ -43,4 +46,19 @@ async def probe_replicas(service: FleetService) -> None:
                         router.mark_down(name, down_s, reason)
                     else:
                         router.mark_up(name)
+                        if health.attach_probe and name not in attached:
+                            attached.add(name)
+                            task = asyncio.create_task(_attach(service, name))
+                            probing.add(task)
+                            task.add_done_callback(probing.discard)
             await asyncio.sleep(interval)
+
+
+async def _attach(service: FleetService, name: str) -> object:
+    """The attach probe of a replica that answered for the first time; its failures are
+    findings, logged, never raised."""
+    from prefixcache.fleet.service.attach_probe import probe_replica
+
+    with suppress(UnknownReplicaError):
+        return await probe_replica(service, name)
+    return None

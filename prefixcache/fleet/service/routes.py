@@ -155,6 +155,7 @@ def replica_rows(service: FleetService) -> list[dict[str, Any]]:
                 "index_gpu_blocks": on_gpu[spec.name],
                 **_health(health.get(spec.name)),
                 **_delivery(service.delivery.state(spec.name)),
+                "probe": last.as_dict() if (last := service.probes.get(spec.name)) else None,
             }
         )
     return out
@@ -194,6 +195,15 @@ def served_models(service: FleetService) -> list[str]:
         names[own.model if own.adapter is None else own.adapter] = None
         names.update((a, None) for a in spec.adapters if a != ANY_ADAPTER)
     return list(names)
+
+
+async def probe(request: Request) -> Response:
+    """Run the attach probe of one replica now (operator keys only) and answer its findings."""
+    from prefixcache.fleet.service.attach_probe import probe_replica
+
+    service: FleetService = request.app.state.service
+    result = await probe_replica(service, request.path_params["name"])
+    return _json({"replica": result.replica, **result.as_dict()})
 
 
 async def models(request: Request) -> Response:
@@ -249,6 +259,7 @@ def add_api_routes(app: FastAPI) -> None:
         ("/v1/route", route, "POST"),
         ("/v1/release", release, "POST"),
         ("/v1/replicas", replicas, "GET"),
+        ("/v1/replicas/{name}/probe", probe, "POST"),
         ("/v1/models", models, "GET"),
         ("/v1/stats", stats, "GET"),
         ("/healthz", healthz, "GET"),

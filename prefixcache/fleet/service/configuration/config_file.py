@@ -112,6 +112,7 @@ class HealthConfig:
     probe_timeout_s: float = 2.0
     probe_path: str = "/health"  # vLLM's and SGLang's health endpoint
     down_s: float = 10.0  # a failed probe or request takes the replica out for this long
+    attach_probe: bool = True  # probe a replica's hashing and reports when it first answers
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ _TOP = (
     "index_prefix", "hash_algo", "auth", "server", "tls", "delivery",
 )  # fmt: skip
 _DELIVERY = ("enabled", "window", "min_requests", "tolerance")
-_HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s")
+_HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s", "attach_probe")
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
     "block_size", "capacity_blocks", "adapters", "engine_hash",
@@ -350,11 +351,15 @@ def _health(r: ConfigReader, raw: Any) -> HealthConfig:
     probe_path = hc.get("probe_path", hd.probe_path)
     if not isinstance(probe_path, str) or not probe_path.startswith("/"):
         raise r.fail("health.probe_path", f"expected a path starting with '/', got {probe_path!r}")
+    attach_probe = hc.get("attach_probe", hd.attach_probe)
+    if not isinstance(attach_probe, bool):
+        raise r.fail("health.attach_probe", f"expected true or false, got {attach_probe!r}")
     return HealthConfig(
         interval,
         r.number(hc.get("probe_timeout_s", hd.probe_timeout_s), "health.probe_timeout_s"),
         probe_path,
         r.number(hc.get("down_s", hd.down_s), "health.down_s"),
+        attach_probe,
     )
 
 

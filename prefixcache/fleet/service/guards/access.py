@@ -4,8 +4,8 @@ middleware), and what a caller's key lets it see (``Caller``).
 A request names its key as ``Authorization: Bearer <key>``, as vLLM's ``--api-key`` and the OpenAI
 API take it. The presented key is hashed with SHA-256 and looked up among the digests of the
 configured keys, so the time taken does not depend on how much of a stored key it matches.
-``/healthz`` and ``/health`` are open; ``/metrics`` and ``/v1/replicas`` need an operator key
-(403 for a tenant key); everything else needs a key (401 without one, with
+``/healthz`` and ``/health`` are open; ``/metrics`` and ``/v1/replicas`` (and what is below it)
+need an operator key (403 for a tenant key); everything else needs a key (401 without one, with
 ``WWW-Authenticate: Bearer``).
 
 A key's tenant fixes the namespace of its requests: the salt of every lookup, route and proxied
@@ -98,7 +98,8 @@ class AccessGate:
         if caller is None:
             await self._deny(scope, receive, send, 401, "unauthenticated", None)
             return
-        if not caller.operator and scope["path"] in OPERATOR_PATHS:
+        path = scope["path"]
+        if not caller.operator and (path in OPERATOR_PATHS or path.startswith("/v1/replicas/")):
             await self._deny(scope, receive, send, 403, "forbidden", caller)
             return
         scope[CALLER] = caller
