@@ -371,6 +371,14 @@ def over_time(run: Run) -> Section:
     ]
     tl = run.timeline
     capacity = run.report["config"]["capacity_blocks"]
+    replicas = int(run.report["config"].get("replicas") or 1)
+    if replicas > 1:
+        bounded = capacity is not None and capacity < UNBOUNDED
+        per = f" ({fmt.count(capacity)} blocks each)" if bounded else ""
+        section.notes.append(
+            f"A fleet: the blocks over time are the {replicas} replicas' together, against their "
+            f"total capacity; the run's cache size is one replica's{per}."
+        )
     if capacity is not None and capacity >= UNBOUNDED:  # scaled to what was used instead
         capacity = max(max(tl["blocks_cached"], default=0), max(tl["blocks_active"], default=0))
     elif capacity is not None:  # a fleet's timeline adds up its replicas, and its capacity too

@@ -329,3 +329,20 @@ def test_strict_fires_in_fleet_mode(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "b" / "report.json").read_text())
     assert report["rejected_requests"] == 1 and report["config"]["replicas"] == 2
     assert {"benchmark", "load", "assumptions"} <= set(report["serving"])
+
+
+def test_the_over_time_section_says_a_fleets_blocks_are_all_replicas_together(
+    small: Path, tmp_path: Path
+) -> None:
+    from prefixcache.report import build_document, load_run
+    from prefixcache.report.render.text_formats import render_markdown
+
+    out = tmp_path / "run"
+    args = ["replay", str(small), "--mode", "serving", "--replicas", "2", "--blocks", str(BLOCKS)]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    md = render_markdown(build_document(load_run(out)))
+    over_time = md.split("## Over time", 1)[1]
+    assert (
+        "A fleet: the blocks over time are the 2 replicas' together, against their total "
+        "capacity; the run's cache size is one replica's (300 blocks each)." in over_time
+    )

@@ -154,7 +154,8 @@ def timeline(run: Run) -> Figure:
         # a fleet's timeline adds up its replicas, and so does its capacity
         capacity *= int(r["config"].get("replicas") or 1)
         _capacity_line(blocks, capacity, int((active + cached).max(initial=0)))
-    blocks.set_ylabel("blocks")
+    replicas = int(r["config"].get("replicas") or 1)
+    blocks.set_ylabel(f"blocks\n({replicas} replicas)" if replicas > 1 else "blocks")
     blocks.yaxis.set_major_formatter(FuncFormatter(_thousands))
     # above the axes, left (the capacity may be named on the right): the areas stay uncovered
     blocks.legend(
