@@ -3,6 +3,7 @@
     python bench/route_latency.py [--routes 400] [--repeats 5] [--tokens 8192] [--replicas 16]
     python bench/route_latency.py --auth [--routes 300] [--repeats 6]
     python bench/route_latency.py --attribution [--routes 400] [--repeats 7]
+    python bench/route_latency.py --whatif [--routes 400] [--repeats 7]
 
 In process: ``Router.route`` on an int32 array and on a Python list (what a JSON body gives),
 each route counted as load and released. Over HTTP: the service in a uvicorn subprocess on
@@ -24,7 +25,8 @@ service's index holds the prompts under the namespace its routes see, so both do
 ``--attribution``: the delivery check's cost (a prediction kept per routed request id, checked
 against the engine's figure on release, the attribution sums): two apps in this process, one
 with ``delivery: {enabled: false}``, routes alternating ABBA; p50, p99 and CPU per route +
-release on each side and their ratios (target: p99 and CPU within 3%).
+release on each side and their ratios (target: p99 and CPU within 3%). ``--whatif``: the same
+for the live what-if curves (1% sampling, the default), the delivery check off on both sides.
 
 The index is the in-memory fleet index (``prefixcache.fleet.index.memory``). Every
 replica holds a different depth of one of four prompt families (0 to 100% of the prompt), so each
@@ -226,10 +228,11 @@ def auth_overhead_asgi(args: argparse.Namespace, prompts: list[np.ndarray]) -> f
     return _report("in process (ASGI)", asyncio.run(run()))
 
 
-def attribution_overhead(args: argparse.Namespace, prompts: list[np.ndarray]) -> None:
-    """Route + release with the delivered figure, with the delivery check on and off: two ASGI
-    apps in this process, routes alternating ABBA; p50 and p99 of the route, and the process's
-    CPU time per route + release on each side."""
+def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], section: str) -> None:
+    """Route + release with the delivered figure, with one feature (config ``section``:
+    ``delivery`` or ``whatif``) on and off: two ASGI apps in this process, routes alternating
+    ABBA; p50 and p99 of the route, and the process's CPU time per route + release on each
+    side. The other feature is off on both."""
     import asyncio
 
     import httpx
@@ -247,7 +250,8 @@ def attribution_overhead(args: argparse.Namespace, prompts: list[np.ndarray]) ->
         data: dict[str, Any] = {
             "replicas": [{"name": s.name, "model": MODEL} for s in router.replicas()],
             "limits": {"max_body_bytes": 64 * args.tokens, "max_prompt_tokens": 2 * args.tokens},
-            "delivery": {"enabled": enabled},
+            "delivery": {"enabled": enabled if section == "delivery" else False},
+            "whatif": {"enabled": enabled if section == "whatif" else False},
         }
         return create_app(router, parse_config(data))
 
@@ -280,8 +284,12 @@ def attribution_overhead(args: argparse.Namespace, prompts: list[np.ndarray]) ->
             if repeat:
                 for on, values in times.items():
                     samples[on].append(percentiles(values))
-        stats = (await clients[True].get("/v1/stats")).json()["attribution"]
-        assert stats and stats[0]["requests"] == (args.repeats + 1) * args.routes, stats
+        if section == "delivery":
+            stats = (await clients[True].get("/v1/stats")).json()["attribution"]
+            assert stats and stats[0]["requests"] == (args.repeats + 1) * args.routes, stats
+        else:
+            curves = (await clients[True].get("/v1/whatif")).json()
+            assert curves["window"]["routed_requests"] == (args.repeats + 1) * args.routes
         for client in clients.values():
             await client.aclose()
         return samples, cpu
@@ -290,8 +298,9 @@ def attribution_overhead(args: argparse.Namespace, prompts: list[np.ndarray]) ->
     n = args.repeats * args.routes
     p50 = {k: statistics.median(v[0] for v in samples[k]) * 1e3 for k in samples}
     p99 = {k: statistics.median(v[1] for v in samples[k]) * 1e3 for k in samples}
+    what = "delivery check and attribution" if section == "delivery" else "what-if curves (1%)"
     print(
-        f"delivery check and attribution, in process (ASGI), {args.tokens}-token routes with a "
+        f"{what}, in process (ASGI), {args.tokens}-token routes with a "
         f"request id, each released with the engine's cached tokens; medians of {args.repeats} "
         "repeats:"
     )
@@ -517,6 +526,7 @@ def main() -> None:
     ap.add_argument(
         "--attribution", action="store_true", help="only the delivery check's cost, on vs off"
     )
+    ap.add_argument("--whatif", action="store_true", help="only the what-if curves' cost, on/off")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -531,8 +541,9 @@ def main() -> None:
     if args.unplaced:
         unplaced_overhead(args)
         return
-    if args.attribution:
-        attribution_overhead(args, build(args.tokens, args.replicas)[2])
+    if args.attribution or args.whatif:
+        section = "delivery" if args.attribution else "whatif"
+        feature_overhead(args, build(args.tokens, args.replicas)[2], section)
         return
     router, label, prompts = build(args.tokens, args.replicas)
     as_lists = [p.tolist() for p in prompts]

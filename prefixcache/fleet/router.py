@@ -80,6 +80,14 @@ class _Matches(NamedTuple):
     digests: dict[int, list[bytes]]  # by block size
 
 
+class RouteObserver(Protocol):
+    """Told of every route, after it is decided (``Router.attach_observer``)."""
+
+    def __call__(self, replica: str, digests: Sequence[bytes], prompt_tokens: int) -> None:
+        """The prompt (its full blocks' digests at the chosen replica's block size, root
+        first) went to ``replica``."""
+
+
 class HeldBlocks(Protocol):
     """Blocks replicas hold that the index cannot place yet (stored under a parent the event
     ingestion never saw): ``KVEventSubscriber.unplaced``."""
@@ -124,6 +132,7 @@ class Router:
         held: HeldBlocks | None = None,
     ) -> None:
         self._held = held
+        self._observer: RouteObserver | None = None
         self._tenant_shares: dict[str, int] = {}
         self._tenant_blocks: Callable[[str], Mapping[str, int]] | None = None
         if in_flight_timeout is not None and (
@@ -200,6 +209,11 @@ class Router:
             s for s in scores if held.get(s.name, 0) < share or (best and s.cached_tokens == best)
         )
         return kept or scores
+
+    def attach_observer(self, observer: RouteObserver | None) -> None:
+        """Tell ``observer`` of every route from now on (None: stop); it runs on the routing
+        thread, outside the router's lock."""
+        self._observer = observer
 
     def attach_held(self, held: HeldBlocks | None) -> None:
         """Consult ``held`` on every lookup and route from now on (None: the index alone)."""
@@ -473,11 +487,13 @@ class Router:
                 work = n - next(s for s in scores if s.name == choice.replica).cached_tokens
                 loads.charge(request_id, choice.replica, n, work, self._timeout if expire else None)
         chosen = next(s for s in scores if s.name == choice.replica)
-        if self._held is not None:
+        if self._held is not None or self._observer is not None:
             spec = next(s for s in matches.eligible if s.name == choice.replica)
             digests = matches.digests.get(spec.block_size)
-            if digests:
+            if digests and self._held is not None:
                 self._held.note_route(choice.replica, namespace, matches.tokens, digests)
+            if self._observer is not None:
+                self._observer(choice.replica, digests or [], n)
         return RouteDecision(
             choice.replica,
             self._policy_name,

@@ -45,6 +45,7 @@ from prefixcache.fleet.service.guards.access import ANONYMOUS, Caller
 from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.metrics import ServiceMetrics
+from prefixcache.fleet.whatif.live_curves import LiveCurves
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.tokenizers import Tokenizer, render_chat
 
@@ -92,6 +93,11 @@ class FleetService:
         self.delivery = DeliveryCheck(config.delivery)
         metrics.watch_delivery(self.delivery, router)
         self.probes: dict[str, Any] = {}  # replica -> its last attach probe's ProbeResult
+        # what more memory would buy, from the prompts routed (sampled; the router feeds it)
+        self.whatif = LiveCurves(config.whatif, router.replicas)
+        if config.whatif.enabled:
+            router.attach_observer(self.whatif.observe)
+        metrics.watch_whatif(self.whatif)
         self._block_sizes = {r.name: r.block_size for r in config.replicas}
         self.proxying = proxying  # the OpenAI-compatible endpoints forward to replicas
         self.urls = {r.name: r.url for r in config.replicas}

@@ -21,6 +21,7 @@ from prefixcache.fleet.delivery_check import DeliveryCheck
 from prefixcache.fleet.events.ingest import IngestStats
 from prefixcache.fleet.router import RouteDecision, Router
 from prefixcache.fleet.service.guards.connection_budget import CONNECTION_EVENTS, ConnectionEvents
+from prefixcache.fleet.whatif.live_curves import LiveCurves
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
@@ -209,6 +210,26 @@ class _DeliveryCollector(Collector):
         )
 
 
+class _WhatIfCollector(Collector):
+    """The live what-if curves, read at scrape time: per replica (and ``fleet``, one cache of
+    their total), the estimated token hit rate at each capacity factor."""
+
+    def __init__(self, curves: LiveCurves) -> None:
+        self._curves = curves
+
+    def collect(self) -> Iterator[Metric]:
+        """Every point of every curve, read now."""
+        family = GaugeMetricFamily(
+            "prefixcache_whatif_token_hit_rate",
+            "Estimated token hit rate of the traffic routed to the replica (curve=fleet: all "
+            "of it as one cache) with factor times its KV capacity (sampled, LRU)",
+            labels=["curve", "factor"],
+        )
+        for curve, factor, rate in self._curves.gauges():
+            family.add_metric([curve, f"{factor:g}"], rate)
+        yield family
+
+
 class _ConnectionCollector(Collector):
     """What happened to connections below the app, read at scrape time."""
 
@@ -282,6 +303,10 @@ class ServiceMetrics:
         self.registry.register(
             _DeliveryCollector(delivery, lambda: [s.name for s in router.replicas()])
         )
+
+    def watch_whatif(self, curves: LiveCurves) -> None:
+        """Export the live what-if curves."""
+        self.registry.register(_WhatIfCollector(curves))
 
     def observe_route(self, decision: RouteDecision, seconds: float) -> None:
         """Count one route decision."""

@@ -1,5 +1,6 @@
 """The service's own endpoints: ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
-``GET /v1/replicas``, ``GET /v1/models``, ``GET /v1/stats``, ``GET /healthz``, ``GET /health``
+``GET /v1/replicas``, ``GET /v1/models``, ``GET /v1/stats``, ``GET /v1/whatif``, ``GET /healthz``,
+``GET /health``
 and ``GET /metrics``, module functions that ``add_api_routes`` registers on the app's own router
 as plain Starlette routes: each takes the ``Request`` and answers a ``Response`` itself, so
 FastAPI's parameter and dependency machinery (and an included router's extra hop) is not paid
@@ -206,6 +207,13 @@ async def probe(request: Request) -> Response:
     return _json({"replica": result.replica, **result.as_dict()})
 
 
+async def whatif(request: Request) -> Response:
+    """The live what-if curves (operator keys only): per replica and for the fleet as one
+    cache, the estimated hit rate with more or less KV memory."""
+    service: FleetService = request.app.state.service
+    return _json(await run_in_threadpool(service.whatif.snapshot))
+
+
 async def models(request: Request) -> Response:
     """The served models in OpenAI's list format, as vLLM's ``GET /v1/models`` answers."""
     service: FleetService = request.app.state.service
@@ -262,6 +270,7 @@ def add_api_routes(app: FastAPI) -> None:
         ("/v1/replicas/{name}/probe", probe, "POST"),
         ("/v1/models", models, "GET"),
         ("/v1/stats", stats, "GET"),
+        ("/v1/whatif", whatif, "GET"),
         ("/healthz", healthz, "GET"),
         ("/health", health, "GET"),
         ("/metrics", metrics, "GET"),

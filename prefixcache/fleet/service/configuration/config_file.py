@@ -41,6 +41,7 @@ from prefixcache.fleet.service.configuration.access_config import (
     parse_server,
 )
 from prefixcache.fleet.service.configuration.config_reader import ConfigReader
+from prefixcache.fleet.whatif.live_curves import WhatIfConfig
 from prefixcache.text.chat_template import ChatTemplate
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -136,6 +137,7 @@ class ServiceConfig:
     access: AccessConfig = field(default_factory=AccessConfig)  # API keys, per-key limits
     # predicted against delivered cached tokens: when a replica counts as degraded
     delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
+    whatif: WhatIfConfig = field(default_factory=WhatIfConfig)  # live what-if curves
     server: ServerConfig = field(default_factory=ServerConfig)  # connection and read limits, TLS
 
     def replica(self, name: str) -> ReplicaConfig | None:
@@ -147,8 +149,9 @@ class ServiceConfig:
 
 _TOP = (
     "replicas", "routing", "limits", "proxy", "health", "tokenizer", "chat_template", "index",
-    "index_prefix", "hash_algo", "auth", "server", "tls", "delivery",
+    "index_prefix", "hash_algo", "auth", "server", "tls", "delivery", "whatif",
 )  # fmt: skip
+_WHATIF = ("enabled", "rate", "max_memory_mib")
 _DELIVERY = ("enabled", "window", "min_requests", "tolerance")
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s", "attach_probe")
 _REPLICA = (
@@ -229,6 +232,7 @@ def parse_config(
     index, index_prefix = _index(r, top.get("index", "memory"), top.get("index_prefix"))
     hash_algo = _hash_algo(r, top.get("hash_algo", "xxh3_128"))
     delivery = _delivery(r, top.get("delivery"))
+    whatif = _whatif(r, top.get("whatif"))
     return ServiceConfig(
         replicas,
         routing,
@@ -244,6 +248,7 @@ def parse_config(
         access=parse_access(r, top.get("auth"), base_dir),
         server=parse_server(r, top.get("server"), top.get("tls"), base_dir),
         delivery=delivery,
+        whatif=whatif,
     )
 
 
@@ -378,6 +383,20 @@ def _delivery(r: ConfigReader, raw: Any) -> DeliveryConfig:
     if not 0 < tolerance <= 1:
         raise r.fail("delivery.tolerance", f"expected a share in (0, 1], got {tolerance!r}")
     return DeliveryConfig(enabled, window, min_requests, tolerance)
+
+
+def _whatif(r: ConfigReader, raw: Any) -> WhatIfConfig:
+    """``whatif``: the live curves' sampling rate and memory bound."""
+    wc = r.mapping(raw, "whatif", _WHATIF)
+    w = WhatIfConfig()
+    enabled = wc.get("enabled", w.enabled)
+    if not isinstance(enabled, bool):
+        raise r.fail("whatif.enabled", f"expected true or false, got {enabled!r}")
+    rate = r.number(wc.get("rate", w.rate), "whatif.rate")
+    if rate > 1:
+        raise r.fail("whatif.rate", f"expected a share in (0, 1], got {rate!r}")
+    memory = r.number(wc.get("max_memory_mib", w.max_memory_mib), "whatif.max_memory_mib")
+    return WhatIfConfig(enabled, rate, memory)
 
 
 def _existing_file(r: ConfigReader, text: str, where: str, base_dir: Path | None) -> Path:

@@ -1,0 +1,2 @@
+"""What-if answers from live traffic: sampled miss-ratio curves of the prompts the service
+routes (SHARDS), per replica and for the fleet as one cache."""

@@ -1,0 +1,128 @@
+"""`GET /v1/whatif`: the prompts the service routes, sampled, give each replica's hit rate with
+more or less KV memory and the fleet's as one cache. With every block sampled the curves equal
+an exact LRU of the prompts each replica got; the metrics export the points; tenant keys see
+nothing; a bad `whatif` section is refused."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from prefixcache import Namespace
+from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.errors import ConfigError
+from prefixcache.fleet.index.memory import MemoryFleetIndex
+from prefixcache.fleet.router import Router
+from prefixcache.fleet.service.app import create_app
+from prefixcache.fleet.service.configuration.config_file import parse_config
+
+MODEL = "m"
+BLOCK = 4
+CAPACITY = 40
+ACME = "sk-acme-0123456789abcdef0000"
+OPS = "sk-operator-0123456789abcdef"
+
+
+def _prompts(n: int = 400) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    systems = [
+        rng.integers(1, 10_000, BLOCK * int(rng.integers(3, 12))).tolist() for _ in range(30)
+    ]
+    return [
+        systems[int(rng.integers(0, 30))]
+        + rng.integers(1, 10_000, int(rng.integers(2, 9))).tolist()
+        for _ in range(n)
+    ]
+
+
+def _lru(prompts: list[list[int]], capacity: int) -> float:
+    hasher = BlockHasher(BLOCK)
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    hit = total = 0
+    for p in prompts:
+        total += len(p)
+        for d in reversed(hasher.hash_prompt(p, Namespace(MODEL))):
+            if d in cache:
+                hit += BLOCK
+                cache.move_to_end(d)
+            else:
+                cache[d] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hit / total
+
+
+def _client(tmp_path: Path, whatif: dict) -> TestClient:
+    (tmp_path / "keys.yaml").write_text(f"{ACME}: acme\n{OPS}: {{role: operator, name: ops}}\n")
+    config = parse_config(
+        {
+            "auth": {"keys_file": "keys.yaml"},
+            "routing": {"policy": "round_robin"},
+            "whatif": whatif,
+            "replicas": [
+                {"name": n, "model": MODEL, "block_size": BLOCK, "capacity_blocks": CAPACITY}
+                for n in ("a", "b")
+            ],
+        },
+        "fleet.yaml",
+        tmp_path,
+    )
+    router = Router(MemoryFleetIndex(), [r.spec() for r in config.replicas], "round_robin")
+    return TestClient(create_app(router, config))
+
+
+def test_curves_of_routed_prompts_equal_exact_lru_with_every_block_sampled(tmp_path: Path):
+    prompts = _prompts()
+    routed: dict[str, list[list[int]]] = {"a": [], "b": []}
+    ops = {"authorization": f"Bearer {OPS}"}
+    with _client(tmp_path, {"rate": 1.0}) as client:
+        for p in prompts:
+            r = client.post("/v1/route", json={"model": MODEL, "tokens": p}, headers=ops)
+            routed[r.json()["replica"]].append(p)
+        body = client.get("/v1/whatif", headers=ops).json()
+        metrics = client.get("/metrics", headers=ops).text
+        denied = client.get("/v1/whatif", headers={"authorization": f"Bearer {ACME}"})
+    assert body["window"]["routed_requests"] == len(prompts)
+    assert body["sampling"]["rate"] == 1.0 and body["factors"] == [0.25, 0.5, 1, 2, 4, 8]
+    rows = {row["name"]: row for row in body["replicas"]}
+    for name in ("a", "b"):
+        row = rows[name]
+        assert row["requests"] == len(routed[name]) and row["rate"] == 1.0
+        for point in row["points"]:
+            exact = _lru(routed[name], point["blocks"])
+            assert point["token_hit_rate"] == pytest.approx(exact, abs=0.01), (name, point)
+        rates = [p["token_hit_rate"] for p in row["points"]]
+        assert rates == sorted(rates) and rates[-1] > rates[0]
+    fleet = body["fleet"]
+    assert fleet["capacity_blocks"] == 2 * CAPACITY and fleet["replicas"] == 2
+    for point in fleet["points"]:  # the pooled line: one cache of both, in arrival order
+        assert point["token_hit_rate"] == pytest.approx(_lru(prompts, point["blocks"]), abs=0.01)
+    # one cache of both beats either replica alone at the same total memory
+    one = next(p for p in fleet["points"] if p["factor"] == 1.0)["token_hit_rate"]
+    assert one >= max(next(p for p in rows[n]["points"] if p["factor"] == 1.0)["token_hit_rate"]
+                      for n in ("a", "b")) - 0.01  # fmt: skip
+    assert 'prefixcache_whatif_token_hit_rate{curve="fleet",factor="8"}' in metrics
+    assert 'prefixcache_whatif_token_hit_rate{curve="a",factor="0.25"}' in metrics
+    assert denied.status_code == 403
+
+
+def test_curves_off_and_bad_settings(tmp_path: Path):
+    ops = {"authorization": f"Bearer {OPS}"}
+    with _client(tmp_path, {"enabled": False}) as client:
+        client.post("/v1/route", json={"model": MODEL, "tokens": list(range(1, 30))}, headers=ops)
+        body = client.get("/v1/whatif", headers=ops).json()
+    assert not body["enabled"] and body["window"]["routed_requests"] == 0
+    base = {"replicas": [{"name": "a", "model": MODEL, "block_size": BLOCK}]}
+    for whatif, where in (
+        ({"rate": 0}, "whatif.rate"),
+        ({"rate": 1.5}, "whatif.rate"),
+        ({"max_memory_mib": -1}, "whatif.max_memory_mib"),
+        ({"enabled": "yes"}, "whatif.enabled"),
+        ({"sample": 1}, "sample"),
+    ):
+        with pytest.raises(ConfigError, match=where):
+            parse_config({**base, "whatif": whatif}, "fleet.yaml", tmp_path)
