@@ -3,10 +3,12 @@
 size its config names (healthy), one with another block size, one publishes its KV events where
 the service does not listen. Within the window the two go `degraded` with a reason naming what
 to check, the healthy one never does; restarted as configured, both come back by themselves.
-Attribution sums add up per request and per tenant."""
+Attribution sums add up per request and per tenant; the service records the routed requests
+as a trace (`--record-trace`)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -118,7 +120,8 @@ def test_degraded_replicas_are_named_with_a_reason_and_recover(tmp_path: Path) -
             serve = procs.start(
                 "serve",
                 ["-m", "prefixcache", "serve", "--config", str(path), "--port", str(port),
-                 "--proxy", "--log-level", "warning"],
+                 "--proxy", "--log-level", "warning", "--record-trace",
+                 str(tmp_path / "routed.jsonl")],
             )  # fmt: skip
             run_fleet.wait_healthy(client, procs, "serve", serve, service)
 
@@ -163,5 +166,9 @@ def test_degraded_replicas_are_named_with_a_reason_and_recover(tmp_path: Path) -
             assert rows["silent"]["delivery"]["degraded_times"] == 1
             assert "replica silent recovered" in procs.log("serve")
             assert client.get(f"{service}/healthz").json()["replicas_degraded"] == 0
+        procs.stop_all()  # the service flushes its recorded trace as it stops
+        routed = (tmp_path / "routed.jsonl").read_text().splitlines()
+        assert len(routed) == len(prompts)  # every proxied request, none of the engines'
+        assert all(json.loads(line)["input_length"] > 0 for line in routed)
     finally:
         procs.stop_all()

@@ -138,3 +138,5 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await run_in_threadpool(ingest.stop)
         if service.http_client is not None:
             await service.http_client.aclose()
+        if service.recorder is not None:
+            service.recorder.close()

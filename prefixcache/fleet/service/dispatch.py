@@ -46,6 +46,7 @@ from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.whatif.live_curves import LiveCurves
+from prefixcache.fleet.whatif.trace_recorder import TraceRecorder
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.tokenizers import Tokenizer, render_chat
 
@@ -95,9 +96,13 @@ class FleetService:
         self.probes: dict[str, Any] = {}  # replica -> its last attach probe's ProbeResult
         # what more memory would buy, from the prompts routed (sampled; the router feeds it)
         self.whatif = LiveCurves(config.whatif, router.replicas)
-        if config.whatif.enabled:
-            router.attach_observer(self.whatif.observe)
         metrics.watch_whatif(self.whatif)
+        # what was routed, for offline replay (closed when the app stops)
+        self.recorder: TraceRecorder | None = None
+        if config.record_trace.path is not None:
+            self.recorder = TraceRecorder(config.record_trace)
+        if config.whatif.enabled or self.recorder is not None:
+            router.attach_observer(self._observe_route)
         self._block_sizes = {r.name: r.block_size for r in config.replicas}
         self.proxying = proxying  # the OpenAI-compatible endpoints forward to replicas
         self.urls = {r.name: r.url for r in config.replicas}
@@ -105,6 +110,17 @@ class FleetService:
         self.started_at = time.time()  # the "created" of the models it lists
         # an index in this process (CompactFleetIndex is one too) answers without blocking
         self.inline = isinstance(router.index, MemoryFleetIndex)
+
+    def _observe_route(self, replica: str, digests: Sequence[bytes], prompt_tokens: int) -> None:
+        """Every route: the live curves' sample, and the recorded trace."""
+        if self.config.whatif.enabled:
+            self.whatif.observe(replica, digests, prompt_tokens)
+        if self.recorder is not None:
+            block_size = self._block_sizes.get(replica)
+            if block_size is None:  # added at run time
+                spec = next((s for s in self.router.replicas() if s.name == replica), None)
+                block_size = spec.block_size if spec is not None else 0
+            self.recorder.record(digests, prompt_tokens, block_size)
 
     def runs_inline(self, body: PromptBody) -> bool:
         """Whether ``body`` is routed on the event loop: token ids (no tokenizer), at most

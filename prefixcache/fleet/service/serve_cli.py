@@ -49,6 +49,15 @@ def register(subparsers: Any) -> None:
         "them: each worker counts its own in-flight load and per-key limits",
     )
     sp.add_argument(
+        "--record-trace",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write every routed request as a Mooncake trace line (block hash ids, never token "
+        "ids) to PATH, rotated by size, for prefixcache replay (default: the config's "
+        "record_trace)",
+    )
+    sp.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -92,8 +101,14 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         if not 0 < args.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {args.port}")
-        options = ServeOptions(str(args.config.resolve()), args.index, args.proxy)
+        record = str(args.record_trace.resolve()) if args.record_trace is not None else None
+        options = ServeOptions(str(args.config.resolve()), args.index, args.proxy, record)
         config = load_config(args.config)
+        if args.workers > 1 and (record is not None or config.record_trace.path is not None):
+            raise ConfigError(
+                "a recorded trace is written by one process: run --workers 1 with "
+                "--record-trace (or record_trace in the config)"
+            )
         check_workers(args.workers, index_of(options, config))
         raised = raise_descriptor_limit(config.server, followed_replicas(config))
         budget = service_budget(config)  # ConfigError when the limit leaves too few

@@ -12,6 +12,7 @@ routers sharing a Redis index do.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -48,6 +49,7 @@ class ServeOptions:
     config: str
     index: str | None = None
     proxy: bool | None = None
+    record_trace: str | None = None  # a path overriding the config's record_trace.path
 
 
 def index_of(options: ServeOptions, config: ServiceConfig) -> str:
@@ -71,6 +73,9 @@ def open_service(options: ServeOptions) -> tuple[Any, ServiceConfig]:
     """The service app of ``options`` (its index, router and KV-event subscriber), and its
     config. Raises PrefixCacheError or OSError for an unusable config or index."""
     config = load_config(Path(options.config))
+    if options.record_trace is not None:
+        record = dataclasses.replace(config.record_trace, path=options.record_trace)
+        config = dataclasses.replace(config, record_trace=record)
     index_url = index_of(options, config)
     extra: dict[str, float] = {}
     if index_url not in IN_PROCESS:

@@ -42,6 +42,7 @@ from prefixcache.fleet.service.configuration.access_config import (
 )
 from prefixcache.fleet.service.configuration.config_reader import ConfigReader
 from prefixcache.fleet.whatif.live_curves import WhatIfConfig
+from prefixcache.fleet.whatif.trace_recorder import TraceRecordConfig
 from prefixcache.text.chat_template import ChatTemplate
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -138,6 +139,7 @@ class ServiceConfig:
     # predicted against delivered cached tokens: when a replica counts as degraded
     delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
     whatif: WhatIfConfig = field(default_factory=WhatIfConfig)  # live what-if curves
+    record_trace: TraceRecordConfig = field(default_factory=TraceRecordConfig)  # routed requests
     server: ServerConfig = field(default_factory=ServerConfig)  # connection and read limits, TLS
 
     def replica(self, name: str) -> ReplicaConfig | None:
@@ -149,8 +151,9 @@ class ServiceConfig:
 
 _TOP = (
     "replicas", "routing", "limits", "proxy", "health", "tokenizer", "chat_template", "index",
-    "index_prefix", "hash_algo", "auth", "server", "tls", "delivery", "whatif",
+    "index_prefix", "hash_algo", "auth", "server", "tls", "delivery", "whatif", "record_trace",
 )  # fmt: skip
+_RECORD_TRACE = ("path", "rate", "max_mib", "keep")
 _WHATIF = ("enabled", "rate", "max_memory_mib")
 _DELIVERY = ("enabled", "window", "min_requests", "tolerance")
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s", "attach_probe")
@@ -233,6 +236,7 @@ def parse_config(
     hash_algo = _hash_algo(r, top.get("hash_algo", "xxh3_128"))
     delivery = _delivery(r, top.get("delivery"))
     whatif = _whatif(r, top.get("whatif"))
+    record_trace = _record_trace(r, top.get("record_trace"), base_dir)
     return ServiceConfig(
         replicas,
         routing,
@@ -249,6 +253,7 @@ def parse_config(
         server=parse_server(r, top.get("server"), top.get("tls"), base_dir),
         delivery=delivery,
         whatif=whatif,
+        record_trace=record_trace,
     )
 
 
@@ -397,6 +402,22 @@ def _whatif(r: ConfigReader, raw: Any) -> WhatIfConfig:
         raise r.fail("whatif.rate", f"expected a share in (0, 1], got {rate!r}")
     memory = r.number(wc.get("max_memory_mib", w.max_memory_mib), "whatif.max_memory_mib")
     return WhatIfConfig(enabled, rate, memory)
+
+
+def _record_trace(r: ConfigReader, raw: Any, base_dir: Path | None) -> TraceRecordConfig:
+    """``record_trace``: where the routed requests are written (relative to the config's
+    folder), which share of them, and the rotation."""
+    rc = r.mapping(raw, "record_trace", _RECORD_TRACE)
+    d = TraceRecordConfig()
+    path = r.string(rc.get("path"), "record_trace.path")
+    if path is not None and base_dir is not None and not Path(path).is_absolute():
+        path = str(base_dir / path)
+    rate = r.number(rc.get("rate", d.rate), "record_trace.rate")
+    if rate > 1:
+        raise r.fail("record_trace.rate", f"expected a share in (0, 1], got {rate!r}")
+    max_mib = r.number(rc.get("max_mib", d.max_mib), "record_trace.max_mib")
+    keep = r.integer(rc.get("keep", d.keep), "record_trace.keep", 0)
+    return TraceRecordConfig(path, rate, max_mib, keep)
 
 
 def _existing_file(r: ConfigReader, text: str, where: str, base_dir: Path | None) -> Path:
