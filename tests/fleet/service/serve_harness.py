@@ -69,6 +69,28 @@ def make_config(
     return parse_config(data, "test.yaml", tmp)
 
 
+def round_robin_app(
+    tmp_path: Path, block_size: int, capacity_blocks: int, **sections: Any
+) -> FastAPI:
+    """An app over two empty replicas, ``a`` and ``b``, routed round robin, with the config's
+    other ``sections`` (``whatif``, ``record_trace``, ``auth`` ...; paths relative to
+    ``tmp_path``)."""
+    config = parse_config(
+        {
+            "routing": {"policy": "round_robin"},
+            **sections,
+            "replicas": [
+                {"name": n, "model": MODEL, "block_size": block_size,
+                 "capacity_blocks": capacity_blocks}
+                for n in ("a", "b")
+            ],
+        },
+        "fleet.yaml",
+        tmp_path,
+    )  # fmt: skip
+    return make_app(config)[0]
+
+
 def make_app(config: ServiceConfig) -> tuple[FastAPI, MemoryFleetIndex]:
     index = MemoryFleetIndex()
     for replica in config.replicas:

@@ -13,11 +13,9 @@ from fastapi.testclient import TestClient
 
 from prefixcache.cli import main
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.fleet.router import Router
-from prefixcache.fleet.service.app import create_app
 from prefixcache.fleet.service.configuration.config_file import parse_config
 from prefixcache.fleet.whatif.trace_recorder import TraceRecordConfig, TraceRecorder
+from tests.fleet.service.serve_harness import round_robin_app
 
 MODEL = "m"
 BLOCK = 4
@@ -34,21 +32,8 @@ def _prompts(n: int = 300) -> list[list[int]]:
 
 
 def _serve(tmp_path: Path, prompts: list[list[int]], record: dict) -> dict:
-    config = parse_config(
-        {
-            "routing": {"policy": "round_robin"},
-            "whatif": {"rate": 1.0},
-            "record_trace": record,
-            "replicas": [
-                {"name": n, "model": MODEL, "block_size": BLOCK, "capacity_blocks": CAPACITY}
-                for n in ("a", "b")
-            ],
-        },
-        "fleet.yaml",
-        tmp_path,
-    )
-    router = Router(MemoryFleetIndex(), [r.spec() for r in config.replicas], "round_robin")
-    with TestClient(create_app(router, config)) as client:
+    app = round_robin_app(tmp_path, BLOCK, CAPACITY, whatif={"rate": 1.0}, record_trace=record)
+    with TestClient(app) as client:
         for p in prompts:
             assert client.post("/v1/route", json={"model": MODEL, "tokens": p}).status_code == 200
         curves: dict = client.get("/v1/whatif").json()

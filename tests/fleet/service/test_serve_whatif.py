@@ -15,10 +15,8 @@ from fastapi.testclient import TestClient
 from prefixcache import Namespace
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.fleet.router import Router
-from prefixcache.fleet.service.app import create_app
 from prefixcache.fleet.service.configuration.config_file import parse_config
+from tests.fleet.service.serve_harness import round_robin_app
 
 MODEL = "m"
 BLOCK = 4
@@ -58,21 +56,8 @@ def _lru(prompts: list[list[int]], capacity: int) -> float:
 
 def _client(tmp_path: Path, whatif: dict) -> TestClient:
     (tmp_path / "keys.yaml").write_text(f"{ACME}: acme\n{OPS}: {{role: operator, name: ops}}\n")
-    config = parse_config(
-        {
-            "auth": {"keys_file": "keys.yaml"},
-            "routing": {"policy": "round_robin"},
-            "whatif": whatif,
-            "replicas": [
-                {"name": n, "model": MODEL, "block_size": BLOCK, "capacity_blocks": CAPACITY}
-                for n in ("a", "b")
-            ],
-        },
-        "fleet.yaml",
-        tmp_path,
-    )
-    router = Router(MemoryFleetIndex(), [r.spec() for r in config.replicas], "round_robin")
-    return TestClient(create_app(router, config))
+    auth = {"keys_file": "keys.yaml"}
+    return TestClient(round_robin_app(tmp_path, BLOCK, CAPACITY, auth=auth, whatif=whatif))
 
 
 def test_curves_of_routed_prompts_equal_exact_lru_with_every_block_sampled(tmp_path: Path):
