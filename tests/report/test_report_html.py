@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import re
-import shutil
 import subprocess
 from html import unescape
 from pathlib import Path
@@ -23,8 +21,8 @@ from test_report_runs import write_run
 
 from prefixcache.cli import main
 from prefixcache.report import render_all
+from tests.headless_browser import browser
 
-BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 PLOT_COLORS = (
     np.array([[0x1F, 0x77, 0xB4], [0xFF, 0x7F, 0x0E], [0x2C, 0xA0, 0x2C], [0xD6, 0x27, 0x28]]) / 255
 )
@@ -48,18 +46,6 @@ _SIZES = (
     "JSON.stringify([...document.images].map(i => [i.alt, i.naturalWidth, i.naturalHeight, "
     "i.complete]))));</script>"
 )
-
-
-def browser() -> str:
-    found = os.environ.get("PREFIXCACHE_BROWSER") or next(
-        filter(None, map(shutil.which, BROWSERS)), None
-    )
-    if not found:
-        pytest.fail(
-            f"no headless Chromium found (tried {', '.join(BROWSERS)}); install it "
-            "(apt-get install -y chromium) or set PREFIXCACHE_BROWSER to its path"
-        )
-    return found
 
 
 def open_page(page: Path, tmp_path: Path, height: int = 2000) -> tuple[np.ndarray, list[str]]:

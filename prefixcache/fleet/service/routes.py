@@ -30,6 +30,7 @@ from prefixcache.fleet.policies import ReplicaScore
 from prefixcache.fleet.replica_health import ReplicaHealth
 from prefixcache.fleet.replica_spec import ANY_ADAPTER
 from prefixcache.fleet.service.bodies import PromptBody, ReleaseBody, RouteBody, decode_body
+from prefixcache.fleet.service.dashboard import dashboard
 from prefixcache.fleet.service.dispatch import FleetService
 from prefixcache.fleet.service.guards.access import caller_of
 from prefixcache.fleet.service.metrics import CONTENT_TYPE
@@ -271,6 +272,7 @@ def add_api_routes(app: FastAPI) -> None:
         ("/v1/models", models, "GET"),
         ("/v1/stats", stats, "GET"),
         ("/v1/whatif", whatif, "GET"),
+        ("/dashboard", dashboard, "GET"),
         ("/healthz", healthz, "GET"),
         ("/health", health, "GET"),
         ("/metrics", metrics, "GET"),

@@ -4,9 +4,9 @@ middleware), and what a caller's key lets it see (``Caller``).
 A request names its key as ``Authorization: Bearer <key>``, as vLLM's ``--api-key`` and the OpenAI
 API take it. The presented key is hashed with SHA-256 and looked up among the digests of the
 configured keys, so the time taken does not depend on how much of a stored key it matches.
-``/healthz`` and ``/health`` are open; ``/metrics``, ``/v1/whatif`` and ``/v1/replicas`` (and what
-is below it) need an operator key (403 for a tenant key); everything else needs a key (401
-without one, with ``WWW-Authenticate: Bearer``).
+``/healthz``, ``/health`` and ``/dashboard`` (a page without data) are open; ``/metrics``,
+``/v1/whatif`` and ``/v1/replicas`` (and what is below it) need an operator key (403 for a
+tenant key); everything else needs a key (401 without one, with ``WWW-Authenticate: Bearer``).
 
 A key's tenant fixes the namespace of its requests: the salt of every lookup, route and proxied
 request is the tenant's (``Caller.salt``), with the request's own salt kept inside it, so no key
@@ -32,7 +32,7 @@ from prefixcache.fleet.service.configuration.access_config import (
 from prefixcache.fleet.service.http_errors import error_response
 from prefixcache.fleet.service.metrics import ServiceMetrics
 
-OPEN_PATHS = frozenset(("/healthz", "/health"))
+OPEN_PATHS = frozenset(("/healthz", "/health", "/dashboard"))  # the page holds no data
 OPERATOR_PATHS = frozenset(("/metrics", "/v1/replicas", "/v1/whatif"))
 CALLER = "prefixcache.caller"  # the scope entry the gate leaves for the handlers
 

@@ -1,0 +1,85 @@
+"""`GET /dashboard` in a real headless Chromium against a running service: the page fills its
+tables and draws the what-if curves from the operator endpoints, refreshes them in place (no
+reload), and with API keys asks for an operator key instead of showing anything."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from html import unescape
+from pathlib import Path
+
+import httpx
+import numpy as np
+from matplotlib.image import imread
+
+from tests.fleet.service.serve_harness import BLOCK, MODEL, make_app, make_config, serving
+from tests.headless_browser import browser
+
+CURVE_BLUE = (0x1F / 255, 0x77 / 255, 0xB4 / 255)  # the first replica's curve
+
+
+def _chromium(tmp_path: Path, url: str, *mode: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [browser(), "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
+         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=8000",
+         "--window-size=1100,1400", *mode, url],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def _route_some(base: str, headers: dict[str, str]) -> None:
+    rng = np.random.default_rng(5)
+    systems = [rng.integers(1, 30_000, BLOCK * 6).tolist() for _ in range(8)]
+    popular = np.array([8, 4, 2, 1, 1, 1, 1, 1]) / 19
+    with httpx.Client(base_url=base, headers=headers) as client:
+        for i in range(160):
+            tokens = systems[int(rng.choice(8, p=popular))] + rng.integers(1, 30_000, 9).tolist()
+            body = {"model": MODEL, "tokens": tokens, "request_id": f"r{i}"}
+            routed = client.post("/v1/route", json=body).json()
+            release = {"request_id": f"r{i}", "cached_tokens": routed["cached_tokens"]}
+            assert client.post("/v1/release", json=release).status_code == 200
+
+
+def test_the_dashboard_draws_the_fleet_and_refreshes_in_place(tmp_path: Path) -> None:
+    replicas = [
+        {"name": n, "model": MODEL, "block_size": BLOCK, "capacity_blocks": 20}
+        for n in ("r1", "r2")
+    ]
+    extra = {"whatif": {"rate": 1.0}, "replicas": replicas, "routing": {"policy": "prefix"}}
+    config = make_config(tmp_path, keys=False, extra=extra)
+    app, _ = make_app(config)
+    with serving(app, config) as base:
+        _route_some(base, {})
+        page = f"{base}/dashboard?every=1"
+        dom = unescape(_chromium(tmp_path, page, "--dump-dom").stdout)
+        shot = tmp_path / "dashboard.png"
+        result = _chromium(tmp_path, page, f"--screenshot={shot}")
+    refreshes = int(re.search(r'data-refreshes="(\d+)"', dom).group(1))  # type: ignore[union-attr]
+    assert refreshes >= 3, dom[:2000]  # redrawn every second, the page never reloaded
+    assert "policy prefix" in dom
+    rows = re.findall(r"<tr><td>([^<]+)</td><td class=\"ok\">up</td>", dom)
+    assert sorted(rows) == ["r1", "r2"], rows
+    svg = re.search(r'<svg id="curves".*?</svg>', dom, re.S)
+    assert svg and svg.group(0).count("<polyline") == 3  # each replica's curve and the fleet's
+    fleet = re.search(r"<tr><td>fleet</td>((?:<td>[\d.]+%</td>)+)</tr>", dom)
+    assert fleet, dom[-3000:]
+    rates = [float(x) for x in re.findall(r"([\d.]+)%", fleet.group(1))]
+    assert len(rates) == 6 and rates == sorted(rates) and rates[-1] > 50
+    assert re.search(r"<td>\(none\)</td><td>m</td><td>160</td>", dom)  # attribution row
+    assert shot.is_file(), result.stderr[-2000:]
+    image = imread(shot)[..., :3]
+    blue = (np.abs(image - np.array(CURVE_BLUE)).max(axis=2) < 0.08).sum()
+    assert blue > 300, "the first replica's curve is not drawn"
+    assert (image.min(axis=2) < 0.5).mean() > 0.01  # text and lines, not a blank page
+
+
+def test_with_keys_the_page_asks_for_an_operator_key(tmp_path: Path) -> None:
+    config = make_config(tmp_path)  # with API keys
+    app, _ = make_app(config)
+    with serving(app, config) as base:
+        assert httpx.get(f"{base}/dashboard").status_code == 200  # the page itself is open
+        dom = unescape(_chromium(tmp_path, f"{base}/dashboard", "--dump-dom").stdout)
+    assert 'id="key" style="display: block;"' in dom
+    assert "an operator key is needed" in dom
+    assert re.search(r'<svg id="curves"[^>]*></svg>', dom)  # nothing drawn
