@@ -46,6 +46,7 @@ from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.whatif.live_curves import LiveCurves
+from prefixcache.fleet.whatif.shadow_fleets import ShadowFleets
 from prefixcache.fleet.whatif.trace_recorder import TraceRecorder
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.tokenizers import Tokenizer, render_chat
@@ -97,6 +98,12 @@ class FleetService:
         # what more memory would buy, from the prompts routed (sampled; the router feeds it)
         self.whatif = LiveCurves(config.whatif, router.replicas)
         metrics.watch_whatif(self.whatif)
+        # N-1, N+1, 2N replicas and the other policies, as miniature fleets on a sample
+        self.shadows: ShadowFleets | None = None
+        if config.whatif.enabled and config.whatif.counterfactual_rate > 0:
+            specs = [r.spec() for r in config.replicas]
+            rate = config.whatif.counterfactual_rate
+            self.shadows = ShadowFleets(specs, router.policy, rate)
         # what was routed, for offline replay (closed when the app stops)
         self.recorder: TraceRecorder | None = None
         if config.record_trace.path is not None:
@@ -115,6 +122,8 @@ class FleetService:
         """Every route: the live curves' sample, and the recorded trace."""
         if self.config.whatif.enabled:
             self.whatif.observe(replica, digests, prompt_tokens)
+        if self.shadows is not None:
+            self.shadows.offer(digests, prompt_tokens)
         if self.recorder is not None:
             block_size = self._block_sizes.get(replica)
             if block_size is None:  # added at run time

@@ -212,7 +212,21 @@ async def whatif(request: Request) -> Response:
     """The live what-if curves (operator keys only): per replica and for the fleet as one
     cache, the estimated hit rate with more or less KV memory."""
     service: FleetService = request.app.state.service
-    return _json(await run_in_threadpool(service.whatif.snapshot))
+
+    def read() -> dict[str, Any]:
+        body = service.whatif.snapshot()
+        shadows = service.shadows
+        body["counterfactuals"] = {
+            "rate": shadows.rate if shadows is not None else 0.0,
+            "shadow_capacity_blocks": shadows.capacity if shadows is not None else 0,
+            "too_small": shadows.too_small() if shadows is not None else False,
+            "note": "miniature shadow fleets on a sample of requests (by first block); a "
+            "shadow sees no load, so load-aware policies are judged by their cache choices",
+            "scenarios": shadows.snapshot() if shadows is not None else [],
+        }
+        return body
+
+    return _json(await run_in_threadpool(read))
 
 
 async def models(request: Request) -> Response:

@@ -34,6 +34,7 @@ class WhatIfConfig:
     enabled: bool = True
     rate: float = 0.01  # blocks sampled, at first (lowered as a sample fills)
     max_memory_mib: float = 64.0  # shared by every curve
+    counterfactual_rate: float = 0.0  # requests fed to the shadow fleets (0: no shadows)
 
 
 class LiveCurves:

@@ -64,7 +64,7 @@ def test_curves_of_routed_prompts_equal_exact_lru_with_every_block_sampled(tmp_p
     prompts = _prompts()
     routed: dict[str, list[list[int]]] = {"a": [], "b": []}
     ops = {"authorization": f"Bearer {OPS}"}
-    with _client(tmp_path, {"rate": 1.0}) as client:
+    with _client(tmp_path, {"rate": 1.0, "counterfactual_rate": 1.0}) as client:
         for p in prompts:
             r = client.post("/v1/route", json={"model": MODEL, "tokens": p}, headers=ops)
             routed[r.json()["replica"]].append(p)
@@ -93,6 +93,17 @@ def test_curves_of_routed_prompts_equal_exact_lru_with_every_block_sampled(tmp_p
     assert 'prefixcache_whatif_token_hit_rate{curve="fleet",factor="8"}' in metrics
     assert 'prefixcache_whatif_token_hit_rate{curve="a",factor="0.25"}' in metrics
     assert denied.status_code == 403
+    shadows = {row["scenario"]: row for row in body["counterfactuals"]["scenarios"]}
+    assert body["counterfactuals"]["rate"] == 1.0
+    assert shadows["as configured"]["requests"] == len(prompts)
+    assert {"N+1 replicas", "2N replicas", "policy prefix", "policy prefix_cost"} <= set(shadows)
+    # the fleet as configured, in miniature at full scale, is the replicas' curves at 1x
+    at_1x = sum(
+        next(p for p in rows[n]["points"] if p["factor"] == 1.0)["token_hit_rate"]
+        * rows[n]["requests"]
+        for n in ("a", "b")
+    ) / len(prompts)  # about: the replicas' rates weighted by requests, not tokens
+    assert shadows["as configured"]["token_hit_rate"] == pytest.approx(at_1x, abs=0.05)
 
 
 def test_curves_off_and_bad_settings(tmp_path: Path):
@@ -108,6 +119,8 @@ def test_curves_off_and_bad_settings(tmp_path: Path):
         ({"max_memory_mib": -1}, "whatif.max_memory_mib"),
         ({"enabled": "yes"}, "whatif.enabled"),
         ({"sample": 1}, "sample"),
+        ({"counterfactual_rate": 2}, "whatif.counterfactual_rate"),
+        ({"counterfactual_rate": -0.1}, "whatif.counterfactual_rate"),
     ):
         with pytest.raises(ConfigError, match=where):
             parse_config({**base, "whatif": whatif}, "fleet.yaml", tmp_path)

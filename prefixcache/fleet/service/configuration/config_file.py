@@ -154,7 +154,7 @@ _TOP = (
     "index_prefix", "hash_algo", "auth", "server", "tls", "delivery", "whatif", "record_trace",
 )  # fmt: skip
 _RECORD_TRACE = ("path", "rate", "max_mib", "keep")
-_WHATIF = ("enabled", "rate", "max_memory_mib")
+_WHATIF = ("enabled", "rate", "max_memory_mib", "counterfactual_rate")
 _DELIVERY = ("enabled", "window", "min_requests", "tolerance")
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s", "attach_probe")
 _REPLICA = (
@@ -401,7 +401,12 @@ def _whatif(r: ConfigReader, raw: Any) -> WhatIfConfig:
     if rate > 1:
         raise r.fail("whatif.rate", f"expected a share in (0, 1], got {rate!r}")
     memory = r.number(wc.get("max_memory_mib", w.max_memory_mib), "whatif.max_memory_mib")
-    return WhatIfConfig(enabled, rate, memory)
+    shadows = wc.get("counterfactual_rate", w.counterfactual_rate)
+    if shadows != 0:
+        shadows = r.number(shadows, "whatif.counterfactual_rate")
+        if shadows > 1:
+            raise r.fail("whatif.counterfactual_rate", f"expected a share in [0, 1], got {shadows}")
+    return WhatIfConfig(enabled, rate, memory, float(shadows))
 
 
 def _record_trace(r: ConfigReader, raw: Any, base_dir: Path | None) -> TraceRecordConfig:
