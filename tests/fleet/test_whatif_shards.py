@@ -43,15 +43,15 @@ def _digests(trace: list[list[int]]) -> list[list[bytes]]:
 
 
 def _exact_lru(chains: list[list[bytes]], trace: list[list[int]], capacity: int) -> float:
-    """Token hit rate of an LRU of ``capacity`` blocks, each prompt's blocks referenced deepest
-    first."""
+    """Token hit rate of an LRU of ``capacity`` blocks: a prompt's hits are its blocks in the
+    cache when it arrives; then its blocks are referenced deepest first."""
     cache: OrderedDict[bytes, None] = OrderedDict()
     hit = total = 0
     for chain, prompt in zip(chains, trace, strict=True):
         total += len(prompt)
+        hit += B * sum(d in cache for d in chain)  # as the request finds the cache
         for d in reversed(chain):
             if d in cache:
-                hit += B
                 cache.move_to_end(d)
             else:
                 cache[d] = None

@@ -118,32 +118,39 @@ class ShardsSampler:
     def reference_hashes(self, hashes: list[int], blocks: int, prompt_tokens: int) -> None:
         """``reference_prompt`` with the prompt's sampling hashes under (at least) this
         sample's threshold already picked, deepest first (``sampled_hashes``: one pass for
-        several samples), of its ``blocks`` full blocks."""
+        several samples), of its ``blocks`` full blocks.
+
+        Each block's distance is measured as the request finds the cache (a prefix cache
+        matches the prompt before it allocates, so the prompt's new blocks never push its own
+        prefix out), then the blocks are referenced deepest first."""
         self.prompt_tokens += prompt_tokens
         self.references += blocks
-        for h in hashes:
-            if h < self.threshold:  # the threshold drops as the sample fills
-                self._reference(h)
-
-    def _reference(self, h: int) -> None:
-        weight = FULL / self.threshold
-        self.sampled_refs += 1
-        last = self._last.get(h)
-        if last is None:
-            self.cold_weight += weight
-        else:
-            pos = last + 1
+        threshold = self.threshold
+        weight = FULL / threshold
+        picked = [h for h in hashes if h < threshold]
+        last_of, times = self._last, self._times
+        for h in picked:
+            self.sampled_refs += 1
+            last = last_of.get(h)
+            if last is None:
+                self.cold_weight += weight
+                continue
             # the live blocks referenced since: each has a 1 at its last time, after ``last``
             newer = self._clock - last - 1  # references since (0: none, so no block either)
-            distinct = len(self._last) - self._times.prefix(pos) if newer else 0
-            self._times.add(pos, -1)
+            distinct = len(last_of) - times.prefix(last + 1) if newer else 0
             bucket = _bucket(distinct * weight)
             self._hist[bucket] = self._hist.get(bucket, 0.0) + weight
-        self._place(h)
-        if last is None:
-            heapq.heappush(self._by_hash, -h)
-            while len(self._last) > self.max_blocks:
-                self._drop_largest()
+        for h in picked:
+            if h >= self.threshold:  # left the sample as it filled
+                continue
+            last = self._last.get(h)
+            if last is not None:
+                self._times.add(last + 1, -1)
+            self._place(h)
+            if last is None:
+                heapq.heappush(self._by_hash, -h)
+                while len(self._last) > self.max_blocks:
+                    self._drop_largest()
 
     def _place(self, h: int) -> None:
         """``h`` is referenced now: its time in the tree (renumbered when the tree is full)."""

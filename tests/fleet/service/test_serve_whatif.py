@@ -43,9 +43,10 @@ def _lru(prompts: list[list[int]], capacity: int) -> float:
     hit = total = 0
     for p in prompts:
         total += len(p)
-        for d in reversed(hasher.hash_prompt(p, Namespace(MODEL))):
+        chain = hasher.hash_prompt(p, Namespace(MODEL))
+        hit += BLOCK * sum(d in cache for d in chain)  # as the request finds the cache
+        for d in reversed(chain):
             if d in cache:
-                hit += BLOCK
                 cache.move_to_end(d)
             else:
                 cache[d] = None
