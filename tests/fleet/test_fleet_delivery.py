@@ -3,8 +3,9 @@
 size its config names (healthy), one with another block size, one publishes its KV events where
 the service does not listen. Within the window the two go `degraded` with a reason naming what
 to check, the healthy one never does; restarted as configured, both come back by themselves.
-Attribution sums add up per request and per tenant; the service records the routed requests
-as a trace (`--record-trace`)."""
+Attribution sums add up per request and per tenant; the live what-if curves and the dashboard
+answer for the same traffic; the service records the routed requests as a trace
+(`--record-trace`)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,7 @@ def test_degraded_replicas_are_named_with_a_reason_and_recover(tmp_path: Path) -
                 "routing": {"policy": "round_robin"},
                 "proxy": {"enabled": True, "timeout_s": 60.0},
                 "delivery": {"window": WINDOW, "min_requests": MIN_REQUESTS},
+                "whatif": {"rate": 1.0},
                 "health": {"probe_interval_s": None},
                 "replicas": replicas,
             }
@@ -144,6 +146,19 @@ def test_degraded_replicas_are_named_with_a_reason_and_recover(tmp_path: Path) -
             assert 'prefixcache_replica_degraded{replica="healthy"} 0.0' in metrics
             assert "replica wrong-block degraded" in procs.log("serve")
             assert {s["replica"] for s in sent} == set(ports)
+
+            # the live curves of the same traffic, and the page that draws them
+            whatif = client.get(f"{service}/v1/whatif").json()
+            assert whatif["window"]["routed_requests"] == 3 * WINDOW
+            curves = {row["name"]: row for row in whatif["replicas"]}
+            assert {name: row["requests"] for name, row in curves.items()} == {
+                name: WINDOW for name in ports
+            }
+            for row in [*curves.values(), whatif["fleet"]]:
+                rates = [point["token_hit_rate"] for point in row["points"]]
+                assert len(rates) == 6 and rates == sorted(rates), row
+            assert whatif["fleet"]["points"][-1]["token_hit_rate"] > 0.5  # shared prompts
+            assert "what-if curves" in client.get(f"{service}/dashboard").text
 
             stats = client.get(f"{service}/v1/stats").json()
             (row,) = stats["attribution"]
