@@ -216,3 +216,17 @@ def test_an_install_without_mypyc_says_so_and_runs_the_sources(tmp_path: Path) -
     assert build.startswith(
         "False Python sources (the compiled build failed at install: mypyc was not found"
     ), build
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """Every folder of the package with an ``__init__.py`` is listed in pyproject.toml's
+    ``packages``, or a wheel (and a user's install) goes without it."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+")
+    declared = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "prefixcache").rglob("__init__.py")
+    }
+    assert found - declared == set(), "packages missing from pyproject.toml"
