@@ -13,14 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## Embedding it in a runtime"
 MAX_RSS_BYTES = 1 << 30  # 1 GiB
 
-# Runs the snippet, then reports the process's own peak RSS (ru_maxrss: KiB on Linux, bytes on
-# macOS) on its last line, so the figure is the snippet's and nothing else's.
+# Runs the snippet, then reports the process's own peak RSS on its last line, so the figure is
+# the snippet's and nothing else's. On Linux that is VmHWM from /proc (kB): ru_maxrss survives
+# exec, so a child of a pytest process that had grown past 1 GiB would report the parent's peak.
 WRAPPER = """\
 import resource, sys
 source = sys.stdin.read()
 exec(compile(source, "README.md", "exec"), {"__name__": "__main__"})
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print("max-rss-bytes", rss if sys.platform == "darwin" else rss * 1024)
+if sys.platform == "darwin":
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes there
+else:
+    status = open("/proc/self/status").read().split("VmHWM:", 1)[1]
+    rss = int(status.split()[0]) * 1024
+print("max-rss-bytes", rss)
 """
 
 
