@@ -53,7 +53,7 @@ def main() -> None:
             digests = [raw[base + 16 * k : base + 16 * (k + 1)] for k in range(args.blocks)]
             if i % 4 == 0:
                 digests[0] = shared[firsts[i]]
-            curves.observe(names[(done + i) % len(names)], digests, 16 * args.blocks)
+            curves.observe(names[(done + i) % len(names)], digests, 16 * args.blocks, 16)
         done += n
         if done in checkpoints:
             current, _ = tracemalloc.get_traced_memory()

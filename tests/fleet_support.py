@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -184,3 +185,24 @@ def redis_server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
 def manager_digests(mgr: CacheManager) -> set[bytes]:
     """Every block digest the manager's index holds."""
     return {n.digest(i) for n in mgr.index.iter_nodes() for i in range(len(n.blocks))}
+
+
+def exact_prefix_lru(
+    chains: Sequence[Sequence[bytes]], lengths: Sequence[int], capacity: int, block_size: int
+) -> float:
+    """Token hit rate of an exact LRU of ``capacity`` blocks over prompts given as their full
+    blocks' digests (root first) and lengths: a prompt hits the blocks in the cache when it
+    arrives, then its blocks are referenced deepest first (what the what-if curves estimate)."""
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    hit = total = 0
+    for chain, length in zip(chains, lengths, strict=True):
+        total += length
+        hit += block_size * sum(d in cache for d in chain)
+        for d in reversed(chain):
+            if d in cache:
+                cache.move_to_end(d)
+            else:
+                cache[d] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hit / total

@@ -104,10 +104,6 @@ class Evictor:
         """Remove and return this heap's own top leaf (right after ``own_top_key`` found it)."""
         return heapq.heappop(self._heap)[3]
 
-    def files(self, node: Node) -> bool:
-        """Whether the heap holds a current entry for ``node`` (an integrity check: O(heap))."""
-        return any(e[2] == node.heap_token and e[3] is node for e in self._heap)
-
     def filed_ids(self) -> set[int]:
         """The ids of the nodes the heap holds a current entry for (an integrity check)."""
         return {id(e[3]) for e in self._heap if e[2] == e[3].heap_token}

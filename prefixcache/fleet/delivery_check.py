@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -152,13 +151,8 @@ class _ReplicaWindow:
 class DeliveryCheck:
     """Predictions, the engines' reports, the per-replica verdicts and the attribution sums."""
 
-    def __init__(
-        self,
-        config: DeliveryConfig | None = None,
-        on_change: Callable[[set[str]], None] | None = None,  # the degraded replicas, anew
-    ) -> None:
+    def __init__(self, config: DeliveryConfig | None = None) -> None:
         self.config = config or DeliveryConfig()
-        self._on_change = on_change  # told the degraded replicas whenever that set changes
         self._lock = threading.Lock()
         self._windows: dict[str, _ReplicaWindow] = {}
         self._pending: OrderedDict[str, Prediction] = OrderedDict()
@@ -216,17 +210,14 @@ class DeliveryCheck:
             if win is None:
                 win = self._windows[p.replica] = _ReplicaWindow(self.config.window)
             win.add(predicted, delivered, p.block_size)
-            changed = self._judge(p.replica, win)
-            degraded = {name for name, w in self._windows.items() if w.degraded}
-        if changed and self._on_change is not None:
-            self._on_change(degraded)
+            self._judge(p.replica, win)
 
-    def _judge(self, replica: str, win: _ReplicaWindow) -> bool:
-        """Degrade or clear ``replica`` on its window; whether its verdict changed."""
+    def _judge(self, replica: str, win: _ReplicaWindow) -> None:
+        """Degrade or clear ``replica`` on its window (one log line when its verdict turns)."""
         cfg = self.config
         n = len(win.samples)
         if n < cfg.min_requests:
-            return False
+            return
         predicted_hits, under, over = win.predicted_hits, win.under, win.over
         mean_p, mean_d = win.means()
         under_share = under / predicted_hits if predicted_hits else 0.0
@@ -249,18 +240,15 @@ class DeliveryCheck:
                     "engine_hash"
                 )
             else:
-                return False
+                return
             win.degraded, win.reason = True, reason
             win.degraded_times += 1
             log.warning("replica %s degraded: %s", replica, reason)
-            return True
-        if under_share < cfg.tolerance / 2 and over_share < cfg.tolerance / 2:
+        elif under_share < cfg.tolerance / 2 and over_share < cfg.tolerance / 2:
             win.degraded, win.reason = False, ""
             log.warning(
                 "replica %s recovered: its engine delivers what the index predicts", replica
             )
-            return True
-        return False
 
     # ---- reading ----------------------------------------------------------------------------
     def state(self, replica: str) -> DeliveryState:
@@ -292,11 +280,3 @@ class DeliveryCheck:
         """(tenant, model) -> the sums over reported requests."""
         with self._lock:
             return {key: Attribution(*sums) for key, sums in self._sums.items()}
-
-    def drop_replica(self, replica: str) -> None:
-        """Forget a replica that left the fleet."""
-        with self._lock:
-            win = self._windows.pop(replica, None)
-            degraded = {name for name, w in self._windows.items() if w.degraded}
-        if win is not None and win.degraded and self._on_change is not None:
-            self._on_change(degraded)

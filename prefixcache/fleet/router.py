@@ -83,8 +83,10 @@ class _Matches(NamedTuple):
 class RouteObserver(Protocol):
     """Told of every route, after it is decided (``Router.attach_observer``)."""
 
-    def __call__(self, replica: str, digests: Sequence[bytes], prompt_tokens: int) -> None:
-        """The prompt (its full blocks' digests at the chosen replica's block size, root
+    def __call__(
+        self, replica: str, digests: Sequence[bytes], prompt_tokens: int, block_size: int
+    ) -> None:
+        """The prompt (its full blocks' digests at the chosen replica's ``block_size``, root
         first) went to ``replica``."""
 
 
@@ -493,7 +495,7 @@ class Router:
             if digests and self._held is not None:
                 self._held.note_route(choice.replica, namespace, matches.tokens, digests)
             if self._observer is not None:
-                self._observer(choice.replica, digests or [], n)
+                self._observer(choice.replica, digests or [], n, spec.block_size)
         return RouteDecision(
             choice.replica,
             self._policy_name,

@@ -8,7 +8,6 @@ references give prefix hits (an LRU of blocks agrees with the radix manager's hi
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from functools import cache
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import xxhash
 from prefixcache import CacheManager, Namespace
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.fleet.whatif.shards import ShardsSampler
+from tests.fleet_support import exact_prefix_lru
 
 B = 16
 NS = Namespace("m")
@@ -43,21 +43,7 @@ def _digests(trace: list[list[int]]) -> list[list[bytes]]:
 
 
 def _exact_lru(chains: list[list[bytes]], trace: list[list[int]], capacity: int) -> float:
-    """Token hit rate of an LRU of ``capacity`` blocks: a prompt's hits are its blocks in the
-    cache when it arrives; then its blocks are referenced deepest first."""
-    cache: OrderedDict[bytes, None] = OrderedDict()
-    hit = total = 0
-    for chain, prompt in zip(chains, trace, strict=True):
-        total += len(prompt)
-        hit += B * sum(d in cache for d in chain)  # as the request finds the cache
-        for d in reversed(chain):
-            if d in cache:
-                cache.move_to_end(d)
-            else:
-                cache[d] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hit / total
+    return exact_prefix_lru(chains, [len(p) for p in trace], capacity, B)
 
 
 @pytest.fixture(scope="module")

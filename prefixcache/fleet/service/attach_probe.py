@@ -41,6 +41,7 @@ from prefixcache.fleet.events.engine_keys import (
     EngineHashSpec,
 )
 from prefixcache.fleet.events.replica_stream import StreamView
+from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.service.dispatch import FleetService
 from prefixcache.fleet.service.usage_reader import cached_tokens_of
 
@@ -83,7 +84,7 @@ async def probe_replica(service: FleetService, name: str) -> ProbeResult:
     if spec is None:
         raise UnknownReplicaError(f"replica {name!r} is not in the fleet")
     url = service.urls.get(name)
-    findings = await _run(service, name, url) if url else []
+    findings = await _run(service, spec, url) if url else []
     if not url:
         findings.append(ProbeFinding("request", False, "the replica has no url to probe"))
     result = ProbeResult(name, all(f.ok for f in findings), time.time(), tuple(findings))
@@ -96,9 +97,8 @@ async def probe_replica(service: FleetService, name: str) -> ProbeResult:
     return result
 
 
-async def _run(service: FleetService, name: str, url: str) -> list[ProbeFinding]:
-    spec = next(s for s in service.router.replicas() if s.name == name)
-    ns, p = spec.namespace, spec.block_size
+async def _run(service: FleetService, spec: ReplicaSpec, url: str) -> list[ProbeFinding]:
+    name, ns, p = spec.name, spec.namespace, spec.block_size
     rc = service.config.replica(name)
     tokens = [secrets.randbelow(255) + 1 for _ in range(PROBE_BLOCKS * p + 1)]
     body: dict[str, Any] = {
@@ -128,7 +128,7 @@ async def _run(service: FleetService, name: str, url: str) -> list[ProbeFinding]
     if view_before is None:
         findings.append(ProbeFinding("events", True, "not followed (no events endpoint): skipped"))
         return findings
-    held = await _wait_held(service, name, tokens)
+    held = await _wait_held(service, spec, tokens)
     view = _view(service, name)
     assert view is not None
     findings.append(_events_finding(held, PROBE_BLOCKS * p, view_before, view))
@@ -173,11 +173,10 @@ def _hit_findings(cached: int | None, n: int, p: int) -> list[ProbeFinding]:
     return out
 
 
-async def _wait_held(service: FleetService, name: str, tokens: list[int]) -> bool:
-    """Whether the index holds every full block of the probe for ``name`` within the
-    deadline."""
-    spec = next(s for s in service.router.replicas() if s.name == name)
-    want = PROBE_BLOCKS * spec.block_size
+async def _wait_held(service: FleetService, spec: ReplicaSpec, tokens: list[int]) -> bool:
+    """Whether the index holds every full block of the probe for ``spec``'s replica within
+    the deadline."""
+    name, want = spec.name, PROBE_BLOCKS * spec.block_size
     deadline = time.monotonic() + EVENTS_DEADLINE_S
     while True:
         scores = await asyncio.to_thread(service.router.lookup, spec.namespace, tokens)

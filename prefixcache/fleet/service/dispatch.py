@@ -118,17 +118,15 @@ class FleetService:
         # an index in this process (CompactFleetIndex is one too) answers without blocking
         self.inline = isinstance(router.index, MemoryFleetIndex)
 
-    def _observe_route(self, replica: str, digests: Sequence[bytes], prompt_tokens: int) -> None:
-        """Every route: the live curves' sample, and the recorded trace."""
+    def _observe_route(
+        self, replica: str, digests: Sequence[bytes], prompt_tokens: int, block_size: int
+    ) -> None:
+        """Every route: the live curves' sample, the shadow fleets and the recorded trace."""
         if self.config.whatif.enabled:
-            self.whatif.observe(replica, digests, prompt_tokens)
+            self.whatif.observe(replica, digests, prompt_tokens, block_size)
         if self.shadows is not None:
             self.shadows.offer(digests, prompt_tokens)
         if self.recorder is not None:
-            block_size = self._block_sizes.get(replica)
-            if block_size is None:  # added at run time
-                spec = next((s for s in self.router.replicas() if s.name == replica), None)
-                block_size = spec.block_size if spec is not None else 0
             self.recorder.record(digests, prompt_tokens, block_size)
 
     def runs_inline(self, body: PromptBody) -> bool:

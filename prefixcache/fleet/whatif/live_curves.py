@@ -48,7 +48,6 @@ class LiveCurves:
         self._samples: dict[str, ShardsSampler] = {}  # by replica
         self._fleet: ShardsSampler | None = None  # every prompt, as one cache
         self._requests: dict[str, int] = {}
-        self._block_sizes: dict[str, int] = {}  # by replica, read once
         self.since = time.time()
 
     def _max_blocks(self) -> int:
@@ -56,15 +55,12 @@ class LiveCurves:
         budget = self.config.max_memory_mib * (1 << 20)
         return max(256, int(budget / (curves * BYTES_PER_SAMPLED_BLOCK)))
 
-    def observe(self, replica: str, digests: Sequence[bytes], prompt_tokens: int) -> None:
-        """A routed prompt (its digests at the replica's block size, root first)."""
+    def observe(
+        self, replica: str, digests: Sequence[bytes], prompt_tokens: int, block_size: int
+    ) -> None:
+        """A routed prompt (its digests at the replica's ``block_size``, root first)."""
         if not self.config.enabled:
             return
-        block_size = self._block_sizes.get(replica)
-        if block_size is None:
-            spec = next((s for s in self._replicas() if s.name == replica), None)
-            block_size = spec.block_size if spec is not None else 1
-            self._block_sizes[replica] = block_size
         with self._lock:
             sample = self._samples.get(replica)
             if sample is None:

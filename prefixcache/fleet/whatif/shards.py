@@ -189,14 +189,6 @@ class ShardsSampler:
         stderr = math.sqrt(block_rate * (1 - block_rate) / n) if n else 0.0
         return CurvePoint(blocks, rate, stderr * (refs * self.block_size / tokens if tokens else 0))
 
-    def curve(self, sizes: Sequence[float]) -> list[CurvePoint]:
-        """``hit_rate`` at each of ``sizes`` (blocks)."""
-        return [self.hit_rate(s) for s in sizes]
-
-    def memory_bytes(self) -> int:
-        """About the bytes the sample holds (its dict, heap, tree and histogram)."""
-        return 120 * len(self._last) + 8 * len(self._by_hash) + 8 * self._times.n
-
 
 _STEPS = 64  # histogram buckets per doubling of distance (about 1% apart)
 

@@ -5,7 +5,6 @@ nothing; a bad `whatif` section is refused."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.service.configuration.config_file import parse_config
 from tests.fleet.service.serve_harness import round_robin_app
+from tests.fleet_support import exact_prefix_lru
 
 MODEL = "m"
 BLOCK = 4
@@ -39,20 +39,8 @@ def _prompts(n: int = 400) -> list[list[int]]:
 
 def _lru(prompts: list[list[int]], capacity: int) -> float:
     hasher = BlockHasher(BLOCK)
-    cache: OrderedDict[bytes, None] = OrderedDict()
-    hit = total = 0
-    for p in prompts:
-        total += len(p)
-        chain = hasher.hash_prompt(p, Namespace(MODEL))
-        hit += BLOCK * sum(d in cache for d in chain)  # as the request finds the cache
-        for d in reversed(chain):
-            if d in cache:
-                cache.move_to_end(d)
-            else:
-                cache[d] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hit / total
+    chains = [hasher.hash_prompt(p, Namespace(MODEL)) for p in prompts]
+    return exact_prefix_lru(chains, [len(p) for p in prompts], capacity, BLOCK)
 
 
 def _client(tmp_path: Path, whatif: dict) -> TestClient:
