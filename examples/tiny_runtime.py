@@ -22,8 +22,9 @@ which runs the Triton kernels in the interpreter; on CUDA it runs the compiled k
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,9 @@ import torch
 
 from prefixcache import CacheManager, Copy, Namespace, PagedKVCache
 from prefixcache.kernels import Backend, paged_attention, store_kv
+from prefixcache.store.backend import KVBlockStore
+from prefixcache.store.lmdb_backend import LMDBBlockStore
+from prefixcache.store.store_connector import KVStoreConnector
 
 LOGIT_TOL = 1e-4
 
@@ -133,6 +137,12 @@ class RunResult:
     cached_tokens: dict[str, int] = field(default_factory=dict)  # per request: prompt hits
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
+    requeued: int = 0  # requests aborted because a store load failed, and admitted again
+
+
+def _abort(mgr: CacheManager, rid: Hashable) -> list[str]:
+    """Abort ``rid`` if it is still live; returns every request dropped."""
+    return [str(d) for d in mgr.abort(rid)] if rid in mgr.requests else []
 
 
 def _pack(
@@ -168,6 +178,7 @@ def run_requests(
     backend: Backend = "auto",
     device: str = "cpu",
     after_step: Callable[[], object] | None = None,
+    store: KVStoreConnector | None = None,
 ) -> RunResult:
     """Continuous batching over ``mgr`` and ``kv``: per step, admit every waiting prompt that
     fits, decode the rest, run the forward pass, then ``end_step()`` and ``after_step()`` (e.g.
@@ -177,7 +188,10 @@ def run_requests(
     Prompts admitted in the same step share blocks that step is still writing: per layer, the
     model stores all new K/V before attention reads any, and runs the copies in between. With a
     host tier the step's transfers start before the forward pass and the step ends with
-    ``end_step()`` (a load's host slot is reused only after it).
+    ``end_step()`` (a load's host slot is reused only after it). With a shared ``store`` (the
+    manager's ``store=``), its loads run before the forward pass too; a request whose block the
+    store no longer serves is aborted (with what relied on it) and requeued, and the step's
+    computed blocks are written through right after ``end_step()``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -186,15 +200,13 @@ def run_requests(
     running: list[str] = []
     while waiting or running:
         rows: list[tuple[str, list[int], int, np.ndarray]] = []  # (rid, ids, start pos, slots)
-        copies = []
+        copies: list[tuple[str, Copy]] = []
         while waiting and mgr.can_admit(prompts[waiting[0]], ns):
             rid = waiting.pop(0)
             prompt = prompts[rid]
             adm = mgr.admit(rid, prompt, ns)
-            copies += adm.copies
+            copies += [(rid, c) for c in adm.copies]
             rows.append((rid, prompt[adm.cached_len :], adm.cached_len, adm.slot_mapping()))
-            result.prompt_tokens += len(prompt)
-            result.computed_prompt_tokens += len(prompt) - adm.cached_len
             result.cached_tokens[rid] = adm.cached_len
             result.tokens[rid], result.logits[rid] = [], []
         if not rows and not running:
@@ -202,14 +214,35 @@ def run_requests(
         for rid in running:
             tok = result.tokens[rid][-1]
             res = mgr.append(rid, [tok])
-            copies += res.copies
+            copies += [(rid, c) for c in res.copies]
             rows.append((rid, [tok], mgr.num_tokens(rid) - 1, res.slots))
+        transfers = mgr.take_transfers()
         if mgr.host is not None:
-            kv.start_transfers(mgr.take_transfers())  # offloads, then loads
-        logits = model.step(**_pack(rows, mgr, device), kv=kv, backend=backend, copies=copies)
+            kv.start_transfers(transfers)  # offloads, then loads
+        if store is not None:  # a block gone from the store: its requests go back in line
+            dropped = [d for rid in store.load(transfers.store_loads) for d in _abort(mgr, rid)]
+            if dropped:
+                gone = set(dropped)
+                rows = [row for row in rows if row[0] not in gone]
+                copies = [(rid, c) for rid, c in copies if rid not in gone]
+                waiting[:0] = [rid for rid in prompts if rid in gone]
+                for rid in gone:
+                    del result.tokens[rid], result.logits[rid], result.cached_tokens[rid]
+                result.requeued += len(gone)
+        for rid, _, start, _ in rows:
+            if start < len(prompts[rid]) and not result.tokens[rid]:  # a prefill row
+                result.prompt_tokens += len(prompts[rid])
+                result.computed_prompt_tokens += len(prompts[rid]) - start
+        if rows:
+            step_copies = [c for _, c in copies]
+            logits = model.step(
+                **_pack(rows, mgr, device), kv=kv, backend=backend, copies=step_copies
+            )
         mgr.end_step()
+        if store is not None:  # computed blocks leave for the store before the next admission
+            store.write_through(mgr.take_store_writes())
         running = []
-        for (rid, *_), row_logits in zip(rows, logits, strict=True):
+        for (rid, *_), row_logits in zip(rows, logits if rows else [], strict=True):
             result.logits[rid].append(row_logits.cpu())
             result.tokens[rid].append(int(row_logits.argmax()))
             if len(result.tokens[rid]) < max_new_tokens:
@@ -365,15 +398,118 @@ def compare(
     return runs[0], runs[1], diff
 
 
+def open_store(spec: str) -> KVBlockStore:
+    """A store from ``--store``: a directory for the one-host LMDB store."""
+    return LMDBBlockStore(spec, capacity_bytes=64 << 20)
+
+
+def compare_store(
+    spec: str | KVBlockStore,
+    num_prompts: int = 8,
+    num_systems: int = 2,
+    system_len: int = 64,
+    max_new_tokens: int = 4,
+    backend: Backend = "auto",
+    device: str = "cpu",
+) -> dict[str, object]:
+    """Serve prompts over ``num_systems`` shared system prompts three ways in this process:
+    through the shared store ``spec`` (a ``--store`` value or a store, closed after), with a
+    fresh cache alone, and without caching. Returns the prefill tokens each computed in the
+    system prompts (where the store can help), whether the tokens match the uncached run, and
+    the max logit difference."""
+    model = TinyDecoder(ModelConfig(), device=device)
+    prompts = rotating_prompt_batch(num_prompts, num_systems, system_len, model.cfg.vocab)
+    ns = Namespace(model="tiny-random")
+
+    def system_computed(run: RunResult) -> int:
+        return sum(max(0, system_len - run.cached_tokens[rid]) for rid in prompts)
+
+    mgr, kv = new_cache(model.cfg, num_blocks=64, stepped=True, device=device)
+    connector = KVStoreConnector(open_store(spec) if isinstance(spec, str) else spec, kv)
+    try:
+        mgr = CacheManager(64, mgr.block_size, stepped=True, store=connector)
+        shared = run_requests(
+            model,
+            mgr,
+            kv,
+            ns,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            backend=backend,
+            device=device,
+            store=connector,
+        )
+        connector.flush()
+        counters = connector.counters()
+    finally:
+        connector.close()
+    alone, plain = (
+        generate(
+            model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            caching=caching,
+            backend=backend,
+            device=device,
+        )
+        for caching in (True, False)
+    )
+    diff = max(
+        float((a - b).abs().max())
+        for rid in prompts
+        for a, b in zip(shared.logits[rid], plain.logits[rid], strict=True)
+    )
+    return {
+        "system_tokens_computed": system_computed(shared),
+        "system_tokens_computed_alone": system_computed(alone),
+        "prefill_tokens_computed": shared.computed_prompt_tokens,
+        "prefill_tokens_computed_alone": alone.computed_prompt_tokens,
+        "prompt_tokens": shared.prompt_tokens,
+        "loaded_blocks": counters.loaded_blocks,
+        "written_blocks": counters.written_blocks,
+        "refused": counters.refused,
+        "query_errors": counters.query_errors,
+        "write_errors": counters.write_errors,
+        "dropped_blocks": counters.dropped_blocks,
+        "requeued": shared.requeued,
+        "identical": shared.tokens == plain.tokens == alone.tokens,
+        "max_logit_diff": diff,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
     parser.add_argument("--interpret", action="store_true", help="Triton interpreter on CPU")
     parser.add_argument("--host-blocks", type=int, default=0, help="host tier size in blocks")
+    parser.add_argument(
+        "--store",
+        metavar="PATH|URL",
+        help="share computed blocks through a K/V store in this directory (LMDB, one host); "
+        "run it twice to see the second process load them",
+    )
+    parser.add_argument("--json", action="store_true", help="with --store: print one JSON line")
     args = parser.parse_args()
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels first import triton
     device = "cuda" if torch.cuda.is_available() and not args.interpret else "cpu"
+    if args.store:
+        out = compare_store(args.store, backend=args.backend, device=device)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(
+                f"system-prompt tokens computed: {out['system_tokens_computed']} through the "
+                f"store, {out['system_tokens_computed_alone']} with a fresh cache alone; "
+                f"{out['loaded_blocks']} blocks loaded, {out['written_blocks']} written"
+            )
+            print(
+                f"generated tokens identical: {out['identical']}; max |logit diff| = "
+                f"{out['max_logit_diff']:.2e} (tol {LOGIT_TOL})"
+            )
+        if not out["identical"] or float(out["max_logit_diff"]) > LOGIT_TOL:  # type: ignore[arg-type]
+            raise SystemExit("mismatch between the store run and the uncached run")
+        return
     if args.host_blocks:
         tiered, gpu_only, plain, diff = compare_host_tier(
             args.host_blocks, backend=args.backend, device=device

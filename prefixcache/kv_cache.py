@@ -236,7 +236,7 @@ class PagedKVCache:
             v = dequantize_fp8(v, self.v_scale[layer]).to(self.dtype)
         return k, v
 
-    def start_transfers(self, transfers: tuple[Iterable[Any], Iterable[Any]]) -> None:
+    def start_transfers(self, transfers: Sequence[Iterable[Any]]) -> None:
         """Issue a step's transfers (``CacheManager.take_transfers()``): per layer, every
         offload (GPU block -> host slot), then every load (host slot -> GPU block), in order.
 
@@ -245,14 +245,16 @@ class PagedKVCache:
         when this returns. Validates every id before copying anything.
         """
         try:
-            offloads, loads = transfers
+            offloads, loads = transfers[0], transfers[1]  # a store connector runs store loads
+            if len(transfers) not in (2, 3):
+                raise ValueError(transfers)
             pairs = [
                 [(_as_id(a), _as_id(b)) for a, b in part]
                 for part in (offloads, loads)  # (gpu, host) then (host, gpu)
             ]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, IndexError, KeyError):
             raise InvalidArgumentError(
-                "transfers must be (offloads, loads): (gpu_block, host_slot) and "
+                "transfers must be (offloads, loads[, store_loads]): (gpu_block, host_slot) and "
                 f"(host_slot, gpu_block) pairs of ints, got {transfers!r}"
             ) from None
         off = {host: gpu for gpu, host in pairs[0]}  # a slot written twice keeps the last

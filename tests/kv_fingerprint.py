@@ -1,16 +1,19 @@
 """A fake K/V store that follows a CacheManager exactly as a runtime's forward pass would.
 
-Each slot holds a 64-bit fingerprint of (namespace, every token up to and including its
-position): the value real K/V at that slot depends on. A step is planned through the manager
-(admit / append / fork / release / abort / pin / evict in any order), then ``forward()`` runs it in
-the documented order: every live request's K/V store, then the step's copies in the order they
-were handed out, then attention, which here reads every live request back through its block
-table and demands exactly its fingerprints. With a host tier, the step's transfers run first
-(``take_transfers()``: every offload copies GPU fingerprints to host slots, then every load copies
-host slots into GPU blocks), as the documented order says. ``end_step()`` then tells the
-manager. A request dropped by ``abort`` (with its dependents) takes its stores and copies out of
-the step, as a runtime takes it out of the batch; its loads still run (they write only blocks the
-abort freed, before anything of the step writes them again).
+Each slot holds a 64-bit fingerprint of (namespace, every token up to and including its position):
+the value real K/V at that slot depends on. A step is planned through the manager (admit / append /
+fork / release / abort / pin / evict in any order), then ``forward()`` runs it in the documented
+order: every live request's K/V store, then the step's copies in the order they were handed out,
+then attention, which here reads every live request back through its block table and demands exactly
+its fingerprints. With a host tier, the step's transfers run first (``take_transfers()``: every
+offload copies GPU fingerprints to host slots, then every load copies host slots into GPU blocks),
+as the documented order says; with a shared store (``FingerprintStore``), its loads run with them,
+and a load the store can no longer serve aborts its request, as a runtime would. ``end_step()`` then
+tells the manager and writes the step's computed blocks through to the store
+(``take_store_writes``), whose contents are checked too. A request dropped by ``abort`` (with its
+dependents) takes its stores and copies out of the step, as a runtime takes it out of the batch; its
+loads still run (they write only blocks the abort freed, before anything of the step writes them
+again).
 """
 
 from __future__ import annotations
@@ -49,11 +52,48 @@ class _Live:
     writes: list[tuple[np.ndarray, list[int]]] = field(default_factory=list)  # this step
 
 
+class FingerprintStore:
+    """A shared K/V store of fingerprint rows keyed by block digest (``leading_present`` is
+    what the manager asks); ``drop`` takes a block out, as another process's eviction would."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, np.ndarray] = {}
+        self.found: list[bytes] = []  # what the last query found
+        self.queries = 0
+        self.loaded = 0
+        self.failed = 0
+
+    def leading_present(self, digests: Sequence[bytes]) -> int:
+        self.queries += 1
+        n = 0
+        for d in digests:
+            if d not in self.blocks:
+                break
+            n += 1
+        self.found = list(digests[:n])
+        return n
+
+    def drop(self, i: int) -> None:
+        """Drop a block the last query found (odd ``i``: any block)."""
+        keys = [d for d in self.found if d in self.blocks] if i % 2 == 0 else []
+        keys = keys or sorted(self.blocks)
+        if keys:
+            del self.blocks[keys[i % len(keys)]]
+
+
 class FingerprintRuntime:
     """Drives a manager and checks every read of K/V against what the tokens demand."""
 
-    def __init__(self, mgr: CacheManager, *, track_events: bool = True) -> None:
+    def __init__(
+        self,
+        mgr: CacheManager,
+        *,
+        track_events: bool = True,
+        kv_store: FingerprintStore | None = None,
+    ) -> None:
         self.mgr = mgr
+        self.kv_store = kv_store
+        self.requeued: list[Hashable] = []  # aborted because a store load failed
         p = mgr.block_size
         self.store = np.zeros((mgr.num_blocks, p), dtype=np.uint64)
         host_slots = mgr.host.capacity if mgr.host is not None else 0
@@ -115,11 +155,24 @@ class FingerprintRuntime:
     # ---- the forward pass and the end of the step -----------------------------------------
     def forward(self) -> None:
         p = self.mgr.block_size
-        offloads, loads = self.mgr.take_transfers()  # 0. offloads, then loads
+        offloads, loads, store_loads = self.mgr.take_transfers()  # 0. offloads, then loads
         for gpu_block, slot in offloads:
             self.host_store[slot] = self.store[gpu_block]
         for slot, gpu_block in loads:
             self.store[gpu_block] = self.host_store[slot]
+        failed: list[Hashable] = []
+        for rid, digest, gpu_block, _ in store_loads:
+            assert self.kv_store is not None
+            row = self.kv_store.blocks.get(digest)
+            if row is None:  # gone since the admission looked: its request is aborted
+                self.kv_store.failed += 1
+                failed.append(rid)
+            else:
+                self.kv_store.loaded += 1
+                self.store[gpu_block] = row
+        for rid in failed:
+            if rid in self.live:
+                self.requeued += self.abort(rid)
         self.transfers += len(offloads) + len(loads)
         self.last_transfers = (offloads, loads)
         written: dict[int, Hashable] = {}
@@ -144,6 +197,9 @@ class FingerprintRuntime:
 
     def end_step(self) -> None:
         self.mgr.end_step()
+        if self.kv_store is not None:  # write-through: copied out before the next call
+            for digest, gpu_block, _ in self.mgr.take_store_writes():
+                self.kv_store.blocks[digest] = self.store[gpu_block].copy()
         self.check_cached()
 
     def step(self) -> None:
@@ -157,6 +213,7 @@ class FingerprintRuntime:
         pending = mgr.internals.pending_blocks
         p = mgr.block_size
         prefixes: dict[bytes, list[int]] = {}  # digest of an indexed block -> tokens through it
+        spaces: dict[bytes, Namespace] = {}  # and its namespace
         for root in list(mgr.index.roots.values()):
             assert root.namespace is not None
             stack = [(root, [])]
@@ -165,9 +222,10 @@ class FingerprintRuntime:
                 tokens = prefix + np.frombuffer(bytes(node.tokens), dtype="<i4").tolist()
                 if node.parent is not None and node.blocks:
                     fps = prefix_fingerprints(root.namespace, tokens)
-                    if mgr.host is not None:
+                    if mgr.host is not None or self.kv_store is not None:
                         for k in range(len(node.blocks)):
                             prefixes[node.digest(k)] = tokens[: (node.depth + k + 1) * p]
+                            spaces[node.digest(k)] = root.namespace
                     for k, b in enumerate(node.blocks):
                         if b in pending:
                             continue
@@ -177,6 +235,12 @@ class FingerprintRuntime:
                     stack.append((child, tokens))
         if mgr.host is not None:
             self._check_host(prefixes)
+        if self.kv_store is not None:  # every stored block the index names holds its K/V
+            for digest, row in self.kv_store.blocks.items():
+                tokens = prefixes.get(digest)
+                if tokens is not None and digest in spaces:
+                    fps = prefix_fingerprints(spaces[digest], tokens)
+                    assert row.tolist() == fps[len(tokens) - p :], "stored block is wrong"
         if self.mirror is not None:
             indexed = {
                 (mgr.index.namespace_of(n), n.digest(i), "GPU")

@@ -1,12 +1,13 @@
 """Planning an admission without changing anything: the cached prefix a prompt reuses, a
-partially matching block to copy, the host blocks to load, and the new blocks it needs.
+partially matching block to copy, the host and store blocks to load, and the new blocks it
+needs.
 
 ``lookup``, ``can_admit`` and ``admit`` share the plan, so what they report agrees.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.radix import MatchResult, Node, PartialMatch
@@ -14,6 +15,7 @@ from prefixcache.errors import RequestTooLargeError
 from prefixcache.manager.state import CacheState
 
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
+_NO_BLOCKS: Final[list[bytes]] = []  # shared, never changed: no store run
 
 
 class AdmissionPlan(NamedTuple):
@@ -28,6 +30,9 @@ class AdmissionPlan(NamedTuple):
     cached_len: int  # prompt tokens not computed (the copied and loaded ones included)
     host_run: list[bytes]  # digests of the host blocks to load after the matched ones
     host_found: int  # host blocks that continue the match (loaded or recomputed)
+    store_run: list[bytes]  # digests of the store blocks to load after the host ones
+    store_found: int  # store blocks that continue the match (loaded or recomputed)
+    computed: list[bytes] | None  # with a store: digests of the full blocks computed after them
 
 
 class AdmissionPlanner:
@@ -41,12 +46,14 @@ class AdmissionPlanner:
         "offload",
         "partial_copy",
         "pool",
+        "store",
     )
 
     def __init__(self, state: CacheState) -> None:
         self.index = state.index
         self.pool = state.pool
         self.offload = state.offload
+        self.store = state.store
         self.block_size = state.block_size
         self.num_blocks = state.num_blocks
         self.partial_copy = state.partial_copy
@@ -70,7 +77,7 @@ class AdmissionPlanner:
         offload = self.offload
         root = self.index.roots.get(namespace)
         if root is None or not self.enable_caching:  # nothing cached in the namespace
-            return _new(AdmissionPlan, (num_logical, 0, None, 0, False, None, 0, [], 0))
+            return self._uncached(buf, t, num_logical, namespace)
         match = self.index.match(root, buf, t // p)
         while True:
             n = match.n
@@ -80,14 +87,21 @@ class AdmissionPlanner:
             partial = None
             run: list[bytes] = []
             found = 0
+            stored = _NO_BLOCKS
+            store_found = 0
+            computed: list[bytes] | None = None
             if cow:
                 cached_len = t - 1
             else:
                 if offload is not None:
                     on_host = offload.find_run(buf, t, match)
                     run, found = on_host.digests, on_host.found
-                cached_len = (n + len(run)) * p
-                if self.partial_copy and not run and cached_len < t - 1:
+                if self.store is not None:
+                    prev = run[-1] if run else match.digest
+                    in_store = self.store.find_run(buf, t, n + len(run), prev, namespace)
+                    stored, store_found, computed = in_store
+                cached_len = (n + len(run) + len(stored)) * p
+                if self.partial_copy and not run and not stored and cached_len < t - 1:
                     partial = self.index.partial_match(match, buf, min(p, t - 1 - cached_len))
                     if partial is not None:
                         cached_len += partial.m
@@ -97,18 +111,64 @@ class AdmissionPlanner:
             # evict it): unheld, it is one evictable block less meanwhile
             source = 1 if partial is not None and partial.node.ref == 0 else 0
             if need <= free - n - source:  # fits even if every matched block were unheld now
-                plan = (need, n, match, shared, cow, partial, cached_len, run, found)
-                return _new(AdmissionPlan, plan)
+                return _new(
+                    AdmissionPlan,
+                    (
+                        need,
+                        n,
+                        match,
+                        shared,
+                        cow,
+                        partial,
+                        cached_len,
+                        run,
+                        found,
+                        stored,
+                        store_found,
+                        computed,
+                    ),
+                )
             held_cached = _unheld_matched(match)
             if partial is not None and need > free - held_cached - source:
                 cached_len -= partial.m  # no room to keep the source: recompute those tokens
                 partial = None
             if not cow or need <= free - held_cached:
-                plan = (need, held_cached, match, shared, cow, partial, cached_len, run, found)
-                return _new(AdmissionPlan, plan)
+                return _new(
+                    AdmissionPlan,
+                    (
+                        need,
+                        held_cached,
+                        match,
+                        shared,
+                        cow,
+                        partial,
+                        cached_len,
+                        run,
+                        found,
+                        stored,
+                        store_found,
+                        computed,
+                    ),
+                )
             # the copy of the last block needs one block more than the prompt: with the pool
             # that full, recompute the last block instead
             match = self.index.match(root, buf, n - 1)
+
+    def _uncached(
+        self, buf: bytes, t: int, num_logical: int, namespace: Namespace
+    ) -> AdmissionPlan:
+        """The plan of a prompt with nothing cached in its namespace: the store may hold it."""
+        store = self.store
+        if store is None or not self.enable_caching:
+            return _new(
+                AdmissionPlan, (num_logical, 0, None, 0, False, None, 0, [], 0, [], 0, None)
+            )
+        seed = store.hasher.seed(namespace)
+        stored, found, computed = store.find_run(buf, t, 0, seed, namespace)
+        cached_len = len(stored) * self.block_size
+        none: list[bytes] = []
+        plan = (num_logical, 0, None, 0, False, None, cached_len, none, 0, stored, found, computed)
+        return _new(AdmissionPlan, plan)
 
 
 def _unheld_matched(match: MatchResult) -> int:

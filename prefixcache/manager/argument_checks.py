@@ -172,3 +172,20 @@ def check_transfer_model(model: Any) -> None:
             )
     if model.flops_per_token == model.flops_per_pair == 0:
         raise ConfigError("transfer_model needs flops_per_token or flops_per_pair above 0")
+
+
+def check_store(store: Any, model: Any, stepped: Any, enable_caching: Any) -> None:
+    """A store is something with ``leading_present(digests)``, on a stepped manager that
+    caches; its transfer model, if any, is a valid TransferModel."""
+    if not callable(getattr(store, "leading_present", None)):
+        raise ConfigError(
+            f"store must have a leading_present(digests) method (a store connector), got {store!r}"
+        )
+    if not stepped:
+        raise ConfigError(
+            "a store needs stepped=True: its loads and write-throughs follow the step protocol"
+        )
+    if not enable_caching:
+        raise ConfigError("a store needs enable_caching=True")
+    if model is not None:
+        check_transfer_model(model)

@@ -41,13 +41,15 @@ class BlockIndexer:
         owned: bool = True,
         known: list[bytes] | None = None,
         holders: list[tuple[int, Node]] | None = None,
+        loaded: int = 0,
     ) -> None:
         """Enter the request's full blocks up to ``upto`` (``buf``: its int32 LE tokens;
         ``digest``: the digest of its deepest indexed block when the caller knows it) into the
         index, in order; they are pending until confirmed. ``owned``: the blocks carry
         refcounts to drop (not so for a fresh admission's). ``known``: the digests of the
         blocks right after the deepest indexed one, when the caller has them (loaded host
-        blocks), so they are not hashed again; ``holders``: what hung below those on host."""
+        blocks, and with a store every block), so they are not hashed again; the first
+        ``loaded`` come from host, ``holders`` keeping what hung below them there."""
         if seq.blocked:
             return
         parent = seq.deepest
@@ -72,7 +74,7 @@ class BlockIndexer:
         i = parent.end if parent.parent is not None else 0
         if i < upto:
             prev = digests[i - start - 1] if i > start else (digest if i > 0 else None)
-            loaded = len(known) if known and holders is not None else 0
+            loaded = loaded if holders is not None else 0
             self._store(
                 seq, parent, digests[i - start :], buf, i, upto, prev, now, owned, holders, loaded
             )

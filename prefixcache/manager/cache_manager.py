@@ -52,6 +52,7 @@ from prefixcache.manager.argument_checks import (
     check_policy,
     check_priority,
     check_settings,
+    check_store,
     check_transfer_model,
     is_live,
     live_request,
@@ -68,8 +69,9 @@ from prefixcache.manager.results import Admission, AppendResult, Lookup
 from prefixcache.manager.state import CacheState, ManagerInternals, RequestState
 from prefixcache.manager.stats import BlockCounts, CacheStats
 from prefixcache.manager.step_ledger import StepLedger
+from prefixcache.manager.store_tier import BlockPresence, StoreTier
 from prefixcache.manager.tenant_shares import TenantShare, TenantStats, check_shares
-from prefixcache.manager.transfers import TransferModel, Transfers
+from prefixcache.manager.transfers import StoreWrite, TransferModel, Transfers
 
 __all__ = ["CacheManager", "ManagerInternals", "RequestState"]
 
@@ -85,6 +87,12 @@ class CacheManager:
     cached prefix (``take_transfers()`` hands out the copies to run; see docs/architecture.md).
     ``transfer_model`` decides per admission whether loading beats recomputing (None: always
     load).
+
+    ``store`` (a ``BlockPresence``: a store connector) adds a shared K/V store below the host
+    tier: an admission loads the stored blocks that continue its cached prefix and writes the
+    full blocks it computes through after its step (``take_transfers``, ``take_store_writes``;
+    docs/tiers.md). ``store_transfer_model`` prices its loads against recomputing. Needs
+    ``stepped=True``.
 
     ``shares`` maps tenants (cache salts) to ``TenantShare(guaranteed, cap)`` in blocks: other
     tenants' allocations leave a tenant its guarantee, and a tenant at its cap evicts its own
@@ -106,6 +114,8 @@ class CacheManager:
         host_blocks: int = 0,
         transfer_model: TransferModel | None = None,
         shares: Mapping[str, TenantShare] | None = None,
+        store: BlockPresence | None = None,
+        store_transfer_model: TransferModel | None = None,
     ) -> None:
         blocks = as_size(num_blocks, "num_blocks", 1)
         checked = None if shares is None else check_shares(shares, blocks)
@@ -117,6 +127,8 @@ class CacheManager:
             raise ConfigError("a host tier (host_blocks > 0) needs enable_caching=True")
         if transfer_model is not None:
             check_transfer_model(transfer_model)
+        if store is not None:
+            check_store(store, store_transfer_model, stepped, enable_caching)
         self._state = state = CacheState.build(
             blocks,
             size,
@@ -131,6 +143,8 @@ class CacheManager:
         )
         if state.host is not None:
             state.offload = HostOffload(state, state.host, transfer_model)
+        if store is not None:
+            state.store = StoreTier(state.hasher, state.stats, store, store_transfer_model)
         self.transfer_model = transfer_model
         self._pin_ids = itertools.count(1)  # handles stay unique across resets
         self._build_helpers()
@@ -144,6 +158,7 @@ class CacheManager:
         self._requests = RequestBlocks(state, supply, BlockIndexer(state), ledger)
         self._seqs = state.seqs  # the live requests: every call looks one up
         self._offload = state.offload
+        self._store = state.store
 
     # ---- settings and components ----------------------------------------------------------
     @property
@@ -251,6 +266,8 @@ class CacheManager:
             check_namespace(namespace)
         if type(priority) is not int or retention is not None:
             priority, retention = check_priority(priority, retention)
+        if self._store is not None:
+            self._store.expire()
         plan = self._planner.plan(buf, namespace)
         available = self._supply.available(plan.held_cached)
         if plan.need > available:
@@ -272,6 +289,8 @@ class CacheManager:
         container); allocates blocks as needed and copies a shared partial last block before
         writing into it. Newly filled blocks enter the index."""
         seq = live_request(self._seqs, request_id)
+        if self._store is not None:
+            self._store.expire()
         token = as_single_token(tokens)
         if token is not None:  # the decode fast path: no array round trip for one token
             data, k = token.to_bytes(4, "little"), 1
@@ -305,7 +324,10 @@ class CacheManager:
         first; requeue them all, and take their slots and copies out of the step's batch: their
         blocks may be handed out again at once (preemption makes room in the same step).
         """
-        return self._ledger.abort(live_request(self._seqs, request_id))
+        dropped = self._ledger.abort(live_request(self._seqs, request_id))
+        if self._store is not None:
+            self._store.forget(dropped)
+        return dropped
 
     def end_step(self) -> None:
         """The forward pass of the step has written every K/V it was given: pending blocks
@@ -313,17 +335,31 @@ class CacheManager:
         self._ledger.end_step()
         if self._offload is not None:
             self._offload.end_step()
+        if self._store is not None:
+            self._store.end_step()
 
     def take_transfers(self) -> Transfers:
-        """The host-tier transfers planned since the last call, and forget them. Run every
-        offload, then every load, after planning the step and before its forward pass."""
+        """The host-tier and store transfers planned since the last call, and forget them.
+        Run every offload, then every load, after planning the step and before its forward
+        pass. A store load that fails: ``abort`` its request (and requeue what that drops)."""
+        store_loads = self._store.take_loads() if self._store is not None else []
         if self._offload is None:
-            return Transfers([], [])
-        return self._offload.take_transfers()
+            return Transfers([], [], store_loads)
+        host = self._offload.take_transfers()
+        return Transfers(host.offloads, host.loads, store_loads)
+
+    def take_store_writes(self) -> list[StoreWrite]:
+        """The full prompt blocks computed by the step that just ended, to write through to
+        the store (each digest once). Call right after ``end_step()`` and copy the blocks out
+        before the next ``admit`` or ``append``, which may hand them out again (writes not
+        taken by then are dropped and counted in ``stats.store_writes_expired``)."""
+        return self._store.take_writes() if self._store is not None else []
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` cached blocks now (policy order); returns how many."""
         count = min(as_size(num_blocks, "num_blocks"), self._supply.evictable())
+        if self._store is not None:
+            self._store.expire()
         if count:
             self._supply.evict(count, asked=True)
         return count
@@ -501,6 +537,8 @@ class CacheManager:
             )
         if self._offload is not None:
             self._offload.clear()
+        if self._store is not None:
+            self._store.clear()
         self._state = self._state.emptied()
         self._build_helpers()
         self._state.listeners.emit(AllBlocksCleared())

@@ -42,6 +42,7 @@ class RequestBlocks:
         "seqs",
         "stats",
         "stepped",
+        "store",
         "supply",
     )
 
@@ -53,6 +54,7 @@ class RequestBlocks:
         self.index = state.index
         self.pool = state.pool
         self.offload = state.offload
+        self.store = state.store
         self.now = state.now
         self.indexer = indexer
         self.ledger = ledger
@@ -123,10 +125,32 @@ class RequestBlocks:
             st.partial_copies += 1
             st.partial_copy_tokens += partial_tokens
         seq.unconfirmed = True
+        stored = plan.store_run
+        computed = plan.computed
         if self.enable_caching:
+            known = host_run
+            if computed is not None:  # a store: every digest past the match is known
+                known = host_run + stored + computed
             self.indexer.index_blocks(
-                seq, buf, t // p, digest, now, owned=False, known=host_run, holders=holders
+                seq,
+                buf,
+                t // p,
+                digest,
+                now,
+                owned=False,
+                known=known,
+                holders=holders,
+                loaded=len(host_run),
             )
+            if computed is not None:
+                assert self.store is not None
+                first = matched + len(host_run)  # the first block loaded from the store
+                middle = first + len(stored)
+                table = seq.table
+                end = middle + len(computed)
+                self.store.plan(
+                    request_id, namespace, stored, table[first:middle], computed, table[middle:end]
+                )
         self.pool.own(seq.private)  # usually just the partial last block
         if priority or retention is not None or self.claims_all:
             seq.claim = (priority, math.inf if retention is None else now + retention)
@@ -137,11 +161,13 @@ class RequestBlocks:
         st.lookup_tokens += t
         st.hit_tokens += cached_len
         st.lookup_blocks += t // p
-        st.hit_blocks += matched + loaded
+        st.hit_blocks += matched + loaded + len(stored)
         st.zero_hit_requests += cached_len == 0
         if plan.host_found:
             st.host_hit_blocks += plan.host_found
             st.loaded_blocks += loaded
+        if plan.store_found:
+            st.store_hit_blocks += plan.store_found
         return _new(
             Admission,
             (cached_len, list(table), copies, t, p, matched, partial_tokens, cow, loaded),

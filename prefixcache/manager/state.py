@@ -36,6 +36,7 @@ from prefixcache.manager.tenant_shares import (
 
 if TYPE_CHECKING:
     from prefixcache.manager.host_offload import HostOffload
+    from prefixcache.manager.store_tier import StoreTier
 
 log = logging.getLogger("prefixcache.manager")
 
@@ -163,6 +164,7 @@ class CacheState:
         "seqs",
         "stats",
         "stepped",
+        "store",
         "tenants",
         "ticks",
     )
@@ -193,6 +195,7 @@ class CacheState:
         if host is not None:
             host.index = self.index  # its nodes live in the index
         self.offload: HostOffload | None = None  # set by the manager when there is a host tier
+        self.store: StoreTier | None = None  # set by the manager when there is a shared store
         self.stats = stats
         self.listeners = listeners
         self.ticks = ticks  # the clock when none is given
@@ -302,6 +305,7 @@ class CacheState:
             claims_all=self.claims_all,
         )
         state.offload = self.offload
+        state.store = self.store
         state.tenants = self.tenants
         if self.tenants is not None:  # what was evicted before the reset is not missed
             self.tenants.forget_lost()

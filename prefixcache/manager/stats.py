@@ -29,6 +29,10 @@ class CacheStats:
     loaded_blocks: int = 0  # host blocks loaded into GPU blocks (counted in hit_blocks)
     offloaded_blocks: int = 0  # GPU blocks evicted into the host tier
     host_evicted_blocks: int = 0  # host blocks dropped (evicted, or their parent dropped)
+    # a shared K/V store (all 0 without one)
+    store_hit_blocks: int = 0  # prompt blocks found in the store at admission (loaded or not)
+    store_loaded_blocks: int = 0  # store blocks planned into GPU blocks (counted in hit_blocks)
+    store_writes_expired: int = 0  # write-throughs not taken before the next admit or append
 
     @property
     def token_hit_rate(self) -> float:

@@ -1,14 +1,19 @@
-"""Host-tier transfers the manager hands back per step, and the load-or-recompute cost model.
+"""Transfers the manager hands back per step (host tier and shared store), and the
+load-or-recompute cost model.
 
 When to run them: after the step is planned and before its forward pass, every offload first
 (they read GPU blocks that the step may hand out again), then every load; then, per layer, the
 K/V stores, the copies and attention. ``PagedKVCache.start_transfers`` / ``wait_transfers`` do
-exactly that.
+exactly that for the host tier; a store connector runs the store loads. Write-throughs to the
+store come after the step (``StoreWrite``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import NamedTuple
+
+from prefixcache.blocks.namespace import Namespace
 
 
 class Offload(NamedTuple):
@@ -25,12 +30,32 @@ class Load(NamedTuple):
     gpu_block: int
 
 
+class StoreLoad(NamedTuple):
+    """Load the stored block ``digest`` (of ``namespace``) into GPU block ``gpu_block`` (K and
+    V, every layer) for ``request_id``; a load that fails means aborting that request."""
+
+    request_id: Hashable
+    digest: bytes
+    gpu_block: int
+    namespace: Namespace
+
+
+class StoreWrite(NamedTuple):
+    """Write GPU block ``gpu_block`` to the store as ``digest`` (of ``namespace``); its K/V is
+    written: the step that computed it has ended."""
+
+    digest: bytes
+    gpu_block: int
+    namespace: Namespace
+
+
 class Transfers(NamedTuple):
     """The transfers of the operations planned since the last ``take_transfers()``: run every
-    offload, then every load, before the forward pass reads or writes K/V."""
+    offload, then every load (host and store), before the forward pass reads or writes K/V."""
 
     offloads: list[Offload]
     loads: list[Load]
+    store_loads: list[StoreLoad] = []  # noqa: RUF012  # never mutated: a fresh list per step
 
 
 class TransferModel(NamedTuple):

@@ -68,7 +68,7 @@ def test_offload_on_eviction_then_a_hit_loads_from_host() -> None:
     events.clear()
     adm = mgr.admit("a2", A, NS)
     assert (adm.cached_len, adm.hit_blocks, adm.host_blocks) == (12, 0, 3)
-    offloads, loads = mgr.take_transfers()
+    offloads, loads, _ = mgr.take_transfers()
     assert [ld.gpu_block for ld in loads] == adm.block_table[:3]
     assert all(isinstance(o, Offload) for o in offloads) and all(isinstance(x, Load) for x in loads)
     assert not set(mgr.host.entries) & set(digests(mgr, A))  # exclusive: they left the host
@@ -277,7 +277,7 @@ def test_reset_clears_the_host_tier() -> None:
     mgr.reset()
     assert not mgr.host.entries and mgr.host.num_free == 8
     assert isinstance(events[-1], AllBlocksCleared)
-    assert mgr.take_transfers() == ([], [])
+    assert mgr.take_transfers() == ([], [], [])
     mgr.check_integrity()
 
 
@@ -313,7 +313,7 @@ def test_configuration_is_validated() -> None:
     with pytest.raises(ConfigError, match="flops_per_token or flops_per_pair above 0"):
         CacheManager(4, P, host_blocks=4, transfer_model=TransferModel(1, 1, 0, 1))
     mgr = CacheManager(4, P)
-    assert mgr.host is None and mgr.take_transfers() == ([], [])
+    assert mgr.host is None and mgr.take_transfers() == ([], [], [])
 
 
 def test_offload_events_feed_a_fleet_index_without_unknown_parents() -> None:

@@ -3,14 +3,16 @@
 Each step interleaves those calls in any order, then runs the forward pass through the K/V
 fingerprint runtime (stores, copies, reads) and ends the step. After every call the manager's
 integrity check runs; after every step every live request must read exactly its own K/V, every
-cached block must hold the K/V of the prefix it claims, and the block events must describe the
-index exactly. All three eviction policies, a listener attached, a small stepped pool; a pool
-of five blocks (a fully cached prompt fills it); a manager without steps, where each call is
-its own step as a simple user's would be (every call's K/V is written before the next); and a
-tiny GPU pool over a host tier, where every step runs its offloads and loads first and every host
-slot must hold the K/V of the prefix its entry claims. With tenant shares (changed at run time
-too), another tenant's admission never takes a tenant under its guarantee unless nothing else
-was evictable, and the per-tenant counts are checked after every call.
+cached block must hold the K/V of the prefix it claims, and the block events must describe the index
+exactly. All three eviction policies, a listener attached, a small stepped pool; a pool of five
+blocks (a fully cached prompt fills it); a manager without steps, where each call is its own step as
+a simple user's would be (every call's K/V is written before the next); and a tiny GPU pool over a
+host tier, where every step runs its offloads and loads first and every host slot must hold the K/V
+of the prefix its entry claims; and a shared store (with and without a host tier), where computed
+blocks are written through after their step, loaded back (after restarts with an empty cache too),
+and lost between an admission's query and its load. With tenant shares (changed at run time too),
+another tenant's admission never takes a tenant under its guarantee unless nothing else was
+evictable, and the per-tenant counts are checked after every call.
 """
 
 import os
@@ -23,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from prefixcache import CacheManager, Namespace, OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager.tenant_shares import TenantShare
-from tests.kv_fingerprint import FingerprintRuntime
+from tests.kv_fingerprint import FingerprintRuntime, FingerprintStore
 from tests.snapshot import snapshot
 
 P = 4
@@ -51,11 +53,14 @@ class CacheMachine(RuleBasedStateMachine):
     stepped = True
     host_blocks = 0
     shares: ClassVar[dict[str, TenantShare] | None] = None
+    with_store = False
     steps: ClassVar[list[int]] = [0]
     tier: ClassVar[list[int]] = [0, 0, 0]  # offloaded, loaded, host-evicted blocks
+    store_counts: ClassVar[list[int]] = [0, 0, 0]  # store loads, failed loads, written blocks
 
     def __init__(self):
         super().__init__()
+        self.kv_store = FingerprintStore() if self.with_store else None
         self.mgr = CacheManager(
             self.num_blocks,
             P,
@@ -63,8 +68,9 @@ class CacheMachine(RuleBasedStateMachine):
             stepped=self.stepped,
             host_blocks=self.host_blocks,
             shares=self.shares,
+            store=self.kv_store,
         )
-        self.rt = FingerprintRuntime(self.mgr)
+        self.rt = FingerprintRuntime(self.mgr, kv_store=self.kv_store)
         self.next_id = 0
         self.pins: list[int] = []
         self.seen: list[tuple[list[int], int]] = []  # prompts admitted so far
@@ -95,7 +101,8 @@ class CacheMachine(RuleBasedStateMachine):
             held, breaks = kept
             now = self.mgr.tenant_stats().get("t2")
             assert now is not None and (now.cached_blocks >= held or now.guarantee_breaks > breaks)
-        assert cached == ahead.cached_len  # lookup promises exactly what admit gives
+        if self.kv_store is None:  # a store may lose a block between two queries
+            assert cached == ahead.cached_len  # lookup promises exactly what admit gives
         assert self.mgr.stats.loaded_blocks - loaded == ahead.host_blocks
         self.seen.append((tokens, ns))
 
@@ -178,6 +185,10 @@ class CacheMachine(RuleBasedStateMachine):
         st = self.mgr.stats
         for i, n in enumerate((st.offloaded_blocks, st.loaded_blocks, st.host_evicted_blocks)):
             type(self).tier[i] += n
+        if self.kv_store is not None:
+            counts = (self.kv_store.loaded, self.kv_store.failed, len(self.kv_store.blocks))
+            for i, n in enumerate(counts):
+                type(self).store_counts[i] += n
         self.rt.step()
         for rid in list(self.rt.live):
             self.rt.release(rid)
@@ -206,6 +217,30 @@ class HostTierMachine(CacheMachine):
             self.rt.finish(rid)
 
 
+class StoreMachine(HostTierMachine):
+    """With a shared store (and maybe a host tier): what one step computed is written through,
+    a fresh cache loads it back, and blocks vanish from the store between the admission's
+    query and its load (the load fails and the request is aborted)."""
+
+    @rule(i=st.integers(0, 40))
+    def lose(self, i):
+        assert self.kv_store is not None
+        self.kv_store.drop(i)
+
+    @rule()
+    def restart(self):
+        """The runtime restarts with an empty cache: only the store remembers."""
+        self.rt.step()
+        for rid in list(self.rt.live):
+            self.rt.release(rid)
+        for h in self.pins:
+            self.mgr.unpin(h)
+        self.pins = []
+        self.mgr.end_step()
+        self.mgr.reset()
+        self.rt.check_cached()
+
+
 class ShareMachine(CacheMachine):
     """With tenant shares that change at run time."""
 
@@ -232,6 +267,8 @@ SHARES = {"t2": TenantShare(6, 12)}
 @pytest.mark.parametrize(
     "policy, num_blocks, stepped, host_blocks, shares",
     [
+        ("lru", 12, True, 0, "store"),
+        ("lru", 6, True, 8, "store"),
         ("lru", NUM_BLOCKS, True, 0, None),
         ("lfu", NUM_BLOCKS, True, 0, None),
         ("priority", NUM_BLOCKS, True, 0, None),
@@ -248,12 +285,16 @@ def test_cache_machine(policy, num_blocks, stepped, host_blocks, shares):
         "num_blocks": num_blocks,
         "stepped": stepped,
         "host_blocks": host_blocks,
-        "shares": shares,
+        "shares": None if shares == "store" else shares,
+        "with_store": shares == "store",
         "steps": [0],
         "tier": [0, 0, 0],
+        "store_counts": [0, 0, 0],
     }
     name = f"CacheMachine_{policy}_{num_blocks}_{stepped}_{host_blocks}_{bool(shares)}"
-    if shares is None:
+    if shares == "store":
+        base = StoreMachine
+    elif shares is None:
         base = HostTierMachine if host_blocks else CacheMachine
     else:
         base = HostShareMachine if host_blocks else ShareMachine
@@ -268,7 +309,11 @@ def test_cache_machine(policy, num_blocks, stepped, host_blocks, shares):
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
-    print(f"{machine.__name__}: {machine.steps[0]} stateful steps, host tier {machine.tier}")
+    counts = f"host {machine.tier}, store {machine.store_counts}"
+    print(f"{machine.__name__}: {machine.steps[0]} stateful steps, {counts}")
     assert machine.steps[0] >= MIN_STEPS, f"only {machine.steps[0]} stateful steps ran"
-    if host_blocks:  # the tier offloaded, loaded and evicted blocks
-        assert min(machine.tier) > 0, machine.tier
+    if host_blocks:  # the tier offloaded, loaded and evicted blocks (with a store: offloaded)
+        assert (machine.tier[0] if shares == "store" else min(machine.tier)) > 0, machine.tier
+    if shares == "store":  # blocks were written and loaded back; without a host tier some
+        loaded, failed, written = machine.store_counts  # loads found their block gone
+        assert loaded > 0 and written > 0 and (failed > 0 or host_blocks), machine.store_counts

@@ -34,6 +34,7 @@ from prefixcache.fleet.service.dashboard import dashboard
 from prefixcache.fleet.service.dispatch import FleetService
 from prefixcache.fleet.service.guards.access import caller_of
 from prefixcache.fleet.service.metrics import CONTENT_TYPE
+from prefixcache.fleet.whatif.shadow_fleets import ShadowFleets
 
 
 def _json(data: Any) -> Response:
@@ -216,14 +217,7 @@ async def whatif(request: Request) -> Response:
     def read() -> dict[str, Any]:
         body = service.whatif.snapshot()
         shadows = service.shadows
-        body["counterfactuals"] = {
-            "rate": shadows.rate if shadows is not None else 0.0,
-            "shadow_capacity_blocks": shadows.capacity if shadows is not None else 0,
-            "too_small": shadows.too_small() if shadows is not None else False,
-            "note": "miniature shadow fleets on a sample of requests (by first block); a "
-            "shadow sees no load, so load-aware policies are judged by their cache choices",
-            "scenarios": shadows.snapshot() if shadows is not None else [],
-        }
+        body["counterfactuals"] = shadows.report() if shadows is not None else ShadowFleets.off()
         return body
 
     return _json(await run_in_threadpool(read))

@@ -40,6 +40,10 @@ from prefixcache.manager.cache_manager import CacheManager
 
 FULL = 1 << 64
 SHADOW_NAMESPACE = Namespace("shadow")  # the digests the tokens come from carry the real one
+NOTE = (
+    "miniature shadow fleets on a sample of requests (by first block); a shadow sees no load, "
+    "so load-aware policies are judged by their cache choices"
+)
 
 
 class Scenario(NamedTuple):
@@ -166,6 +170,30 @@ class ShadowFleets:
         length): then they evict what a real replica keeps, and the numbers read low."""
         with self._lock:
             return bool(self._sampled) and self.capacity < 4 * self._blocks / self._sampled
+
+    def report(self) -> dict[str, Any]:
+        """What ``/v1/whatif`` answers under ``counterfactuals``: the rate, the miniature
+        replicas' size, whether they are too small, and each scenario's hit rate so far."""
+        return {
+            "rate": self.rate,
+            "shadow_capacity_blocks": self.capacity,
+            "sampled_requests": self._sampled,
+            "too_small": self.too_small(),
+            "note": NOTE,
+            "scenarios": self.snapshot(),
+        }
+
+    @staticmethod
+    def off() -> dict[str, Any]:
+        """The ``counterfactuals`` answer with no shadows configured."""
+        return {
+            "rate": 0.0,
+            "shadow_capacity_blocks": 0,
+            "sampled_requests": 0,
+            "too_small": False,
+            "note": NOTE,
+            "scenarios": [],
+        }
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Each scenario's hit rate on the sample so far."""

@@ -1,0 +1,130 @@
+"""Put and get bandwidth of the K/V stores next to a plain memcpy of the same bytes.
+
+    python bench/store_bandwidth.py [--store lmdb] [--blocks 256] [--repeats 5]
+
+For records of 0.25, 0.5 and 2 MiB, in one run: ``memcpy`` (numpy copy of the record into a
+preallocated buffer), ``get`` (the connector's read: ``get_into`` a preallocated buffer, then
+the header and checksum check), ``get, no check`` (``get_into`` alone) and ``put`` (what the
+connector's background writer does per record: the checksum, the header written in front of
+the payload the step's snapshot left in place, and ``put_many`` in batches of 16; the snapshot
+itself is one copy on the step's side, a memcpy's worth). Each figure is the median
+over ``--repeats`` passes of ``--blocks`` distinct records; the ratios are to the memcpy of the
+same pass, and the bookkeeping is the get's time per block beyond the memcpy's. A first pass
+fills the new store (the first touch of its pages, reported on its own line) and is not in the
+medians: a store in use sits at its bound and writes into pages its evictions freed. The figures to
+feed ``prefixcache replay --pool-bw`` are the get bandwidths (docs/tiers.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from prefixcache import Namespace
+from prefixcache.store.backend import KVBlockStore
+from prefixcache.store.block_record import (
+    BlockLayout,
+    check_record,
+    encode_header,
+    namespace_fingerprint,
+    payload_checksum,
+)
+
+MIB = 1 << 20
+NS = namespace_fingerprint(Namespace(model="bench"))
+
+
+def layout_for(nbytes: int) -> BlockLayout:
+    """A layout of 16 tokens x 8 KV heads x 128 in fp16 over as many layers as make ``nbytes``
+    of K and V (64 KiB per layer)."""
+    per_layer = 2 * 16 * 8 * 128 * 2
+    return BlockLayout(16, max(1, nbytes // per_layer), "float16", 2, (16, 8, 128))
+
+
+def open_store(spec: str, capacity: int) -> KVBlockStore:
+    if spec != "lmdb":
+        raise SystemExit(f"unknown store {spec!r}: lmdb")
+    from prefixcache.store.lmdb_backend import LMDBBlockStore
+
+    return LMDBBlockStore(tempfile.mkdtemp(dir="/dev/shm"), capacity_bytes=capacity)
+
+
+def one_pass(store: KVBlockStore, layout: BlockLayout, n: int, seed: int) -> dict[str, float]:
+    """Seconds per block of each operation over ``n`` fresh records."""
+    rng = np.random.default_rng(seed)
+    payloads = [rng.integers(0, 255, layout.payload_bytes, dtype=np.uint8) for _ in range(n)]
+    keys = [rng.bytes(16) for _ in range(n)]
+    out = np.empty(layout.record_bytes, dtype=np.uint8)
+    view = out.data
+    t: dict[str, float] = {}
+
+    records = np.empty((n, layout.record_bytes), dtype=np.uint8)  # as the connector's
+    header = layout.header_bytes  # snapshot leaves them: payloads in place, headers to write
+    for i, payload in enumerate(payloads):
+        records[i, header:] = payload
+    start = time.perf_counter()
+    items = []
+    for i, key in enumerate(keys):  # what the background writer does per record
+        checksum = payload_checksum(records[i, header:])
+        records[i, :header] = np.frombuffer(encode_header(key, NS, layout, checksum), np.uint8)
+        items.append((key, records[i].data))
+    for i in range(0, n, 16):
+        store.put_many(items[i : i + 16])
+    t["put"] = (time.perf_counter() - start) / n
+
+    start = time.perf_counter()
+    for i in range(n):
+        np.copyto(out, records[i])
+    t["memcpy"] = (time.perf_counter() - start) / n
+
+    start = time.perf_counter()
+    for key in keys:
+        store.get_into(key, view)
+    t["get, no check"] = (time.perf_counter() - start) / n
+
+    start = time.perf_counter()
+    for key in keys:
+        m = store.get_into(key, view)
+        assert m is not None and check_record(view[:m], key, NS, layout) is None
+    t["get"] = (time.perf_counter() - start) / n
+    for key in keys:
+        store.remove(key)
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--store", default="lmdb")
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    print(f"store {args.store.split('?')[0]}, {args.blocks} records a pass, {args.repeats} passes")
+    print(
+        f"{'record':>8} {'memcpy GB/s':>12} {'get GB/s':>9} {'get/memcpy':>11} "
+        f"{'no-check/memcpy':>16} {'put GB/s':>9} {'put/memcpy':>11} {'get extra us':>13}"
+    )
+    for size in (256 << 10, 512 << 10, 2 * MIB):
+        layout = layout_for(size)
+        store = open_store(args.store, capacity=4 * args.blocks * layout.record_bytes)
+        cold = one_pass(store, layout, args.blocks, 99)  # first touch of the store's pages
+        passes = [one_pass(store, layout, args.blocks, seed) for seed in range(args.repeats)]
+        store.close()
+        med = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
+        ratio = {k: statistics.median(p["memcpy"] / p[k] for p in passes) for k in passes[0]}
+        extra = statistics.median(p["get"] - p["memcpy"] for p in passes)
+        gbs = {k: layout.record_bytes / v / 1e9 for k, v in med.items()}
+        print(
+            f"{layout.record_bytes / MIB:7.2f}M {gbs['memcpy']:12.2f} {gbs['get']:9.2f} "
+            f"{ratio['get']:11.2f} {ratio['get, no check']:16.2f} {gbs['put']:9.2f} "
+            f"{ratio['put']:11.2f} {extra * 1e6:13.1f}"
+        )
+        fill = layout.record_bytes / cold["put"] / 1e9
+        print(f"{'':>8} first fill of a new store: put {fill:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

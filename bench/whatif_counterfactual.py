@@ -1,0 +1,134 @@
+"""Fidelity of the live counterfactuals: the shadow fleets' answers against a fleet replay of
+the same requests with that replica count and routing policy.
+
+    python bench/whatif_counterfactual.py [--trace PATH] [--replicas 4] [--capacity 20000]
+                                          [--rates 0.25,0.5] [--time-scale 20]
+
+Every request of the trace (default: the Mooncake synthetic trace next to the checkout, else
+the shipped sample), read as ``prefixcache replay`` reads it (512-token hash ids, 16-token
+blocks), is routed through the service's own app in this process (``POST /v1/route``,
+``--replicas`` replicas of ``--capacity`` blocks, policy ``prefix``) with
+``whatif.counterfactual_rate`` at each rate, and ``/v1/whatif``'s counterfactuals are read.
+Then each scenario (N-1, N+1, 2N replicas, each other policy) is replayed with
+``prefixcache replay``'s fleet mode on the same trace and capacity, twice: at the trace's own
+arrival times (the load it was recorded with) and stretched ``--time-scale`` times (a light
+load, which is what a shadow sees: it releases each request as soon as it is admitted). The
+table gives each replay's token hit rate and each shadow's difference from the light-load one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from prefixcache.fleet.index.memory import MemoryFleetIndex
+from prefixcache.fleet.service.app import create_app
+from prefixcache.fleet.service.configuration.config_file import build_router, parse_config
+from prefixcache.replay import ReplayConfig, open_source
+from prefixcache.replay.runner import replay_path, replay_source
+
+ROOT = Path(__file__).resolve().parent.parent
+FULL = ROOT.parent / "shared" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+SAMPLE = ROOT / "scenarios" / "traces" / "mooncake_sample.jsonl"
+POLICY = "prefix"
+
+
+def shadows(prompts: list[list[int]], replicas: int, capacity: int, rate: float) -> dict:
+    """``/v1/whatif``'s counterfactuals after routing every prompt through the service app."""
+    data: dict = {
+        "whatif": {"rate": 0.01, "counterfactual_rate": rate},
+        "routing": {"policy": POLICY},
+        "replicas": [
+            {"name": f"r{i}", "model": "m", "block_size": 16, "capacity_blocks": capacity}
+            for i in range(replicas)
+        ],
+        "limits": {"max_body_bytes": 1 << 26, "max_prompt_tokens": 1 << 20},
+    }
+    config = parse_config(data)
+    app = create_app(build_router(config, MemoryFleetIndex()), config)
+    with TestClient(app) as client:
+        for i, tokens in enumerate(prompts):
+            rid = f"q{i}"
+            r = client.post("/v1/route", json={"model": "m", "tokens": tokens, "request_id": rid})
+            assert r.status_code == 200, r.text
+            client.post("/v1/release", json={"request_id": rid})
+        answer: dict = client.get("/v1/whatif").json()["counterfactuals"]
+    return answer
+
+
+def replayed(trace: Path, n: int, policy: str, capacity: int, scale: float, head: int | None):
+    """The fleet replay's token hit rate for ``n`` replicas under ``policy``."""
+    config = ReplayConfig(
+        mode="serving",
+        replicas=n,
+        routing=policy,
+        capacity_blocks=capacity,
+        block_size=16,
+        trace_block_size=512,
+        time_scale=scale,
+        model="llama-3.1-8b",
+    )
+    if head is None:
+        return replay_path(trace, config).to_report_dict()["token_hit_rate"]
+    source = open_source(trace, config).head(head)
+    return replay_source(source, config).to_report_dict()["token_hit_rate"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", type=Path, default=FULL if FULL.exists() else SAMPLE)
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--capacity", type=int, default=20_000, help="each replica's blocks")
+    ap.add_argument("--rates", default="0.25,0.5", help="counterfactual rates to try")
+    ap.add_argument("--time-scale", type=float, default=20.0, help="the light-load stretch")
+    ap.add_argument("--requests", type=int, default=None, help="the first N requests only")
+    args = ap.parse_args()
+    source = open_source(args.trace, ReplayConfig(trace_block_size=512, block_size=16))
+    if args.requests:
+        source = source.head(args.requests)
+    prompts = [req.tokens.tolist() for req in source]
+    print(
+        f"{args.trace.name}: {len(prompts):,} requests, {args.replicas} replicas of "
+        f"{args.capacity:,} blocks of 16, policy {POLICY}"
+    )
+    rates = [float(x) for x in args.rates.split(",")]
+    answers = {}
+    for rate in rates:
+        start = time.perf_counter()
+        answers[rate] = shadows(prompts, args.replicas, args.capacity, rate)
+        a = answers[rate]
+        print(
+            f"  shadows at {rate:.0%}: {a['sampled_requests']:,} sampled requests, miniature "
+            f"replicas of {a['shadow_capacity_blocks']:,} blocks"
+            f"{' (too small)' if a['too_small'] else ''}, {time.perf_counter() - start:.0f} s"
+        )
+    rows = {s["scenario"]: s for s in answers[rates[0]]["scenarios"]}
+    head = ("scenario", "replay", f"light x{args.time_scale:g}") + tuple(
+        f"shadow {r:.0%}" for r in rates
+    )
+    print(f"{head[0]:<26} {head[1]:>8} {head[2]:>10} " + " ".join(f"{h:>11}" for h in head[3:]))
+    worst = dict.fromkeys(rates, 0.0)
+    for name, row in rows.items():
+        n, policy = row["replicas"], row["policy"]
+        loaded = replayed(args.trace, n, policy, args.capacity, 1.0, args.requests)
+        light = replayed(args.trace, n, policy, args.capacity, args.time_scale, args.requests)
+        diffs = {}
+        for rate in rates:
+            est = next(s for s in answers[rate]["scenarios"] if s["scenario"] == name)
+            diffs[rate] = 100 * (est["token_hit_rate"] - light)
+            worst[rate] = max(worst[rate], abs(diffs[rate]))
+        print(
+            f"{name:<26} {100 * loaded:7.2f}% {100 * light:9.2f}% "
+            + " ".join(f"{diffs[r]:+9.2f}pp" for r in rates)
+        )
+    print(
+        "worst |shadow - light-load replay|: "
+        + ", ".join(f"{r:.0%} {w:.2f} pp" for r, w in worst.items())
+    )
+
+
+if __name__ == "__main__":
+    main()

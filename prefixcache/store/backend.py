@@ -1,0 +1,48 @@
+"""What a K/V block store must do for the connector: four operations over opaque keys.
+
+Keys are block digests (16 bytes; the namespace is already in the digest, so tenants, models
+and adapters never share a key) and values are whole records (block_record.py). A backend
+checks nothing: the connector checks every record it reads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store cannot be reached or refused the operation; the caller recomputes."""
+
+
+class KVBlockStore(ABC):
+    """A shared store of block records. Every method may raise ``StoreUnavailableError``."""
+
+    name: str = "store"
+
+    @abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is held now, in one round trip."""
+
+    @abstractmethod
+    def get_into(self, key: bytes, out: memoryview) -> int | None:
+        """Copy the value of ``key`` into ``out`` (at least as long as the value); returns its
+        length, or None when the key is not held. A value longer than ``out`` is not copied
+        and returns its length (the caller refuses it)."""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+        """Store each ``(key, value)`` (a key held already keeps its value: equal digests,
+        equal K/V); returns how many were stored new."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Drop ``key`` (a record the connector refused), if held."""
+
+    @abstractmethod
+    def evicted(self) -> int:
+        """Records the store's own eviction dropped so far (for this store, or as the
+        backend can tell)."""
+
+    def close(self) -> None:  # noqa: B027  # optional: backends without resources skip it
+        """Let go of the store's resources."""

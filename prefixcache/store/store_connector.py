@@ -1,0 +1,284 @@
+"""A runtime's connection to a shared K/V store: the manager's existence query, the loads into
+GPU blocks, and the write-through of computed blocks off the step's path.
+
+    connector = KVStoreConnector(LMDBBlockStore("/dev/shm/kv"), kv)  # kv: a PagedKVCache
+    mgr = CacheManager(num_blocks, block_size, stepped=True, store=connector)
+    # each step: plan, then
+    transfers = mgr.take_transfers()
+    kv.start_transfers(transfers)                     # host tier
+    for rid in connector.load(transfers.store_loads):  # loads that failed: abort and requeue
+        requeue(mgr.abort(rid))
+    # forward pass, then
+    mgr.end_step()
+    connector.write_through(mgr.take_store_writes())  # copies the blocks out now
+
+Nothing read from the store is used unchecked: every record's header and checksum are checked
+(block_record.py) and a refused record is removed, so the next query no longer finds it. The
+store may fail at any time (killed, restarted empty, full, slow to answer): a query that fails
+finds nothing, a load that fails is recomputed, a write that fails is dropped; each is counted.
+
+Writes go through a bounded queue to one background thread; when it is full, blocks are
+dropped and counted, and the step never waits. The copy out of the GPU blocks happens in
+``write_through`` itself, before the manager can hand the blocks out again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from prefixcache.blocks.namespace import Namespace
+from prefixcache.errors import ConfigError
+from prefixcache.kv_cache import PagedKVCache
+from prefixcache.manager.transfers import StoreLoad, StoreWrite
+from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
+from prefixcache.store.block_record import (
+    BlockLayout,
+    Refusal,
+    check_record,
+    encode_header,
+    namespace_fingerprint,
+    payload_checksum,
+)
+
+log = logging.getLogger("prefixcache.store")
+_BATCH = 64  # records a background put sends at once
+
+
+class StoreCounters(NamedTuple):
+    """What the connector did since it started."""
+
+    queries: int  # existence queries (one per admission)
+    query_errors: int  # queries the store failed to answer (nothing found)
+    found_blocks: int  # blocks the queries found
+    loaded_blocks: int  # blocks loaded into GPU blocks
+    refused: dict[str, int]  # loads refused, by reason (missing, checksum, layout, error, ...)
+    queued_blocks: int  # blocks handed to the background writer
+    written_blocks: int  # blocks the store took as new
+    dropped_blocks: int  # blocks not written: the queue was full
+    write_errors: int  # blocks not written: the store failed
+
+
+def layout_of(kv: PagedKVCache) -> BlockLayout:
+    """The record layout of ``kv``'s blocks: per layer, K and V of ``(block_size, heads,
+    head_dim)`` in its storage dtype (fp8 caches store their bytes)."""
+    k = kv.k[0]
+    dtype = str(k.dtype).removeprefix("torch.")
+    return BlockLayout(kv.block_size, kv.num_layers, dtype, k.element_size(), tuple(k.shape[1:]))
+
+
+class KVStoreConnector:
+    """Connects one ``PagedKVCache`` to a ``KVBlockStore``; pass it to ``CacheManager(store=)``.
+
+    ``queue_blocks`` bounds the blocks waiting to be written (past it they are dropped)."""
+
+    def __init__(self, backend: KVBlockStore, kv: PagedKVCache, *, queue_blocks: int = 1024):
+        if not isinstance(backend, KVBlockStore):
+            raise ConfigError(f"backend must be a KVBlockStore, got {backend!r}")
+        if isinstance(queue_blocks, bool) or not isinstance(queue_blocks, int) or queue_blocks < 1:
+            raise ConfigError(f"queue_blocks must be a positive int, got {queue_blocks!r}")
+        self.backend = backend
+        self.kv = kv
+        self.layout = layout_of(kv).check()
+        self._record = np.empty(self.layout.record_bytes, dtype=np.uint8)  # one load's bytes
+        self._fps: dict[Namespace, bytes] = {}
+        self._lock = threading.Lock()  # the counters, shared with the writer thread
+        self._queries = self._query_errors = self._found = self._loaded = 0
+        self._refused: Counter[str] = Counter()
+        self._queued = self._written = self._dropped = self._write_errors = 0
+        self._queue: queue.Queue[tuple[bytes, bytes, np.ndarray] | None] = queue.Queue(queue_blocks)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="kv-store-writer", daemon=True
+        )
+        self._writer.start()
+
+    # ---- what the manager asks --------------------------------------------------------------
+    def leading_present(self, digests: Sequence[bytes]) -> int:
+        """How many of ``digests``, from the first, the store holds (one query; 0 when the
+        store fails to answer)."""
+        try:
+            held = self.backend.exists(digests)
+        except StoreUnavailableError as exc:
+            with self._lock:
+                self._queries += 1
+                self._query_errors += 1
+            log.debug("store query failed: %s", exc)
+            return 0
+        n = 0
+        for present in held:
+            if not present:
+                break
+            n += 1
+        with self._lock:
+            self._queries += 1
+            self._found += n
+        return n
+
+    # ---- loads ------------------------------------------------------------------------------
+    def load(self, loads: Sequence[StoreLoad]) -> list[Hashable]:
+        """Load each block into its GPU block (every layer's K and V); returns the requests
+        whose loads failed, each once, to ``abort`` and requeue (their blocks are recomputed:
+        a refused record was removed from the store). Run before the forward pass."""
+        failed: dict[Hashable, None] = {}
+        layout, kv = self.layout, self.kv
+        header = layout.header_bytes
+        buf = self._record
+        view = buf.data
+        for request_id, digest, gpu_block, namespace in loads:
+            if request_id in failed:
+                continue
+            reason = self._fetch(digest, namespace, view)
+            if reason is not None:
+                failed[request_id] = None
+                with self._lock:
+                    self._refused[reason.value] += 1
+                continue
+            payload = torch.from_numpy(buf[header:]).view(kv.k[0].dtype)
+            blocks = payload.view(layout.num_layers, 2, *layout.shape)  # [L, 2, P, H, D]
+            for layer in range(layout.num_layers):
+                kv.k[layer][gpu_block].copy_(blocks[layer, 0])
+                kv.v[layer][gpu_block].copy_(blocks[layer, 1])
+            with self._lock:
+                self._loaded += 1
+        return list(failed)
+
+    def _fetch(self, digest: bytes, namespace: Namespace, view: memoryview) -> Refusal | None:
+        """The record of ``digest`` into ``view``, checked; a refused one is removed."""
+        try:
+            n = self.backend.get_into(digest, view)
+        except StoreUnavailableError:
+            return Refusal.ERROR
+        if n is None:
+            return Refusal.MISSING
+        if n > len(view):
+            reason = Refusal.LAYOUT
+        else:
+            found = check_record(view[:n], digest, self._fp(namespace), self.layout)
+            if found is None:
+                return None
+            reason = found
+        if reason is not None:
+            log.warning("store record %s refused (%s): recomputed", digest.hex(), reason.value)
+            with contextlib.suppress(StoreUnavailableError):
+                self.backend.remove(digest)
+        return reason
+
+    def _fp(self, namespace: Namespace) -> bytes:
+        fp = self._fps.get(namespace)
+        if fp is None:
+            fp = self._fps[namespace] = namespace_fingerprint(namespace)
+        return fp
+
+    # ---- write-through ----------------------------------------------------------------------
+    def write_through(self, writes: Sequence[StoreWrite]) -> None:
+        """Copy the blocks out now (call right after ``end_step``) and queue them for the
+        background writer; blocks that do not fit in the queue are dropped and counted."""
+        if not writes:
+            return
+        kv, layout = self.kv, self.layout
+        header = layout.header_bytes
+        # the records' bytes, the payloads copied straight into place (the header is written
+        # by the writer thread, after the checksum)
+        records = np.empty((len(writes), layout.record_bytes), dtype=np.uint8)
+        dst = torch.from_numpy(records[:, header:]).view(kv.k[0].dtype)
+        dst = dst.view(len(writes), layout.num_layers, 2, *layout.shape)  # [B, L, 2, P, H, D]
+        if kv.k[0].device.type == "cpu":
+            for i, write in enumerate(writes):
+                for x in range(layout.num_layers):
+                    dst[i, x, 0].copy_(kv.k[x][write.gpu_block])
+                    dst[i, x, 1].copy_(kv.v[x][write.gpu_block])
+        else:  # gathered on the device, then one copy to host
+            ids = torch.tensor([w.gpu_block for w in writes], device=kv.k[0].device)
+            parts = [
+                torch.stack([kv.k[x].index_select(0, ids), kv.v[x].index_select(0, ids)], 1)
+                for x in range(layout.num_layers)
+            ]
+            dst.copy_(torch.stack(parts, 1))
+        queued = dropped = 0
+        for i, write in enumerate(writes):
+            try:
+                self._queue.put_nowait((write.digest, self._fp(write.namespace), records[i]))
+                queued += 1
+            except queue.Full:
+                dropped += 1
+        with self._lock:
+            self._queued += queued
+            self._dropped += dropped
+
+    def _write_loop(self) -> None:
+        """The background writer: records built and put in batches until ``close``."""
+        layout = self.layout
+        header = layout.header_bytes
+        while True:
+            item = self._queue.get()
+            batch = [item]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            items = []
+            for entry in batch:
+                if entry is None:
+                    continue
+                digest, fp, record = entry
+                checksum = payload_checksum(record[header:])
+                record[:header] = np.frombuffer(
+                    encode_header(digest, fp, layout, checksum), np.uint8
+                )
+                items.append((digest, record.data))
+            if items:
+                try:
+                    stored = self.backend.put_many(items)
+                    with self._lock:
+                        self._written += stored
+                except StoreUnavailableError as exc:
+                    log.debug("store write failed: %s", exc)
+                    with self._lock:
+                        self._write_errors += len(items)
+            for _ in batch:
+                self._queue.task_done()
+            if stop:
+                return
+
+    def flush(self) -> None:
+        """Wait until every queued block has been written (or failed)."""
+        self._queue.join()
+
+    # ---- state --------------------------------------------------------------------------------
+    def counters(self) -> StoreCounters:
+        """The counts so far."""
+        with self._lock:
+            return StoreCounters(
+                self._queries,
+                self._query_errors,
+                self._found,
+                self._loaded,
+                dict(self._refused),
+                self._queued,
+                self._written,
+                self._dropped,
+                self._write_errors,
+            )
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer and close the store."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        self.backend.close()
+
+    def __enter__(self) -> KVStoreConnector:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
