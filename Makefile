@@ -2,7 +2,7 @@ PYTHON ?= python3
 
 .PHONY: install quickstart demo test test-pure lint typecheck bench wheel-check
 
-install:  ## torch first (pinned: the CPU build here), the package with its test extras (the core compiled with mypyc), Chromium, Redis
+install:  ## torch first (pinned: the CPU build here), the package with its test extras (the core compiled with mypyc), Chromium, Redis, Mooncake's libraries
 	$(PYTHON) -m pip install -q "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
 	@version=$$($(PYTHON) -m prefixcache --version) && echo "$$version" && case "$$version" in \
@@ -15,6 +15,9 @@ install:  ## torch first (pinned: the CPU build here), the package with its test
 	@command -v redis-server >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } \
 		|| echo "note: the Redis index tests need redis-server (apt-get install redis-server)"
+	@ldconfig -p 2>/dev/null | grep -q librdmacm.so.1 || { command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null; } \
+		|| echo "note: Mooncake Store's client needs apt-get install libibverbs1 librdmacm1 libnuma1"
 
 quickstart:  ## the README's main job: a replay with its report, no server needed
 	$(PYTHON) -m prefixcache replay scenarios/shared_system_prompt.yaml --model llama-3.1-8b \

@@ -1,6 +1,7 @@
 """Put and get bandwidth of the K/V stores next to a plain memcpy of the same bytes.
 
-    python bench/store_bandwidth.py [--store lmdb] [--blocks 256] [--repeats 5]
+    python bench/store_bandwidth.py [--store lmdb|mooncake|mooncake://HOST:PORT?metadata=URL]
+                                    [--blocks 256] [--repeats 5]
 
 For records of 0.25, 0.5 and 2 MiB, in one run: ``memcpy`` (numpy copy of the record into a
 preallocated buffer), ``get`` (the connector's read: ``get_into`` a preallocated buffer, then
@@ -13,14 +14,25 @@ same pass, and the bookkeeping is the get's time per block beyond the memcpy's. 
 fills the new store (the first touch of its pages, reported on its own line) and is not in the
 medians: a store in use sits at its bound and writes into pages its evictions freed. The figures to
 feed ``prefixcache replay --pool-bw`` are the get bandwidths (docs/tiers.md).
+
+``--store mooncake`` starts a Mooncake master and a separate storage process (holding the
+memory, as another host would) on loopback, and measures from a client that holds nothing:
+every byte crosses the transfer engine (TCP). A ``mooncake://`` URL uses a running store.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -45,9 +57,67 @@ def layout_for(nbytes: int) -> BlockLayout:
     return BlockLayout(16, max(1, nbytes // per_layer), "float16", 2, (16, 8, 128))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def mooncake_on_loopback(segment_mib: int) -> Iterator[str]:
+    """A master and a separate storage process (``mooncake_client``, holding the memory) on
+    loopback, as another host would be; yields the URL of a client that holds nothing itself."""
+    import mooncake
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    here = Path(mooncake.__file__).parent
+    rpc, http = free_port(), free_port()
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    master = subprocess.Popen(
+        [
+            str(here / "mooncake_master"),
+            f"--rpc_port={rpc}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={free_port()}",
+        ],
+        **quiet,
+    )
+    meta = f"http://127.0.0.1:{http}/metadata"
+    time.sleep(1.5)
+    store_host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from mooncake.store import MooncakeDistributedStore as S; "
+            "s = S(); rc = s.setup('127.0.0.1', sys.argv[1], int(sys.argv[2]), 16 << 20, 'tcp', "
+            "'', sys.argv[3]); assert rc == 0, rc; time.sleep(3600)",
+            meta,
+            str(segment_mib << 20),
+            f"127.0.0.1:{rpc}",
+        ],
+        **quiet,
+    )
+    time.sleep(3)
+    try:
+        yield f"mooncake://127.0.0.1:{rpc}?metadata={meta}&segment=0&buffer=64"
+    finally:
+        store_host.kill()
+        master.terminate()
+        master.wait(10)
+
+
 def open_store(spec: str, capacity: int) -> KVBlockStore:
+    if spec.startswith("mooncake://"):
+        from prefixcache.store.mooncake_backend import MooncakeBlockStore
+
+        return MooncakeBlockStore.from_url(spec)
     if spec != "lmdb":
-        raise SystemExit(f"unknown store {spec!r}: lmdb")
+        raise SystemExit(f"unknown store {spec!r}: lmdb or mooncake")
     from prefixcache.store.lmdb_backend import LMDBBlockStore
 
     return LMDBBlockStore(tempfile.mkdtemp(dir="/dev/shm"), capacity_bytes=capacity)
@@ -102,6 +172,14 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    with ExitStack() as stack:
+        if args.store == "mooncake":
+            segment = 3 * args.blocks * 2 * (2 * MIB + 4096) >> 20
+            args.store = stack.enter_context(mooncake_on_loopback(segment))
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     print(f"store {args.store.split('?')[0]}, {args.blocks} records a pass, {args.repeats} passes")
     print(
         f"{'record':>8} {'memcpy GB/s':>12} {'get GB/s':>9} {'get/memcpy':>11} "

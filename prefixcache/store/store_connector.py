@@ -28,6 +28,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
@@ -78,15 +79,35 @@ def layout_of(kv: PagedKVCache) -> BlockLayout:
 class KVStoreConnector:
     """Connects one ``PagedKVCache`` to a ``KVBlockStore``; pass it to ``CacheManager(store=)``.
 
-    ``queue_blocks`` bounds the blocks waiting to be written (past it they are dropped)."""
+    ``queue_blocks`` bounds the blocks waiting to be written (past it they are dropped). After
+    the store fails to answer, it is left alone for ``retry_after`` seconds (queries find
+    nothing, writes are dropped), so a store that is down costs the steps nothing.
+    ``owns_backend``: ``close`` closes the store too."""
 
-    def __init__(self, backend: KVBlockStore, kv: PagedKVCache, *, queue_blocks: int = 1024):
+    def __init__(
+        self,
+        backend: KVBlockStore,
+        kv: PagedKVCache,
+        *,
+        queue_blocks: int = 1024,
+        retry_after: float = 2.0,
+        owns_backend: bool = True,
+    ):
         if not isinstance(backend, KVBlockStore):
             raise ConfigError(f"backend must be a KVBlockStore, got {backend!r}")
         if isinstance(queue_blocks, bool) or not isinstance(queue_blocks, int) or queue_blocks < 1:
             raise ConfigError(f"queue_blocks must be a positive int, got {queue_blocks!r}")
+        if (
+            isinstance(retry_after, bool)
+            or not isinstance(retry_after, int | float)
+            or not (0 <= retry_after < float("inf"))
+        ):
+            raise ConfigError(f"retry_after must be seconds >= 0, got {retry_after!r}")
         self.backend = backend
         self.kv = kv
+        self.retry_after = float(retry_after)
+        self.owns_backend = bool(owns_backend)
+        self._down_until = 0.0  # monotonic time before which the store is not asked
         self.layout = layout_of(kv).check()
         self._record = np.empty(self.layout.record_bytes, dtype=np.uint8)  # one load's bytes
         self._fps: dict[Namespace, bytes] = {}
@@ -105,12 +126,13 @@ class KVStoreConnector:
         """How many of ``digests``, from the first, the store holds (one query; 0 when the
         store fails to answer)."""
         try:
+            self._check_up()
             held = self.backend.exists(digests)
         except StoreUnavailableError as exc:
+            self._failed(exc)
             with self._lock:
                 self._queries += 1
                 self._query_errors += 1
-            log.debug("store query failed: %s", exc)
             return 0
         n = 0
         for present in held:
@@ -153,8 +175,10 @@ class KVStoreConnector:
     def _fetch(self, digest: bytes, namespace: Namespace, view: memoryview) -> Refusal | None:
         """The record of ``digest`` into ``view``, checked; a refused one is removed."""
         try:
+            self._check_up()
             n = self.backend.get_into(digest, view)
-        except StoreUnavailableError:
+        except StoreUnavailableError as exc:
+            self._failed(exc)
             return Refusal.ERROR
         if n is None:
             return Refusal.MISSING
@@ -170,6 +194,18 @@ class KVStoreConnector:
             with contextlib.suppress(StoreUnavailableError):
                 self.backend.remove(digest)
         return reason
+
+    def _check_up(self) -> None:
+        """StoreUnavailableError while the store is left alone after a failure."""
+        if self._down_until and time.monotonic() < self._down_until:
+            raise StoreUnavailableError("the store failed recently; retried shortly")
+
+    def _failed(self, exc: StoreUnavailableError) -> None:
+        """The store failed: leave it alone for ``retry_after`` seconds (logged once)."""
+        now = time.monotonic()
+        if now >= self._down_until:
+            log.warning("K/V store unavailable (%s): recomputing for %.1f s", exc, self.retry_after)
+            self._down_until = now + self.retry_after
 
     def _fp(self, namespace: Namespace) -> bytes:
         fp = self._fps.get(namespace)
@@ -238,11 +274,12 @@ class KVStoreConnector:
                 items.append((digest, record.data))
             if items:
                 try:
+                    self._check_up()
                     stored = self.backend.put_many(items)
                     with self._lock:
                         self._written += stored
                 except StoreUnavailableError as exc:
-                    log.debug("store write failed: %s", exc)
+                    self._failed(exc)
                     with self._lock:
                         self._write_errors += len(items)
             for _ in batch:
@@ -271,11 +308,12 @@ class KVStoreConnector:
             )
 
     def close(self) -> None:
-        """Write what is queued, stop the writer and close the store."""
+        """Write what is queued, stop the writer and close the store (if it owns it)."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
-        self.backend.close()
+        if self.owns_backend:
+            self.backend.close()
 
     def __enter__(self) -> KVStoreConnector:
         return self

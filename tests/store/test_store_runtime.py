@@ -97,7 +97,9 @@ class Faulty(KVBlockStore):
 
 def _filled(runtime: ModuleType, path: Path, capacity: int = 64 * MIB) -> None:
     """A store holding what one run computed."""
-    out = runtime.compare_store(LMDBBlockStore(path, capacity))
+    store = LMDBBlockStore(path, capacity)
+    out = runtime.compare_store(store)
+    store.close()
     assert out["written_blocks"] > 0
 
 
@@ -105,6 +107,7 @@ def test_the_store_down_recomputes_everything(runtime, tmp_path):
     _filled(runtime, tmp_path / "kv")
     store = Faulty(LMDBBlockStore(tmp_path / "kv", 64 * MIB), down=True)
     out = runtime.compare_store(store)
+    store.close()
     _same(out, runtime)
     assert out["loaded_blocks"] == 0 and out["query_errors"] > 0 and out["write_errors"] > 0
     assert out["system_tokens_computed"] == out["system_tokens_computed_alone"]
@@ -114,6 +117,7 @@ def test_a_block_gone_between_query_and_load_is_recomputed(runtime, tmp_path):
     _filled(runtime, tmp_path / "kv")
     store = Faulty(LMDBBlockStore(tmp_path / "kv", 64 * MIB), vanish=1)
     out = runtime.compare_store(store)
+    store.close()
     _same(out, runtime)
     assert out["refused"] == {"missing": 1} and out["requeued"] >= 1
     assert out["loaded_blocks"] > 0  # the rest still came from the store
@@ -143,9 +147,8 @@ def test_corrupt_or_foreign_records_are_refused_and_removed(runtime, tmp_path, d
     _same(out, runtime)
     reason = {"payload": "checksum", "layout": "layout", "namespace": "namespace"}[damage]
     assert set(out["refused"]) == {reason} and out["requeued"] >= 1
-    again = LMDBBlockStore(path, 64 * MIB)
-    assert all(again.exists(victims))  # refused, removed, and written again by the recompute
-    again.close()
+    assert all(store.exists(victims))  # refused, removed, and written again by the recompute
+    store.close()
 
 
 def test_a_full_store_evicts_and_still_serves(runtime, tmp_path):
@@ -153,11 +156,11 @@ def test_a_full_store_evicts_and_still_serves(runtime, tmp_path):
     store.put_many([(i.to_bytes(16, "big"), bytes(32 << 10)) for i in range(30)])  # others'
     out = runtime.compare_store(store)
     _same(out, runtime)
-    again = LMDBBlockStore(tmp_path / "kv", 1 * MIB)
-    assert again.evicted() > 0 and again.used_bytes() <= 1 * MIB
-    out = runtime.compare_store(again)  # what the first run wrote is what was kept
+    assert store.evicted() > 0 and store.used_bytes() <= 1 * MIB
+    out = runtime.compare_store(store)  # what the first run wrote is what was kept
     _same(out, runtime)
     assert out["loaded_blocks"] > 0
+    store.close()
 
 
 def test_slow_writes_drop_blocks_and_never_hold_a_step(runtime, tmp_path):
@@ -183,5 +186,6 @@ def test_a_store_restarted_empty_is_filled_again(runtime, tmp_path):
     store = LMDBBlockStore(path, 64 * MIB)
     store.clear()  # restarted empty
     out = runtime.compare_store(store)
+    store.close()
     _same(out, runtime)
     assert out["loaded_blocks"] == 0 and out["written_blocks"] > 0
