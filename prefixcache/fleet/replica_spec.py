@@ -21,6 +21,7 @@ class ReplicaSpec(NamedTuple):
     capacity_blocks: int = 0  # 0: unknown (then free capacity never decides a route)
     adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (any version);
     # "*" (ANY_ADAPTER): every adapter, as an engine that loads adapters at run time
+    kv_store: str | None = None  # the shared K/V store it loads from and writes to, if any
 
     def serves(self, namespace: Namespace) -> bool:
         """Whether a request in ``namespace`` may go to this replica: the same model; the

@@ -30,6 +30,7 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
+from prefixcache.fleet.events.store_blocks import store_holder
 from prefixcache.fleet.events.tenant_tally import tenant_of
 from prefixcache.fleet.index.interface import GPU, FleetIndex, ReplicaMatch
 from prefixcache.fleet.policies import (
@@ -365,9 +366,20 @@ class Router:
                 continue
             chains[block_size] = digests
             wanted = {s.name for s in specs}
+            holders = {store_holder(s.kv_store): s for s in specs if s.kv_store is not None}
+            in_stores: dict[str, ReplicaMatch] = {}
             for match in self._index.match(digests):
                 if match.replica in wanted:
                     found[match.replica] = match
+                elif match.replica in holders:
+                    in_stores[match.replica] = match
+            if in_stores:  # a shared store's blocks are in reach of every replica attached
+                for spec in specs:
+                    pooled = in_stores.get(store_holder(spec.kv_store or ""))
+                    old = found.get(spec.name)
+                    if pooled is not None and (old is None or pooled.blocks > old.blocks):
+                        gpu = old.gpu_blocks if old is not None else 0
+                        found[spec.name] = ReplicaMatch(spec.name, pooled.blocks, gpu)
             if extra is not None:
                 for spec in specs:
                     more = extra.match(spec.name, namespace, arr, digests)

@@ -44,5 +44,10 @@ class KVBlockStore(ABC):
         """Records the store's own eviction dropped so far (for this store, or as the
         backend can tell)."""
 
+    def take_evicted_keys(self) -> list[bytes]:
+        """Keys this process's writes evicted since the last call (for announcements; a store
+        whose eviction runs elsewhere, as Mooncake's master, gives none)."""
+        return []
+
     def close(self) -> None:  # noqa: B027  # optional: backends without resources skip it
         """Let go of the store's resources."""

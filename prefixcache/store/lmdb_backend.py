@@ -71,6 +71,7 @@ class LMDBBlockStore(KVBlockStore):
             self._records = self._env.open_db(b"records")
             self._order = self._env.open_db(b"order")
             self._seqs = self._env.open_db(b"seqs")
+            self._evicted_keys: list[bytes] = []  # by this process's writes, not yet taken
             self._meta = self._env.open_db(b"meta")
         except (OSError, lmdb.Error) as exc:
             raise ConfigError(f"cannot open the K/V store at {self.path}: {exc}") from None
@@ -120,20 +121,25 @@ class LMDBBlockStore(KVBlockStore):
         for attempt in (0, 1):
             try:
                 with self._env.begin(write=True) as txn:
-                    return self._put(txn, items, spare=attempt * self.capacity_bytes // 8)
+                    stored, gone = self._put(txn, items, spare=attempt * self.capacity_bytes // 8)
+                self._evicted_keys += gone  # committed
+                return stored
             except lmdb.MapFullError:
                 continue  # the B-tree outgrew the slack: evict more and try once again
             except lmdb.Error as exc:
                 raise StoreUnavailableError(f"lmdb: {exc}") from exc
         raise StoreUnavailableError("lmdb: the map is full even after evicting")
 
-    def _put(self, txn: Any, items: Sequence[tuple[bytes, bytes | memoryview]], spare: int) -> int:
+    def _put(
+        self, txn: Any, items: Sequence[tuple[bytes, bytes | memoryview]], spare: int
+    ) -> tuple[int, list[bytes]]:
         """Insert what is new, evicting the oldest records first to stay ``spare`` bytes
-        under the bound."""
+        under the bound; returns how many were stored and the keys evicted."""
         seq = _u64(txn.get(_SEQ, db=self._meta))
         used = _u64(txn.get(_USED, db=self._meta))
         evicted = 0
         stored = 0
+        gone: list[bytes] = []
         order = txn.cursor(db=self._order)
         for key, value in items:
             size = len(value)
@@ -146,6 +152,7 @@ class LMDBBlockStore(KVBlockStore):
                 if old is not None:
                     used -= len(old)
                     evicted += 1
+                    gone.append(old_key)
                 order.delete()
             seq += 1
             tag = seq.to_bytes(8, "big")  # big-endian: the order table iterates oldest first
@@ -159,7 +166,11 @@ class LMDBBlockStore(KVBlockStore):
         if evicted:
             total = _u64(txn.get(_EVICTED, db=self._meta)) + evicted
             txn.put(_EVICTED, total.to_bytes(8, "little"), db=self._meta)
-        return stored
+        return stored, gone
+
+    def take_evicted_keys(self) -> list[bytes]:
+        out, self._evicted_keys = self._evicted_keys, []
+        return out
 
     def remove(self, key: bytes) -> None:
         try:

@@ -36,9 +36,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from prefixcache.blocks.namespace import Namespace
+from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.errors import ConfigError
 from prefixcache.kv_cache import PagedKVCache
+from prefixcache.manager.block_events import BlockRemoved, BlockStored, CacheEvent, EventListener
 from prefixcache.manager.transfers import StoreLoad, StoreWrite
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import (
@@ -51,6 +52,7 @@ from prefixcache.store.block_record import (
 )
 
 log = logging.getLogger("prefixcache.store")
+STORE = "STORE"  # the medium of blocks in a shared store, in block events
 _BATCH = 64  # records a background put sends at once
 
 
@@ -115,7 +117,11 @@ class KVStoreConnector:
         self._queries = self._query_errors = self._found = self._loaded = 0
         self._refused: Counter[str] = Counter()
         self._queued = self._written = self._dropped = self._write_errors = 0
-        self._queue: queue.Queue[tuple[bytes, bytes, np.ndarray] | None] = queue.Queue(queue_blocks)
+        self._queue: queue.Queue[tuple[bytes, Namespace, np.ndarray] | None] = queue.Queue(
+            queue_blocks
+        )
+        self._listeners: list[EventListener] = []
+        self._announce: list[CacheEvent] = []  # written or evicted since the last delivery
         self._writer = threading.Thread(
             target=self._write_loop, name="kv-store-writer", daemon=True
         )
@@ -170,6 +176,7 @@ class KVStoreConnector:
                 kv.v[layer][gpu_block].copy_(blocks[layer, 1])
             with self._lock:
                 self._loaded += 1
+        self._deliver()
         return list(failed)
 
     def _fetch(self, digest: bytes, namespace: Namespace, view: memoryview) -> Refusal | None:
@@ -193,6 +200,9 @@ class KVStoreConnector:
             log.warning("store record %s refused (%s): recomputed", digest.hex(), reason.value)
             with contextlib.suppress(StoreUnavailableError):
                 self.backend.remove(digest)
+                if self._listeners:
+                    with self._lock:
+                        self._announce.append(BlockRemoved([digest], namespace, STORE))
         return reason
 
     def _check_up(self) -> None:
@@ -217,6 +227,7 @@ class KVStoreConnector:
     def write_through(self, writes: Sequence[StoreWrite]) -> None:
         """Copy the blocks out now (call right after ``end_step``) and queue them for the
         background writer; blocks that do not fit in the queue are dropped and counted."""
+        self._deliver()
         if not writes:
             return
         kv, layout = self.kv, self.layout
@@ -241,7 +252,7 @@ class KVStoreConnector:
         queued = dropped = 0
         for i, write in enumerate(writes):
             try:
-                self._queue.put_nowait((write.digest, self._fp(write.namespace), records[i]))
+                self._queue.put_nowait((write.digest, write.namespace, records[i]))
                 queued += 1
             except queue.Full:
                 dropped += 1
@@ -263,21 +274,28 @@ class KVStoreConnector:
                     break
             stop = None in batch
             items = []
+            spaces: dict[bytes, Namespace] = {}
             for entry in batch:
                 if entry is None:
                     continue
-                digest, fp, record = entry
+                digest, namespace, record = entry
                 checksum = payload_checksum(record[header:])
-                record[:header] = np.frombuffer(
-                    encode_header(digest, fp, layout, checksum), np.uint8
-                )
+                head = encode_header(digest, self._fp(namespace), layout, checksum)
+                record[:header] = np.frombuffer(head, np.uint8)
                 items.append((digest, record.data))
+                spaces[digest] = namespace
             if items:
                 try:
                     self._check_up()
                     stored = self.backend.put_many(items)
+                    evicted = self.backend.take_evicted_keys()
                     with self._lock:
                         self._written += stored
+                        if self._listeners:
+                            self._note_stored(spaces)
+                            if evicted:
+                                gone = BlockRemoved(evicted, DEFAULT_NAMESPACE, STORE)
+                                self._announce.append(gone)
                 except StoreUnavailableError as exc:
                     self._failed(exc)
                     with self._lock:
@@ -286,6 +304,40 @@ class KVStoreConnector:
                 self._queue.task_done()
             if stop:
                 return
+
+    # ---- announcements ----------------------------------------------------------------------
+    def add_listener(self, listener: EventListener) -> None:
+        """Call ``listener`` (a KV event publisher's) with ``BlockStored`` for blocks written
+        to the store and ``BlockRemoved`` for blocks that left it (evicted by this process's
+        writes, or refused), medium ``STORE``, on the runtime's thread: delivered by
+        ``write_through`` and ``load``. A fleet service counts them as in reach of every
+        replica attached to the store (``kv_store``)."""
+        if not callable(listener):
+            raise ConfigError(f"a listener must be callable, got {listener!r}")
+        self._listeners.append(listener)
+
+    def _note_stored(self, spaces: dict[bytes, Namespace]) -> None:
+        """Announce what a put sent (held already or new: either way it is in the store), one
+        event per namespace; called with the lock held."""
+        by_space: dict[Namespace, list[bytes]] = {}
+        for digest, namespace in spaces.items():
+            by_space.setdefault(namespace, []).append(digest)
+        for namespace, digests in by_space.items():
+            block_size = self.layout.block_size
+            self._announce.append(BlockStored(digests, None, [], block_size, namespace, STORE))
+
+    def _deliver(self) -> None:
+        """Hand the pending announcements to the listeners, on the caller's thread."""
+        if not self._listeners:
+            return
+        with self._lock:
+            events, self._announce = self._announce, []
+        for event in events:
+            for listener in self._listeners:
+                try:
+                    listener(event)
+                except Exception:  # a listener must not stop the runtime
+                    log.exception("store event listener failed")
 
     def flush(self) -> None:
         """Wait until every queued block has been written (or failed)."""

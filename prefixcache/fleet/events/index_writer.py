@@ -24,9 +24,11 @@ Media are read case-insensitively: ``GPU`` (or none given), host memory (``CPU``
 ``CPU_PINNED``, Mooncake's ``cpu``), ``STORAGE``, and any other name, kept as a medium of its own.
 The replica's map keeps which of them hold each block; the index tells GPU from anywhere else
 (its ``CPU`` is "off the GPU"): a block leaves the index's off-GPU medium when the last of the
-replica's other media drops it. A ``BlockStored`` without token ids (the placeholders vLLM's
-offload connectors send, ``block_size`` 0, and stores whose tokens were not at hand) adds its
-medium to blocks the replica already holds; unknown ones are counted as malformed.
+replica's other media drops it. ``STORE`` events of a replica attached to a shared K/V store
+(``kv_store``) speak of the store, not the replica: store_blocks.py. A ``BlockStored`` without
+token ids (the placeholders vLLM's offload connectors send, ``block_size`` 0, and stores whose
+tokens were not at hand) adds its medium to blocks the replica already holds; unknown ones are
+counted as malformed.
 
 A run stored under a parent never seen (the subscriber joined late, restarted, or cleared the
 replica after an unfillable gap) is held all the same: it is kept by engine hash
@@ -62,6 +64,7 @@ from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import as_token_array
 from prefixcache.errors import InvalidTokensError
 from prefixcache.fleet.events.replica_stream import ReplicaStream, block_hash_of_key, engine_key
+from prefixcache.fleet.events.store_blocks import STORE, SharedStoreBlocks
 from prefixcache.fleet.events.tenant_tally import tenant_of
 from prefixcache.fleet.events.wire import BlockHash, RemovedBlocks, StoredBlocks
 from prefixcache.fleet.index.interface import CPU, GPU, FleetIndex, SharedEngineMap
@@ -110,6 +113,7 @@ class EventApplier:
         # (model, adapter) -> the version the fleet pins (``pinned_adapter_versions``)
         self.versions: dict[tuple[str, str], str] = {}
         self._bits = dict(_FIXED_BITS)
+        self.stores = SharedStoreBlocks(index, max_blocks_per_replica)  # kv_store's holders
 
     def _bit(self, medium: str) -> int:
         """The bit of ``medium`` in a block's media mask (``ReplicaStream.blocks``)."""
@@ -156,6 +160,9 @@ class EventApplier:
         n = len(ev.block_hashes)
         p = rep.ep.block_size
         medium = canonical_medium(ev.medium)
+        if medium == STORE and rep.ep.kv_store is not None:  # in the store, not on the replica
+            self.stores.stored(rep, rep.ep.kv_store, ev.block_hashes)
+            return True
         problem = None
         if ev.group_idx not in (None, 0) or (ev.lora_id is not None and ev.lora_name is None):
             rep.counts.skipped += n  # by rule: another group's copy, or a LoRA of unknown name
@@ -264,6 +271,9 @@ class EventApplier:
         if ev.group_idx not in (None, 0):  # another group's copy of the same hashes
             return True
         medium = None if ev.medium is None else canonical_medium(ev.medium)
+        if medium == STORE and rep.ep.kv_store is not None:
+            self.stores.removed(rep, rep.ep.kv_store, ev.block_hashes)
+            return True
         bits = _ALL_MEDIA if medium is None else self._bit(medium)
         off_gpu = medium is not None and medium != GPU
         blocks = rep.blocks

@@ -32,6 +32,7 @@ class ReplicaEndpoint:
     topic: str = ""
     hash_algo: str = "xxh3_128"
     engine_hash: EngineHashSpec | None = None  # how its engine hashes blocks, when reproducible
+    kv_store: str | None = None  # the shared K/V store its STORE-medium events speak of
 
 
 class ReplicaCounters(NamedTuple):

@@ -94,6 +94,7 @@ def open_service(options: ServeOptions) -> tuple[Any, ServiceConfig]:
                 r.block_size,
                 hash_algo=config.hash_algo,
                 engine_hash=r.engine_hash,
+                kv_store=r.kv_store,
             )
             for r in config.replicas
             if r.events is not None

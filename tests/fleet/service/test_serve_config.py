@@ -31,7 +31,7 @@ def test_example_config_loads() -> None:
     first = config.replicas[0]
     assert first.namespace == Namespace("meta-llama/Llama-3.1-8B-Instruct")
     assert first.url == "http://127.0.0.1:8100" and first.events == "tcp://127.0.0.1:5557"
-    assert first.spec() == ("replica-0", first.namespace, 16, 32768, ())
+    assert first.spec() == ("replica-0", first.namespace, 16, 32768, (), None)
 
 
 def test_full_replica_fields_and_relative_tokenizer(tmp_path: Path) -> None:
@@ -41,13 +41,15 @@ def test_full_replica_fields_and_relative_tokenizer(tmp_path: Path) -> None:
         "index": "redis://127.0.0.1:6379/2",
         "replicas": [
             {"name": "r", "model": "m", "adapter": "sql", "adapter_version": "3", "salt": "t",
-             "extra": ["img"], "block_size": 32, "capacity_blocks": 10, "replay": "ipc:///tmp/r"}
+             "extra": ["img"], "block_size": 32, "capacity_blocks": 10, "replay": "ipc:///tmp/r",
+             "kv_store": "pool-a"}
         ],
     }  # fmt: skip
     config = parse_config(data, "f.yaml", tmp_path)
     assert config.tokenizer == str(tmp_path / "tok.json")
     assert config.replicas[0].namespace == Namespace("m", "sql", "3", "t", ("img",))
     assert config.index == "redis://127.0.0.1:6379/2"
+    assert config.replicas[0].spec().kv_store == "pool-a"
 
 
 BASE = {"replicas": [{"name": "a", "model": "m"}]}
@@ -96,6 +98,8 @@ def rep(**fields: object) -> dict[str, object]:
         ({"replicas": [{"name": "a", "model": "m", "events": "tcp://h:99999"}]}, "not in 1..65535"),
         ({"replicas": [{"name": "a", "model": "m", "adapters": "sql"}]}, "replicas[0].adapters"),
         ({"replicas": [{"name": "a", "model": "m", "salt": 5}]}, "fleet.yaml: replicas[0].salt: "),
+        (rep(kv_store="a pool"), "replicas[0].kv_store: 'a pool' is not a valid store name"),
+        (rep(kv_store=3), "replicas[0].kv_store: expected a non-empty string"),
         ({"chat_template": "missing.jinja"}, "chat_template: file"),
         ({"health": {"probe_interval_s": 0}}, "health.probe_interval_s"),
         ({"health": {"down_s": -1}}, "health.down_s"),

@@ -62,11 +62,17 @@ class ReplicaConfig:
     adapters: tuple[str, ...] = ()  # LoRA adapters it serves besides its own (--lora-modules);
     # "*": any adapter (an engine that loads adapters at run time)
     engine_hash: EngineHashSpec | None = None  # its engine's block hashes, when reproducible
+    kv_store: str | None = None  # the shared K/V store it is attached to (a name)
 
     def spec(self) -> ReplicaSpec:
         """The router's view of this replica."""
         return ReplicaSpec(
-            self.name, self.namespace, self.block_size, self.capacity_blocks, self.adapters
+            self.name,
+            self.namespace,
+            self.block_size,
+            self.capacity_blocks,
+            self.adapters,
+            self.kv_store,
         )
 
 
@@ -159,7 +165,7 @@ _DELIVERY = ("enabled", "window", "min_requests", "tolerance")
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s", "attach_probe")
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
-    "block_size", "capacity_blocks", "adapters", "engine_hash",
+    "block_size", "capacity_blocks", "adapters", "engine_hash", "kv_store",
 )  # fmt: skip
 _ROUTING = (
     "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
@@ -213,7 +219,16 @@ def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
         capacity_blocks=r.integer(m.get("capacity_blocks", 0), f"{where}.capacity_blocks", 0),
         adapters=tuple(adapters),
         engine_hash=engine_hash,
+        kv_store=_store_name(r, m.get("kv_store"), f"{where}.kv_store"),
     )
+
+
+def _store_name(r: ConfigReader, value: Any, where: str) -> str | None:
+    """A shared store's name, as replicas attached to the same store give it."""
+    name = r.string(value, where)
+    if name is not None and not _NAME.fullmatch(name):
+        raise r.fail(where, f"{name!r} is not a valid store name (as replica names)")
+    return name
 
 
 def parse_config(
