@@ -44,6 +44,7 @@ class ReplicaScore(NamedTuple):
     in_flight_tokens: int  # their prompt tokens to compute (not cached when routed)
     capacity_blocks: int  # KV capacity of the replica, in blocks
     held_blocks: int  # blocks the index holds for the replica on GPU (what capacity bounds)
+    store_tokens: int = 0  # of cached_tokens, those in reach only through a shared K/V store
 
 
 class RoutingParams(NamedTuple):
@@ -105,7 +106,8 @@ def least_loaded(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
 
 
 def prefix(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
-    """Most cached prompt tokens, then most on GPU, then least loaded."""
+    """Most cached prompt tokens, then most on GPU, then fewest only in a shared store (host
+    memory before the store), then least loaded."""
     _check(scores)
     n, turn = len(scores), ctx.turn
     best = min(
@@ -113,6 +115,7 @@ def prefix(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
         key=lambda item: (
             -item[1].cached_tokens,
             -item[1].gpu_cached_tokens,
+            item[1].store_tokens,
             *_load_key(item[0], item[1], turn, n),
         ),
     )[1]
@@ -149,7 +152,7 @@ def prefix_balanced(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice
 
 def prefix_cost(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
     """Fewest prompt tokens to prefill (weighted) plus in-flight prompt tokens; then most cached
-    on GPU, then least loaded."""
+    on GPU, then fewest only in a shared store, then least loaded."""
     _check(scores)
     n, turn, weight = len(scores), ctx.turn, ctx.params.prefill_weight
     best = min(
@@ -157,6 +160,7 @@ def prefix_cost(scores: Sequence[ReplicaScore], ctx: RouteContext) -> Choice:
         key=lambda item: (
             weight * (ctx.prompt_tokens - item[1].cached_tokens) + item[1].in_flight_tokens,
             -item[1].gpu_cached_tokens,
+            item[1].store_tokens,
             *_load_key(item[0], item[1], turn, n),
         ),
     )[1]

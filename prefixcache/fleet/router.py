@@ -79,6 +79,7 @@ class _Matches(NamedTuple):
     held_blocks: dict[str, int]  # GPU blocks the index holds, for replicas with a known capacity
     tokens: np.ndarray
     digests: dict[int, list[bytes]]  # by block size
+    store_only: dict[str, int]  # replica -> leading blocks in reach only through its store
 
 
 class RouteObserver(Protocol):
@@ -355,6 +356,7 @@ class Router:
             by_size.setdefault(spec.block_size, []).append(spec)
         found: dict[str, ReplicaMatch] = {}
         chains: dict[int, list[bytes]] = {}
+        store_only: dict[str, int] = {}
         extra = self._held
         for block_size, specs in by_size.items():
             if given is not None and len(by_size) == 1 and len(given) == n // block_size:
@@ -378,8 +380,9 @@ class Router:
                     pooled = in_stores.get(store_holder(spec.kv_store or ""))
                     old = found.get(spec.name)
                     if pooled is not None and (old is None or pooled.blocks > old.blocks):
-                        gpu = old.gpu_blocks if old is not None else 0
+                        gpu, own = (old.gpu_blocks, old.blocks) if old is not None else (0, 0)
                         found[spec.name] = ReplicaMatch(spec.name, pooled.blocks, gpu)
+                        store_only[spec.name] = pooled.blocks - own
             if extra is not None:
                 for spec in specs:
                     more = extra.match(spec.name, namespace, arr, digests)
@@ -396,7 +399,7 @@ class Router:
                         )
         known = [s.name for s in eligible if s.capacity_blocks]
         held = self._index.num_blocks_many(known, GPU)
-        return _Matches(n, eligible, found, held, arr, chains)
+        return _Matches(n, eligible, found, held, arr, chains, store_only)
 
     def _scores(self, matches: _Matches, *, up_only: bool = False) -> tuple[ReplicaScore, ...]:
         """Scores of the eligible replicas still in the fleet (``up_only``: of those not marked
@@ -405,7 +408,7 @@ class Router:
         health = self._health
         any_down = up_only and bool(health.down)
         now = self._clock() if any_down else 0.0
-        found, held = matches.found, matches.held_blocks
+        found, held, store_only = matches.found, matches.held_blocks, matches.store_only
         loads = self._loads.load
         for spec in matches.eligible:
             load = loads.get(spec.name)
@@ -424,6 +427,7 @@ class Router:
                     load[1],
                     spec.capacity_blocks,
                     held.get(spec.name, 0),
+                    store_only.get(spec.name, 0) * spec.block_size,
                 )
             )
         return tuple(out)

@@ -95,6 +95,8 @@ def test_a_prefix_written_to_the_store_is_in_reach_of_attached_replicas(fleet):
     reach = cached(router, prompt)
     assert reach == {"a": 5 * P, "b": 5 * P, "c": 0}  # b through the store, c not attached
     assert gpu(router, prompt) == {"a": 5 * P, "b": 0, "c": 0}  # a holds it itself
+    only = {s.name: s.store_tokens for s in router.lookup(NS, prompt).scores}
+    assert only == {"a": 0, "b": 5 * P, "c": 0}  # the policies rank a store's reach last
     assert router.route(NS, prompt, "q").replica == "a"  # local hits first
     b = Runtime("b", store, subscriber)  # b does load it
     assert b.serve("r2", prompt) == 5 * P
@@ -115,3 +117,14 @@ def test_blocks_the_store_evicts_leave_every_replicas_reach(fleet):
     assert store.evicted() > 0
     assert cached(router, first)["b"] < 4 * P  # b's reach went with the evicted blocks
     a.close()
+
+
+def test_a_replica_holding_a_prefix_on_host_comes_before_one_reaching_it_in_a_store():
+    from prefixcache.fleet.policies import POLICIES, ReplicaScore, RouteContext, RoutingParams
+
+    host = ReplicaScore("host", 64, 0, 0, 0, 100, 10)  # all 64 tokens in its host memory
+    pool = ReplicaScore("pool", 64, 0, 0, 0, 100, 10, store_tokens=64)  # only in the store
+    ctx = RouteContext(prompt_tokens=80, turn=1, params=RoutingParams())
+    for name in ("prefix", "prefix_cost"):
+        for order in ((host, pool), (pool, host)):
+            assert POLICIES[name](order, ctx).replica == "host"
