@@ -111,45 +111,17 @@ class AdmissionPlanner:
             # evict it): unheld, it is one evictable block less meanwhile
             source = 1 if partial is not None and partial.node.ref == 0 else 0
             if need <= free - n - source:  # fits even if every matched block were unheld now
-                return _new(
-                    AdmissionPlan,
-                    (
-                        need,
-                        n,
-                        match,
-                        shared,
-                        cow,
-                        partial,
-                        cached_len,
-                        run,
-                        found,
-                        stored,
-                        store_found,
-                        computed,
-                    ),
-                )
+                plan = (need, n, match, shared, cow, partial, cached_len, run, found, stored,
+                        store_found, computed)  # fmt: skip
+                return _new(AdmissionPlan, plan)
             held_cached = _unheld_matched(match)
             if partial is not None and need > free - held_cached - source:
                 cached_len -= partial.m  # no room to keep the source: recompute those tokens
                 partial = None
             if not cow or need <= free - held_cached:
-                return _new(
-                    AdmissionPlan,
-                    (
-                        need,
-                        held_cached,
-                        match,
-                        shared,
-                        cow,
-                        partial,
-                        cached_len,
-                        run,
-                        found,
-                        stored,
-                        store_found,
-                        computed,
-                    ),
-                )
+                plan = (need, held_cached, match, shared, cow, partial, cached_len, run, found,
+                        stored, store_found, computed)  # fmt: skip
+                return _new(AdmissionPlan, plan)
             # the copy of the last block needs one block more than the prompt: with the pool
             # that full, recompute the last block instead
             match = self.index.match(root, buf, n - 1)
