@@ -1,9 +1,9 @@
 """prefixcache against vLLM's and SGLang's own code, run from their published wheels
 (tests/engine_wheels.py): vLLM's request block hasher gives the engine hashes the service
-computes (``engine_hash``: seeds, cache salts, LoRA adapters), vLLM's and SGLang's own ZMQ
-publishers feed the service's subscriber, whose index then holds the blocks under the
-digests prefixcache computes for the same tokens, and the attach probe's seed check names the
-seed vLLM's hasher was started with."""
+computes (``engine_hash``: seeds, cache salts, LoRA adapters); vLLM's own block pool caches and
+evicts a salted request's blocks, and its events, like SGLang's, go out through the engine's
+own ZMQ publisher to the service's subscriber, whose index then holds the blocks under the
+digests prefixcache computes for the same tokens and namespace."""
 
 from __future__ import annotations
 
@@ -53,8 +53,10 @@ VLLM_MODULES = [
     "vllm.v1.core.kv_cache_utils",
     "vllm.config.kv_events",
     "vllm.distributed.kv_events",
+    "vllm.v1.core.block_pool",
 ]
-VLLM_PLACEHOLDERS = [  # named by kv_cache_utils for what these tests do not run
+VLLM_PLACEHOLDERS = [  # named by these modules for what these tests do not run
+    "vllm.v1.core.kv_cache_metrics",
     "vllm.multimodal.utils",
     "vllm.utils.math_utils",
     "vllm.v1.kv_cache_interface",
@@ -74,6 +76,7 @@ def vllm(tmp_path):
             hashing=mods["vllm.utils.hashing"],
             utils=mods["vllm.v1.core.kv_cache_utils"],
             events=mods["vllm.distributed.kv_events"],
+            pool=mods["vllm.v1.core.block_pool"],
         )
 
 
@@ -169,6 +172,59 @@ def test_vllm_publisher_feeds_the_services_index(vllm, tmp_path, monkeypatch):
         ]))  # fmt: skip
         assert _wait_for(lambda: held() == 3)
         publisher.publish(ev.KVEventBatch(ts=time.time(), events=[ev.AllBlocksCleared()]))
+        assert _wait_for(lambda: held() == 0)
+    finally:
+        subscriber.stop()
+        publisher.shutdown()
+
+
+def test_vllm_block_pool_events_index_as_prefixcache_digests(vllm, tmp_path, monkeypatch):
+    """vLLM's own BlockPool caches a salted request's full blocks and evicts them under
+    pressure; its events, through vLLM's publisher, put the blocks in the index under the
+    salted namespace's digests and take them out again."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    vllm.utils.init_none_hash(vllm.hashing.sha256_cbor)
+    tokens = np.random.default_rng(4).integers(0, 50_000, 3 * P + 5).tolist()
+    request = SimpleNamespace(
+        block_hashes=[],
+        num_tokens=len(tokens),
+        all_token_ids=list(tokens),
+        mm_features=None,
+        lora_request=None,
+        cache_salt="tenant-a",
+        prompt_embeds=None,
+        session_id=None,
+    )
+    hasher = vllm.utils.get_request_block_hasher(P, vllm.hashing.sha256_cbor)
+    request.block_hashes = hasher(request)
+    pool = vllm.pool.BlockPool(5, True, P, enable_kv_cache_events=True)  # 4 usable + null
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(request, blocks, 0, 3, P, 0)
+    stored = pool.take_events()
+    assert [type(e).__name__ for e in stored] == ["BlockStored"]
+    ev = vllm.events
+    pub_ep = f"ipc://{tmp_path}/pub"
+    publisher = ev.ZmqEventPublisher(0, endpoint=pub_ep)
+    index = MemoryFleetIndex()
+    subscriber = KVEventSubscriber(index, [ReplicaEndpoint("vllm-0", pub_ep, None, NS, P)])
+    subscriber.start()
+    try:
+        time.sleep(0.5)
+        publisher.publish(ev.KVEventBatch(ts=time.time(), events=stored))
+        salted = Namespace(model="m", salt="tenant-a")
+        digests = BlockHasher(P).hash_prompt(tokens, salted)
+
+        def held() -> int:
+            return {m.replica: m.blocks for m in index.match(digests)}.get("vllm-0", 0)
+
+        assert _wait_for(lambda: held() == 3), f"held {held()} of 3"
+        plain = BlockHasher(P).hash_prompt(tokens, NS)  # the unsalted prompt matches nothing
+        assert "vllm-0" not in {m.replica for m in index.match(plain) if m.blocks}
+        pool.free_blocks(reversed(blocks))  # the request ends: its blocks stay cached
+        pool.get_new_blocks(4)  # pressure: vLLM evicts all three
+        removed = pool.take_events()
+        assert removed and all(type(e).__name__ == "BlockRemoved" for e in removed)
+        publisher.publish(ev.KVEventBatch(ts=time.time(), events=removed))
         assert _wait_for(lambda: held() == 0)
     finally:
         subscriber.stop()
