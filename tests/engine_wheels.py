@@ -66,10 +66,12 @@ def engine_modules(
     given: Mapping[str, Mapping[str, Any]],
     placeholders: list[str],
     root: Path,
+    files: tuple[str, ...] = (),
 ) -> Iterator[dict[str, ModuleType]]:
     """Run the modules ``wanted`` (dotted names) from the engine's wheel, extracted under
-    ``root``; ``given`` modules are made of the names mapped, ``placeholders`` of inert ones.
-    Everything put in ``sys.modules`` is taken out again afterwards."""
+    ``root`` with the other ``files`` they read (paths in the wheel); ``given`` modules are
+    made of the names mapped, ``placeholders`` of inert ones. Everything put in
+    ``sys.modules`` is taken out again afterwards."""
     path = wheel(engine)
     assert path is not None
     package = engine[0]
@@ -77,6 +79,8 @@ def engine_modules(
     with zipfile.ZipFile(path) as zf:
         for name in wanted:
             zf.extract(name.replace(".", "/") + ".py", root)
+        for member in files:
+            zf.extract(member, root)
     try:
         for name in {n.rsplit(".", k)[0] for n in wanted for k in range(1, n.count(".") + 1)}:
             pkg = _Placeholder(name)  # the packages above, without their __init__

@@ -1,9 +1,10 @@
 """prefixcache against vLLM's and SGLang's own code, run from their published wheels
-(tests/engine_wheels.py): vLLM's request block hasher gives the engine hashes the service
-computes (``engine_hash``: seeds, cache salts, LoRA adapters); vLLM's own block pool caches and
-evicts a salted request's blocks, and its events, like SGLang's, go out through the engine's
-own ZMQ publisher to the service's subscriber, whose index then holds the blocks under the
-digests prefixcache computes for the same tokens and namespace."""
+(tests/engine_wheels.py): vLLM's request block hasher and SGLang's page hashing (its native
+extension, built from the wheel's source) give the engine hashes the service computes
+(``engine_hash``: seeds, cache salts, LoRA adapters); vLLM's own block pool and SGLang's radix
+cache event recorder store and evict a salted request's blocks, and their events go out through
+each engine's own ZMQ publisher to the service's subscriber, whose index then holds the blocks
+under the digests prefixcache computes for the same tokens and namespace."""
 
 from __future__ import annotations
 
@@ -231,49 +232,130 @@ def test_vllm_block_pool_events_index_as_prefixcache_digests(vllm, tmp_path, mon
         publisher.shutdown()
 
 
-SGLANG_GIVEN = {
-    "sglang.srt.runtime_context": {"get_parallel": lambda: SimpleNamespace()},
-    "sglang.srt.utils.network": {},
-}
+def _compile_extension(root: Path):
+    """SGLang's loader of its C++ extensions, as torch builds them (with ninja)."""
+
+    def load(name, sources, extra_cflags, extra_ldflags, with_cuda):
+        from torch.utils import cpp_extension
+
+        build = root / "build"
+        build.mkdir(exist_ok=True)
+        return cpp_extension.load(
+            name=name,
+            sources=sources,
+            extra_cflags=extra_cflags,
+            extra_ldflags=extra_ldflags,
+            build_directory=str(build),
+        )
+
+    return load
 
 
-@pytest.fixture
-def sglang(tmp_path):
+SGLANG_MODULES = [
+    "sglang.srt.disaggregation.kv_events",
+    "sglang.srt.mem_cache.cpp_utils.native_hash",
+    "sglang.srt.mem_cache.utils",
+    "sglang.srt.mem_cache.events",
+]
+SGLANG_PLACEHOLDERS = [  # GPU kernels, settings and eviction policies the recorder never runs
+    "sglang.kernels.ops.kvcache.mla_buffer",
+    "sglang.srt.environ",
+    "sglang.srt.mem_cache.evict_policy",
+]
+
+
+@pytest.fixture(scope="module")
+def sglang(tmp_path_factory):
     reason = missing(SGLANG)
     if reason:
         pytest.skip(reason)
     pytest.importorskip("pydantic", reason="SGLang's event module needs pydantic")
-    modules = ["sglang.srt.disaggregation.kv_events"]
-    with engine_modules(SGLANG, modules, SGLANG_GIVEN, [], tmp_path) as mods:
-        yield mods["sglang.srt.disaggregation.kv_events"]
+    root = tmp_path_factory.mktemp("sglang")
+    given = {
+        "sglang.srt.runtime_context": {"get_parallel": lambda: SimpleNamespace()},
+        "sglang.srt.utils.network": {},
+        "sglang.srt.utils.cpp_extension_loader": {
+            "load_extension_with_recovery": _compile_extension(root)
+        },
+    }
+    source = ("sglang/srt/mem_cache/cpp_utils/hash_binding.cpp",)
+    with engine_modules(SGLANG, SGLANG_MODULES, given, SGLANG_PLACEHOLDERS, root, source) as mods:
+        native = mods["sglang.srt.mem_cache.cpp_utils.native_hash"]
+        try:  # built here, once: g++, ninja and OpenSSL's headers (libssl-dev)
+            native.get_native_hash([1] * P, None, P)
+        except RuntimeError as exc:
+            pytest.skip(f"SGLang's native hash extension could not be built: {exc.__cause__}")
+        yield SimpleNamespace(
+            events=mods["sglang.srt.disaggregation.kv_events"],
+            recorder=mods["sglang.srt.mem_cache.events"],
+        )
+
+
+class _RadixKey:
+    """What SGLang's radix cache keys a node by: its tokens and namespace."""
+
+    def __init__(self, token_ids, cache_salt=None):
+        self.token_ids, self.extra_key, self.cache_salt = token_ids, None, cache_salt
+        self.is_bigram = False
+
+    def __len__(self):
+        return len(self.token_ids)
+
+
+class _RadixNode:
+    def __init__(self, key, parent):
+        self.key, self.parent = key, parent
+        self.hash_value = [] if parent is None else None
+        self.event_hash_value = None
+
+
+def _sglang_events(sglang, tokens, salt=None):
+    """The events SGLang's radix cache records for a node of ``tokens`` under the root."""
+    root = _RadixNode(_RadixKey([]), None)
+    node = _RadixNode(_RadixKey(list(tokens), salt), root)
+    recorder = sglang.recorder.KVCacheEventRecorder(enabled=True, page_size=P)
+    recorder.record_store(node)
+    stored = recorder.take()
+    recorder.record_remove(node)
+    return stored, recorder.take()
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_sglang_page_hashes_equal_the_services_engine_hashes(sglang, salt):
+    """SGLang's own page hashing (its native extension, built from the wheel's source) and
+    event recorder give the hashes the service computes for ``engine_hash: sglang``."""
+    tokens = np.random.default_rng(5).integers(0, 50_000, 4 * P).tolist()
+    stored, removed = _sglang_events(sglang, tokens, salt)
+    theirs = [h for event in stored for h in event.block_hashes]
+    ours = EngineHasher(EngineHashSpec(engine="sglang", algo="sha256"), P).block_hashes(
+        tokens, salt=salt
+    )
+    assert len(theirs) == 4 and ours == theirs
+    assert [h for event in removed for h in event.block_hashes] == theirs
 
 
 def test_sglang_publisher_feeds_the_services_index(sglang, tmp_path):
-    """SGLang's ZmqEventPublisher and event structs, with the engine hashes its radix cache
-    gives a page (sha256 chained over the page's token ids), are indexed as prefixcache's."""
+    """What SGLang's radix cache records for a salted prompt, through SGLang's own publisher,
+    is indexed under prefixcache's digests in the salted namespace, and removed again."""
     tokens = np.random.default_rng(3).integers(0, 50_000, 3 * P).tolist()
-    engine = EngineHasher(EngineHashSpec(engine="sglang", algo="sha256"), P)
-    external = engine.block_hashes(tokens)
+    stored, removed = _sglang_events(sglang, tokens, "tenant-a")
+    ev = sglang.events
     pub_ep = f"ipc://{tmp_path}/pub"
-    publisher = sglang.ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=None)
+    publisher = ev.ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=None)
     index = MemoryFleetIndex()
     subscriber = KVEventSubscriber(index, [ReplicaEndpoint("sglang-0", pub_ep, None, NS, P)])
     subscriber.start()
     try:
         time.sleep(0.5)
-        event = sglang.BlockStored(
-            block_hashes=external,
-            parent_block_hash=None,
-            token_ids=tokens,
-            block_size=P,
-            lora_id=None,
-            medium="GPU",
-        )
-        publisher.publish(sglang.KVEventBatch(ts=time.time(), events=[event]))
-        digests = BlockHasher(P).hash_prompt(tokens, NS)
-        assert _wait_for(
-            lambda: {m.replica: m.blocks for m in index.match(digests)}.get("sglang-0") == 3
-        )
+        publisher.publish(ev.KVEventBatch(ts=time.time(), events=stored))
+        digests = BlockHasher(P).hash_prompt(tokens, Namespace(model="m", salt="tenant-a"))
+
+        def held() -> int:
+            return {m.replica: m.blocks for m in index.match(digests)}.get("sglang-0", 0)
+
+        assert _wait_for(lambda: held() == 3), f"held {held()} of 3"
+        publisher.publish(ev.KVEventBatch(ts=time.time(), events=removed))
+        assert _wait_for(lambda: held() == 0)
     finally:
         subscriber.stop()
         publisher.shutdown()
