@@ -1,20 +1,30 @@
 """Counterfactual fleets: what the hit rate would have been with N-1, N+1 or 2N replicas, or
-with another routing policy, answered by miniature shadow fleets fed a sample of the live
-requests.
+with another routing policy, answered by miniature shadow fleets fed a spatial sample of the
+live requests' blocks.
 
-A request is in the sample when its first block's digest falls under a threshold (``rate``), so
-every request of a sampled system prompt is in it and the sharing between them survives. Each
-shadow is the real thing in miniature (Waldspurger et al., "Cache Modeling and Optimization
-using Miniature Simulations", ATC'17): the router's own ``Router`` with the policy, over an
-in-memory fleet index fed by the events of one ``CacheManager`` per shadow replica, each of
-``capacity_blocks x rate`` blocks. The managers work on tokens, so each block's tokens are
-derived from its digest (equal digests, equal tokens; the partial last block's are the
-request's own), which keeps the sharing the digests show.
+A block is in the sample when its digest, read as a 64-bit number, falls under a threshold
+(``rate``: the same test as the live curves'). Every routed prompt is cut down to its sampled
+full blocks, root first, and that miniature prompt goes to the shadows. Digests chain, so two
+prompts that share a prefix share exactly its sampled blocks, which lead both miniatures: the
+sharing survives, at ``rate`` times the length, and the hits of hot prefixes and of
+conversations are sampled block by block rather than a whole conversation in or out (the
+variance of sampling by request: BENCHMARKS.md). Each shadow is the real thing in miniature
+(Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations", ATC'17): the
+router's own ``Router`` with the policy, over an in-memory fleet index fed by the events of one
+``CacheManager`` per shadow replica, each of ``capacity_blocks x rate`` blocks. The managers
+work on tokens, so each sampled block's tokens are derived from its digest (equal digests,
+equal tokens), and one token of the request's own ends the miniature prompt (a prompt cached
+whole still counts every sampled block as a hit).
 
-The miniature caches must hold a few prompts: ``capacity_blocks x rate`` below four sampled
-prompts' blocks reads low (``too_small``), so long prompts want a higher rate, and each sampled
-request runs every scenario's route and admission (about 0.5 ms per scenario for an 8k-token
-prompt): the shadows are off unless ``whatif.counterfactual_rate`` is set.
+The answer is the sampled blocks' hit share, corrected for a sample that holds more or fewer
+blocks than the rate promises (a regression over random groups of the sample: ``_regression``),
+times the share of the routed prompt tokens that sit in full blocks (a partial last block is
+never cached). The miniature caches must hold a few prompts: below ``MIN_SHADOW_BLOCKS`` or four
+miniature prompts' blocks they read wrong (``too_small``); and a prefix that many requests
+share must have a sampled block, or the shadows route those requests apart
+(``shared_prefix_unsampled``). Each request with a sampled block
+costs a route and an admission per scenario, so the shadows are off unless
+``whatif.counterfactual_rate`` is set.
 
 A shadow sees no load: each request is released as soon as it is admitted, so the load terms
 of ``least_loaded``, ``prefix_balanced`` and ``prefix_cost`` see an idle fleet, and their
@@ -23,6 +33,7 @@ numbers are what their cache choices give (said in ``/v1/whatif``).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -39,10 +50,12 @@ from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, Blo
 from prefixcache.manager.cache_manager import CacheManager
 
 FULL = 1 << 64
+GROUPS = 16  # random groups of sampled blocks (by a digest byte the sampling test skips)
+MIN_SHADOW_BLOCKS = 128  # a miniature replica below this is too coarse to trust
 SHADOW_NAMESPACE = Namespace("shadow")  # the digests the tokens come from carry the real one
 NOTE = (
-    "miniature shadow fleets on a sample of requests (by first block); a shadow sees no load, "
-    "so load-aware policies are judged by their cache choices"
+    "miniature shadow fleets fed every request cut down to its sampled blocks; a shadow sees "
+    "no load, so load-aware policies are judged by their cache choices"
 )
 
 
@@ -65,6 +78,33 @@ def scenarios(replicas: int, policy: str) -> list[Scenario]:
     return out
 
 
+class _TopShare:
+    """The largest share of the keys added that one key has, from a Space-Saving summary of
+    ``slots`` counters (Metwally et al., 2005): over by at most ``1 / slots``, in bounded
+    memory."""
+
+    def __init__(self, slots: int = 16) -> None:
+        self.slots = slots
+        self.counts: dict[bytes, int] = {}
+        self.total = 0
+
+    def add(self, key: bytes) -> None:
+        """Count one ``key``."""
+        self.total += 1
+        counts = self.counts
+        if key in counts:
+            counts[key] += 1
+        elif len(counts) < self.slots:
+            counts[key] = 1
+        else:  # the least counted key gives its slot up, and its count
+            least = min(counts, key=counts.__getitem__)
+            counts[key] = counts.pop(least) + 1
+
+    def share(self) -> float:
+        """The top key's count over every key added (0 before any)."""
+        return max(self.counts.values()) / self.total if self.total else 0.0
+
+
 class _ShadowFleet:
     """One scenario in miniature."""
 
@@ -82,6 +122,7 @@ class _ShadowFleet:
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self.requests = 0
+        self.group_hits = np.zeros(GROUPS, dtype=np.int64)  # sampled blocks hit, by group
 
     def _listener(self, name: str) -> Any:
         index = self.index
@@ -96,30 +137,36 @@ class _ShadowFleet:
 
         return apply
 
-    def offer(self, tokens: np.ndarray, digests: list[bytes]) -> None:
-        """Route (on the request's shadow digests, computed once for every fleet), admit and
-        release one sampled request."""
+    def offer(self, tokens: np.ndarray, digests: list[bytes], groups: np.ndarray) -> None:
+        """Route (on the miniature prompt's digests, computed once for every fleet), admit and
+        release one miniature prompt: its sampled blocks' tokens and one token of its own
+        (``groups``: each sampled block's error group)."""
         decision = self.router.route(SHADOW_NAMESPACE, tokens, "r", digests=digests)
         mgr = self.managers[decision.replica]
         try:
             if mgr.can_admit(tokens, SHADOW_NAMESPACE):
                 admission = mgr.admit("r", tokens, SHADOW_NAMESPACE)
-                self.hit_tokens += admission.cached_len
+                hit = admission.cached_len  # whole blocks: the last token never hits
+                self.hit_tokens += hit
+                if hit:
+                    np.add.at(self.group_hits, groups[: hit // mgr.block_size], 1)
                 mgr.release("r")
         finally:
             self.router.release("r")
-        self.prompt_tokens += len(tokens)
+        self.prompt_tokens += len(tokens) - 1
         self.requests += 1
 
 
 class ShadowFleets:
-    """Every scenario's shadow, fed the sampled requests (``offer``; thread-safe)."""
+    """Every scenario's shadow, fed each routed prompt's sampled blocks (``offer``;
+    thread-safe)."""
 
     def __init__(
         self, specs: Sequence[ReplicaSpec], policy: str, rate: float, min_blocks: int = 16
     ) -> None:
         self.rate = rate
         self._threshold = min(FULL, int(rate * FULL))
+        self._top = (self._threshold - 1) >> 56  # a digest whose first byte is over: not sampled
         self._lock = threading.Lock()
         self._fleets: list[_ShadowFleet] = []
         self.capacity = 0
@@ -129,56 +176,88 @@ class ShadowFleets:
             self.capacity = max(min_blocks, round(sum(known) / len(known) * rate))
             for scenario in scenarios(len(specs), policy):
                 self._fleets.append(_ShadowFleet(scenario, self.capacity, self.block_size))
-        self._partial = 0
         self._hasher = BlockHasher(self.block_size)
-        self._blocks = 0  # full blocks of the sampled requests
-        self._sampled = 0
+        self._tails = 0  # miniature prompts made: each ends with a token of its own
+        self._routed = 0  # requests offered
+        self._prompt_tokens = 0  # their prompt tokens
+        self._full_tokens = 0  # of those, the tokens in full blocks (what can hit)
+        self._blocks = 0  # sampled full blocks
+        self._sampled = 0  # requests with at least one
+        self._group_blocks = np.zeros(GROUPS, dtype=np.int64)  # sampled blocks, by group
+        self._first_blocks = _TopShare()  # the first block of each prompt with a sampled one
+        self._first_sampled = _TopShare()  # the first sampled block of each
 
     def offer(self, digests: Sequence[bytes], prompt_tokens: int) -> None:
-        """A routed prompt (its full blocks' digests, root first); kept when its first block
-        is in the sample."""
-        if not self._fleets or not digests:
+        """A routed prompt (its full blocks' digests, root first): its sampled blocks go to
+        every shadow as one miniature prompt."""
+        if not self._fleets:
             return
-        if int.from_bytes(digests[0][:8], "big") >= self._threshold:
-            return
-        tokens = self._tokens(digests, prompt_tokens)
-        shadow = self._hasher.hash_prompt(tokens, SHADOW_NAMESPACE)
+        threshold, top = self._threshold, self._top
+        sampled = [d for d in digests if d[0] <= top and int.from_bytes(d[:8], "big") < threshold]
         with self._lock:
-            self._blocks += len(shadow)
+            self._routed += 1
+            self._prompt_tokens += prompt_tokens
+            self._full_tokens += len(digests) * self.block_size
+            if not sampled:
+                return
+            self._tails += 1
+            tokens = self._tokens(sampled, self._tails)
+            shadow = self._hasher.hash_prompt(tokens, SHADOW_NAMESPACE)
+            groups = np.frombuffer(bytes(d[8] for d in sampled), dtype=np.uint8) % GROUPS
+            np.add.at(self._group_blocks, groups, 1)
+            self._first_blocks.add(digests[0])
+            self._first_sampled.add(sampled[0])
+            self._blocks += len(sampled)
             self._sampled += 1
             for fleet in self._fleets:
-                fleet.offer(tokens, shadow)
+                fleet.offer(tokens, shadow, groups)
 
-    def _tokens(self, digests: Sequence[bytes], prompt_tokens: int) -> np.ndarray:
-        """Tokens that hash alike where the digests are alike: each block's from its digest,
-        the partial last block's unique."""
+    def _tokens(self, digests: Sequence[bytes], tail: int) -> np.ndarray:
+        """Tokens that hash alike where the digests are alike (each block's from its digest),
+        then one token no other miniature prompt has."""
         p = self.block_size
         words = np.frombuffer(b"".join(digests), dtype="<u4")  # 4 a digest
         reps = -(-p // 4)
         blocks = np.tile(words.reshape(-1, 4), (1, reps))[:, :p]
         blocks = blocks + np.arange(p, dtype=np.uint32)  # no two positions of a block alike
         tokens = (blocks & 0x3FFFFFFF).astype(np.int32).ravel()
-        rest = prompt_tokens - len(tokens)
-        if rest > 0:
-            self._partial += 1
-            tail = (np.arange(rest, dtype=np.int64) + self._partial * 7919) & 0x3FFFFFFF
-            tokens = np.concatenate([tokens, tail.astype(np.int32)])
-        return tokens
+        own = np.array([(tail * 7919) & 0x3FFFFFFF], dtype=np.int32)
+        return np.concatenate([tokens, own])
 
     def too_small(self) -> bool:
-        """Whether the miniature caches hold fewer than four sampled prompts (of the mean
-        length): then they evict what a real replica keeps, and the numbers read low."""
+        """Whether the miniature caches are too small to stand for the real ones: under
+        ``MIN_SHADOW_BLOCKS``, or holding fewer than four miniature prompts (of the mean
+        length); then they evict what a real replica keeps, and the numbers read wrong. Never
+        at rate 1: the shadows are then the real size."""
         with self._lock:
-            return bool(self._sampled) and self.capacity < 4 * self._blocks / self._sampled
+            if not self._sampled or self.rate >= 1:
+                return False
+            return self.capacity < max(MIN_SHADOW_BLOCKS, 4 * self._blocks / self._sampled)
+
+    def shared_prefix_unsampled(self) -> bool:
+        """Whether a first block that many prompts share (a quarter more of them than share
+        any one first sampled block) has its whole shared prefix outside the sample: then the
+        miniature prompts lack what draws the real ones to one replica, the shadows route
+        them apart, and their numbers are off by more than ``stderr`` says; raise the rate."""
+        with self._lock:
+            return self._first_blocks.share() - self._first_sampled.share() > 0.25
 
     def report(self) -> dict[str, Any]:
         """What ``/v1/whatif`` answers under ``counterfactuals``: the rate, the miniature
-        replicas' size, whether they are too small, and each scenario's hit rate so far."""
+        replicas' size, the sample, whether the miniatures are too small, and each scenario's
+        hit rate so far with its standard error."""
+        with self._lock:
+            sample = {
+                "routed_requests": self._routed,
+                "sampled_requests": self._sampled,
+                "sampled_blocks": self._blocks,
+            }
         return {
             "rate": self.rate,
             "shadow_capacity_blocks": self.capacity,
-            "sampled_requests": self._sampled,
+            **sample,
             "too_small": self.too_small(),
+            "shared_prefix_unsampled": self.shared_prefix_unsampled(),
             "note": NOTE,
             "scenarios": self.snapshot(),
         }
@@ -189,24 +268,75 @@ class ShadowFleets:
         return {
             "rate": 0.0,
             "shadow_capacity_blocks": 0,
+            "routed_requests": 0,
             "sampled_requests": 0,
+            "sampled_blocks": 0,
             "too_small": False,
+            "shared_prefix_unsampled": False,
             "note": NOTE,
             "scenarios": [],
         }
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Each scenario's hit rate on the sample so far."""
+        """Each scenario's token hit rate so far, with a standard error: the sampled blocks'
+        hit share, corrected for the sample's size (``_hit_share``), times the share of the
+        routed prompt tokens in full blocks."""
         with self._lock:
-            return [
-                {
-                    "scenario": f.scenario.name,
-                    "replicas": f.scenario.replicas,
-                    "policy": f.scenario.policy,
-                    "requests": f.requests,
-                    "token_hit_rate": round(f.hit_tokens / f.prompt_tokens, 6)
-                    if f.prompt_tokens
-                    else None,
-                }
-                for f in self._fleets
-            ]
+            share = self._full_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
+            expected = self.rate * self._full_tokens / self.block_size  # blocks due in the sample
+            keep = math.sqrt(max(0.0, 1 - self.rate))  # no sampling error at rate 1
+            rows = []
+            for f in self._fleets:
+                rate = stderr = None
+                if f.prompt_tokens:
+                    hits, error = _hit_share(f.group_hits, self._group_blocks, expected)
+                    rate = round(hits * share, 6)
+                    stderr = round(share * error * keep, 6)
+                rows.append(
+                    {
+                        "scenario": f.scenario.name,
+                        "replicas": f.scenario.replicas,
+                        "policy": f.scenario.policy,
+                        "requests": f.requests,
+                        "token_hit_rate": rate,
+                        "stderr": stderr,
+                    }
+                )
+            return rows
+
+
+def _regression(hits: np.ndarray, blocks: np.ndarray, expected: float) -> float:
+    """The hit share of all routed full blocks from the sampled ones, by groups (``hits`` and
+    ``blocks`` of each random group of sampled blocks; ``expected``: how many blocks the
+    sample should hold, the rate times every routed full block).
+
+    A sample holds more or fewer blocks than the rate promises, and on hot prefixes by far:
+    one system prompt's few blocks, in the sample or not, carry most of the hits. The plain
+    share ``sum(hits) / sum(blocks)`` then moves by points. Waldspurger et al. (FAST'15,
+    SHARDS-adj) count the missing or surplus blocks as hits, which is right when hot blocks
+    cause the difference and wrong when it is chance among cold ones. Here the groups say
+    which: the slope of hits on blocks across them (near 1 when the groups that drew more
+    blocks drew hot ones, near the plain share when the draws were alike) is what each missing
+    block is worth, a regression estimator from survey sampling."""
+    n, h = blocks.astype(np.float64), hits.astype(np.float64)
+    total = n.sum()
+    if total == 0 or expected <= 0:
+        return 0.0
+    spread = ((n - n.mean()) ** 2).sum()
+    slope = ((n - n.mean()) * (h - h.mean())).sum() / spread if spread else h.sum() / total
+    slope = min(1.0, max(0.0, float(slope)))
+    return float(min(1.0, max(0.0, (h.sum() + slope * (expected - total)) / expected)))
+
+
+def _hit_share(hits: np.ndarray, blocks: np.ndarray, expected: float) -> tuple[float, float]:
+    """``_regression``'s share and its standard error by the delete-a-group jackknife (each
+    group left out in turn, the sample it should hold shrunk alike). A hot block's hits all
+    fall in its group, so a sample that a few hot prefixes dominate shows a wide error, where
+    a binomial error over blocks taken one by one would not."""
+    estimate = _regression(hits, blocks, expected)
+    g = len(blocks)
+    part = expected * (g - 1) / g
+    rest = [_regression(np.delete(hits, i), np.delete(blocks, i), part) for i in range(g)]
+    leave_out = np.array(rest)
+    error = math.sqrt(float((g - 1) / g * ((leave_out - leave_out.mean()) ** 2).sum()))
+    return estimate, error
