@@ -4,9 +4,10 @@ The page is static (no data in it, so it is open like ``/health``); its script r
 operator endpoints every few seconds (``?every=N``, 3 by default) and redraws in place, without
 reloading: each replica's state (up, degraded and why, in flight, blocks the index holds), the
 what-if curves (``/v1/whatif``: token hit rate against KV capacity, each replica's and the
-fleet's as one cache, drawn as SVG on a log axis), and where reuse went per tenant and model
-(``/v1/stats``: available, captured, delivered). With API keys the endpoints want an operator
-key: the page asks for one and keeps it in the tab's session storage only.
+fleet's as one cache, drawn as SVG on a log axis), the shadow fleets' answers (N-1, N+1
+and 2N replicas, each other policy) with their errors and warnings, and where reuse went per
+tenant and model (``/v1/stats``: available, captured, delivered). With API keys the endpoints
+want an operator key: the page asks for one and keeps it in the tab's session storage only.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ PAGE = """<!doctype html>
 <div class="muted" id="whatif-note"></div>
 <svg id="curves" width="720" height="320" role="img" aria-label="what-if curves"></svg>
 <table id="points"><thead></thead><tbody></tbody></table>
+<h2>Other fleets, same traffic</h2>
+<div class="muted" id="shadows-note"></div>
+<table id="shadows"><thead><tr><th>Fleet</th><th>Replicas</th><th>Policy</th>
+<th>Token hit rate</th><th>&plusmn;</th></tr></thead><tbody></tbody></table>
 <h2>Where reuse went</h2>
 <table id="attribution"><thead><tr><th>Tenant</th><th>Model</th><th>Requests</th>
 <th>Available</th><th>Captured</th><th>Delivered</th></tr></thead><tbody></tbody></table>
@@ -115,6 +120,26 @@ function drawCurves(w) {
     `sampled ${pct(w.sampling.rate)} of blocks, ${w.window.routed_requests} routed requests ` +
     `in ${Math.round(w.window.seconds)} s; LRU estimate (SHARDS)`;
 }
+function drawShadows(c) {
+  fill("shadows", c.scenarios, (row, r) => {
+    cell(row, r.scenario); cell(row, r.replicas); cell(row, r.policy);
+    cell(row, r.token_hit_rate === null ? "-" : pct(r.token_hit_rate));
+    cell(row, r.stderr === null ? "" : (100 * r.stderr).toFixed(1) + " pp");
+  });
+  const note = document.getElementById("shadows-note");
+  note.className = c.too_small || c.shared_prefix_unsampled ? "bad" : "muted";
+  if (!c.rate) {
+    note.textContent = "off: set whatif.counterfactual_rate to run shadow fleets";
+    return;
+  }
+  let text = `shadow fleets on ${pct(c.rate)} of blocks: ${c.sampled_blocks} blocks of ` +
+    `${c.sampled_requests} requests, replicas of ${c.shadow_capacity_blocks} blocks; ` +
+    "no load in a shadow";
+  if (c.too_small) text += "; too small to trust: raise the rate";
+  if (c.shared_prefix_unsampled) text += "; a prefix many requests share is unsampled: " +
+    "raise the rate";
+  note.textContent = text;
+}
 async function refresh() {
   try {
     const [reps, whatif, stats] = await Promise.all(
@@ -129,6 +154,7 @@ async function refresh() {
       cell(row, r.degraded_reason || r.down_reason || "", "reason");
     });
     drawCurves(whatif);
+    drawShadows(whatif.counterfactuals);
     fill("attribution", stats.attribution, (row, a) => {
       const p = a.prompt_tokens || 1;
       cell(row, a.tenant || "(none)"); cell(row, a.model); cell(row, a.requests);

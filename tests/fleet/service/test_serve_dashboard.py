@@ -46,7 +46,8 @@ def test_the_dashboard_draws_the_fleet_and_refreshes_in_place(tmp_path: Path) ->
         {"name": n, "model": MODEL, "block_size": BLOCK, "capacity_blocks": 20}
         for n in ("r1", "r2")
     ]
-    extra = {"whatif": {"rate": 1.0}, "replicas": replicas, "routing": {"policy": "prefix"}}
+    whatif = {"rate": 1.0, "counterfactual_rate": 1.0}
+    extra = {"whatif": whatif, "replicas": replicas, "routing": {"policy": "prefix"}}
     config = make_config(tmp_path, keys=False, extra=extra)
     app, _ = make_app(config)
     with serving(app, config) as base:
@@ -67,6 +68,14 @@ def test_the_dashboard_draws_the_fleet_and_refreshes_in_place(tmp_path: Path) ->
     rates = [float(x) for x in re.findall(r"([\d.]+)%", fleet.group(1))]
     assert len(rates) == 6 and rates == sorted(rates) and rates[-1] > 50
     assert re.search(r"<td>\(none\)</td><td>m</td><td>160</td>", dom)  # attribution row
+    shadows = dict(
+        re.findall(r"<tr><td>([^<]+)</td><td>\d+</td><td>[a-z_]+</td><td>([\d.]+)%", dom)
+    )
+    assert {"as configured", "N-1 replicas", "2N replicas", "policy round_robin"} <= set(shadows)
+    assert float(shadows["as configured"]) > float(shadows["policy round_robin"])
+    note = re.search(r'id="shadows-note">([^<]*)<', dom)
+    assert note and note.group(1).startswith("shadow fleets on 100.0% of blocks"), dom[-3000:]
+    assert "raise the rate" not in note.group(1)  # at full rate the shadows are the real size
     assert shot.is_file(), result.stderr[-2000:]
     image = imread(shot)[..., :3]
     blue = (np.abs(image - np.array(CURVE_BLUE)).max(axis=2) < 0.08).sum()
