@@ -2,25 +2,28 @@
 the same requests with that replica count and routing policy.
 
     python bench/whatif_counterfactual.py [--trace PATH] [--replicas 4] [--capacity 20000]
-                                          [--rates 0.25,0.5] [--time-scale 1000]
+                                          [--rates 0.01,0.1,0.25,1] [--time-scale 1000]
 
 Every request of the trace (default: the Mooncake synthetic trace next to the checkout, else
 the shipped sample), read as ``prefixcache replay`` reads it (512-token hash ids, 16-token
 blocks), is routed through the service's own app in this process (``POST /v1/route``,
 ``--replicas`` replicas of ``--capacity`` blocks, policy ``prefix``) with
-``whatif.counterfactual_rate`` at each rate, and ``/v1/whatif``'s counterfactuals are read.
+``whatif.counterfactual_rate`` at each rate, and ``/v1/whatif``'s counterfactuals are read
+(each answer with its standard error).
 The first pass also records the routed trace (``record_trace``: what the service saw, the
 prompts' block hashes and no outputs). Then each scenario (N-1, N+1, 2N replicas, each other
 policy) is replayed with ``prefixcache replay``'s fleet mode twice: the original trace at its
 own arrival times with its outputs ("served": what such a fleet would have served), and the
 recorded trace with one output token a request, its arrivals stretched ``--time-scale`` times
 ("recorded": the exact answer for what the shadows see, prompts without load). The table gives
-both hit rates and each shadow's difference from the second.
+both hit rates and each shadow's difference from the second, with the shadow's standard
+error. ``--trace`` also takes a scenario file (``--requests`` then bounds it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +95,11 @@ def replayed(
     )
     if recorded:
         return float(replay_path(trace, config).to_report_dict()["token_hit_rate"])
+    if trace.suffix in (".yaml", ".yml", ".toml"):  # a scenario sets its own lengths
+        d = ReplayConfig()
+        config = dataclasses.replace(
+            config, trace_block_size=d.trace_block_size, output_len=d.output_len
+        )
     if head is None:
         return replay_path(trace, config).to_report_dict()["token_hit_rate"]
     source = open_source(trace, config).head(head)
@@ -103,7 +111,7 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=FULL if FULL.exists() else SAMPLE)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--capacity", type=int, default=20_000, help="each replica's blocks")
-    ap.add_argument("--rates", default="0.25,0.5", help="counterfactual rates to try")
+    ap.add_argument("--rates", default="0.01,0.1,0.25,1", help="counterfactual rates to try")
     ap.add_argument("--time-scale", type=float, default=1000.0, help="the recorded trace's stretch")
     ap.add_argument("--requests", type=int, default=None, help="the first N requests only")
     args = ap.parse_args()
@@ -125,13 +133,14 @@ def main() -> None:
             answers[rate] = shadows(prompts, args.replicas, args.capacity, rate, record)
             a = answers[rate]
             print(
-                f"  shadows at {rate:.0%}: {a['sampled_requests']:,} sampled requests, "
+                f"  shadows at {rate:.0%}: {a['sampled_blocks']:,} sampled blocks of "
+                f"{a['sampled_requests']:,} requests, "
                 f"miniature replicas of {a['shadow_capacity_blocks']:,} blocks"
                 f"{' (too small)' if a['too_small'] else ''}, {time.perf_counter() - start:.0f} s"
             )
         rows = {s["scenario"]: s for s in answers[rates[0]]["scenarios"]}
         head = ("scenario", "served", "recorded") + tuple(f"shadow {r:.0%}" for r in rates)
-        print(f"{head[0]:<26} {head[1]:>8} {head[2]:>9} " + " ".join(f"{h:>11}" for h in head[3:]))
+        print(f"{head[0]:<26} {head[1]:>8} {head[2]:>9} " + " ".join(f"{h:>17}" for h in head[3:]))
         worst = dict.fromkeys(rates, 0.0)
         for name, row in rows.items():
             n, policy = row["replicas"], row["policy"]
@@ -139,15 +148,13 @@ def main() -> None:
             exact = replayed(
                 recorded, n, policy, args.capacity, args.time_scale, None, recorded=True
             )
-            diffs = {}
+            cells = []
             for rate in rates:
                 est = next(s for s in answers[rate]["scenarios"] if s["scenario"] == name)
-                diffs[rate] = 100 * (est["token_hit_rate"] - exact)
-                worst[rate] = max(worst[rate], abs(diffs[rate]))
-            print(
-                f"{name:<26} {100 * served:7.2f}% {100 * exact:8.2f}% "
-                + " ".join(f"{diffs[r]:+9.2f}pp" for r in rates)
-            )
+                diff = 100 * (est["token_hit_rate"] - exact)
+                worst[rate] = max(worst[rate], abs(diff))
+                cells.append(f"{diff:+7.2f} ±{100 * est['stderr']:5.2f} pp")
+            print(f"{name:<26} {100 * served:7.2f}% {100 * exact:8.2f}% " + " ".join(cells))
     print(
         "worst |shadow - replay of the recorded trace|: "
         + ", ".join(f"{r:.0%} {w:.2f} pp" for r, w in worst.items())
