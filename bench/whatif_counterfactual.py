@@ -18,6 +18,8 @@ recorded trace with one output token a request, its arrivals stretched ``--time-
 ("recorded": the exact answer for what the shadows see, prompts without load). The table gives
 both hit rates and each shadow's difference from the second, with the shadow's standard
 error. ``--trace`` also takes a scenario file (``--requests`` then bounds it).
+``--whole-blocks`` routes each prompt cut to its full blocks, so the recorded replay's one
+output token never completes a block (a shadow stores prompt blocks only).
 """
 
 from __future__ import annotations
@@ -114,11 +116,16 @@ def main() -> None:
     ap.add_argument("--rates", default="0.01,0.1,0.25,1", help="counterfactual rates to try")
     ap.add_argument("--time-scale", type=float, default=1000.0, help="the recorded trace's stretch")
     ap.add_argument("--requests", type=int, default=None, help="the first N requests only")
+    ap.add_argument(
+        "--whole-blocks", action="store_true", help="route every prompt cut to its full blocks"
+    )
     args = ap.parse_args()
     source = open_source(args.trace, ReplayConfig(trace_block_size=512, block_size=16))
     if args.requests:
         source = source.head(args.requests)
     prompts = [req.tokens.tolist() for req in source]
+    if args.whole_blocks:  # no partial last block for the replay's one output token to complete
+        prompts = [p[: len(p) // 16 * 16] for p in prompts if len(p) >= 16]
     print(
         f"{args.trace.name}: {len(prompts):,} requests, {args.replicas} replicas of "
         f"{args.capacity:,} blocks of 16, policy {POLICY}"
