@@ -119,9 +119,6 @@ class _ShadowFleet:
             mgr = CacheManager(capacity, block_size)
             mgr.add_listener(self._listener(name))
             self.managers[name] = mgr
-        self.hit_tokens = 0
-        self.prompt_tokens = 0
-        self.requests = 0
         self.group_hits = np.zeros(GROUPS, dtype=np.int64)  # sampled blocks hit, by group
 
     def _listener(self, name: str) -> Any:
@@ -137,24 +134,20 @@ class _ShadowFleet:
 
         return apply
 
-    def offer(self, tokens: np.ndarray, digests: list[bytes], groups: np.ndarray) -> None:
+    def offer(self, tokens: np.ndarray, digests: list[bytes], leading: np.ndarray) -> None:
         """Route (on the miniature prompt's digests, computed once for every fleet), admit and
         release one miniature prompt: its sampled blocks' tokens and one token of its own
-        (``groups``: each sampled block's error group)."""
+        (``leading[k]``: how many of its first ``k`` blocks each error group holds)."""
         decision = self.router.route(SHADOW_NAMESPACE, tokens, "r", digests=digests)
         mgr = self.managers[decision.replica]
         try:
             if mgr.can_admit(tokens, SHADOW_NAMESPACE):
                 admission = mgr.admit("r", tokens, SHADOW_NAMESPACE)
-                hit = admission.cached_len  # whole blocks: the last token never hits
-                self.hit_tokens += hit
-                if hit:
-                    np.add.at(self.group_hits, groups[: hit // mgr.block_size], 1)
+                # a leading run of whole blocks: the last token never hits
+                self.group_hits += leading[admission.cached_len // mgr.block_size]
                 mgr.release("r")
         finally:
             self.router.release("r")
-        self.prompt_tokens += len(tokens) - 1
-        self.requests += 1
 
 
 class ShadowFleets:
@@ -177,12 +170,11 @@ class ShadowFleets:
             for scenario in scenarios(len(specs), policy):
                 self._fleets.append(_ShadowFleet(scenario, self.capacity, self.block_size))
         self._hasher = BlockHasher(self.block_size)
-        self._tails = 0  # miniature prompts made: each ends with a token of its own
         self._routed = 0  # requests offered
         self._prompt_tokens = 0  # their prompt tokens
         self._full_tokens = 0  # of those, the tokens in full blocks (what can hit)
         self._blocks = 0  # sampled full blocks
-        self._sampled = 0  # requests with at least one
+        self._sampled = 0  # requests with at least one: the miniature prompts made
         self._group_blocks = np.zeros(GROUPS, dtype=np.int64)  # sampled blocks, by group
         self._first_blocks = _TopShare()  # the first block of each prompt with a sampled one
         self._first_sampled = _TopShare()  # the first sampled block of each
@@ -200,17 +192,19 @@ class ShadowFleets:
             self._full_tokens += len(digests) * self.block_size
             if not sampled:
                 return
-            self._tails += 1
-            tokens = self._tokens(sampled, self._tails)
+            self._sampled += 1
+            tokens = self._tokens(sampled, self._sampled)
             shadow = self._hasher.hash_prompt(tokens, SHADOW_NAMESPACE)
             groups = np.frombuffer(bytes(d[8] for d in sampled), dtype=np.uint8) % GROUPS
-            np.add.at(self._group_blocks, groups, 1)
+            leading = np.zeros((len(sampled) + 1, GROUPS), dtype=np.int64)
+            leading[np.arange(1, len(sampled) + 1), groups] = 1
+            np.cumsum(leading, axis=0, out=leading)  # each group's blocks among the first k
+            self._group_blocks += leading[-1]
             self._first_blocks.add(digests[0])
             self._first_sampled.add(sampled[0])
             self._blocks += len(sampled)
-            self._sampled += 1
             for fleet in self._fleets:
-                fleet.offer(tokens, shadow, groups)
+                fleet.offer(tokens, shadow, leading)
 
     def _tokens(self, digests: Sequence[bytes], tail: int) -> np.ndarray:
         """Tokens that hash alike where the digests are alike (each block's from its digest),
@@ -288,7 +282,7 @@ class ShadowFleets:
             rows = []
             for f in self._fleets:
                 rate = stderr = None
-                if f.prompt_tokens:
+                if self._blocks:
                     hits, error = _hit_share(f.group_hits, self._group_blocks, expected)
                     rate = round(hits * share, 6)
                     stderr = round(share * error * keep, 6)
@@ -297,7 +291,7 @@ class ShadowFleets:
                         "scenario": f.scenario.name,
                         "replicas": f.scenario.replicas,
                         "policy": f.scenario.policy,
-                        "requests": f.requests,
+                        "requests": self._sampled,
                         "token_hit_rate": rate,
                         "stderr": stderr,
                     }
