@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from prefixcache import CORE_BUILD, CacheManager, PagedKVCache
-from prefixcache.manager.transfers import Load, Offload, Transfers
+from prefixcache.manager.lower_tiers.transfers import Load, Offload, Transfers
 
 P = 16
 

@@ -25,10 +25,10 @@ from prefixcache.errors import (
 )
 from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixcache.manager.cache_manager import CacheManager
+from prefixcache.manager.lower_tiers.transfers import Load, Offload, TransferModel, Transfers
 from prefixcache.manager.results import Admission, AppendResult, Copy, Lookup
 from prefixcache.manager.stats import BlockCounts, CacheStats
 from prefixcache.manager.tenant_shares import TenantShare, TenantStats
-from prefixcache.manager.transfers import Load, Offload, TransferModel, Transfers
 
 if TYPE_CHECKING:
     from prefixcache.kv_cache import PagedKVCache

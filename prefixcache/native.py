@@ -48,7 +48,7 @@ COMPILED_MODULES = (
     "prefixcache.manager.argument_checks",
     "prefixcache.manager.block_indexing",
     "prefixcache.manager.block_supply",
-    "prefixcache.manager.host_offload",
+    "prefixcache.manager.lower_tiers.host_offload",
     "prefixcache.manager.request_blocks",
     "prefixcache.manager.results",
     "prefixcache.manager.state",

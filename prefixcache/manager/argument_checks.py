@@ -14,8 +14,8 @@ import numpy as np
 from prefixcache.blocks.eviction import POLICIES
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError, InvalidArgumentError, UnknownRequestError
+from prefixcache.manager.lower_tiers.transfers import TransferModel
 from prefixcache.manager.state import RequestState
-from prefixcache.manager.transfers import TransferModel
 
 UNHASHABLE = "request ids must be hashable (a str, an int, a tuple of them), got {}"
 

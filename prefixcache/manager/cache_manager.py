@@ -62,16 +62,16 @@ from prefixcache.manager.argument_checks import (
 from prefixcache.manager.block_events import AllBlocksCleared, EventListener
 from prefixcache.manager.block_indexing import BlockIndexer
 from prefixcache.manager.block_supply import BlockSupply
-from prefixcache.manager.host_offload import HostOffload
 from prefixcache.manager.integrity import check_manager
+from prefixcache.manager.lower_tiers.host_offload import HostOffload
+from prefixcache.manager.lower_tiers.store_tier import BlockPresence, StoreTier
+from prefixcache.manager.lower_tiers.transfers import StoreWrite, TransferModel, Transfers
 from prefixcache.manager.request_blocks import RequestBlocks
 from prefixcache.manager.results import Admission, AppendResult, Lookup
 from prefixcache.manager.state import CacheState, ManagerInternals, RequestState
 from prefixcache.manager.stats import BlockCounts, CacheStats
 from prefixcache.manager.step_ledger import StepLedger
-from prefixcache.manager.store_tier import BlockPresence, StoreTier
 from prefixcache.manager.tenant_shares import TenantShare, TenantStats, check_shares
-from prefixcache.manager.transfers import StoreWrite, TransferModel, Transfers
 
 __all__ = ["CacheManager", "ManagerInternals", "RequestState"]
 

@@ -35,8 +35,8 @@ from prefixcache.manager.tenant_shares import (
 )
 
 if TYPE_CHECKING:
-    from prefixcache.manager.host_offload import HostOffload
-    from prefixcache.manager.store_tier import StoreTier
+    from prefixcache.manager.lower_tiers.host_offload import HostOffload
+    from prefixcache.manager.lower_tiers.store_tier import StoreTier
 
 log = logging.getLogger("prefixcache.manager")
 

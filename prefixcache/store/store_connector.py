@@ -40,7 +40,7 @@ from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.errors import ConfigError
 from prefixcache.kv_cache import PagedKVCache
 from prefixcache.manager.block_events import BlockRemoved, BlockStored, CacheEvent, EventListener
-from prefixcache.manager.transfers import StoreLoad, StoreWrite
+from prefixcache.manager.lower_tiers.transfers import StoreLoad, StoreWrite
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import (
     BlockLayout,

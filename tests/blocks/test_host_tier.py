@@ -14,7 +14,7 @@ from prefixcache import (
 from prefixcache.fleet.events.publisher import to_wire
 from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixcache.manager.integrity import IntegrityError
-from prefixcache.manager.transfers import Load, Offload, TransferModel
+from prefixcache.manager.lower_tiers.transfers import Load, Offload, TransferModel
 from tests.kv_fingerprint import FingerprintRuntime
 from tests.snapshot import snapshot
 

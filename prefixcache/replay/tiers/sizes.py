@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.errors import ConfigError
-from prefixcache.manager.transfers import TransferModel
+from prefixcache.manager.lower_tiers.transfers import TransferModel
 from prefixcache.replay.model_specs import (
     DEFAULT_COMPUTE_EFFICIENCY,
     GpuConfig,

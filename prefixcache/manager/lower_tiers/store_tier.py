@@ -22,8 +22,8 @@ from typing import NamedTuple, Protocol
 
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
+from prefixcache.manager.lower_tiers.transfers import StoreLoad, StoreWrite, TransferModel
 from prefixcache.manager.stats import CacheStats
-from prefixcache.manager.transfers import StoreLoad, StoreWrite, TransferModel
 
 _new = tuple.__new__
 

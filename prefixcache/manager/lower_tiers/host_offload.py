@@ -19,8 +19,8 @@ from prefixcache.blocks.host_tier import HostBlock, HostTier
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.radix import MatchResult, Node
 from prefixcache.manager.block_events import BlockRemoved, BlockStored
+from prefixcache.manager.lower_tiers.transfers import Load, Offload, TransferModel, Transfers
 from prefixcache.manager.state import CacheState
-from prefixcache.manager.transfers import Load, Offload, TransferModel, Transfers
 
 D: Final = DIGEST_SIZE
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
