@@ -265,15 +265,22 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
     async def run() -> tuple[dict[bool, list[tuple[float, float]]], dict[bool, float]]:
         samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         cpu = {False: 0.0, True: 0.0}
+        apps = {on: app(on) for on in (False, True)}
         clients = {
             on: httpx.AsyncClient(
-                transport=httpx.ASGITransport(app(on)),
+                transport=httpx.ASGITransport(apps[on]),
                 base_url="http://bench",
                 headers={"content-type": "application/json"},
             )
             for on in (False, True)
         }
+        shadows = apps[True].state.service.shadows  # the shadow fleets' process, if any
         for repeat in range(args.repeats + 1):  # the first is a warm-up
+            if repeat == 1 and shadows is not None:  # what the child has used so far
+                child_cpu[0] = (await clients[True].get("/v1/whatif")).json()["counterfactuals"][
+                    "cpu_seconds"
+                ]
+                child_cpu[1] = shadows.sender_cpu
             times: dict[bool, list[float]] = {False: [], True: []}
             for i in range(2 * args.routes):
                 on = bool(i % 2) != bool((i // 2) % 2)  # ABBA order
@@ -297,10 +304,17 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
         else:
             curves = (await clients[True].get("/v1/whatif")).json()
             assert curves["window"]["routed_requests"] == (args.repeats + 1) * args.routes
+            if shadows is not None:
+                c = curves["counterfactuals"]
+                assert c["routed_requests"] == (args.repeats + 1) * args.routes, c
+                child_cpu[0] = c["cpu_seconds"] - child_cpu[0]
+                child_cpu[1] = shadows.sender_cpu - child_cpu[1]
+                shadows.close()
         for client in clients.values():
             await client.aclose()
         return samples, cpu
 
+    child_cpu = [0.0, 0.0]  # the shadows' process and their sender thread, measured repeats
     samples, cpu = asyncio.run(run())
     n = args.repeats * args.routes
     p50 = {k: statistics.median(v[0] for v in samples[k]) * 1e3 for k in samples}
@@ -324,6 +338,14 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
         f"  ratio p50 {ratios[0]:.3f}, p99 {ratios[1]:.3f}, CPU {ratios[2]:.3f}  "
         f"(target p99 and CPU <= 1.03: {verdict})"
     )
+    if section == "whatif" and args.counterfactual:
+        print(
+            f"  the shadow fleets' own process: {child_cpu[0] / n * 1e6:.1f} us of CPU per route "
+            f"(not in the router's); their sender thread in the router's process "
+            f"{child_cpu[1] / n * 1e6:.1f} us per route (counted above, on either side); the "
+            f"router's and the shadows' CPU together against off: "
+            f"{(cpu[True] + child_cpu[0]) / cpu[False]:.3f}"
+        )
 
 
 def _report(where: str, samples: dict[bool, list[tuple[float, float]]]) -> float:

@@ -68,7 +68,13 @@ def shadows(
             r = client.post("/v1/route", json={"model": "m", "tokens": tokens, "request_id": rid})
             assert r.status_code == 200, r.text
             client.post("/v1/release", json={"request_id": rid})
-        answer: dict = client.get("/v1/whatif").json()["counterfactuals"]
+        # the shadows run in their own process: wait for it to work through what was routed
+        deadline = time.monotonic() + 1800
+        while True:
+            answer: dict = client.get("/v1/whatif").json()["counterfactuals"]
+            if "error" not in answer or time.monotonic() > deadline:
+                break
+    assert "error" not in answer, answer["error"]
     return answer
 
 

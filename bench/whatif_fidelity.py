@@ -97,6 +97,11 @@ def main() -> None:
         print(
             "worst |live - replay|: " + ", ".join(f"{r:.0%} {w:.2f} pp" for r, w in worst.items())
         )
+        errors = {rate: max(p["stderr"] for p in points) for rate, points in curves.items()}
+        print(
+            "largest stderr the service gave: "
+            + ", ".join(f"{r:.0%} {100 * e:.2f} pp" for r, e in errors.items())
+        )
 
 
 if __name__ == "__main__":

@@ -140,3 +140,5 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await service.http_client.aclose()
         if service.recorder is not None:
             service.recorder.close()
+        if service.shadows is not None:
+            await run_in_threadpool(service.shadows.close)

@@ -138,6 +138,10 @@ function drawShadows(c) {
   if (c.too_small) text += "; too small to trust: raise the rate";
   if (c.shared_prefix_unsampled) text += "; a prefix many requests share is unsampled: " +
     "raise the rate";
+  if (c.dropped_requests) {
+    text += `; ${c.dropped_requests} requests dropped (the shadows fell behind)`;
+  }
+  if (c.error) { text += "; " + c.error; note.className = "bad"; }
   note.textContent = text;
 }
 async function refresh() {

@@ -46,7 +46,7 @@ from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.whatif.live_curves import LiveCurves
-from prefixcache.fleet.whatif.shadow_fleets import ShadowFleets
+from prefixcache.fleet.whatif.shadow_process import ShadowProcess
 from prefixcache.fleet.whatif.trace_recorder import TraceRecorder
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.tokenizers import Tokenizer, render_chat
@@ -99,11 +99,12 @@ class FleetService:
         self.whatif = LiveCurves(config.whatif, router.replicas)
         metrics.watch_whatif(self.whatif)
         # N-1, N+1, 2N replicas and the other policies, as miniature fleets on a sample
-        self.shadows: ShadowFleets | None = None
+        # (in a process of their own, started here and stopped with the app)
+        self.shadows: ShadowProcess | None = None
         if config.whatif.enabled and config.whatif.counterfactual_rate > 0:
             specs = [r.spec() for r in config.replicas]
             rate = config.whatif.counterfactual_rate
-            self.shadows = ShadowFleets(specs, router.policy, rate)
+            self.shadows = ShadowProcess(specs, router.policy, rate)
         # what was routed, for offline replay (closed when the app stops)
         self.recorder: TraceRecorder | None = None
         if config.record_trace.path is not None:

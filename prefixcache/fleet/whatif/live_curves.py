@@ -7,8 +7,9 @@ their sum). Past 1x a point is what the same traffic would hit with that much mo
 memory, or a host tier or a pool that held it. The estimate assumes LRU eviction (leaves first)
 and the router's own digests; it covers the traffic since the service started.
 
-Memory is bounded: ``max_memory_mib`` is shared by the curves (each replica's and the fleet's),
-each sample then bounded in blocks, its sampling rate lowered as it fills (``shards``).
+Memory is bounded: ``max_memory_mib`` is shared by the curves (each replica's and the fleet's):
+each sample has its fixed part (``FIXED_BYTES``: histograms and counts) and is bounded in blocks
+within the rest, its sampling rate lowered as it fills (``shards``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.fleet.replica_spec import ReplicaSpec
-from prefixcache.fleet.whatif.shards import ShardsSampler, sampled_hashes
+from prefixcache.fleet.whatif.shards import FIXED_BYTES, ShardsSampler, sampled_hashes
 
 FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 BYTES_PER_SAMPLED_BLOCK = 256  # its dict entry, heap entry, ints and four tree slots (242 measured)
@@ -52,7 +53,7 @@ class LiveCurves:
 
     def _max_blocks(self) -> int:
         curves = len(self._replicas()) + 1
-        budget = self.config.max_memory_mib * (1 << 20)
+        budget = self.config.max_memory_mib * (1 << 20) - curves * FIXED_BYTES
         return max(256, int(budget / (curves * BYTES_PER_SAMPLED_BLOCK)))
 
     def observe(

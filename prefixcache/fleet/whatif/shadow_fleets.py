@@ -17,10 +17,11 @@ equal tokens), and one token of the request's own ends the miniature prompt (a p
 whole still counts every sampled block as a hit).
 
 The answer is the sampled blocks' hit share, corrected for a sample that holds more or fewer
-blocks than the rate promises (a regression over random groups of the sample: ``_regression``),
-times the share of the routed prompt tokens that sit in full blocks (a partial last block is
-never cached). The miniature caches must hold a few prompts: below ``MIN_SHADOW_BLOCKS`` or four
-miniature prompts' blocks they read wrong (``too_small``); and a prefix that many requests
+blocks than the rate promises (each depth stratum against its true count, by what random
+groups of the sample show: ``group_regression``), times the share of the routed prompt tokens
+that sit in full blocks (a partial last block is never cached). The miniature caches must hold
+a few prompts: below ``MIN_SHADOW_BLOCKS`` or four miniature prompts' blocks they read wrong
+(``too_small``); and a prefix that many requests
 share must have a sampled block, or the shadows route those requests apart
 (``shared_prefix_unsampled``). Each request with a sampled block
 costs a route and an admission per scenario, so the shadows are off unless
@@ -46,11 +47,13 @@ from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.policies import POLICIES
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.router import Router
+from prefixcache.fleet.whatif.group_regression import GROUPS, stratified_share
+from prefixcache.fleet.whatif.shards import STRATA, add_stratum_counts, sampled_depths, stratum
 from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixcache.manager.cache_manager import CacheManager
 
 FULL = 1 << 64
-GROUPS = 16  # random groups of sampled blocks (by a digest byte the sampling test skips)
+COLUMNS = STRATA * GROUPS  # a sampled block's column: its depth stratum and its random group
 MIN_SHADOW_BLOCKS = 128  # a miniature replica below this is too coarse to trust
 SHADOW_NAMESPACE = Namespace("shadow")  # the digests the tokens come from carry the real one
 NOTE = (
@@ -76,6 +79,24 @@ def scenarios(replicas: int, policy: str) -> list[Scenario]:
             out.append(Scenario(f"{label} replicas", n, policy))
     out += [Scenario(f"policy {p}", replicas, p) for p in POLICIES if p != policy]
     return out
+
+
+class SampledPrompt(NamedTuple):
+    """A routed prompt cut down to its sampled full blocks: what the shadows need of it."""
+
+    sampled: list[bytes]  # the sampled blocks' digests, root first
+    depths: list[int]  # their depths from the root
+    blocks: int  # its full blocks
+    first: bytes  # its first block's digest (b"" for none)
+
+
+def sample_prompt(digests: Sequence[bytes], rate: float) -> SampledPrompt:
+    """``digests`` (a prompt's full blocks, root first) cut down to the blocks sampled at
+    ``rate``: a digest, read as a 64-bit number, under ``rate x 2**64`` (a first byte over the
+    threshold's is passed over unread)."""
+    depths = sampled_depths(digests, min(FULL, int(rate * FULL)))
+    sampled = [digests[i] for i in depths]
+    return SampledPrompt(sampled, depths, len(digests), digests[0] if digests else b"")
 
 
 class _TopShare:
@@ -119,7 +140,7 @@ class _ShadowFleet:
             mgr = CacheManager(capacity, block_size)
             mgr.add_listener(self._listener(name))
             self.managers[name] = mgr
-        self.group_hits = np.zeros(GROUPS, dtype=np.int64)  # sampled blocks hit, by group
+        self.group_hits = np.zeros(COLUMNS, dtype=np.int64)  # sampled blocks hit, by column
 
     def _listener(self, name: str) -> Any:
         index = self.index
@@ -137,7 +158,7 @@ class _ShadowFleet:
     def offer(self, tokens: np.ndarray, digests: list[bytes], leading: np.ndarray) -> None:
         """Route (on the miniature prompt's digests, computed once for every fleet), admit and
         release one miniature prompt: its sampled blocks' tokens and one token of its own
-        (``leading[k]``: how many of its first ``k`` blocks each error group holds)."""
+        (``leading[k]``: how many of its first ``k`` blocks each column holds)."""
         decision = self.router.route(SHADOW_NAMESPACE, tokens, "r", digests=digests)
         mgr = self.managers[decision.replica]
         try:
@@ -158,8 +179,6 @@ class ShadowFleets:
         self, specs: Sequence[ReplicaSpec], policy: str, rate: float, min_blocks: int = 16
     ) -> None:
         self.rate = rate
-        self._threshold = min(FULL, int(rate * FULL))
-        self._top = (self._threshold - 1) >> 56  # a digest whose first byte is over: not sampled
         self._lock = threading.Lock()
         self._fleets: list[_ShadowFleet] = []
         self.capacity = 0
@@ -175,32 +194,40 @@ class ShadowFleets:
         self._full_tokens = 0  # of those, the tokens in full blocks (what can hit)
         self._blocks = 0  # sampled full blocks
         self._sampled = 0  # requests with at least one: the miniature prompts made
-        self._group_blocks = np.zeros(GROUPS, dtype=np.int64)  # sampled blocks, by group
+        self._group_blocks = np.zeros(COLUMNS, dtype=np.int64)  # sampled blocks, by column
+        self._stratum_blocks = [0] * STRATA  # every routed full block, by depth stratum
         self._first_blocks = _TopShare()  # the first block of each prompt with a sampled one
         self._first_sampled = _TopShare()  # the first sampled block of each
 
     def offer(self, digests: Sequence[bytes], prompt_tokens: int) -> None:
         """A routed prompt (its full blocks' digests, root first): its sampled blocks go to
         every shadow as one miniature prompt."""
+        if self._fleets:
+            self.offer_sampled(sample_prompt(digests, self.rate), prompt_tokens)
+
+    def offer_sampled(self, prompt: SampledPrompt, prompt_tokens: int) -> None:
+        """``offer`` with the prompt already cut down to its sampled blocks (``sample_prompt``
+        at this rate: where the router runs, the rest elsewhere)."""
         if not self._fleets:
             return
-        threshold, top = self._threshold, self._top
-        sampled = [d for d in digests if d[0] <= top and int.from_bytes(d[:8], "big") < threshold]
+        sampled, digests = prompt.sampled, prompt
         with self._lock:
             self._routed += 1
             self._prompt_tokens += prompt_tokens
-            self._full_tokens += len(digests) * self.block_size
+            self._full_tokens += digests.blocks * self.block_size
+            add_stratum_counts(self._stratum_blocks, digests.blocks)
             if not sampled:
                 return
             self._sampled += 1
             tokens = self._tokens(sampled, self._sampled)
             shadow = self._hasher.hash_prompt(tokens, SHADOW_NAMESPACE)
             groups = np.frombuffer(bytes(d[8] for d in sampled), dtype=np.uint8) % GROUPS
-            leading = np.zeros((len(sampled) + 1, GROUPS), dtype=np.int64)
-            leading[np.arange(1, len(sampled) + 1), groups] = 1
-            np.cumsum(leading, axis=0, out=leading)  # each group's blocks among the first k
+            strata = np.array([stratum(k) for k in prompt.depths], dtype=np.int64)
+            leading = np.zeros((len(sampled) + 1, COLUMNS), dtype=np.int64)
+            leading[np.arange(1, len(sampled) + 1), strata * GROUPS + groups] = 1
+            np.cumsum(leading, axis=0, out=leading)  # each column's blocks among the first k
             self._group_blocks += leading[-1]
-            self._first_blocks.add(digests[0])
+            self._first_blocks.add(digests.first)
             self._first_sampled.add(sampled[0])
             self._blocks += len(sampled)
             for fleet in self._fleets:
@@ -273,17 +300,20 @@ class ShadowFleets:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Each scenario's token hit rate so far, with a standard error: the sampled blocks'
-        hit share, corrected for the sample's size (``_hit_share``), times the share of the
+        hit share, corrected for the sample's size (``stratified_share``), times the share of the
         routed prompt tokens in full blocks."""
         with self._lock:
             share = self._full_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
-            expected = self.rate * self._full_tokens / self.block_size  # blocks due in the sample
+            # the blocks due in the sample, by depth stratum
+            expected = [self.rate * n for n in self._stratum_blocks]
+            blocks = self._group_blocks.reshape(STRATA, GROUPS).tolist()
             keep = math.sqrt(max(0.0, 1 - self.rate))  # no sampling error at rate 1
             rows = []
             for f in self._fleets:
                 rate = stderr = None
                 if self._blocks:
-                    hits, error = _hit_share(f.group_hits, self._group_blocks, expected)
+                    hit = f.group_hits.reshape(STRATA, GROUPS).tolist()
+                    hits, error = stratified_share(hit, blocks, expected)
                     rate = round(hits * share, 6)
                     stderr = round(share * error * keep, 6)
                 rows.append(
@@ -297,40 +327,3 @@ class ShadowFleets:
                     }
                 )
             return rows
-
-
-def _regression(hits: np.ndarray, blocks: np.ndarray, expected: float) -> float:
-    """The hit share of all routed full blocks from the sampled ones, by groups (``hits`` and
-    ``blocks`` of each random group of sampled blocks; ``expected``: how many blocks the
-    sample should hold, the rate times every routed full block).
-
-    A sample holds more or fewer blocks than the rate promises, and on hot prefixes by far:
-    one system prompt's few blocks, in the sample or not, carry most of the hits. The plain
-    share ``sum(hits) / sum(blocks)`` then moves by points. Waldspurger et al. (FAST'15,
-    SHARDS-adj) count the missing or surplus blocks as hits, which is right when hot blocks
-    cause the difference and wrong when it is chance among cold ones. Here the groups say
-    which: the slope of hits on blocks across them (near 1 when the groups that drew more
-    blocks drew hot ones, near the plain share when the draws were alike) is what each missing
-    block is worth, a regression estimator from survey sampling."""
-    n, h = blocks.astype(np.float64), hits.astype(np.float64)
-    total = n.sum()
-    if total == 0 or expected <= 0:
-        return 0.0
-    spread = ((n - n.mean()) ** 2).sum()
-    slope = ((n - n.mean()) * (h - h.mean())).sum() / spread if spread else h.sum() / total
-    slope = min(1.0, max(0.0, float(slope)))
-    return float(min(1.0, max(0.0, (h.sum() + slope * (expected - total)) / expected)))
-
-
-def _hit_share(hits: np.ndarray, blocks: np.ndarray, expected: float) -> tuple[float, float]:
-    """``_regression``'s share and its standard error by the delete-a-group jackknife (each
-    group left out in turn, the sample it should hold shrunk alike). A hot block's hits all
-    fall in its group, so a sample that a few hot prefixes dominate shows a wide error, where
-    a binomial error over blocks taken one by one would not."""
-    estimate = _regression(hits, blocks, expected)
-    g = len(blocks)
-    part = expected * (g - 1) / g
-    rest = [_regression(np.delete(hits, i), np.delete(blocks, i), part) for i in range(g)]
-    leave_out = np.array(rest)
-    error = math.sqrt(float((g - 1) / g * ((leave_out - leave_out.mean()) ** 2).sum()))
-    return estimate, error

@@ -8,6 +8,24 @@ measured and scaled by ``1 / rate``: about the distance in the whole stream. The
 scaled distances, each reference weighted ``1 / rate`` (its rate when it was taken), gives the
 hits of an LRU cache of any size ``C``: the references at scaled distance below ``C``.
 
+The sample holds more or fewer references than its rate promises, by far on hot prefixes (a
+system prompt's few blocks, in the sample or not, can carry a fifth of the references). Two
+splits of the references correct that:
+
+- by depth in the prompt (``STRATA``: the first block, the second, the next two, the next
+  four, ...): the references at each depth are known exactly (every prompt's length is), so
+  each stratum's shortfall or surplus is measured against its own true count, and a system
+  prompt's blocks are compared with the prompt heads alone, not with every conversation's
+  history;
+- by random group (``GROUPS``, by the hash's low bits, which the sampling test does not
+  read): within each stratum the groups say what a missing or surplus reference is worth
+  (``group_regression``) and give a delete-a-group jackknife error.
+
+The curve itself comes from one histogram of every sampled reference, 64 buckets a doubling;
+the strata and groups keep coarser counts (a bucket a doubling, ``COARSE``) in a fixed array,
+enough for the correction, which is added to the fine curve. So a sample's memory is its
+blocks plus a fixed ``FIXED_BYTES``, whatever the traffic.
+
 Fixed size: at most ``max_blocks`` sampled blocks are kept; past that, the block with the
 largest hash leaves and the threshold drops to its hash, so memory is bounded whatever the
 traffic (the rate adapts down, and later references weigh more).
@@ -25,7 +43,12 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from prefixcache.fleet.whatif.group_regression import GROUPS, stratified_share
+
 FULL = 1 << 64
+STRATA = 12  # depth strata: depth 0, 1, 2-3, 4-7, ..., 512-1023, and 1024 on
+COARSE = 48  # the strata's and groups' distance buckets: under 1, then one a doubling
+FIXED_BYTES = 640 * 1024  # a sample's memory besides its blocks (histograms, counts), at most
 MIN_TREE = 4096  # positions of the smallest reuse-distance tree
 
 
@@ -34,22 +57,49 @@ class CurvePoint(NamedTuple):
 
     blocks: float
     hit_rate: float  # of the prompt tokens fed
-    stderr: float  # an approximate standard error of ``hit_rate`` (binomial, sampled refs)
+    stderr: float  # a standard error of ``hit_rate`` (jackknife over the sample's groups)
 
 
-def sampled_hashes(digests: list[bytes], threshold: int) -> list[int]:
-    """The sampling hashes (each digest's first 8 bytes, big-endian) under ``threshold``,
-    deepest block first: the few a sample references. A digest whose first byte is over the
-    threshold's is passed over without reading the rest (at 1%, all but about 1 in 100)."""
+def sampled_hashes(digests: list[bytes], threshold: int) -> list[tuple[int, int]]:
+    """The sampling hashes (each digest's first 8 bytes, big-endian) under ``threshold``, with
+    their depth in the prompt, deepest block first: the few a sample references. A digest
+    whose first byte is over the threshold's is passed over without reading the rest (at 1%,
+    all but about 1 in 100)."""
     top: int = (threshold - 1) >> 56
-    out: list[int] = []
+    out: list[tuple[int, int]] = []
     for i in range(len(digests) - 1, -1, -1):
         d = digests[i]
         if d[0] <= top:
             h = int.from_bytes(d[:8], "big")
             if h < threshold:
-                out.append(h)
+                out.append((h, i))
     return out
+
+
+def sampled_depths(digests: Sequence[bytes], threshold: int) -> list[int]:
+    """The depths (from the root) of the digests whose sampling hash is under ``threshold``,
+    root first (the same test as ``sampled_hashes``; the shadow fleets' sample)."""
+    top: int = (threshold - 1) >> 56
+    out: list[int] = []
+    for i in range(len(digests)):
+        d = digests[i]
+        if d[0] <= top and int.from_bytes(d[:8], "big") < threshold:
+            out.append(i)
+    return out
+
+
+def stratum(depth: int) -> int:
+    """The depth stratum of a block ``depth`` blocks from the prompt's root."""
+    return min(STRATA - 1, depth.bit_length())
+
+
+def add_stratum_counts(counts: list[int], blocks: int) -> None:
+    """Add a prompt's ``blocks`` full blocks to ``counts``, the blocks of each depth stratum."""
+    lo, s = 0, 0
+    while lo < blocks:
+        hi = 1 << s if s < STRATA - 1 else blocks
+        counts[s] += min(blocks, hi) - lo
+        lo, s = hi, s + 1
 
 
 class _Fenwick:
@@ -94,7 +144,11 @@ class ShardsSampler:
         self._times = _Fenwick(MIN_TREE)
         # bucket of scaled distance (``_bucket``) -> summed weight of its references
         self._hist: dict[int, float] = {}
-        self.cold_weight = 0.0  # first references (compulsory misses), weighted
+        # ((stratum x GROUPS + group) x COARSE + coarse bucket) -> summed weight
+        self._cells = [0.0] * (STRATA * GROUPS * COARSE)
+        # first references (compulsory misses), weighted, by stratum x GROUPS + group
+        self._cold = [0.0] * (STRATA * GROUPS)
+        self._expected = [0] * STRATA  # every block reference fed, by depth stratum
         self.sampled_refs = 0  # references to sampled blocks
         self.references = 0  # every block reference fed
         self.prompt_tokens = 0  # every prompt token fed
@@ -115,7 +169,9 @@ class ShardsSampler:
         hashes = sampled_hashes(list(digests), self.threshold)
         self.reference_hashes(hashes, len(digests), prompt_tokens)
 
-    def reference_hashes(self, hashes: list[int], blocks: int, prompt_tokens: int) -> None:
+    def reference_hashes(
+        self, hashes: list[tuple[int, int]], blocks: int, prompt_tokens: int
+    ) -> None:
         """``reference_prompt`` with the prompt's sampling hashes under (at least) this
         sample's threshold already picked, deepest first (``sampled_hashes``: one pass for
         several samples), of its ``blocks`` full blocks.
@@ -125,21 +181,26 @@ class ShardsSampler:
         prefix out), then the blocks are referenced deepest first."""
         self.prompt_tokens += prompt_tokens
         self.references += blocks
+        add_stratum_counts(self._expected, blocks)
         threshold = self.threshold
         weight = FULL / threshold
-        picked = [h for h in hashes if h < threshold]
+        picked = [h for h, _ in hashes if h < threshold]
         last_of, times = self._last, self._times
-        for h in picked:
+        for h, depth in hashes:
+            if h >= threshold:
+                continue
             self.sampled_refs += 1
             last = last_of.get(h)
+            cell = stratum(depth) * GROUPS + h % GROUPS
             if last is None:
-                self.cold_weight += weight
+                self._cold[cell] += weight
                 continue
             # the live blocks referenced since: each has a 1 at its last time, after ``last``
             newer = self._clock - last - 1  # references since (0: none, so no block either)
-            distinct = len(last_of) - times.prefix(last + 1) if newer else 0
-            bucket = _bucket(distinct * weight)
+            distance = (len(last_of) - times.prefix(last + 1) if newer else 0) * weight
+            bucket = _bucket(distance)
             self._hist[bucket] = self._hist.get(bucket, 0.0) + weight
+            self._cells[cell * COARSE + _coarse(distance)] += weight
         for h in picked:
             if h >= self.threshold:  # left the sample as it filled
                 continue
@@ -178,16 +239,42 @@ class ShardsSampler:
         self.threshold = h
 
     def hit_rate(self, blocks: float) -> CurvePoint:
-        """The estimated token hit rate of an LRU prefix cache of ``blocks`` blocks."""
-        hits = sum(w for b, w in self._hist.items() if _bucket_top(b) <= blocks)
+        """The estimated token hit rate of an LRU prefix cache of ``blocks`` blocks: the share
+        of block references that hit (the sampled share, corrected for each depth stratum's
+        shortfall or surplus by its groups, weighed by its true references), times the blocks'
+        share of the prompt tokens. The standard error is the groups' jackknife, times the
+        finite-sample factor (none at rate 1)."""
         refs = self.references
-        sampled = self.cold_weight + sum(self._hist.values())  # the references the sample saw
-        block_rate = min(1.0, hits / sampled) if sampled else 0.0
         tokens = self.prompt_tokens
-        rate = min(1.0, block_rate * refs * self.block_size / tokens) if tokens else 0.0
-        n = self.sampled_refs
-        stderr = math.sqrt(block_rate * (1 - block_rate) / n) if n else 0.0
-        return CurvePoint(blocks, rate, stderr * (refs * self.block_size / tokens if tokens else 0))
+        if not tokens or not self.sampled_refs:
+            return CurvePoint(blocks, 0.0, 0.0)
+        fine = sum(w for b, w in self._hist.items() if _bucket_top(b) <= blocks)
+        hits: list[list[float]] = []  # coarse weighted hits, by stratum and group
+        seen: list[list[float]] = []  # weighted references the sample saw, alike
+        cells, cold = self._cells, self._cold
+        reach = 0  # coarse buckets wholly under ``blocks``
+        while reach < COARSE and _coarse_top(reach) <= blocks:
+            reach += 1
+        coarse = 0.0
+        for s in range(STRATA):
+            hit_row, seen_row = [0.0] * GROUPS, [0.0] * GROUPS
+            for g in range(GROUPS):
+                base = (s * GROUPS + g) * COARSE
+                h = sum(cells[base : base + reach])
+                hit_row[g] = h
+                seen_row[g] = cold[s * GROUPS + g] + h + sum(cells[base + reach : base + COARSE])
+                coarse += h
+            hits.append(hit_row)
+            seen.append(seen_row)
+        unit = FULL / self.threshold  # what a sampled reference counts for now
+        expected = [float(n) for n in self._expected]
+        share, error = stratified_share(hits, seen, expected, unit)
+        # the correction, from the coarse counts, added to the fine curve
+        share += (fine - coarse) / refs
+        scale = refs * self.block_size / tokens  # the blocks' share of the prompt tokens
+        keep = math.sqrt(max(0.0, 1.0 - self.rate))  # no sampling error at rate 1
+        rate = min(1.0, max(0.0, share * scale))
+        return CurvePoint(blocks, rate, error * scale * keep)
 
 
 _STEPS = 64  # histogram buckets per doubling of distance (about 1% apart)
@@ -198,6 +285,18 @@ def _bucket(distance: float) -> int:
     if distance < 1:
         return 0
     return 1 + int(_STEPS * math.log2(distance))
+
+
+def _coarse(distance: float) -> int:
+    """The coarse bucket of a scaled distance: 0 under 1, else 1 + log2 d (at most the last)."""
+    if distance < 1:
+        return 0
+    return min(COARSE - 1, 1 + int(math.log2(distance)))
+
+
+def _coarse_top(bucket: int) -> float:
+    """The smallest cache (blocks) that holds every distance of coarse ``bucket``."""
+    return 2.0**bucket
 
 
 def _bucket_top(bucket: int) -> float:

@@ -113,3 +113,30 @@ def test_curves_off_and_bad_settings(tmp_path: Path):
     ):
         with pytest.raises(ConfigError, match=where):
             parse_config({**base, "whatif": whatif}, "fleet.yaml", tmp_path)
+
+
+def test_the_shadows_process_dies_and_the_service_goes_on(tmp_path: Path):
+    # the shadow fleets run in a child process: killed, `/v1/whatif` says so (200, no 5xx),
+    # routing is untouched, and the app's stop does not wait on it
+    import os
+    import signal
+
+    ops = {"authorization": f"Bearer {OPS}"}
+    prompts = _prompts(60)
+    with _client(tmp_path, {"rate": 1.0, "counterfactual_rate": 0.5}) as client:
+        for p in prompts[:30]:
+            client.post("/v1/route", json={"model": MODEL, "tokens": p}, headers=ops)
+        before = client.get("/v1/whatif", headers=ops).json()["counterfactuals"]
+        assert before["routed_requests"] == 30 and "error" not in before
+        shadows = client.app.state.service.shadows
+        os.kill(shadows._process.pid, signal.SIGKILL)
+        shadows._process.wait(timeout=10)
+        for p in prompts[30:]:
+            r = client.post("/v1/route", json={"model": MODEL, "tokens": p}, headers=ops)
+            assert r.status_code == 200
+        r = client.get("/v1/whatif", headers=ops)
+        assert r.status_code == 200
+        after = r.json()
+    assert "stopped" in after["counterfactuals"]["error"]
+    assert after["counterfactuals"]["scenarios"] == []
+    assert after["window"]["routed_requests"] == 60  # the curves are the router's own
