@@ -3,7 +3,9 @@ curve (up to its histogram's 1% buckets); on the Mooncake synthetic trace at the
 16-token blocks (1.3M distinct blocks) 1% sampling stays within a point and 10% within half a
 point at every capacity from 2% to 80% of the distinct blocks, and a sample bounded to fewer
 blocks lowers its rate and stays within a point; on a prefix workload the deepest-first
-references give prefix hits (an LRU of blocks agrees with the radix manager's hits)."""
+references give prefix hits (an LRU of blocks agrees with the radix manager's hits); a hot
+system prompt wholly outside the sample, or over-represented in it, no longer moves the curve
+by tens of points."""
 
 from __future__ import annotations
 
