@@ -76,24 +76,6 @@ def regression_share(
     return min(1.0, max(0.0, (hit_total + slope * shortfall) / expected))
 
 
-def group_share(
-    hits: Sequence[float], refs: Sequence[float], expected: float, unit: float = 1.0
-) -> GroupShare:
-    """``regression_share`` and its delete-a-group jackknife standard error (each group left out
-    in turn, the references it should hold shrunk alike)."""
-    estimate = regression_share(hits, refs, expected, unit)
-    g = len(refs)
-    if g < 2:
-        return GroupShare(estimate, 0.0)
-    part = expected * (g - 1) / g
-    rest = [
-        regression_share([*hits[:i], *hits[i + 1 :]], [*refs[:i], *refs[i + 1 :]], part, unit)
-        for i in range(g)
-    ]
-    mean = sum(rest) / g
-    return GroupShare(estimate, math.sqrt((g - 1) / g * sum((x - mean) ** 2 for x in rest)))
-
-
 def stratified_share(
     hits: Sequence[Sequence[float]],
     refs: Sequence[Sequence[float]],
@@ -101,9 +83,10 @@ def stratified_share(
     unit: float = 1.0,
 ) -> GroupShare:
     """The hit share of every reference over strata (each with its groups' ``hits`` and
-    ``refs`` and its true reference count ``expected``): each stratum's ``regression_share``
-    weighed by its count, with the jackknife error of the whole (the same group left out of
-    every stratum at once). A stratum the sample missed by chance takes the plain share of
+    ``refs`` and its true reference count ``expected``; one stratum for an unsplit sample):
+    each stratum's ``regression_share`` weighed by its count, with the delete-a-group jackknife
+    error of the whole (the same group left out of every stratum at once, the references it
+    should hold shrunk alike). A stratum the sample missed by chance takes the plain share of
     the rest."""
     total = float(sum(expected))
     if total <= 0:

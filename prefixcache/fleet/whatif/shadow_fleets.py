@@ -210,12 +210,12 @@ class ShadowFleets:
         at this rate: where the router runs, the rest elsewhere)."""
         if not self._fleets:
             return
-        sampled, digests = prompt.sampled, prompt
+        sampled = prompt.sampled
         with self._lock:
             self._routed += 1
             self._prompt_tokens += prompt_tokens
-            self._full_tokens += digests.blocks * self.block_size
-            add_stratum_counts(self._stratum_blocks, digests.blocks)
+            self._full_tokens += prompt.blocks * self.block_size
+            add_stratum_counts(self._stratum_blocks, prompt.blocks)
             if not sampled:
                 return
             self._sampled += 1
@@ -227,7 +227,7 @@ class ShadowFleets:
             leading[np.arange(1, len(sampled) + 1), strata * GROUPS + groups] = 1
             np.cumsum(leading, axis=0, out=leading)  # each column's blocks among the first k
             self._group_blocks += leading[-1]
-            self._first_blocks.add(digests.first)
+            self._first_blocks.add(prompt.first)
             self._first_sampled.add(sampled[0])
             self._blocks += len(sampled)
             for fleet in self._fleets:

@@ -138,7 +138,10 @@ class ShadowProcess:
             code: int | None = self._process.wait(timeout=1)
         except subprocess.TimeoutExpired:
             code = None
-        self.error = f"the shadow fleets' process stopped (exit code {code})"
+        self.error = (
+            f"the shadow fleets' process stopped (exit code {code}); routing and the curves go "
+            "on without it, restart the service to run the shadows again"
+        )
         self._queue.clear()
 
     def report(self) -> dict[str, Any]:
@@ -155,7 +158,9 @@ class ShadowProcess:
                 self._reading.release()
         if report is None:
             error = self.error or (
-                f"the shadow fleets' process did not answer in {REPLY_TIMEOUT_S} s"
+                f"the shadow fleets' process did not answer in {REPLY_TIMEOUT_S} s: it is behind "
+                "(see dropped_requests) or stopped; its numbers return once it catches up, or "
+                "lower whatif.counterfactual_rate"
             )
             report = {**ShadowFleets.off(), "rate": self.rate, "error": error}
         report["dropped_requests"] = self.dropped
