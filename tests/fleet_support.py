@@ -9,6 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def served_configs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What ``prefixcache serve`` would serve in one process: each uvicorn config is recorded
+    (the app is ``config.app``) and the server reports itself started, without listening."""
+    from prefixcache.fleet.service.transport import BatchedAcceptServer
+
+    served: list[Any] = []
+
+    def started(server: BatchedAcceptServer, sockets: object = None) -> None:
+        served.append(server.config)
+        server.started = True
+
+    monkeypatch.setattr(BatchedAcceptServer, "run", started)
+    return served
 
 
 def wait_until(check: Callable[[], bool], what: str = "condition", timeout: float = 10.0) -> None:

@@ -8,6 +8,7 @@ with a warning naming the limit to raise (``connection_budget``)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.errors import ConfigError, PrefixCacheError
+
+STARTUP_FAILURE = 3  # the exit status when the app's startup fails (uvicorn's)
 
 
 def register(subparsers: Any) -> None:
@@ -90,7 +93,12 @@ def _serve(args: argparse.Namespace) -> int:
             open_service,
             worker_protocol,
         )
-        from prefixcache.fleet.service.transport import exposure_warning, uvicorn_options
+        from prefixcache.fleet.service.transport import (
+            ACCEPT_BATCH,
+            BatchedAcceptServer,
+            exposure_warning,
+            uvicorn_options,
+        )
     except ImportError as exc:
         print(
             f"prefixcache serve: error: needs the service extra (pip install "
@@ -140,6 +148,10 @@ def _serve(args: argparse.Namespace) -> int:
         limits["http"] = worker_protocol(config.server)
         worker = "prefixcache.fleet.service.startup:worker_app"
         uvicorn.run(worker, factory=True, workers=args.workers, **run, **limits)
-    else:
-        uvicorn.run(app, **run, **limits)
+    else:  # one process: its event loop accepts a batch a turn (transport.BatchedAcceptServer)
+        server = BatchedAcceptServer(uvicorn.Config(app, backlog=ACCEPT_BATCH, **run, **limits))
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        if not server.started:
+            return STARTUP_FAILURE
     return 0

@@ -16,6 +16,13 @@ per request than h11, used when installed: ``server.http``) a head longer than
 ``server.max_header_bytes`` gets a 431 and the connection is closed; h11 bounds what it buffers
 of an incomplete head to that size (a 400). The body has its own timeout
 in the service's body reader (``FleetService.read_body``).
+
+``BatchedAcceptServer`` is uvicorn's server accepting ``ACCEPT_BATCH`` connections a turn of the
+event loop: asyncio accepts up to its ``backlog`` connections each time the listening socket is
+ready, before any of them is made (and, past the ceiling, closed), so with uvicorn's 2048 a burst
+larger than the free descriptors ran the process out of them, and on EMFILE asyncio stops
+accepting for a second: a load balancer's health check waited that second. The kernel's queue of
+connections not yet accepted keeps ``LISTEN_BACKLOG`` (the socket listens again after startup).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import importlib.util
 import ipaddress
 import logging
 import math
+import os
+import socket
 from typing import Any
 
 import msgspec
@@ -42,6 +51,12 @@ from prefixcache.fleet.service.guards.connection_budget import (
 )
 
 _log = logging.getLogger("prefixcache.serve")
+
+# Connections asyncio accepts a loop turn; a connection past the ceiling holds its descriptor
+# for about four turns (accepted, made, closed, released), so at most 4 x 16 come on top of
+# ``max_open_connections``, out of the descriptors ``RESERVED_DESCRIPTORS`` keeps.
+ACCEPT_BATCH = 16
+LISTEN_BACKLOG = 2048  # the kernel's queue of connections not yet accepted (uvicorn's default)
 
 
 class _HeadTimeout:
@@ -223,8 +238,29 @@ def uvicorn_options(config: ServiceConfig) -> dict[str, Any]:
 def uvicorn_config(
     app: Any, config: ServiceConfig, host: str, port: int, log_level: str = "info"
 ) -> uvicorn.Config:
-    """The uvicorn settings of ``app`` with the limits and TLS of ``config``."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_options(config))
+    """The uvicorn settings of ``app`` with the limits and TLS of ``config``, accepting
+    ``ACCEPT_BATCH`` connections a turn (serve it with ``BatchedAcceptServer``)."""
+    options = uvicorn_options(config)
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, backlog=ACCEPT_BATCH, **options
+    )
+
+
+class BatchedAcceptServer(uvicorn.Server):
+    """uvicorn's server whose event loop accepts ``config.backlog`` connections a turn while the
+    kernel queues ``LISTEN_BACKLOG``: after startup each listening socket listens again with
+    the larger queue (asyncio keeps its own count for the accept loop)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, then the kernel's queue widened on every listening socket."""
+        await super().startup(sockets=sockets)
+        for server in getattr(self, "servers", ()):
+            for listener in server.sockets:
+                widened = socket.socket(fileno=os.dup(listener.fileno()))
+                try:
+                    widened.listen(max(LISTEN_BACKLOG, self.config.backlog))
+                finally:
+                    widened.close()  # the duplicate only: the listener stays open
 
 
 def exposure_warning(host: str, config: ServiceConfig) -> str | None:

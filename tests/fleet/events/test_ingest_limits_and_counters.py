@@ -19,6 +19,7 @@ from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoi
 from prefixcache.fleet.events.wire import decode_batch, unpair_tokens
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.service.configuration.config_file import Limits, parse_config
+from tests.fleet_support import served_configs
 
 P = 4
 NS = Namespace("llama")
@@ -78,13 +79,11 @@ def test_redis_read_timeout_and_ingest_workers_are_read_from_limits() -> None:
 def test_serve_passes_engine_hash_workers_and_read_timeout_on(
     tmp_path, redis_server, monkeypatch
 ) -> None:
-    import uvicorn
 
     from prefixcache.cli import main
     from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 
-    served: list[Any] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    served = served_configs(monkeypatch)
     path = tmp_path / "fleet.yaml"
     path.write_text(
         f"index: {redis_server.url}\n"
@@ -94,7 +93,7 @@ def test_serve_passes_engine_hash_workers_and_read_timeout_on(
         "  - {name: b, model: m, events: 'tcp://127.0.0.1:2'}\n"
     )
     assert main(["serve", "--config", str(path)]) == 0
-    (app,) = served
+    (app,) = (config.app for config in served)
     service = app.state.service
     index = service.router.index
     try:

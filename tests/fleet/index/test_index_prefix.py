@@ -12,7 +12,7 @@ from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.connect import DEFAULT_PREFIX, open_client
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
 from prefixcache.fleet.service.configuration.config_file import parse_config
-from tests.fleet_support import RedisServer
+from tests.fleet_support import RedisServer, served_configs
 
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
 REPLICA = {"name": "replica-0", "model": "m"}
@@ -156,19 +156,17 @@ def test_a_password_never_shows_in_an_error() -> None:
 def test_serve_opens_the_index_under_the_configured_prefix(
     tmp_path, redis_server, monkeypatch
 ) -> None:
-    import uvicorn
 
     from prefixcache.cli import main
 
-    served: list[object] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    served = served_configs(monkeypatch)
     path = tmp_path / "fleet.yaml"
     path.write_text(
         f"replicas: [{{name: replica-0, model: m}}]\n"
         f"index: {redis_server.url}\nindex_prefix: team-a\n"
     )
     assert main(["serve", "--config", str(path)]) == 0
-    (app,) = served
+    (app,) = (config.app for config in served)
     index = app.state.service.router.index  # type: ignore[attr-defined]
     try:
         assert isinstance(index, RedisFleetIndex) and index.prefix == "team-a"

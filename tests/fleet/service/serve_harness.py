@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 
 from prefixcache.blocks.hashing import BlockHasher
@@ -24,7 +23,7 @@ from prefixcache.fleet.service.configuration.config_file import (
     build_router,
     parse_config,
 )
-from prefixcache.fleet.service.transport import uvicorn_config
+from prefixcache.fleet.service.transport import BatchedAcceptServer, uvicorn_config
 from tests.fleet_support import free_port, wait_until
 
 MODEL = "m"
@@ -127,7 +126,7 @@ class Replicas:
 def serving(app: FastAPI, config: ServiceConfig) -> Iterator[str]:
     """``app`` served by uvicorn (with the config's limits and TLS) in a thread; its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, config, "127.0.0.1", port, "warning"))
+    server = BatchedAcceptServer(uvicorn_config(app, config, "127.0.0.1", port, "warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +29,7 @@ from prefixcache.fleet.service.guards.connection_budget import (
     RESERVED_DESCRIPTORS,
     connection_budget,
 )
+from prefixcache.fleet.service.transport import ACCEPT_BATCH, LISTEN_BACKLOG
 from tests.fleet.fleet_processes import running
 from tests.fleet.service.serve_harness import make_app, make_config, serving
 from tests.fleet_support import free_port, wait_until
@@ -146,6 +149,9 @@ def test_one_client_holding_partial_requests_leaves_health_and_routes_answering(
                 assert _route(base, OTHER) == 200
             held = HOSTILE_REQUESTS - _answered(hostile, done)
             assert 0 < held <= budget.max_requests_per_client  # the client does hold its share
+            # the burst never ran the process out of descriptors (asyncio would have stopped
+            # accepting, health checks included, for a second: 1801 failed accepts before)
+            assert _counter(base, "prefixcache_accept_failures_total") == 0
         finally:
             for sock in hostile:
                 sock.close()
@@ -199,7 +205,7 @@ def test_connections_past_the_ceiling_are_closed_unanswered_and_counted(tmp_path
     app, _ = make_app(config)
     ceiling = 4 + ACCEPT_HEADROOM
     with serving(app, config) as base:
-        before = _closed_over_limit(base)
+        before = _counter(base, CLOSED_OVER_LIMIT)
         port = int(base.rsplit(":", 1)[1])
         silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(ceiling)]
         try:
@@ -211,14 +217,35 @@ def test_connections_past_the_ceiling_are_closed_unanswered_and_counted(tmp_path
             for sock in silent:
                 sock.close()
         wait_until(lambda: _healthy(base), "/health to answer once they close")
-        assert _closed_over_limit(base) - before == 3
+        assert _counter(base, CLOSED_OVER_LIMIT) - before == 3
 
 
-def _closed_over_limit(base: str) -> float:
+CLOSED_OVER_LIMIT = "prefixcache_connections_closed_over_limit_total"
+
+
+def _counter(base: str, name: str) -> float:
     for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
-        if line.startswith("prefixcache_connections_closed_over_limit_total "):
+        if line.startswith(f"{name} "):
             return float(line.split()[-1])
-    raise AssertionError("no prefixcache_connections_closed_over_limit_total")
+    raise AssertionError(f"no {name}")
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="reads the listening socket's queue with ss")
+def test_the_kernel_queues_the_full_backlog_while_the_loop_accepts_a_batch_a_turn(
+    tmp_path: Path,
+) -> None:
+    """asyncio accepts ``ACCEPT_BATCH`` connections a turn (its ``backlog``); the listening
+    socket itself still queues ``LISTEN_BACKLOG`` (ss shows it as the socket's Send-Q)."""
+    config = make_config(tmp_path, keys=False)
+    app, _ = make_app(config)
+    with serving(app, config) as base:
+        port = base.rsplit(":", 1)[1]
+        shown = subprocess.run(
+            ["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True
+        ).stdout.split()
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert ACCEPT_BATCH < LISTEN_BACKLOG
+    assert int(shown[2]) == min(LISTEN_BACKLOG, somaxconn)  # State Recv-Q Send-Q Local Peer
 
 
 def _healthy(base: str) -> bool:

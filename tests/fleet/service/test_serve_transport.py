@@ -25,7 +25,7 @@ from tests.fleet.service.serve_harness import (
     make_config,
     serving,
 )
-from tests.fleet_support import wait_until
+from tests.fleet_support import served_configs, wait_until
 
 
 @pytest.fixture(params=["h11", "httptools"])
@@ -280,15 +280,16 @@ def test_server_and_tls_config_errors_say_where(tmp_path: Path) -> None:
 def test_serve_passes_the_limits_and_tls_to_uvicorn_and_warns_when_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import uvicorn
-
     from prefixcache.cli import main
     from prefixcache.fleet.service.configuration.access_config import ServerConfig
-    from prefixcache.fleet.service.transport import HeadTimeoutProtocol, http_protocol
+    from prefixcache.fleet.service.transport import (
+        ACCEPT_BATCH,
+        HeadTimeoutProtocol,
+        http_protocol,
+    )
 
     cert, key = _self_signed(tmp_path)
-    runs: list[dict[str, object]] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(kw))
+    runs = served_configs(monkeypatch)
     path = tmp_path / "fleet.yaml"
     path.write_text(
         "replicas: [{name: r, model: m}]\nhealth: {probe_interval_s: null}\n"
@@ -297,14 +298,14 @@ def test_serve_passes_the_limits_and_tls_to_uvicorn_and_warns_when_open(
     )
     assert main(["serve", "--config", str(path), "--host", "0.0.0.0"]) == 0
     (options,) = runs
-    protocol = options["http"]
+    protocol = options.http
     assert isinstance(protocol, type) and protocol.__mro__[1] is _base_protocol()
     assert protocol.head_timeout_s == 3 and protocol.max_head_bytes == 16 * 1024
     h11 = http_protocol(ServerConfig(http="h11"))
     assert issubclass(h11, HeadTimeoutProtocol) and h11.max_head_bytes == 16 * 1024
-    assert options["limit_concurrency"] == 50 and options["timeout_keep_alive"] == 2
-    assert options["ssl_certfile"] == str(cert) and options["ssl_keyfile"] == str(key)
-    assert options["host"] == "0.0.0.0"
+    assert options.limit_concurrency == 50 and options.timeout_keep_alive == 2
+    assert options.ssl_certfile == str(cert) and options.ssl_keyfile == str(key)
+    assert options.host == "0.0.0.0" and options.backlog == ACCEPT_BATCH
     assert "warning: listening on 0.0.0.0 without API keys" in capsys.readouterr().err
 
 
