@@ -16,10 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixcache import CacheManager, Namespace
 from prefixcache.blocks.hashing import BlockHasher
-from prefixcache.fleet.whatif.shards import ShardsSampler
+from prefixcache.fleet.whatif.shards import (
+    MIN_TREE,
+    ShardsSampler,
+    _bucket,
+    sampled_depths,
+    sampled_hashes,
+)
 from tests.fleet_support import exact_prefix_lru
 
 B = 16
@@ -61,6 +69,7 @@ def _sampled(chains, trace, **kw) -> ShardsSampler:
     s = ShardsSampler(block_size=B, **kw)
     for chain, prompt in zip(chains, trace, strict=True):
         s.reference_prompt(chain, len(prompt))
+    s.check_integrity()
     return s
 
 
@@ -180,3 +189,41 @@ def test_a_hot_system_prompt_in_or_out_of_the_sample(sampled):
         exact = exact_prefix_lru(chains, lengths, size, B)
         point = s.hit_rate(size)
         assert abs(point.hit_rate - exact) <= max(0.015, 2 * point.stderr), (size, point, exact)
+
+
+def test_reuse_distances_stay_exact_when_the_tree_is_renumbered():
+    """A cycle of 100 one-block prompts, every block sampled: each reuse is 99 blocks away, also
+    after the reuse-distance tree fills and is renumbered (twice here). Before, a block
+    referenced again as the tree filled kept a stale 1 at its old time, so later distances were
+    one too long until the next renumbering."""
+    cycle = [xxhash.xxh3_128_digest(str(k).encode()) for k in range(100)]
+    s = ShardsSampler(rate=1.0, block_size=1)
+    for _ in range(2 * MIN_TREE // len(cycle) + 3):
+        for d in cycle:
+            s.reference_prompt([d], 1)
+            s.check_integrity()  # the tree counts each live block once
+    assert set(s._hist) == {_bucket(99)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    width=st.sampled_from([8, 16, 32]),
+    firsts=st.lists(st.integers(0, 255), max_size=60),
+    rate=st.sampled_from([1e-3, 0.01, 0.05, 0.5, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sampled_hashes_and_depths_are_the_threshold_test_on_every_digest(
+    width: int, firsts: list[int], rate: float, seed: int
+) -> None:
+    """The first-byte test that passes over most digests picks exactly the digests whose first
+    8 bytes are under the threshold, whatever their width."""
+    rng = np.random.default_rng(seed)
+    digests = [bytes([b]) + rng.bytes(width - 1) for b in firsts]
+    threshold = min(1 << 64, int(rate * (1 << 64)))
+    under = [i for i, d in enumerate(digests) if int.from_bytes(d[:8], "big") < threshold]
+    assert sampled_hashes(digests, threshold) == [
+        (int.from_bytes(digests[i][:8], "big"), i) for i in reversed(under)
+    ]
+    assert sampled_depths(digests, threshold) == under
+    uneven = [d + b"\0" * (k % 3) for k, d in enumerate(digests)]
+    assert sampled_depths(uneven, threshold) == under

@@ -117,6 +117,23 @@ class _Fenwick:
             tree[i] += delta
             i += i & -i
 
+    def move(self, old: int, new: int) -> None:
+        """The 1 at position ``old`` moves to ``new``: both update paths rise until they meet,
+        where the -1 and the +1 cancel (a block referenced again soon walks a few nodes)."""
+        tree, n = self.tree, self.n
+        i, j = old, new
+        while i != j:
+            if i < j:
+                if i > n:
+                    return
+                tree[i] -= 1
+                i += i & -i
+            else:
+                if j > n:
+                    return
+                tree[j] += 1
+                j += j & -j
+
     def prefix(self, i: int) -> int:
         tree, total = self.tree, 0
         while i > 0:
@@ -185,40 +202,69 @@ class ShardsSampler:
         threshold = self.threshold
         weight = FULL / threshold
         picked = [h for h, _ in hashes if h < threshold]
-        last_of, times = self._last, self._times
+        last_of, times, hist, cells = self._last, self._times, self._hist, self._cells
+        live = len(last_of)
         for h, depth in hashes:
             if h >= threshold:
                 continue
-            self.sampled_refs += 1
             last = last_of.get(h)
-            cell = stratum(depth) * GROUPS + h % GROUPS
+            cell = min(STRATA - 1, depth.bit_length()) * GROUPS + h % GROUPS  # ``stratum``
             if last is None:
                 self._cold[cell] += weight
                 continue
             # the live blocks referenced since: each has a 1 at its last time, after ``last``
-            newer = self._clock - last - 1  # references since (0: none, so no block either)
-            distance = (len(last_of) - times.prefix(last + 1) if newer else 0) * weight
-            bucket = _bucket(distance)
-            self._hist[bucket] = self._hist.get(bucket, 0.0) + weight
-            self._cells[cell * COARSE + _coarse(distance)] += weight
+            # (none when no reference came since)
+            since = live - times.prefix(last + 1) if self._clock - last - 1 else 0
+            if not since:  # distance 0: bucket 0 of both
+                hist[0] = hist.get(0, 0.0) + weight
+                cells[cell * COARSE] += weight
+            else:  # ``_bucket`` and ``_coarse`` of the scaled distance (>= 1), on one log
+                steps = math.log2(since * weight)
+                bucket = 1 + int(_STEPS * steps)
+                hist[bucket] = hist.get(bucket, 0.0) + weight
+                cells[cell * COARSE + min(COARSE - 1, 1 + int(steps))] += weight
+        self.sampled_refs += len(picked)
         for h in picked:
             if h >= self.threshold:  # left the sample as it filled
                 continue
-            last = self._last.get(h)
+            last = last_of.get(h)
             if last is not None:
-                self._times.add(last + 1, -1)
-            self._place(h)
-            if last is None:
+                self._place(h, last)
+            else:
+                self._place(h, -1)
                 heapq.heappush(self._by_hash, -h)
-                while len(self._last) > self.max_blocks:
+                while len(last_of) > self.max_blocks:
                     self._drop_largest()
 
-    def _place(self, h: int) -> None:
-        """``h`` is referenced now: its time in the tree (renumbered when the tree is full)."""
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the tree holds a 1 at each live block's last time and
+        nothing else, the heap holds the live hashes, and every live hash is under the
+        threshold."""
+        times, live = self._times, len(self._last)
+        if times.prefix(times.n) != live:
+            raise AssertionError(f"the tree counts {times.prefix(times.n)} blocks, {live} live")
+        for h, t in self._last.items():
+            if times.prefix(t + 1) - times.prefix(t) != 1:
+                raise AssertionError(f"block {h:#x}: no 1 at its time {t}")
+            if h >= self.threshold:
+                raise AssertionError(f"block {h:#x} is not under the threshold")
+        if sorted(-x for x in self._by_hash) != sorted(self._last):
+            raise AssertionError("the heap and the live blocks differ")
+
+    def _place(self, h: int, last: int) -> None:
+        """``h`` is referenced now (``last``: its time before, -1 when new): its time in the
+        tree (renumbered when the tree is full)."""
         if self._clock + 1 > self._times.n:
+            if last >= 0:
+                self._times.add(last + 1, -1)
+                del self._last[h]
             self._renumber()
+            last = -1
+        if last >= 0:
+            self._times.move(last + 1, self._clock + 1)
+        else:
+            self._times.add(self._clock + 1, 1)
         self._last[h] = self._clock
-        self._times.add(self._clock + 1, 1)
         self._clock += 1
 
     def _renumber(self) -> None:
