@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from prefixcache import CacheManager, Namespace
 from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.fleet.whatif.shadow_fleets import sample_prompt
 from prefixcache.fleet.whatif.shards import (
     MIN_TREE,
     ShardsSampler,
@@ -227,3 +228,8 @@ def test_sampled_hashes_and_depths_are_the_threshold_test_on_every_digest(
     assert sampled_depths(digests, threshold) == under
     uneven = [d + b"\0" * (k % 3) for k, d in enumerate(digests)]
     assert sampled_depths(uneven, threshold) == under
+    # the shadows' cut from hashes the curves picked at this threshold or a higher one
+    own = sample_prompt(digests, rate)
+    assert own.depths == under
+    for higher in (threshold, min(1 << 64, 2 * threshold)):
+        assert sample_prompt(digests, rate, sampled_hashes(digests, higher)) == own

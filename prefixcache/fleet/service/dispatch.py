@@ -122,11 +122,14 @@ class FleetService:
     def _observe_route(
         self, replica: str, digests: Sequence[bytes], prompt_tokens: int, block_size: int
     ) -> None:
-        """Every route: the live curves' sample, the shadow fleets and the recorded trace."""
+        """Every route: the live curves' sample, the shadow fleets and the recorded trace (the
+        curves pick the sampled digests for the shadows too: one pass over the digests)."""
+        picks = None
         if self.config.whatif.enabled:
-            self.whatif.observe(replica, digests, prompt_tokens, block_size)
+            at_least = self.shadows.threshold if self.shadows is not None else 0
+            picks = self.whatif.observe(replica, digests, prompt_tokens, block_size, at_least)
         if self.shadows is not None:
-            self.shadows.offer(digests, prompt_tokens)
+            self.shadows.offer(digests, prompt_tokens, picks)
         if self.recorder is not None:
             self.recorder.record(digests, prompt_tokens, block_size)
 

@@ -94,9 +94,9 @@ def _serve(args: argparse.Namespace) -> int:
             worker_protocol,
         )
         from prefixcache.fleet.service.transport import (
-            ACCEPT_BATCH,
             BatchedAcceptServer,
             exposure_warning,
+            uvicorn_config,
             uvicorn_options,
         )
     except ImportError as exc:
@@ -140,16 +140,20 @@ def _serve(args: argparse.Namespace) -> int:
     warning = exposure_warning(args.host, config)
     if warning is not None:
         print(f"prefixcache serve: warning: {warning}", file=sys.stderr)
-    limits = uvicorn_options(config)
-    run = {"host": args.host, "port": args.port, "log_level": args.log_level}
-    run["access_log"] = args.access_log
     if args.workers > 1:  # each worker opens its own service over the shared index
         os.environ[WORKER_ENV] = json.dumps(dataclasses.asdict(options))
+        limits = uvicorn_options(config)
         limits["http"] = worker_protocol(config.server)
         worker = "prefixcache.fleet.service.startup:worker_app"
-        uvicorn.run(worker, factory=True, workers=args.workers, **run, **limits)
+        run = {"host": args.host, "port": args.port, "log_level": args.log_level}
+        uvicorn.run(
+            worker, factory=True, workers=args.workers, access_log=args.access_log, **run, **limits
+        )
     else:  # one process: its event loop accepts a batch a turn (transport.BatchedAcceptServer)
-        server = BatchedAcceptServer(uvicorn.Config(app, backlog=ACCEPT_BATCH, **run, **limits))
+        settings = uvicorn_config(
+            app, config, args.host, args.port, args.log_level, access_log=args.access_log
+        )
+        server = BatchedAcceptServer(settings)
         with contextlib.suppress(KeyboardInterrupt):
             server.run()
         if not server.started:

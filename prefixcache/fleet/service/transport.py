@@ -236,13 +236,24 @@ def uvicorn_options(config: ServiceConfig) -> dict[str, Any]:
 
 
 def uvicorn_config(
-    app: Any, config: ServiceConfig, host: str, port: int, log_level: str = "info"
+    app: Any,
+    config: ServiceConfig,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    access_log: bool = True,
 ) -> uvicorn.Config:
     """The uvicorn settings of ``app`` with the limits and TLS of ``config``, accepting
     ``ACCEPT_BATCH`` connections a turn (serve it with ``BatchedAcceptServer``)."""
     options = uvicorn_options(config)
     return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, backlog=ACCEPT_BATCH, **options
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        backlog=ACCEPT_BATCH,
+        **options,
     )
 
 

@@ -57,11 +57,19 @@ class LiveCurves:
         return max(256, int(budget / (curves * BYTES_PER_SAMPLED_BLOCK)))
 
     def observe(
-        self, replica: str, digests: Sequence[bytes], prompt_tokens: int, block_size: int
-    ) -> None:
-        """A routed prompt (its digests at the replica's ``block_size``, root first)."""
+        self,
+        replica: str,
+        digests: Sequence[bytes],
+        prompt_tokens: int,
+        block_size: int,
+        at_least: int = 0,
+    ) -> list[tuple[int, int]]:
+        """A routed prompt (its digests at the replica's ``block_size``, root first). Returns
+        the sampling hashes it picked with their depths (``sampled_hashes``), under the curves'
+        threshold or ``at_least``, whichever is higher: another sample of the same prompt
+        (the shadow fleets') takes its own from them instead of reading every digest again."""
         if not self.config.enabled:
-            return
+            return []
         with self._lock:
             sample = self._samples.get(replica)
             if sample is None:
@@ -71,10 +79,11 @@ class LiveCurves:
                 fleet = self._fleet = self._new_sample(block_size)
             # one pass picks what either sample takes; each then keeps its own
             chain = digests if isinstance(digests, list) else list(digests)
-            hashes = sampled_hashes(chain, max(sample.threshold, fleet.threshold))
+            hashes = sampled_hashes(chain, max(sample.threshold, fleet.threshold, at_least))
             sample.reference_hashes(hashes, len(digests), prompt_tokens)
             fleet.reference_hashes(hashes, len(digests), prompt_tokens)
             self._requests[replica] = self._requests.get(replica, 0) + 1
+        return hashes
 
     def _new_sample(self, block_size: int) -> ShardsSampler:
         return ShardsSampler(self.config.rate, self._max_blocks(), block_size)

@@ -90,11 +90,19 @@ class SampledPrompt(NamedTuple):
     first: bytes  # its first block's digest (b"" for none)
 
 
-def sample_prompt(digests: Sequence[bytes], rate: float) -> SampledPrompt:
+def sample_prompt(
+    digests: Sequence[bytes], rate: float, picks: list[tuple[int, int]] | None = None
+) -> SampledPrompt:
     """``digests`` (a prompt's full blocks, root first) cut down to the blocks sampled at
     ``rate``: a digest, read as a 64-bit number, under ``rate x 2**64`` (a first byte over the
-    threshold's is passed over unread)."""
-    depths = sampled_depths(digests, min(FULL, int(rate * FULL)))
+    threshold's is passed over unread). ``picks``: the prompt's sampling hashes and depths
+    already picked at this threshold or a higher one (``sampled_hashes``, deepest first), so
+    the digests are not read again."""
+    threshold = min(FULL, int(rate * FULL))
+    if picks is None:
+        depths = sampled_depths(digests, threshold)
+    else:
+        depths = [depth for h, depth in reversed(picks) if h < threshold]
     sampled = [digests[i] for i in depths]
     return SampledPrompt(sampled, depths, len(digests), digests[0] if digests else b"")
 

@@ -2,10 +2,10 @@
 
 Each route costs the shadows a route and an admission per scenario (eight miniature fleets on
 most long prompts at 1%): in the router's process that was 1.65x its CPU per route. Here the
-route path only cuts the prompt down to its sampled blocks (``sample_prompt``: a byte test per
-digest) and appends that to a queue; a sender thread ships the queue in batches over a pipe to
-a child process that runs ``ShadowFleets`` and answers ``report``. The child is a fresh
-interpreter (``python -m`` this module, the pipe one end of a socket pair: no fork of a
+route path only cuts the prompt down to its sampled blocks (``sample_prompt``, from the hashes
+the live curves picked) and appends that to a queue; a sender thread ships the queue in batches
+over a pipe to a child process that runs ``ShadowFleets`` and answers ``report``. The child is
+a fresh interpreter (``python -m`` this module, the pipe one end of a socket pair: no fork of a
 threaded server, no re-import of the caller's main script) and stops with the service, or when
 its pipe closes.
 
@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from prefixcache.fleet.replica_spec import ReplicaSpec
-from prefixcache.fleet.whatif.shadow_fleets import ShadowFleets, sample_prompt
+from prefixcache.fleet.whatif.shadow_fleets import FULL, ShadowFleets, sample_prompt
 
 BATCH = 256  # prompts a message carries at most
 FLUSH_S = 0.1  # the sender ships what is queued at least this often
@@ -65,6 +65,7 @@ class ShadowProcess:
 
     def __init__(self, specs: Sequence[ReplicaSpec], policy: str, rate: float) -> None:
         self.rate = rate
+        self.threshold = min(FULL, int(rate * FULL))  # a sampling hash under it is sampled
         self._active = any(s.capacity_blocks > 0 for s in specs)  # as ShadowFleets sizes
         # prompts (a SampledPrompt and its token count), and in their place the questions:
         # ("report", number) and ("stop",)
@@ -90,15 +91,21 @@ class ShadowProcess:
         )
         self._sender.start()
 
-    def offer(self, digests: Sequence[bytes], prompt_tokens: int) -> None:
+    def offer(
+        self,
+        digests: Sequence[bytes],
+        prompt_tokens: int,
+        picks: list[tuple[int, int]] | None = None,
+    ) -> None:
         """A routed prompt (its full blocks' digests, root first): cut down to its sampled
-        blocks here, queued for the child."""
+        blocks here (from ``picks`` when the curves have picked at ``threshold`` or higher:
+        ``sample_prompt``), queued for the child."""
         if not self._active or self.error is not None:
             return
         if len(self._queue) >= MAX_QUEUED:
             self.dropped += 1
             return
-        self._queue.append((sample_prompt(digests, self.rate), prompt_tokens))
+        self._queue.append((sample_prompt(digests, self.rate, picks), prompt_tokens))
         if len(self._queue) >= BATCH:
             self._wake.set()
 

@@ -208,21 +208,16 @@ class ShardsSampler:
             if h >= threshold:
                 continue
             last = last_of.get(h)
-            cell = min(STRATA - 1, depth.bit_length()) * GROUPS + h % GROUPS  # ``stratum``
+            cell = stratum(depth) * GROUPS + h % GROUPS
             if last is None:
                 self._cold[cell] += weight
                 continue
             # the live blocks referenced since: each has a 1 at its last time, after ``last``
             # (none when no reference came since)
             since = live - times.prefix(last + 1) if self._clock - last - 1 else 0
-            if not since:  # distance 0: bucket 0 of both
-                hist[0] = hist.get(0, 0.0) + weight
-                cells[cell * COARSE] += weight
-            else:  # ``_bucket`` and ``_coarse`` of the scaled distance (>= 1), on one log
-                steps = math.log2(since * weight)
-                bucket = 1 + int(_STEPS * steps)
-                hist[bucket] = hist.get(bucket, 0.0) + weight
-                cells[cell * COARSE + min(COARSE - 1, 1 + int(steps))] += weight
+            bucket = _bucket(since * weight)
+            hist[bucket] = hist.get(bucket, 0.0) + weight
+            cells[cell * COARSE + _coarse_of(bucket)] += weight
         self.sampled_refs += len(picked)
         for h in picked:
             if h >= self.threshold:  # left the sample as it filled
@@ -333,11 +328,12 @@ def _bucket(distance: float) -> int:
     return 1 + int(_STEPS * math.log2(distance))
 
 
-def _coarse(distance: float) -> int:
-    """The coarse bucket of a scaled distance: 0 under 1, else 1 + log2 d (at most the last)."""
-    if distance < 1:
+def _coarse_of(bucket: int) -> int:
+    """The coarse bucket of a fine ``bucket``: 0 under 1, else 1 + int(log2 d) (at most the
+    last), as ``_bucket``'s 1 + int(64 log2 d) gives it."""
+    if bucket == 0:
         return 0
-    return min(COARSE - 1, 1 + int(math.log2(distance)))
+    return min(COARSE - 1, 1 + (bucket - 1) // _STEPS)
 
 
 def _coarse_top(bucket: int) -> float:
