@@ -10,7 +10,10 @@ other routed conversations but not what the replicas cache.
 
 The body is forwarded unchanged and the answer streamed back as it arrives (server-sent events
 included). The request counts as load on its replica from the route until the answer ends, the
-client goes away, or the replica fails; a replica that cannot be reached gives a 502 JSON error.
+client goes away, or the replica fails. A replica that refuses the connection (or does not
+accept it in time) received nothing: it is marked down at once and the request is routed again
+among the others, up to ``proxy.connect_retries`` times; a request whose bytes may have reached a
+replica is never sent again. A failed request gives a 502 JSON error.
 The model name selects the namespace: the base model of a replica whose model it is, or a
 LoRA adapter (how vLLM names LoRA modules) that a replica has as its own or lists in
 ``adapters``; vLLM's ``cache_salt`` becomes the salt. Which replicas may take the request is the
@@ -45,9 +48,11 @@ from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import TokenIds
 from prefixcache.errors import (
     InvalidArgumentError,
+    NoHealthyReplicaError,
     UnknownNamespaceError,
     UnknownReplicaError,
 )
+from prefixcache.fleet.delivery_check import Prediction
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, pinned_adapter_versions, served_label
 from prefixcache.fleet.router import RouteDecision
 from prefixcache.fleet.service.bodies import decode_body
@@ -64,7 +69,7 @@ _FORWARDED_REQUEST_HEADERS = ("content-type", "authorization", "accept", "x-requ
 
 class _UpstreamStream(StreamingResponse):
     """The replica's answer, relayed chunk by chunk; ``on_close`` runs however it ends, with the
-    engine's cached-token figure when ``reader`` found one in a whole answer (else None)."""
+    engine's cached-token figure when ``reader`` found one in what passed (else None)."""
 
     def __init__(
         self,
@@ -76,7 +81,6 @@ class _UpstreamStream(StreamingResponse):
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
         headers.update(extra_headers)
         replica = extra_headers.get("x-prefixcache-replica", "the replica")
-        self._complete = False
         relay = self._relay(upstream, replica, reader)
         super().__init__(relay, status_code=upstream.status_code, headers=headers)
         self._upstream = upstream
@@ -90,9 +94,11 @@ class _UpstreamStream(StreamingResponse):
             try:
                 await self._upstream.aclose()
             finally:
+                # the figure, as soon as the answer carried it, whether or not the client
+                # stayed for the rest (a stream's usage chunk comes before data: [DONE])
                 reader = self._reader
-                whole = self._complete and reader is not None and self._upstream.status_code == 200
-                self._on_close(reader.close() if whole and reader is not None else None)
+                ok = reader is not None and self._upstream.status_code == 200
+                self._on_close(reader.close() if ok and reader is not None else None)
 
     async def _relay(
         self, upstream: httpx.Response, replica: str, reader: UsageReader | None
@@ -106,7 +112,6 @@ class _UpstreamStream(StreamingResponse):
                 if reader is not None:
                     reader.feed(chunk)
                 yield chunk
-            self._complete = True
         except httpx.HTTPError as exc:
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 error = {
@@ -187,7 +192,6 @@ async def _forward(
     service.limits.take(caller)
     raw = await service.read_body(request, caller)
     payload = decode_body(raw, dict[str, Any])
-    request_id = uuid.uuid4().hex
     given_salt = payload.get("cache_salt")
     if given_salt is not None and not isinstance(given_salt, str):
         raise InvalidArgumentError("'cache_salt' must be a string")
@@ -195,24 +199,85 @@ async def _forward(
     if salt != given_salt:  # the engine keys the blocks under the tenant's salt
         raw = msgspec.json.encode({**payload, "cache_salt": salt})
 
-    def choose() -> tuple[RouteDecision, Namespace]:  # tokenizing, hashing, the index: off the loop
-        namespace = namespace_for(service, payload.get("model"), salt)
-        tokens = tokens_of(service, payload)
-        # always released: no in-flight timeout
-        return service.route_tokens(namespace, tokens, request_id, expire=False), namespace
+    def prompt() -> tuple[Namespace, TokenIds]:  # tokenizing: off the loop
+        return namespace_for(service, payload.get("model"), salt), tokens_of(service, payload)
 
-    service.limits.reserve(caller)
-    settled: str | None = None
-    try:
-        decision, namespace = await run_in_threadpool(choose)
-        settled = request_id
-    finally:
-        service.limits.settle(caller, settled)
-    released = False
+    namespace, tokens = await run_in_threadpool(prompt)
     # one prompt, one answer: the engine's cached tokens are this prompt's
     model = namespace.adapter or namespace.model
     checked = service.delivery.config.enabled and _one_prompt(payload)
-    prediction = service.prediction(decision, model, caller) if checked else None
+    headers = {k: v for k in _FORWARDED_REQUEST_HEADERS if (v := request.headers.get(k))}
+    upstream_key = service.config.access.upstream_key
+    if upstream_key is not None:
+        headers["authorization"] = f"Bearer {upstream_key}"
+    elif service.config.access.enabled:
+        headers.pop("authorization", None)  # the caller's key is for this service only
+    retries = service.config.proxy.connect_retries
+    refused: Response | None = None
+    for attempt in range(retries + 1):
+        request_id = uuid.uuid4().hex
+        try:
+            decision = await _route(service, caller, namespace, tokens, request_id)
+        except NoHealthyReplicaError:
+            if refused is None:
+                raise
+            return refused  # no other replica to try: the last refusal
+        prediction = service.prediction(decision, model, caller) if checked else None
+        release = _releaser(service, caller, request_id, prediction)
+        url = f"{service.urls[decision.replica]}{path}"
+        try:
+            upstream = await service.http_client.send(
+                service.http_client.build_request("POST", url, content=raw, headers=headers),
+                stream=True,
+            )
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # nothing was sent: the replica is unreachable; it takes no routes, and another
+            # one gets the request
+            release()
+            with suppress(UnknownReplicaError):
+                reason = f"request failed: {type(exc).__name__}"
+                service.router.mark_down(decision.replica, service.config.health.down_s, reason)
+            refused = _upstream_failed(service, path, decision.replica, url, exc)
+            if attempt < retries:
+                continue
+            return refused
+        except httpx.HTTPError as exc:  # sent, or perhaps sent: never sent again
+            release()
+            return _upstream_failed(service, path, decision.replica, url, exc)
+        except BaseException:
+            release()
+            raise
+        extra = {"x-prefixcache-replica": decision.replica, "x-prefixcache-request-id": request_id}
+        reader = None
+        if prediction is not None:
+            reader = UsageReader(upstream.headers.get("content-type", ""))
+        return _UpstreamStream(upstream, extra, release, reader)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _route(
+    service: FleetService, caller: Any, namespace: Namespace, tokens: TokenIds, request_id: str
+) -> RouteDecision:
+    """Route the prompt as ``request_id`` within ``caller``'s in-flight cap (hashing and the
+    index: off the loop)."""
+    service.limits.reserve(caller)
+    settled: str | None = None
+    try:
+        decision: RouteDecision = await run_in_threadpool(
+            service.route_tokens, namespace, tokens, request_id, expire=False
+        )  # always released: no in-flight timeout
+        settled = request_id
+    finally:
+        service.limits.settle(caller, settled)
+    return decision
+
+
+def _releaser(
+    service: FleetService, caller: Any, request_id: str, prediction: Prediction | None
+) -> Callable[[int | None], None]:
+    """Ends the load of ``request_id`` once (with the engine's cached-token figure, checked
+    against ``prediction``)."""
+    released = False
 
     def release(delivered: int | None = None) -> None:
         nonlocal released
@@ -223,38 +288,16 @@ async def _forward(
             if prediction is not None:
                 service.delivery.observe(prediction, delivered)
 
-    url = f"{service.urls[decision.replica]}{path}"
-    headers = {k: v for k in _FORWARDED_REQUEST_HEADERS if (v := request.headers.get(k))}
-    upstream_key = service.config.access.upstream_key
-    if upstream_key is not None:
-        headers["authorization"] = f"Bearer {upstream_key}"
-    elif service.config.access.enabled:
-        headers.pop("authorization", None)  # the caller's key is for this service only
-    try:
-        upstream = await service.http_client.send(
-            service.http_client.build_request("POST", url, content=raw, headers=headers),
-            stream=True,
-        )
-    except httpx.HTTPError as exc:
-        release()
-        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):  # unreachable: no routes
-            with suppress(UnknownReplicaError):
-                reason = f"request failed: {type(exc).__name__}"
-                service.router.mark_down(decision.replica, service.config.health.down_s, reason)
-        service.metrics.errors.labels(path, "502").inc()
-        return error_response(
-            502,
-            "UpstreamError",
-            f"replica {decision.replica} at {url} failed: {type(exc).__name__}: {exc}",
-        )
-    except BaseException:
-        release()
-        raise
-    extra = {"x-prefixcache-replica": decision.replica, "x-prefixcache-request-id": request_id}
-    reader = None
-    if prediction is not None:
-        reader = UsageReader(upstream.headers.get("content-type", ""))
-    return _UpstreamStream(upstream, extra, release, reader)
+    return release
+
+
+def _upstream_failed(
+    service: FleetService, path: str, replica: str, url: str, exc: Exception
+) -> Response:
+    service.metrics.errors.labels(path, "502").inc()
+    return error_response(
+        502, "UpstreamError", f"replica {replica} at {url} failed: {type(exc).__name__}: {exc}"
+    )
 
 
 def _one_prompt(payload: dict[str, Any]) -> bool:

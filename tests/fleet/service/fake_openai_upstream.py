@@ -5,8 +5,12 @@
 ``POST /{name}/v1/completions`` and ``/{name}/v1/chat/completions`` answer as replica ``name``;
 with ``"stream": true`` they send ``max_tokens`` server-sent events (``delay`` seconds apart when
 the body has ``"delay"``) and ``data: [DONE]``; ``"wait"`` delays the answer itself, and
-``"break_after": k`` cuts the connection after ``k`` events.
-``GET /{name}/health`` answers as vLLM's does.
+``"break_after": k`` cuts the connection after ``k`` events. With
+``"stream_options": {"include_usage": true}`` a last chunk carries the ``usage``, whose
+``prompt_tokens_details.cached_tokens`` is the body's ``"report_cached"`` (0 without it);
+``"linger": s`` holds the stream open ``s`` seconds after ``data: [DONE]`` before it ends.
+``GET /{name}/health`` answers as vLLM's does; ``GET /{name}/served`` counts the completion
+requests replica ``name`` answered.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 app = FastAPI()
+served: dict[str, int] = {}
 
 
 async def _answer(name: str, kind: str, request: Request) -> Response:
     body = await request.json()
+    served[name] = served.get(name, 0) + 1
     if body.get("wait"):  # a slow replica: nothing until then
         await asyncio.sleep(float(body["wait"]))
     count = int(body.get("max_tokens", 3))
@@ -37,6 +43,8 @@ async def _answer(name: str, kind: str, request: Request) -> Response:
     delay = float(body.get("delay", 0.0))
 
     broken = body.get("break_after")
+    usage = (body.get("stream_options") or {}).get("include_usage")
+    details = {"cached_tokens": int(body.get("report_cached", 0))}
 
     async def events() -> AsyncIterator[bytes]:
         for i in range(count):
@@ -46,7 +54,15 @@ async def _answer(name: str, kind: str, request: Request) -> Response:
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             if delay:
                 await asyncio.sleep(delay)
+        if usage:
+            chunk = {"object": kind, "replica": name, "choices": [], "usage": {
+                "prompt_tokens": 8, "completion_tokens": count, "total_tokens": 8 + count,
+                "prompt_tokens_details": details,
+            }}  # fmt: skip
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
         yield b"data: [DONE]\n\n"
+        if body.get("linger"):  # the answer is over, the response not yet ended
+            await asyncio.sleep(float(body["linger"]))
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -64,6 +80,11 @@ async def chat(name: str, request: Request) -> Response:
 @app.get("/{name}/health")
 async def replica_health(name: str) -> dict[str, str]:
     return {"status": "ok", "replica": name}
+
+
+@app.get("/{name}/served")
+async def replica_served(name: str) -> dict[str, int]:
+    return {"served": served.get(name, 0)}
 
 
 @app.get("/healthz")

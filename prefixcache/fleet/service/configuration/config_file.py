@@ -110,6 +110,8 @@ class ProxyConfig:
 
     enabled: bool = False
     timeout_s: float = 600.0
+    # other replicas a request goes to when its replica refuses the connection (nothing sent)
+    connect_retries: int = 2
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ _LIMITS = (
     "ingest_workers",
 )
 MAX_EVENT_MESSAGE_BYTES = 1 << 40  # ZMQ_MAXMSGSIZE is an int64; beyond this is no limit at all
-_PROXY = ("enabled", "timeout_s")
+_PROXY = ("enabled", "timeout_s", "connect_retries")
 
 
 def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
@@ -358,12 +360,17 @@ def _routing(r: ConfigReader, raw: Any) -> RoutingConfig:
 
 
 def _proxy(r: ConfigReader, raw: Any) -> ProxyConfig:
-    """``proxy``: whether the OpenAI-compatible endpoints forward, and their timeout."""
+    """``proxy``: whether the OpenAI-compatible endpoints forward, their timeout, and how many
+    other replicas a request whose replica refused the connection goes to."""
     px = r.mapping(raw, "proxy", _PROXY)
     enabled = px.get("enabled", False)
     if not isinstance(enabled, bool):
         raise r.fail("proxy.enabled", f"expected true or false, got {enabled!r}")
-    return ProxyConfig(enabled, r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"))
+    return ProxyConfig(
+        enabled,
+        r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"),
+        r.integer(px.get("connect_retries", 2), "proxy.connect_retries", 0),
+    )
 
 
 def _health(r: ConfigReader, raw: Any) -> HealthConfig:
