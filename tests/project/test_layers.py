@@ -1,11 +1,13 @@
 """The package's imports run one way: a test walks every module's imports, at any depth in the
 file (lazy imports inside functions included), and fails on any import against the layering.
 
-- core (the top-level modules, ``blocks/``, ``manager/`` and ``kernels``) imports nothing from
-  ``text/``, ``replay/``, ``report/`` or ``fleet/``;
+- core (the top-level modules, ``blocks/``, ``manager/``, ``kernels`` and ``store/``) imports
+  nothing from ``text/``, ``replay/``, ``report/``, ``fleet/`` or ``engines/``;
 - ``text/`` imports only core;
 - ``report/`` reads run directories: nothing from ``replay/`` or ``fleet/``;
-- ``fleet/`` nothing from ``replay/`` or ``report/``;
+- ``fleet/`` nothing from ``replay/``, ``report/`` or ``engines/``;
+- ``engines/`` (real engines beside the service) nothing from ``replay/``, ``report/`` or
+  ``fleet/``, and nothing below it imports it;
 - ``replay/``, a layer above, drives the fleet's router, index and wire format and prints reports;
 - ``cli`` sits on top and names its command modules;
 - and no two modules import each other, directly or through others.
@@ -21,10 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # layer -> the layers it must not import
 FORBIDDEN = {
-    "core": {"text", "replay", "report", "fleet"},
-    "text": {"replay", "report", "fleet"},
-    "report": {"replay", "fleet"},
-    "fleet": {"replay", "report"},
+    "core": {"text", "replay", "report", "fleet", "engines"},
+    "text": {"replay", "report", "fleet", "engines"},
+    "report": {"replay", "fleet", "engines"},
+    "fleet": {"replay", "report", "engines"},
+    "engines": {"replay", "report", "fleet"},
     "replay": set(),
     "cli": set(),
 }
@@ -47,7 +50,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if module == "prefixcache.cli":
         return "cli"
-    if len(parts) > 1 and parts[1] in ("text", "replay", "report", "fleet"):
+    if len(parts) > 1 and parts[1] in ("text", "replay", "report", "fleet", "engines"):
         return parts[1]
     return "core"
 
