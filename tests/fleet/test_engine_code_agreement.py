@@ -115,10 +115,13 @@ def _vllm_hashes(vllm, tokens, *, seed, salt=None, lora=None, monkeypatch) -> li
 def test_vllm_request_hashes_equal_the_services_engine_hashes(vllm, monkeypatch, seed, salt, lora):
     tokens = np.random.default_rng(1).integers(0, 50_000, 5 * P + 3).tolist()
     theirs = _vllm_hashes(vllm, tokens, seed=seed, salt=salt, lora=lora, monkeypatch=monkeypatch)
-    spec = EngineHashSpec(seed=seed, lora_paths={lora[0]: lora[1]} if lora else {})
+    spec = EngineHashSpec(
+        algo="sha256_cbor", seed=seed, lora_paths={lora[0]: lora[1]} if lora else {}
+    )
     ours = EngineHasher(spec, P).digests(tokens, salt=salt, adapter=lora[0] if lora else None)
     assert len(theirs) == 5 and ours == theirs
-    other = EngineHasher(EngineHashSpec(seed="not-" + str(seed)), P).digests(tokens, salt=salt)
+    other_seed = EngineHashSpec(algo="sha256_cbor", seed="not-" + str(seed))
+    other = EngineHasher(other_seed, P).digests(tokens, salt=salt)
     assert other[0] != theirs[0]  # a wrong seed is told apart at the first block
 
 

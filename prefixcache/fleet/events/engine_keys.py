@@ -9,7 +9,8 @@ block's parent being ``NONE_HASH = hash(seed)`` (the seed a str: ``PYTHONHASHSEE
 else ``"vllm-none-hash"`` for the SHA-256 variants; the xxHash variants draw a random seed per
 process without it, so they are reproducible only with ``PYTHONHASHSEED`` set). The hash of an
 object is ``sha256`` or xxh3-128 of its pickle (protocol 5) or of its canonical CBOR encoding
-(``--prefix-caching-hash-algo``: ``sha256``, ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``).
+(``--prefix-caching-hash-algo``: ``sha256``, vLLM's default, ``sha256_cbor``, ``xxhash``,
+``xxhash_cbor``).
 ``extra_keys`` is None, or a tuple of tagged keys: ``("lora", name, path)`` on every block of a
 LoRA request (the adapter's path is not in the events: it must be configured per adapter, else
 LoRA blocks are not computed here), then ``("cache_salt", salt)`` on the first block. Events send
@@ -42,7 +43,16 @@ import xxhash
 from prefixcache.errors import ConfigError
 
 VLLM_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+VLLM_DEFAULT_ALGO = "sha256"  # vLLM's --prefix-caching-hash-algo when not given (0.32, 0.33)
 ENGINES = ("vllm", "sglang")
+# what a replica's engine_hash may be named
+ENGINE_HASH_NAMES = (
+    "vllm",
+    *(f"vllm-{algo}" for algo in VLLM_ALGOS),
+    "sglang",
+    "sglang-sha256",
+    "sglang-eagle",
+)
 DEFAULT_VLLM_SEED = "vllm-none-hash"
 _SGLANG_SALT_PREFIX = b"sglang-cache-salt-v1\x00"
 _U64 = (1 << 64) - 1
@@ -131,7 +141,7 @@ class EngineHashSpec:
     """How a replica's engine hashes its blocks (a replica's ``engine_hash`` setting)."""
 
     engine: str = "vllm"  # "vllm" or "sglang"
-    algo: str = "sha256_cbor"  # vLLM's --prefix-caching-hash-algo (SGLang: "sha256")
+    algo: str = VLLM_DEFAULT_ALGO  # vLLM's --prefix-caching-hash-algo (SGLang: "sha256")
     seed: str | None = None  # vLLM: the engine's PYTHONHASHSEED (None: not set)
     int_hashes: bool = True  # vLLM: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (1, the default)
     lora_paths: Mapping[str, str] = field(default_factory=dict)  # vLLM: adapter name -> path
@@ -143,26 +153,33 @@ class EngineHashSpec:
 
 
 def parse_engine_hash(raw: Any, where: str = "engine_hash") -> EngineHashSpec | None:
-    """The spec ``raw`` names: None, ``"vllm-<algo>"``, ``"sglang"``, ``"sglang-eagle"``, or a
-    mapping with ``engine``, ``algo``, ``seed``, ``int_hashes``, ``lora_paths``, ``eagle``;
-    ConfigError otherwise."""
+    """The spec ``raw`` names: None; a name, ``"vllm"`` (vLLM's default hashing,
+    ``VLLM_DEFAULT_ALGO``), ``"vllm-<algo>"`` (another ``--prefix-caching-hash-algo``),
+    ``"sglang"`` or ``"sglang-eagle"``; or a mapping with ``engine``, ``algo`` (vLLM's default
+    when left out), ``seed``, ``int_hashes``, ``lora_paths``, ``eagle``. ConfigError otherwise."""
     if raw is None:
         return None
     if isinstance(raw, str):
+        if raw not in ENGINE_HASH_NAMES:
+            raise ConfigError(
+                f"{where}: unknown engine hashing {raw!r}; one of {', '.join(ENGINE_HASH_NAMES)} "
+                f"('vllm' is vLLM's default, --prefix-caching-hash-algo {VLLM_DEFAULT_ALGO}), "
+                "or a mapping with engine, algo and seed"
+            )
         engine, _, algo = raw.partition("-")
         if engine == "sglang" and algo == "eagle":
             raw = {"engine": engine, "eagle": True}
         else:
             raw = {"engine": engine, **({"algo": algo} if algo else {})}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a name like 'vllm-sha256_cbor' or a mapping")
+        raise ConfigError(f"{where}: expected a name ({', '.join(ENGINE_HASH_NAMES)}) or a mapping")
     unknown = set(raw) - {"engine", "algo", "seed", "int_hashes", "lora_paths", "eagle"}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     engine = raw.get("engine", "vllm")
     if engine not in ENGINES:
         raise ConfigError(f"{where}.engine: one of {', '.join(ENGINES)}, got {engine!r}")
-    algo = raw.get("algo", "sha256_cbor" if engine == "vllm" else "sha256")
+    algo = raw.get("algo", VLLM_DEFAULT_ALGO if engine == "vllm" else "sha256")
     seed = raw.get("seed")
     if isinstance(seed, int) and not isinstance(seed, bool):
         seed = str(seed)  # YAML reads PYTHONHASHSEED: 0 as an int

@@ -208,9 +208,12 @@ def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
     salt = r.string(m.get("salt"), f"{where}.salt")
     try:
         namespace = Namespace(model or "", adapter, adapter_version, salt, tuple(extra))
-        engine_hash = parse_engine_hash(m.get("engine_hash"))
     except PrefixCacheError as exc:
         raise r.fail(where, str(exc)) from None
+    try:
+        engine_hash = parse_engine_hash(m.get("engine_hash"), f"{where}.engine_hash")
+    except ConfigError as exc:
+        raise r.fail("", str(exc)) from None
     return ReplicaConfig(
         name=name,
         url=r.url(m.get("url"), f"{where}.url"),
