@@ -19,7 +19,10 @@ Per replica the last ``window`` reported requests are kept. Off by more than a b
 With at least ``min_requests`` in the window, a replica goes ``degraded`` when either share
 reaches ``tolerance`` (of the requests with a predicted hit for under, of all for over) and
 clears when both fall below half of it: a sliding window, so it clears by itself once they
-agree again. Not thread-safe on its own: ``DeliveryCheck`` takes its lock.
+agree again. The reason is read from the window as it is (``delivery_reason``): its counts are
+the window's now, and while the replica stays degraded its cause is what the window shows now
+(a fault that changes, from hits not delivered to hits the index never heard of, changes it,
+with a log line). Not thread-safe on its own: ``DeliveryCheck`` takes its lock.
 """
 
 from __future__ import annotations
@@ -101,11 +104,11 @@ class _ReplicaWindow:
     (a verdict per report costs O(1), not a pass over the window)."""
 
     __slots__ = (
+        "causes",
         "degraded",
         "degraded_times",
         "over",
         "predicted_hits",
-        "reason",
         "samples",
         "sum_delivered",
         "sum_predicted",
@@ -117,7 +120,7 @@ class _ReplicaWindow:
         self.predicted_hits = self.under = self.over = 0
         self.sum_predicted = self.sum_delivered = 0
         self.degraded = False
-        self.reason = ""
+        self.causes: tuple[str, ...] = ()  # what degrades it (UNDER, OVER), as the window shows
         self.degraded_times = 0
 
     def add(self, predicted: int, delivered: int, block_size: int) -> None:
@@ -146,6 +149,51 @@ class _ReplicaWindow:
         """Mean predicted and delivered cached tokens over the window."""
         n = len(self.samples) or 1
         return self.sum_predicted / n, self.sum_delivered / n
+
+    def shares(self) -> tuple[float, float]:
+        """Under-delivered predicted hits over the predicted hits, and over-delivered requests
+        over all, in the window."""
+        n = len(self.samples)
+        under = self.under / self.predicted_hits if self.predicted_hits else 0.0
+        return under, self.over / n if n else 0.0
+
+
+UNDER, OVER = "under", "over"
+
+
+def delivery_reason(win: _ReplicaWindow, cfg: DeliveryConfig) -> str:
+    """What is off in ``win`` now and what to check ("" while it is not degraded): read from
+    the window as it is, so its counts and its cause follow the reports."""
+    if not win.degraded:
+        return ""
+    mean_p, mean_d = win.means()
+    under_share, over_share = win.shares()
+    parts = []
+    for cause in win.causes:
+        share = under_share if cause == UNDER else over_share
+        back = (
+            f" (under the {cfg.tolerance:.0%} that degrades; it clears below "
+            f"{cfg.tolerance / 2:.0%})"
+            if share < cfg.tolerance
+            else ""
+        )
+        if cause == UNDER:
+            parts.append(
+                f"predicted {mean_p:,.0f} cached tokens a request on average, the engine "
+                f"reported {mean_d:,.0f}: less than predicted on {under_share:.0%} of "
+                f"{win.predicted_hits} requests with a predicted hit{back}; check block_size, "
+                "the hash algorithm and seed (engine_hash) and cache_salt handling against the "
+                "engine's, and whether it restarted empty"
+            )
+        else:
+            parts.append(
+                f"the engine reported cached tokens the index did not know on "
+                f"{over_share:.0%} of {len(win.samples)} requests ({mean_d:,.0f} a request on "
+                f"average, {mean_p:,.0f} predicted){back}: its KV events do not reach the "
+                "service or are not understood; check the events and replay endpoints, "
+                "block_size and engine_hash"
+            )
+    return "; and ".join(parts)
 
 
 class DeliveryCheck:
@@ -213,42 +261,38 @@ class DeliveryCheck:
             self._judge(p.replica, win)
 
     def _judge(self, replica: str, win: _ReplicaWindow) -> None:
-        """Degrade or clear ``replica`` on its window (one log line when its verdict turns)."""
+        """Degrade or clear ``replica`` on its window, and while it stays degraded name the
+        cause its window shows now (one log line when its verdict or its cause turns)."""
         cfg = self.config
         n = len(win.samples)
         if n < cfg.min_requests:
             return
-        predicted_hits, under, over = win.predicted_hits, win.under, win.over
-        mean_p, mean_d = win.means()
-        under_share = under / predicted_hits if predicted_hits else 0.0
-        over_share = over / n
+        under_share, over_share = win.shares()
+        tripped = []
+        if under_share >= cfg.tolerance and win.predicted_hits >= cfg.min_requests // 2:
+            tripped.append(UNDER)
+        if over_share >= cfg.tolerance:
+            tripped.append(OVER)
         if not win.degraded:
-            if under_share >= cfg.tolerance and predicted_hits >= cfg.min_requests // 2:
-                reason = (
-                    f"predicted {mean_p:,.0f} cached tokens a request on average, the engine "
-                    f"reported {mean_d:,.0f}: less than predicted on {under_share:.0%} of "
-                    f"{predicted_hits} requests with a predicted hit; check block_size, the hash "
-                    "algorithm and seed (engine_hash) and cache_salt handling against the "
-                    "engine's, and whether it restarted empty"
-                )
-            elif over_share >= cfg.tolerance:
-                reason = (
-                    f"the engine reported cached tokens the index did not know on "
-                    f"{over_share:.0%} of {n} requests ({mean_d:,.0f} a request on average, "
-                    f"{mean_p:,.0f} predicted): its KV events do not reach the service or are "
-                    "not understood; check the events and replay endpoints, block_size and "
-                    "engine_hash"
-                )
-            else:
+            if not tripped:
                 return
-            win.degraded, win.reason = True, reason
+            win.degraded, win.causes = True, tuple(tripped)
             win.degraded_times += 1
-            log.warning("replica %s degraded: %s", replica, reason)
+            log.warning("replica %s degraded: %s", replica, delivery_reason(win, cfg))
         elif under_share < cfg.tolerance / 2 and over_share < cfg.tolerance / 2:
-            win.degraded, win.reason = False, ""
+            win.degraded, win.causes = False, ()
             log.warning(
                 "replica %s recovered: its engine delivers what the index predicts", replica
             )
+        else:
+            # still degraded: what trips now, else (on its way back) the larger share
+            causes = tuple(tripped) or ((UNDER,) if under_share >= over_share else (OVER,))
+            turned = not set(causes) <= set(win.causes)
+            win.causes = causes
+            if turned:
+                log.warning(
+                    "replica %s still degraded, now: %s", replica, delivery_reason(win, cfg)
+                )
 
     # ---- reading ----------------------------------------------------------------------------
     def state(self, replica: str) -> DeliveryState:
@@ -261,7 +305,7 @@ class DeliveryCheck:
             return DeliveryState(
                 replica,
                 win.degraded,
-                win.reason,
+                delivery_reason(win, self.config),
                 len(win.samples),
                 win.predicted_hits,
                 win.under,
@@ -274,7 +318,10 @@ class DeliveryCheck:
     def degraded(self) -> dict[str, str]:
         """Replica -> reason, for each degraded replica."""
         with self._lock:
-            return {name: w.reason for name, w in self._windows.items() if w.degraded}
+            cfg = self.config
+            return {
+                name: delivery_reason(w, cfg) for name, w in self._windows.items() if w.degraded
+            }
 
     def attribution(self) -> dict[tuple[str, str], Attribution]:
         """(tenant, model) -> the sums over reported requests."""

@@ -154,3 +154,43 @@ def test_figures_that_are_not_counts_are_not_taken():
     assert cached_tokens_of({"usage": {"prompt_tokens_details": {"cached_tokens": 1.5}}}) is None
     assert cached_tokens_of([1]) is None
     assert _feed(UsageReader("application/json"), b"{not json", 3) is None
+
+
+def test_the_degraded_reason_follows_the_window_not_the_moment_it_tripped(caplog):
+    """The reason is the window's as it is now: its counts grow past the report that tripped the
+    alarm, and when the fault changes (the engine stops delivering predicted hits, then starts
+    serving hits the index never heard of) the reason names the new cause."""
+    check = DeliveryCheck(CFG)  # window 40, min 20, tolerance 0.5
+    caplog.set_level(logging.WARNING, "prefixcache.fleet")
+    for _ in range(20):
+        check.observe(_pred("a", 100, 64), 0)
+    assert "100% of 20 requests" in check.state("a").reason
+    for _ in range(10):  # more of the same, and a few delivered
+        check.observe(_pred("a", 100, 64), 0)
+    for _ in range(5):
+        check.observe(_pred("a", 100, 64), 64)
+    state = check.state("a")
+    assert state.requests == 35 and state.under == 30
+    assert "86% of 35 requests" in state.reason, state.reason
+    assert check.degraded() == {"a": state.reason}
+    # the fault changes: no predicted hit any more, and the engine serves 80 cached tokens
+    for _ in range(40):
+        check.observe(_pred("a", 100, 0), 80)
+    state = check.state("a")
+    assert state.degraded and state.under == 0 and state.over == 40
+    assert "did not know" in state.reason and "KV events" in state.reason, state.reason
+    assert "100% of 40 requests" in state.reason and "less than predicted" not in state.reason
+    assert state.degraded_times == 1  # still the same spell, its cause named anew
+    assert any("now" in r.getMessage() and "KV events" in r.getMessage() for r in caplog.records)
+
+
+def test_a_degraded_replica_on_its_way_back_says_so_with_the_current_share():
+    check = DeliveryCheck(CFG)
+    for _ in range(40):
+        check.observe(_pred("a", 100, 64), 0)
+    for _ in range(24):  # 16 of 40 still off: 40%, below the tolerance, above half of it
+        check.observe(_pred("a", 100, 64), 64)
+    state = check.state("a")
+    assert state.degraded and state.under == 16
+    assert "40% of 40 requests" in state.reason, state.reason
+    assert "clears below 25%" in state.reason, state.reason
