@@ -9,7 +9,11 @@ its whole blocks before the last token (``engine_cap``). The engine's figure is
 ``usage.prompt_tokens_details.cached_tokens`` (vLLM with ``--enable-prompt-tokens-details``,
 SGLang with ``--enable-cache-report``) or, in route-API mode, what the gateway reports back.
 
-Per replica the last ``window`` reported requests are kept. Off by more than a block counts:
+Per replica the last ``window`` reported requests are kept. The engine's figure is compared in
+whole blocks of the replica's ``block_size`` (rounded down): an engine that reuses part of a
+block (SGLang with ``--page-size 1`` matches token by token, up to the prompt's last token)
+reports a few tokens past its whole blocks, which the index, made of whole blocks, never
+predicts. Off by more than a block counts:
 
 - **under**: the index predicted a hit the engine did not deliver (hashes that differ: block
   size, algorithm, seed or salt handling; an engine restarted empty without telling);
@@ -128,12 +132,15 @@ class _ReplicaWindow:
         samples = self.samples
         if len(samples) == samples.maxlen:
             self._count(samples[0], -1)
+        # at block granularity: an engine that reuses part of a block (SGLang with page size 1)
+        # reports tokens past its whole blocks, which the index never predicts
+        whole = delivered // block_size * block_size if block_size > 0 else delivered
         sample = _Sample(
             predicted,
             delivered,
             predicted > 0,
-            predicted > 0 and delivered < predicted - block_size,
-            delivered > predicted + block_size,
+            predicted > 0 and whole < predicted - block_size,
+            whole > predicted + block_size,
         )
         samples.append(sample)
         self._count(sample, 1)
