@@ -25,7 +25,7 @@ class ReplicaEndpoint:
     """Where one replica publishes, and how to read its blocks."""
 
     name: str
-    endpoint: str | None = None  # PUB endpoint to connect to; None: fed through ingest() only
+    endpoint: str | None = None  # its PUB endpoint (connected to); None: fed through ingest()
     replay_endpoint: str | None = None  # ROUTER endpoint for missed batches
     namespace: Namespace = DEFAULT_NAMESPACE  # model (and salt) of its blocks
     block_size: int = 16
@@ -33,6 +33,8 @@ class ReplicaEndpoint:
     hash_algo: str = "xxh3_128"
     engine_hash: EngineHashSpec | None = None  # how its engine hashes blocks, when reproducible
     kv_store: str | None = None  # the shared K/V store its STORE-medium events speak of
+    # bind ``endpoint`` for the engine to connect to (vLLM connects to a plain host address)
+    bind: bool = False
 
 
 class ReplicaCounters(NamedTuple):

@@ -2,7 +2,11 @@
 
 One ``ReplicaEndpoint`` per replica (an engine's data-parallel rank): its event endpoint, its
 optional replay endpoint, the namespace its blocks live in, its block size. A poller thread
-(``start()``) reads every replica's PUB endpoint, or bytes are handed to ``ingest()``. Each
+(``start()``) reads every replica's PUB endpoint, or bytes are handed to ``ingest()``. The
+poller connects to an engine that binds its endpoint, or binds the endpoint of a replica with
+``bind`` for an engine that connects (vLLM connects to a plain host address); ``start()``
+returns once its first sockets are bound or connected, so an engine started after it loses no
+batch. Each
 message's sequence number is checked here; its events are applied by ``index_writer`` (blocks
 keyed by prefixcache's own digests, namespaces, the rules for what is indexed) through
 ``deferral`` (events waiting, in order, for a shared index that cannot answer now); missed
@@ -151,6 +155,7 @@ class KVEventSubscriber:
         if self._engine_map is not None:
             self._engine_map.attach_engine_source(self._engine_entries)
         self._stop = threading.Event()
+        self._sockets_up = threading.Event()  # the poller's first sockets are bound / connected
         self._thread: threading.Thread | None = None
         for ep in endpoints:
             self.add_replica(ep)
@@ -410,13 +415,16 @@ class KVEventSubscriber:
 
     # ---- the poller thread ----------------------------------------------------------------
     def start(self) -> None:
-        """Start the poller thread (subscribes to every replica with an endpoint)."""
+        """Start the poller thread (subscribes to every replica with an endpoint); returns once
+        its sockets are bound or connected."""
         if self._thread is not None:
             raise ConfigError("the subscriber is already running")
         self._stop.clear()
+        self._sockets_up.clear()
         self._inbox.start()
         self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
         self._thread.start()
+        self._sockets_up.wait(5.0)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the poller thread and close its sockets."""
@@ -442,12 +450,14 @@ class KVEventSubscriber:
         flush = getattr(self.index, "flush", None)
 
         def close(n: str) -> None:
-            sock, mon = sockets.pop(n), monitors.pop(n)
+            sock, mon = sockets.pop(n), monitors.pop(n, None)
             for s in (sock, mon):
-                poller.unregister(s)
-                del names[s]
-            sock.disable_monitor()
-            mon.close(linger=0)
+                if s is not None:
+                    poller.unregister(s)
+                    del names[s]
+            if mon is not None:
+                sock.disable_monitor()
+                mon.close(linger=0)
             sock.close(linger=0)
 
         try:
@@ -464,20 +474,41 @@ class KVEventSubscriber:
                         sock.setsockopt(zmq.SUBSCRIBE, ep.topic.encode("utf-8"))
                         assert ep.endpoint is not None
                         try:
-                            sock.connect(ep.endpoint)
+                            if ep.bind:
+                                sock.bind(ep.endpoint)
+                            else:
+                                sock.connect(ep.endpoint)
                         except zmq.ZMQError as exc:  # one bad endpoint must not stop the others
                             sock.close(linger=0)
+                            if ep.bind and exc.errno == zmq.EADDRINUSE:
+                                # a socket closed a moment ago may hold it still: next round
+                                if refused.get(n) != "in use":
+                                    log.warning("replica %s: %s is in use", n, ep.endpoint)
+                                    refused[n] = "in use"
+                                continue
                             refused[n] = ep.endpoint
                             with self._lock:
                                 if n in self._replicas:
                                     self._replicas[n].counts.malformed += 1
-                            log.error("replica %s: cannot connect to %s: %s", n, ep.endpoint, exc)
+                            log.error(
+                                "replica %s: cannot %s %s: %s",
+                                n,
+                                "bind" if ep.bind else "connect to",
+                                ep.endpoint,
+                                exc,
+                            )
                             continue
-                        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                        sockets[n], monitors[n] = sock, mon
-                        names[sock] = names[mon] = n
+                        refused.pop(n, None)
+                        sockets[n] = sock
+                        names[sock] = n
                         poller.register(sock, zmq.POLLIN)
-                        poller.register(mon, zmq.POLLIN)
+                        if not ep.bind:
+                            # a bound socket keeps accepting, and its engines reconnect
+                            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                            monitors[n] = mon
+                            names[mon] = n
+                            poller.register(mon, zmq.POLLIN)
+                self._sockets_up.set()
                 ready = poller.poll(50)
                 for sock, _ in ready:
                     name = names.get(sock)

@@ -95,6 +95,7 @@ def open_service(options: ServeOptions) -> tuple[Any, ServiceConfig]:
                 hash_algo=config.hash_algo,
                 engine_hash=r.engine_hash,
                 kv_store=r.kv_store,
+                bind=r.events_bind,
             )
             for r in config.replicas
             if r.events is not None

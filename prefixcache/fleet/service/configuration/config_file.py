@@ -63,6 +63,7 @@ class ReplicaConfig:
     # "*": any adapter (an engine that loads adapters at run time)
     engine_hash: EngineHashSpec | None = None  # its engine's block hashes, when reproducible
     kv_store: str | None = None  # the shared K/V store it is attached to (a name)
+    events_bind: bool = False  # the service binds ``events`` and the engine connects to it
 
     def spec(self) -> ReplicaSpec:
         """The router's view of this replica."""
@@ -167,7 +168,7 @@ _DELIVERY = ("enabled", "window", "min_requests", "tolerance")
 _HEALTH = ("probe_interval_s", "probe_timeout_s", "probe_path", "down_s", "attach_probe")
 _REPLICA = (
     "name", "url", "events", "replay", "model", "adapter", "adapter_version", "salt", "extra",
-    "block_size", "capacity_blocks", "adapters", "engine_hash", "kv_store",
+    "block_size", "capacity_blocks", "adapters", "engine_hash", "kv_store", "events_bind",
 )  # fmt: skip
 _ROUTING = (
     "policy", "balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
@@ -214,10 +215,15 @@ def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
         engine_hash = parse_engine_hash(m.get("engine_hash"), f"{where}.engine_hash")
     except ConfigError as exc:
         raise r.fail("", str(exc)) from None
+    events_bind = m.get("events_bind", False)
+    if not isinstance(events_bind, bool):
+        raise r.fail(f"{where}.events_bind", f"expected true or false, got {events_bind!r}")
+    if events_bind and m.get("events") is None:
+        raise r.fail(f"{where}.events_bind", "needs an events endpoint to bind")
     return ReplicaConfig(
         name=name,
         url=r.url(m.get("url"), f"{where}.url"),
-        events=r.endpoint(m.get("events"), f"{where}.events"),
+        events=r.endpoint(m.get("events"), f"{where}.events", bind=events_bind),
         replay=r.endpoint(m.get("replay"), f"{where}.replay"),
         namespace=namespace,
         block_size=r.integer(m.get("block_size", 16), f"{where}.block_size", 1),
@@ -225,6 +231,7 @@ def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
         adapters=tuple(adapters),
         engine_hash=engine_hash,
         kv_store=_store_name(r, m.get("kv_store"), f"{where}.kv_store"),
+        events_bind=events_bind,
     )
 
 

@@ -76,9 +76,12 @@ class ConfigReader:
             raise self.fail(where, f"bad port in {text!r}") from None
         return text.rstrip("/")
 
-    def endpoint(self, value: Any, where: str) -> str | None:
-        """A ZMQ endpoint to connect to: tcp://host:port, ipc:// or inproc:// (None for None)."""
+    def endpoint(self, value: Any, where: str, *, bind: bool = False) -> str | None:
+        """A ZMQ endpoint to connect to (with ``bind``, to bind: ``tcp://*:port`` too):
+        tcp://host:port, ipc:// or inproc:// (None for None)."""
         text = self.string(value, where)
+        if text is not None and bind and text.startswith("tcp://*:"):
+            text = text.replace("*", "0.0.0.0", 1)
         if text is not None and text.startswith("tcp://*"):
             raise self.fail(
                 where,
