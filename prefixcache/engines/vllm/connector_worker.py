@@ -1,0 +1,184 @@
+"""The connector's worker side: checked loads into vLLM's paged K/V before the forward pass,
+and the copy-out of computed blocks after it, handed to the background writer.
+
+A load reads each record into a staging buffer and checks it as the store's own connector does
+(``check_record``: digest, namespace fingerprint, layout, length, xxh3-128 checksum of the
+payload); only records that pass are copied into vLLM's blocks. At a request's first block that
+does not pass (missing, refused, or the store failed), that block and every later one of the
+request are left unloaded and reported to vLLM (``get_block_ids_with_load_errors``), which, with
+``kv_load_failure_policy: recompute``, computes them: a K/V byte that was not checked is never
+used. A refused record is removed from the store, counted by reason and logged. The same step's
+writes of that request are skipped (their K/V was computed over the blocks that failed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from prefixcache.engines.vllm.connector_layout import PagedKV
+from prefixcache.engines.vllm.connector_plan import (
+    BlockMove,
+    RequestBlocks,
+    StoreStepPlan,
+    StoreWorkerReport,
+)
+from prefixcache.engines.vllm.connector_tally import StoreGate, StoreTally
+from prefixcache.engines.vllm.connector_writer import BlockWriter, PendingBlock
+from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
+from prefixcache.store.block_record import Refusal, check_record
+
+log = logging.getLogger("prefixcache.engines.vllm")
+STAGING_BYTES = 64 << 20  # records read per batch at most (one record at least)
+
+
+class StoreWorker:
+    """Moves blocks between one worker's vLLM cache and the store."""
+
+    def __init__(
+        self, store: KVBlockStore, tally: StoreTally, retry_after: float, queue_blocks: int
+    ) -> None:
+        self.store = store
+        self.tally = tally
+        self.gate = StoreGate(retry_after, "worker")
+        self.queue_blocks = queue_blocks
+        self.kv: PagedKV | None = None
+        self.writer: BlockWriter | None = None
+        self._staging = np.empty((0, 0), np.uint8)
+        self._errors: set[int] = set()  # vLLM blocks not loaded, to report
+        self._failed: set[str] = set()  # requests with a failed load this step
+        self._refused: list[bytes] = []
+        self._unloaded: list[bytes] = []
+        self._dropped = 0  # blocks settled before reaching the writer, not yet reported
+
+    def register(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+    ) -> None:
+        """Take vLLM's cache tensors (their layout is checked) and start the writer."""
+        self.kv = PagedKV(kv_caches, block_size, num_kv_heads, head_size)
+        layout = self.kv.layout
+        rows = max(1, STAGING_BYTES // layout.record_bytes)
+        self._staging = np.empty((rows, layout.record_bytes), np.uint8)
+        self.writer = BlockWriter(self.store, layout, self.tally, self.gate, self.queue_blocks)
+
+    # ---- loads -----------------------------------------------------------------------------
+    def load(self, plan: StoreStepPlan) -> None:
+        """Load every block the plan names, checked; failures are kept for the report."""
+        self._failed.clear()
+        for request in plan.loads:
+            loaded = self._load_request(request)
+            if loaded < len(request.blocks):
+                self._failed.add(request.request_id)
+                missed = request.blocks[loaded:]
+                self._unloaded.append(missed[0].digest)
+                self._errors.update(b.block_id for b in missed)
+                self.tally.add("load_failed_blocks", len(missed))
+            self.tally.add("loaded_blocks", loaded)
+
+    def _load_request(self, request: RequestBlocks) -> int:
+        """How many leading blocks of ``request`` were loaded."""
+        assert self.kv is not None
+        header = self.kv.layout.header_bytes
+        staging = self._staging
+        done = 0
+        while done < len(request.blocks):
+            chunk = request.blocks[done : done + len(staging)]
+            good = 0
+            for i, block in enumerate(chunk):
+                if self._fetch(block, staging[i]) is not None:
+                    break
+                good += 1
+            if good:
+                rows = torch.from_numpy(staging[:good, header:])
+                self.kv.scatter([b.block_id for b in chunk[:good]], self.kv.payloads(rows))
+            done += good
+            if good < len(chunk):
+                break
+        return done
+
+    def _fetch(self, block: BlockMove, row: np.ndarray) -> Refusal | None:
+        """The record of ``block`` into ``row``, checked (None: usable); a refused record is
+        removed from the store."""
+        assert self.kv is not None
+        layout = self.kv.layout
+        reason: Refusal | None
+        if not self.gate.is_open():
+            reason = Refusal.ERROR
+        else:
+            try:
+                n = self.store.get_into(block.digest, row.data)
+            except StoreUnavailableError as exc:
+                self.gate.failed(exc)
+                n, reason = None, Refusal.ERROR
+            else:
+                if n is None:
+                    reason = Refusal.MISSING
+                elif n > len(row):
+                    reason = Refusal.LAYOUT
+                else:
+                    reason = check_record(row.data[:n], block.digest, block.fingerprint, layout)
+        if reason is None:
+            return None
+        self.tally.add(f"refused_{reason.value}")
+        if reason not in (Refusal.MISSING, Refusal.ERROR):
+            log.warning("store record %s refused (%s): computed", block.digest.hex(), reason.value)
+            with contextlib.suppress(StoreUnavailableError):
+                self.store.remove(block.digest)
+                self._refused.append(block.digest)
+        return reason
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM blocks that were to be loaded and were not, since the last call."""
+        out, self._errors = self._errors, set()
+        return out
+
+    # ---- writes ----------------------------------------------------------------------------
+    def save(self, plan: StoreStepPlan) -> None:
+        """Copy the plan's computed blocks out now and queue them for the writer. Blocks of a
+        request whose load failed this step are not written (vLLM computes them again) and
+        count as settled at once, as do blocks dropped while the store is left alone."""
+        failed, self._failed = self._failed, set()
+        moves = [b for r in plan.saves if r.request_id not in failed for b in r.blocks]
+        skipped = sum(len(r.blocks) for r in plan.saves) - len(moves)
+        self._dropped += skipped
+        self.tally.add("skipped_blocks", skipped)
+        if not moves:
+            return
+        assert self.kv is not None and self.writer is not None
+        layout = self.kv.layout
+        if not self.gate.is_open():
+            self.tally.add("dropped_blocks", len(moves))
+            self._dropped += len(moves)
+            return
+        records = np.empty((len(moves), layout.record_bytes), np.uint8)
+        payloads = self.kv.payloads(torch.from_numpy(records[:, layout.header_bytes :]))
+        self.kv.gather([b.block_id for b in moves], payloads)
+        self.writer.submit(
+            [PendingBlock(b.digest, b.fingerprint, records[i]) for i, b in enumerate(moves)]
+        )
+
+    def report(self) -> StoreWorkerReport | None:
+        """What the store traffic did since the last report (None: nothing)."""
+        settled, self._dropped = self._dropped, 0
+        refused, self._refused = self._refused, []
+        unloaded, self._unloaded = self._unloaded, []
+        stored: list[bytes] = []
+        evicted: list[bytes] = []
+        if self.writer is not None:
+            outcome = self.writer.take_outcome()
+            stored, evicted, settled = outcome.stored, outcome.evicted, settled + outcome.settled
+        report = StoreWorkerReport(stored, evicted, refused, unloaded, settled)
+        return None if report.is_empty() else report
+
+    def close(self) -> None:
+        """Write what is queued and stop the writer."""
+        if self.writer is not None:
+            self.writer.close()
