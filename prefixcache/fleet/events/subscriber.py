@@ -36,6 +36,8 @@ Sequence rules, per replica:
   skipped and counted as late; otherwise the publisher restarted: the replica is cleared and
   counted as a reset, then the new stream's batches before this one count as a gap (above);
 - ``AllBlocksCleared`` clears the replica.
+- ``recovered(name)``, called when the replica answers again after being down: cleared
+  unless its replay endpoint still has the last batch applied (``restart_check``).
 
 A message that does not decode is counted and logged; its sequence number still counts (the
 next message is no gap), nothing else changes. A message with a frame over ``max_message_bytes``
@@ -79,6 +81,7 @@ from prefixcache.fleet.events.replica_stream import (
     StreamView,
     engine_key,
 )
+from prefixcache.fleet.events.restart_check import same_engine, stream_mark
 from prefixcache.fleet.events.tenant_tally import TenantBlocks
 from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
 from prefixcache.fleet.events.wire import BatchDecoder, decode_seq
@@ -236,6 +239,42 @@ class KVEventSubscriber:
                 return None
             keys = {entry[0]: h for h, entry in rep.blocks.items()}
             return StreamView(rep.counters(), rep.last_problem, keys)
+
+    def recovered(self, name: str) -> bool:
+        """Replica ``name`` answers again after being down: False when its engine still runs
+        the stream applied here (``restart_check``), else True, the replica cleared (its blocks
+        dropped from the index, its stream started over), also when it cannot be told (no
+        replay endpoint, no batch applied yet) or the replica is not followed. The replay
+        endpoint is asked without the lock held; batches applied meanwhile decide instead."""
+        with self._lock:
+            rep = self._replicas.get(name)
+            if rep is None:
+                return True
+            mark = stream_mark(rep)
+        kept = same_engine(
+            self._ctx,
+            mark,
+            timeout_s=self.replay_timeout,
+            deadline_s=self.replay_deadline,
+            max_message_bytes=self.max_message_bytes,
+        )
+        if kept:
+            return False
+        with self._lock:
+            if self._replicas.get(name) is not rep or stream_mark(rep) != mark:
+                return True  # batches came meanwhile: the sequence rules judged them
+            rep.counts.resets += 1
+            self._batches.restart(rep)
+            rep.recent.clear()  # the new stream's numbers and stamps
+            rep.newest_ts = None
+            rep.last_seq = -1
+        log.info(
+            "replica %s restarted (its replay endpoint %s batch %d); clearing",
+            name,
+            "no longer has" if mark.last_seq >= 0 and mark.replay_endpoint else "cannot show",
+            mark.last_seq,
+        )
+        return True
 
     def tenant_counts(self) -> dict[str, dict[str, TenantBlocks]]:
         """Replica -> tenant -> its GPU blocks there and evictions (own, by others), as the

@@ -274,7 +274,7 @@ async def _route(
 
 def _releaser(
     service: FleetService, caller: Any, request_id: str, prediction: Prediction | None
-) -> Callable[[int | None], None]:
+) -> Callable[..., None]:
     """Ends the load of ``request_id`` once (with the engine's cached-token figure, checked
     against ``prediction``)."""
     released = False
