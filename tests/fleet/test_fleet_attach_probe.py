@@ -111,3 +111,73 @@ def test_the_attach_probe_names_a_wrong_seed_and_a_wrong_block_size(tmp_path: Pa
             assert client.post(f"{service}/v1/replicas/nobody/probe").status_code == 404
     finally:
         procs.stop_all()
+
+
+ACME = "sk-acme-0123456789abcdef0000"
+OPS = "sk-operator-0123456789abcdef"
+
+
+def test_with_tenants_the_probe_names_an_engine_that_ignores_cache_salt(tmp_path: Path) -> None:
+    procs = run_fleet.Processes(tmp_path)
+    try:
+        with httpx.Client(timeout=60.0) as client:
+            port = run_fleet.free_port()
+            url = f"http://127.0.0.1:{port}"
+            args = ["-m", "tests.fleet.salt_blind_replica", "--port", str(port),
+                    "--model", run_fleet.MODEL, "--blocks", "64", "--block-size", "16"]  # fmt: skip
+            proc = procs.start("blind", args)
+            health = run_fleet.wait_healthy(client, procs, "blind", proc, url)
+            (tmp_path / "keys.yaml").write_text(
+                f"{ACME}: acme\n{OPS}: {{role: operator, name: ops}}\n"
+            )
+            config = {
+                "index": "memory",
+                "auth": {"keys_file": "keys.yaml"},
+                "health": {"probe_interval_s": 0.5},
+                "replicas": [
+                    {
+                        "name": "blind",
+                        "url": url,
+                        "events": health["events"],
+                        "replay": health["replay"],
+                        "model": run_fleet.MODEL,
+                        "block_size": 16,
+                        "capacity_blocks": 64,
+                    }
+                ],
+            }
+            path = tmp_path / "fleet.yaml"
+            path.write_text(yaml.safe_dump(config))
+            sport = run_fleet.free_port()
+            service = f"http://127.0.0.1:{sport}"
+            serve = procs.start(
+                "serve",
+                ["-m", "prefixcache", "serve", "--config", str(path), "--port", str(sport)],
+            )
+            run_fleet.wait_healthy(client, procs, "serve", serve, service)
+            ops = {"authorization": f"Bearer {OPS}"}
+
+            def probe() -> Any:
+                rows = client.get(f"{service}/v1/replicas", headers=ops).json()["replicas"]
+                return rows[0]["probe"]
+
+            deadline = time.monotonic() + 60
+            while probe() is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            found = {f["check"]: f for f in probe()["findings"]}
+            assert not probe()["ok"]
+            assert found["cache report"]["ok"] and found["prefix hit"]["ok"]
+            assert not found["cache salt"]["ok"]
+            assert found["cache salt"]["detail"].startswith(
+                "the engine served 80 of 81 tokens of a prompt from the blocks another "
+                "cache_salt cached: it ignores cache_salt"
+            )
+            assert not found["events"]["ok"]
+            assert found["events"]["detail"] == (
+                "its events name the probe's blocks without the request's cache_salt: the "
+                "engine ignores cache_salt"
+            )
+            assert "replica blind: attach probe found: cache salt" in procs.log("serve")
+    finally:
+        procs.stop_all()

@@ -15,6 +15,11 @@ The prompt is ``PROBE_BLOCKS`` full blocks of random token ids below 256 and one
 - **engine hash** (where ``engine_hash`` is configured): the engine hashes the events announced
   equal those computed here; if not, the engine, algorithm, seed or hash form that would
   reproduce them is named.
+- **cache salt** (with tenants configured, for a replica without a salt of its own): the prompt
+  is sent under a probe ``cache_salt`` (as a tenant's requests are), and once more under
+  another one, which must hit nothing: an engine that ignores ``cache_salt`` serves the second
+  from the first's blocks (tenants would share blocks the index keeps apart), and its events
+  name the blocks without the salt, which is named too.
 
 It runs when a replica first answers its health probe (``health.attach_probe``) and on demand
 (``POST /v1/replicas/{name}/probe``, operator keys only).
@@ -32,6 +37,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from prefixcache.blocks.hashing import BlockHasher
+from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import UnknownReplicaError
 from prefixcache.fleet.delivery_check import engine_cap
 from prefixcache.fleet.events.engine_keys import (
@@ -49,13 +55,15 @@ log = logging.getLogger("prefixcache.fleet")
 
 PROBE_BLOCKS = 5
 EVENTS_DEADLINE_S = 5.0  # for the probe's blocks to reach the index
+# the probe's own salts: no tenant's ("tenant:<name>..."), never one a request is keyed under
+PROBE_SALT = "prefixcache-probe:"
 _BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256, 512)
 
 
 class ProbeFinding(NamedTuple):
     """One check of the probe."""
 
-    check: str  # "cache report", "prefix hit", "events", "engine hash", "request"
+    check: str  # "cache report", "prefix hit", "cache salt", "events", "engine hash", "request"
     ok: bool
     detail: str
 
@@ -100,6 +108,10 @@ async def probe_replica(service: FleetService, name: str) -> ProbeResult:
 async def _run(service: FleetService, spec: ReplicaSpec, url: str) -> list[ProbeFinding]:
     name, ns, p = spec.name, spec.namespace, spec.block_size
     rc = service.config.replica(name)
+    # with tenants, requests carry a salt: so does the probe, and a second one checks it
+    salted = ns.salt is None and any(k.tenant is not None for k in service.config.access.keys)
+    if salted:
+        ns = dataclasses.replace(ns, salt=PROBE_SALT + secrets.token_hex(8))
     tokens = [secrets.randbelow(255) + 1 for _ in range(PROBE_BLOCKS * p + 1)]
     body: dict[str, Any] = {
         "model": ns.adapter or ns.model,
@@ -108,13 +120,16 @@ async def _run(service: FleetService, spec: ReplicaSpec, url: str) -> list[Probe
     }
     if ns.salt is not None:
         body["cache_salt"] = ns.salt
+    bodies = [body, body]
+    if salted:  # the same prompt under another salt: nothing of it is cached there
+        bodies.append({**body, "cache_salt": PROBE_SALT + secrets.token_hex(8)})
     view_before = _view(service, name)
     findings: list[ProbeFinding] = []
     client = service.http_client or httpx.AsyncClient(timeout=service.config.proxy.timeout_s)
     try:
         figures = []
-        for _ in range(2):
-            answer = await client.post(f"{url}/v1/completions", json=body)
+        for sent in bodies:
+            answer = await client.post(f"{url}/v1/completions", json=sent)
             if not answer.is_success:
                 detail = f"POST {url}/v1/completions answered HTTP {answer.status_code}"
                 return [ProbeFinding("request", False, f"{detail}: {answer.text[:200]}")]
@@ -125,13 +140,19 @@ async def _run(service: FleetService, spec: ReplicaSpec, url: str) -> list[Probe
         if client is not service.http_client:
             await client.aclose()
     findings += _hit_findings(figures[1], len(tokens), p)
+    if salted and figures[2] is not None:
+        findings.append(_salt_finding(figures[2], len(tokens)))
     if view_before is None:
         findings.append(ProbeFinding("events", True, "not followed (no events endpoint): skipped"))
         return findings
-    held = await _wait_held(service, spec, tokens)
+    held = await _wait_held(service, spec, ns, tokens)
     view = _view(service, name)
     assert view is not None
-    findings.append(_events_finding(held, PROBE_BLOCKS * p, view_before, view))
+    unsalted = False
+    if not held and ns.salt is not None:  # filed without the salt: the engine ignores it
+        plain = dataclasses.replace(ns, salt=None)
+        unsalted = await _holds(service, spec, plain, tokens)
+    findings.append(_events_finding(held, PROBE_BLOCKS * p, view_before, view, unsalted))
     engine = rc.engine_hash if rc is not None else None
     if engine is not None and held:
         digests = BlockHasher(p, service.config.hash_algo).hash_prompt(tokens, ns)
@@ -173,25 +194,58 @@ def _hit_findings(cached: int | None, n: int, p: int) -> list[ProbeFinding]:
     return out
 
 
-async def _wait_held(service: FleetService, spec: ReplicaSpec, tokens: list[int]) -> bool:
-    """Whether the index holds every full block of the probe for ``spec``'s replica within
-    the deadline."""
-    name, want = spec.name, PROBE_BLOCKS * spec.block_size
+def _salt_finding(cached: int, n: int) -> ProbeFinding:
+    if cached == 0:
+        return ProbeFinding(
+            "cache salt", True, "a prompt cached under one cache_salt hit nothing under another"
+        )
+    return ProbeFinding(
+        "cache salt",
+        False,
+        f"the engine served {cached} of {n} tokens of a prompt from the blocks another "
+        "cache_salt cached: it ignores cache_salt, so tenants share its blocks while the "
+        "index keeps them apart (the engine delivers more than routing predicts, across "
+        "tenants); serve tenants from an engine that keys its prefix cache by cache_salt "
+        "(vLLM's and SGLang's OpenAI servers do)",
+    )
+
+
+async def _holds(
+    service: FleetService, spec: ReplicaSpec, ns: Namespace, tokens: list[int]
+) -> bool:
+    """Whether the index holds every full block of the probe for ``spec``'s replica under
+    ``ns`` now."""
+    want = PROBE_BLOCKS * spec.block_size
+    scores = await asyncio.to_thread(service.router.lookup, ns, tokens)
+    return any(s.name == spec.name and s.cached_tokens >= want for s in scores.scores)
+
+
+async def _wait_held(
+    service: FleetService, spec: ReplicaSpec, ns: Namespace, tokens: list[int]
+) -> bool:
+    """Whether the index holds every full block of the probe for ``spec``'s replica under
+    ``ns`` within the deadline."""
     deadline = time.monotonic() + EVENTS_DEADLINE_S
     while True:
-        scores = await asyncio.to_thread(service.router.lookup, spec.namespace, tokens)
-        if any(s.name == name and s.cached_tokens >= want for s in scores.scores):
+        if await _holds(service, spec, ns, tokens):
             return True
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(0.05)
 
 
-def _events_finding(held: bool, tokens: int, before: StreamView, after: StreamView) -> ProbeFinding:
+def _events_finding(
+    held: bool, tokens: int, before: StreamView, after: StreamView, unsalted: bool = False
+) -> ProbeFinding:
     if held:
         return ProbeFinding("events", True, f"the index holds the probe's {tokens} tokens")
     b, a = before.counters, after.counters
-    if a.batches == b.batches:
+    if unsalted:
+        detail = (
+            "its events name the probe's blocks without the request's cache_salt: the engine "
+            "ignores cache_salt"
+        )
+    elif a.batches == b.batches:
         detail = (
             "no KV event batch came from the replica during the probe: check its events and "
             "replay endpoints (vLLM: --kv-events-config with enable_kv_cache_events)"
