@@ -2,22 +2,46 @@
 
 With ``host_blocks=N`` it also holds the host tier's K/V, per layer [N, block_size, ...] on the
 CPU (pinned when CUDA is available), and runs the manager's ``take_transfers()``:
-``start_transfers`` issues every layer's offloads then loads (on a side CUDA stream, one event per
-layer; plain synchronous copies on the CPU), and the forward pass calls ``wait_transfers(layer)``
-before that layer's K/V store.
+``start_transfers`` issues every layer's offloads then loads, each layer's as a few batched copies
+(``kv_transfer.py``; on a side CUDA stream, one event per layer; synchronous on the CPU), and the
+forward pass calls ``wait_transfers(layer)`` before that layer's K/V store. Whole blocks of every
+layer move in and out of host rows with ``write_block_rows`` / ``read_block_rows`` (a shared
+store's loads and write-through), batched the same way.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 
 from prefixcache.errors import ConfigError, InvalidArgumentError, KernelInputError
 from prefixcache.kernels.validation import check_fp8_scales
+from prefixcache.kv_transfer import (
+    TRANSFER_MODES,
+    BlockPairs,
+    TransferMode,
+    block_rows_view,
+    check_block_rows,
+    device_index,
+    last_of_each,
+    load_blocks,
+    offload_blocks,
+    plan_pairs,
+    resolve_mode,
+)
+
+
+class _Batch(NamedTuple):
+    """One direction of a step's transfers, as every layer runs it."""
+
+    pairs: BlockPairs
+    mode: str
+    on_device: torch.Tensor | None  # the device blocks, on the device ("staged")
+    stage: torch.Tensor | None  # [len(pairs), *block] on the device ("staged")
 
 
 class PagedKVCache:
@@ -108,6 +132,7 @@ class PagedKVCache:
             torch.cuda.Stream(device=self.k[0].device) if on_cuda and host_blocks else None
         )
         self._events: list[Any] = []  # per layer, of the transfers started last
+        self._transfer_mode: TransferMode = "auto"
 
     @property
     def fp8(self) -> bool:
@@ -236,13 +261,29 @@ class PagedKVCache:
             v = dequantize_fp8(v, self.v_scale[layer]).to(self.dtype)
         return k, v
 
+    @property
+    def transfer_mode(self) -> TransferMode:
+        """How ``start_transfers`` moves blocks (``prefixcache.kv_transfer``): ``"auto"`` (the
+        default) picks per device and step; ``"runs"``, ``"staged"`` and ``"blocks"`` (one copy
+        per block) force one way, to compare or test them."""
+        return self._transfer_mode
+
+    @transfer_mode.setter
+    def transfer_mode(self, mode: TransferMode) -> None:
+        if mode not in TRANSFER_MODES:
+            raise ConfigError(f"transfer_mode must be one of {TRANSFER_MODES}, got {mode!r}")
+        self._transfer_mode = mode
+
     def start_transfers(self, transfers: Sequence[Iterable[Any]]) -> None:
         """Issue a step's transfers (``CacheManager.take_transfers()``): per layer, every
-        offload (GPU block -> host slot), then every load (host slot -> GPU block), in order.
+        offload (GPU block -> host slot), then every load (host slot -> GPU block).
 
-        On CUDA they run on a side stream after the work queued so far, one event per layer;
-        call ``wait_transfers(layer)`` before the layer's K/V store. On the CPU they are done
-        when this returns. Validates every id before copying anything.
+        Each layer's offloads move as one batch and its loads as another (runs of consecutive
+        ids copied whole; on a GPU, scattered blocks gathered or scattered on the device), the
+        same bytes as copying block by block in order. On CUDA they run on a side stream after
+        the work queued so far, one event per layer; call ``wait_transfers(layer)`` before the
+        layer's K/V store. On the CPU they are done when this returns. Validates every id
+        before copying anything.
         """
         try:
             offloads, loads = transfers[0], transfers[1]  # a store connector runs store loads
@@ -273,30 +314,54 @@ class PagedKVCache:
         self._events = []
         if not off and not load:
             return
-        if self._stream is None:  # the CPU: synchronous copies, block by block (the fastest)
+        out_pairs = plan_pairs(list(off), list(off.values()))
+        in_pairs = plan_pairs(list(load.values()), list(load))
+        if self._stream is None:  # the CPU: synchronous copies
+            out, into = self._batch(out_pairs), self._batch(in_pairs)
             for layer in range(self.num_layers):
-                self._copy_layer(layer, off, load, non_blocking=False)
+                self._copy_layer(layer, out, into, non_blocking=False)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.k[0].device))
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream):  # index and staging tensors belong to it
+            out, into = self._batch(out_pairs), self._batch(in_pairs)
             for layer in range(self.num_layers):
-                self._copy_layer(layer, off, load, non_blocking=True)
+                self._copy_layer(layer, out, into, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 self._events.append(event)
 
+    def _batch(self, pairs: BlockPairs) -> _Batch | None:
+        """How one direction's pairs move: the mode, and for ``"staged"`` the block ids on the
+        device and a staging tensor that every layer's K and V reuse."""
+        if not len(pairs):
+            return None
+        like = self.k[0]
+        mode = resolve_mode(self._transfer_mode, pairs, like.device.type == "cuda")
+        if mode != "staged":
+            return _Batch(pairs, mode, None, None)
+        index = device_index(pairs.device, like.device)
+        stage = torch.empty((len(pairs), *like.shape[1:]), dtype=like.dtype, device=like.device)
+        return _Batch(pairs, mode, index, stage)
+
     def _copy_layer(
-        self, layer: int, off: dict[int, int], load: dict[int, int], *, non_blocking: bool
+        self, layer: int, out: _Batch | None, into: _Batch | None, *, non_blocking: bool
     ) -> None:
-        """One layer's offloads (host slot <- GPU block), then its loads (GPU block <- slot)."""
+        """One layer's offloads (host slots <- GPU blocks), then its loads (GPU blocks <- host
+        slots), K then V."""
         for gpu_t, host_t in (
             (self.k[layer], self.k_host[layer]),
             (self.v[layer], self.v_host[layer]),
         ):
-            for host, gpu in off.items():
-                host_t[host].copy_(gpu_t[gpu], non_blocking=non_blocking)
-            for gpu, host in load.items():
-                gpu_t[gpu].copy_(host_t[host], non_blocking=non_blocking)
+            if out is not None:
+                offload_blocks(
+                    gpu_t, host_t, out.pairs, out.mode,
+                    index=out.on_device, stage=out.stage, non_blocking=non_blocking,
+                )  # fmt: skip
+            if into is not None:
+                load_blocks(
+                    gpu_t, host_t, into.pairs, into.mode,
+                    index=into.on_device, stage=into.stage, non_blocking=non_blocking,
+                )  # fmt: skip
 
     def wait_transfers(self, layer: int) -> None:
         """Make the current stream wait for ``layer``'s transfers (nothing to wait for on the
@@ -304,6 +369,126 @@ class PagedKVCache:
         self._check_layer(layer)
         if self._events:
             torch.cuda.current_stream(self.k[0].device).wait_event(self._events[layer])
+
+    # ---- whole blocks, every layer, in host rows (a shared store's records) ----------------
+    @property
+    def block_row_bytes(self) -> int:
+        """Bytes of one block's K and V across all layers, in the storage dtype."""
+        k = self.k[0]
+        return 2 * self.num_layers * k[0].numel() * k.element_size()
+
+    def host_rows(self, rows: int, row_bytes: int) -> torch.Tensor:
+        """A new uint8 host tensor [rows, row_bytes] to fill and pass to ``write_block_rows``:
+        pinned when the cache is on CUDA, so the copy to the device runs asynchronously."""
+        pin = self.k[0].device.type == "cuda"
+        return torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+
+    def write_block_rows(self, blocks: Sequence[int], rows: torch.Tensor, offset: int = 0) -> None:
+        """Copy host rows into GPU blocks, every layer's K and V: row ``i`` of ``rows`` (uint8
+        [n, row_bytes] on the CPU) holds block ``blocks[i]`` from byte ``offset`` as [num_layers,
+        2 (K, V), block_size, num_kv_heads, head_dim] in the storage dtype (a store record's
+        payload). A block named twice keeps its last row.
+
+        On CUDA one copy takes the rows to the device and each layer's K and V are scattered
+        with one ``index_copy_``, after the work queued so far: on the side stream when the cache
+        has a host tier (its per-layer events then cover these copies too: ``wait_transfers``),
+        else on the current stream. The copy may still be reading ``rows`` when this returns:
+        pass a fresh tensor (``host_rows``) each call and leave it unchanged. On the CPU the
+        copies are done when this returns.
+        """
+        ids, payload = self._rows_args(blocks, rows, offset)
+        if not ids:
+            return
+        keep = last_of_each(ids)
+        if len(keep) < len(ids):  # a block named twice
+            ids = [ids[i] for i in keep]
+        device = self.k[0].device
+        if device.type != "cuda":
+            if len(keep) < len(payload):
+                payload = payload[torch.tensor(keep)]
+            pairs = plan_pairs(range(len(ids)), ids)  # row i -> block ids[i]
+            mode = resolve_mode(self._transfer_mode, pairs, on_cuda=False)
+            index = torch.tensor(pairs.device) if mode == "staged" else None
+            for layer in range(self.num_layers):
+                for kind, cache in ((0, self.k[layer]), (1, self.v[layer])):
+                    load_blocks(cache, payload[:, layer, kind], pairs, mode, index=index)
+            return
+        current = torch.cuda.current_stream(device)
+        stream = self._stream if self._stream is not None else current
+        if self._stream is not None:
+            self._stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            dev_rows = rows.contiguous().to(device, non_blocking=True)  # one copy
+            on_dev = self._payload_view(dev_rows, offset)
+            if len(keep) < len(on_dev):
+                on_dev = on_dev.index_select(0, device_index(keep, device))
+            index = device_index(ids, device)
+            events = []
+            for layer in range(self.num_layers):
+                self.k[layer].index_copy_(0, index, on_dev[:, layer, 0])
+                self.v[layer].index_copy_(0, index, on_dev[:, layer, 1])
+                if self._stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events.append(event)
+            if events:  # later on the same stream: they cover the step's host transfers too
+                self._events = events
+
+    def read_block_rows(self, blocks: Sequence[int], rows: torch.Tensor, offset: int = 0) -> None:
+        """Copy GPU blocks into host rows, every layer's K and V: the inverse of
+        ``write_block_rows`` (row ``i`` gets block ``blocks[i]`` from byte ``offset``). Reads
+        after the work queued so far (host transfers included); done when this returns.
+        """
+        ids, payload = self._rows_args(blocks, rows, offset)
+        if not ids:
+            return
+        device = self.k[0].device
+        if device.type != "cuda":
+            pairs = plan_pairs(range(len(ids)), ids)  # row i <- block ids[i]
+            mode = resolve_mode(self._transfer_mode, pairs, on_cuda=False)
+            index = torch.tensor(pairs.device) if mode == "staged" else None
+            for layer in range(self.num_layers):
+                for kind, cache in ((0, self.k[layer]), (1, self.v[layer])):
+                    offload_blocks(cache, payload[:, layer, kind], pairs, mode, index=index)
+            return
+        current = torch.cuda.current_stream(device)
+        if self._stream is not None:
+            current.wait_stream(self._stream)
+        index = device_index(ids, device)
+        like = self.k[0]
+        gathered = torch.empty(
+            (self.num_layers, 2, len(ids), *like.shape[1:]), dtype=like.dtype, device=device
+        )
+        for layer in range(self.num_layers):  # contiguous slices: one gather each
+            torch.index_select(self.k[layer], 0, index, out=gathered[layer, 0])
+            torch.index_select(self.v[layer], 0, index, out=gathered[layer, 1])
+        ordered = gathered.permute(2, 0, 1, *range(3, gathered.dim())).contiguous()
+        if payload.is_contiguous():
+            payload.copy_(ordered)  # one copy to the host, waited for
+        else:  # rows with headers: one copy to pinned memory, then into the rows
+            staged = torch.empty(ordered.shape, dtype=like.dtype, pin_memory=True)
+            staged.copy_(ordered)
+            payload.copy_(staged)
+
+    def _rows_args(
+        self, blocks: Sequence[int], rows: torch.Tensor, offset: int
+    ) -> tuple[list[int], torch.Tensor]:
+        """The block ids and the rows' payload view [n, num_layers, 2, *block], checked."""
+        try:
+            ids = [_as_id(b) for b in blocks]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"blocks must be int block ids, got {blocks!r}") from None
+        for b in ids:
+            if not 0 <= b < self.num_blocks:
+                raise InvalidArgumentError(
+                    f"block {b} is outside the cache (blocks 0..{self.num_blocks - 1})"
+                )
+        check_block_rows(rows, offset, len(ids), self.block_row_bytes, self.k[0].element_size())
+        return ids, self._payload_view(rows, offset)
+
+    def _payload_view(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
+        """``rows[:, offset:]`` as [n, num_layers, 2, *block] of the storage dtype (a view)."""
+        return block_rows_view(rows, offset, self.num_layers, self.k[0])
 
     def _check_layer(self, layer: object) -> None:
         if (

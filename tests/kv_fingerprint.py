@@ -14,6 +14,14 @@ tells the manager and writes the step's computed blocks through to the store
 dependents) takes its stores and copies out of the step, as a runtime takes it out of the batch; its
 loads still run (they write only blocks the abort freed, before anything of the step writes them
 again).
+
+With a ``PagedKVCache`` (``kv=``, made by ``fingerprint_cache``), the fingerprints live in its
+tensors and its own batched copies move them: the step's transfers run through
+``start_transfers`` / ``wait_transfers``, store loads through ``write_block_rows`` and the
+write-through through ``read_block_rows``. Layer 0's K holds the fingerprints; every other layer's
+K and V holds them XORed with its own salt, so after the transfers every layer's K and V, on the
+GPU and on host, must agree with layer 0's: a layer, a K or V, a block or a slot moved wrongly
+shows.
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import xxhash
 
-from prefixcache import CacheManager, Copy, Namespace
+from prefixcache import CacheManager, Copy, Namespace, PagedKVCache
 from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 
 UNWRITTEN = np.uint64(0)
@@ -81,6 +90,26 @@ class FingerprintStore:
             del self.blocks[keys[i % len(keys)]]
 
 
+def fingerprint_cache(mgr: CacheManager, num_layers: int = 2) -> PagedKVCache:
+    """A ``PagedKVCache`` to hold ``mgr``'s fingerprints: int64, one head of one value."""
+    host = mgr.host.capacity if mgr.host is not None else 0
+    return PagedKVCache(
+        num_layers, mgr.num_blocks, mgr.block_size, 1, 1, dtype=torch.int64, host_blocks=host
+    )
+
+
+def _u64(t: torch.Tensor) -> np.ndarray:
+    """An int64 tensor [n, p, 1, 1] as a uint64 array [n, p] sharing its memory."""
+    return t.numpy().view(np.uint64).reshape(t.shape[0], t.shape[1])
+
+
+def _salt(layer: int, kind: int) -> np.uint64:
+    """What layer ``layer``'s K (0) or V (1) XORs the fingerprints with (0 for layer 0's K)."""
+    if layer == kind == 0:
+        return np.uint64(0)
+    return np.uint64(xxhash.xxh64_intdigest(f"salt {layer} {kind}".encode()))
+
+
 class FingerprintRuntime:
     """Drives a manager and checks every read of K/V against what the tokens demand."""
 
@@ -90,14 +119,25 @@ class FingerprintRuntime:
         *,
         track_events: bool = True,
         kv_store: FingerprintStore | None = None,
+        kv: PagedKVCache | None = None,
     ) -> None:
         self.mgr = mgr
         self.kv_store = kv_store
+        self.kv = kv
         self.requeued: list[Hashable] = []  # aborted because a store load failed
         p = mgr.block_size
-        self.store = np.zeros((mgr.num_blocks, p), dtype=np.uint64)
         host_slots = mgr.host.capacity if mgr.host is not None else 0
-        self.host_store = np.zeros((host_slots, p), dtype=np.uint64)
+        if kv is None:
+            self.store = np.zeros((mgr.num_blocks, p), dtype=np.uint64)
+            self.host_store = np.zeros((host_slots, p), dtype=np.uint64)
+        else:
+            assert kv.k[0].dtype == torch.int64 and kv.k[0].shape[1:] == (p, 1, 1)
+            assert (kv.num_blocks, kv.host_blocks) == (mgr.num_blocks, host_slots)
+            self.store, self.host_store = _u64(kv.k[0]), _u64(kv.k_host[0])
+            self.store[:] = 0
+            self.host_store[:] = 0
+            self._salted(host=False)
+            self._salted(host=True)
         self.transfers = 0  # offloads and loads run
         self.last_transfers: tuple[list, list] = ([], [])  # those of the last forward pass
         self.live: dict[Hashable, _Live] = {}
@@ -156,11 +196,15 @@ class FingerprintRuntime:
     def forward(self) -> None:
         p = self.mgr.block_size
         offloads, loads, store_loads = self.mgr.take_transfers()  # 0. offloads, then loads
-        for gpu_block, slot in offloads:
-            self.host_store[slot] = self.store[gpu_block]
-        for slot, gpu_block in loads:
-            self.store[gpu_block] = self.host_store[slot]
+        if self.kv is None:
+            for gpu_block, slot in offloads:
+                self.host_store[slot] = self.store[gpu_block]
+            for slot, gpu_block in loads:
+                self.store[gpu_block] = self.host_store[slot]
+        else:
+            self.kv.start_transfers((offloads, loads))
         failed: list[Hashable] = []
+        found: list[tuple[int, np.ndarray]] = []
         for rid, digest, gpu_block, _ in store_loads:
             assert self.kv_store is not None
             row = self.kv_store.blocks.get(digest)
@@ -169,7 +213,16 @@ class FingerprintRuntime:
                 failed.append(rid)
             else:
                 self.kv_store.loaded += 1
+                found.append((gpu_block, row))
+        if self.kv is None:
+            for gpu_block, row in found:
                 self.store[gpu_block] = row
+        else:
+            if found:
+                self.kv.write_block_rows([b for b, _ in found], self._rows(found), 8)
+            for layer in range(self.kv.num_layers):
+                self.kv.wait_transfers(layer)
+            self._check_layers()
         for rid in failed:
             if rid in self.live:
                 self.requeued += self.abort(rid)
@@ -194,13 +247,64 @@ class FingerprintRuntime:
             if rid in self.live:
                 self.release(rid)
         self.finished = []
+        if self.kv is not None:  # the stores and copies went to layer 0's K: salt the rest
+            self._salted(host=False)
 
     def end_step(self) -> None:
         self.mgr.end_step()
         if self.kv_store is not None:  # write-through: copied out before the next call
-            for digest, gpu_block, _ in self.mgr.take_store_writes():
-                self.kv_store.blocks[digest] = self.store[gpu_block].copy()
+            writes = self.mgr.take_store_writes()
+            if self.kv is not None and writes:
+                rows = self.kv.host_rows(len(writes), 8 + self.kv.block_row_bytes)
+                self.kv.read_block_rows([w.gpu_block for w in writes], rows, 8)
+                payload = rows[:, 8:].numpy().view(np.uint64)
+                for (digest, gpu_block, _), got in zip(writes, payload, strict=True):
+                    got = got.reshape(self.kv.num_layers, 2, -1)
+                    for layer, kind in np.ndindex(self.kv.num_layers, 2):
+                        want = self.store[gpu_block] ^ _salt(layer, kind)
+                        assert (got[layer, kind] == want).all(), "a written-through row is wrong"
+                    self.kv_store.blocks[digest] = got[0, 0].copy()
+            else:
+                for digest, gpu_block, _ in writes:
+                    self.kv_store.blocks[digest] = self.store[gpu_block].copy()
         self.check_cached()
+
+    # ---- the PagedKVCache's other layers ---------------------------------------------------
+    def _tensors(self, host: bool) -> list[tuple[np.ndarray, np.uint64]]:
+        """Every layer's K and V but layer 0's K, as uint64 arrays [n, p], with its salt."""
+        assert self.kv is not None
+        kv = self.kv
+        ks, vs = (kv.k_host, kv.v_host) if host else (kv.k, kv.v)
+        out = []
+        for layer in range(kv.num_layers):
+            for kind, t in ((0, ks[layer]), (1, vs[layer])):
+                if layer or kind:
+                    out.append((_u64(t), _salt(layer, kind)))
+        return out
+
+    def _salted(self, host: bool) -> None:
+        """Set every other layer's K and V from layer 0's K (on host: from its host K)."""
+        base = self.host_store if host else self.store
+        for arr, salt in self._tensors(host):
+            arr[:] = base ^ salt
+
+    def _check_layers(self) -> None:
+        """Every layer's K and V, on the GPU and on host, agree with layer 0's K."""
+        for host, base in ((False, self.store), (True, self.host_store)):
+            for arr, salt in self._tensors(host):
+                assert (arr == (base ^ salt)).all(), "a layer's K or V was moved wrongly"
+
+    def _rows(self, found: list[tuple[int, np.ndarray]]) -> torch.Tensor:
+        """Store rows of fingerprints as ``write_block_rows`` takes them, after an 8-byte
+        header: every layer's K and V salted."""
+        assert self.kv is not None
+        kv = self.kv
+        rows = kv.host_rows(len(found), 8 + kv.block_row_bytes)
+        payload = rows[:, 8:].numpy().view(np.uint64).reshape(len(found), kv.num_layers, 2, -1)
+        for i, (_, row) in enumerate(found):
+            for layer, kind in np.ndindex(kv.num_layers, 2):
+                payload[i, layer, kind] = row ^ _salt(layer, kind)
+        return rows
 
     def step(self) -> None:
         self.forward()

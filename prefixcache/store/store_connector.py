@@ -111,7 +111,6 @@ class KVStoreConnector:
         self.owns_backend = bool(owns_backend)
         self._down_until = 0.0  # monotonic time before which the store is not asked
         self.layout = layout_of(kv).check()
-        self._record = np.empty(self.layout.record_bytes, dtype=np.uint8)  # one load's bytes
         self._fps: dict[Namespace, bytes] = {}
         self._lock = threading.Lock()  # the counters, shared with the writer thread
         self._queries = self._query_errors = self._found = self._loaded = 0
@@ -156,26 +155,27 @@ class KVStoreConnector:
         whose loads failed, each once, to ``abort`` and requeue (their blocks are recomputed:
         a refused record was removed from the store). Run before the forward pass."""
         failed: dict[Hashable, None] = {}
+        if not loads:
+            self._deliver()
+            return []
         layout, kv = self.layout, self.kv
-        header = layout.header_bytes
-        buf = self._record
-        view = buf.data
+        rows = kv.host_rows(len(loads), layout.record_bytes)  # the records, fetched in place
+        buf = rows.numpy()
+        blocks: list[int] = []  # the GPU block of each record fetched
         for request_id, digest, gpu_block, namespace in loads:
             if request_id in failed:
                 continue
-            reason = self._fetch(digest, namespace, view)
+            reason = self._fetch(digest, namespace, buf[len(blocks)].data)
             if reason is not None:
                 failed[request_id] = None
                 with self._lock:
                     self._refused[reason.value] += 1
                 continue
-            payload = torch.from_numpy(buf[header:]).view(kv.k[0].dtype)
-            blocks = payload.view(layout.num_layers, 2, *layout.shape)  # [L, 2, P, H, D]
-            for layer in range(layout.num_layers):
-                kv.k[layer][gpu_block].copy_(blocks[layer, 0])
-                kv.v[layer][gpu_block].copy_(blocks[layer, 1])
+            blocks.append(gpu_block)
+        if blocks:  # every layer's K and V of every block in one batch
+            kv.write_block_rows(blocks, rows[: len(blocks)], layout.header_bytes)
             with self._lock:
-                self._loaded += 1
+                self._loaded += len(blocks)
         self._deliver()
         return list(failed)
 
@@ -232,23 +232,11 @@ class KVStoreConnector:
             return
         kv, layout = self.kv, self.layout
         header = layout.header_bytes
-        # the records' bytes, the payloads copied straight into place (the header is written
-        # by the writer thread, after the checksum)
+        # the records' bytes, the payloads copied straight into place, every layer of every
+        # block in one batch (the header is written by the writer thread, after the checksum)
         records = np.empty((len(writes), layout.record_bytes), dtype=np.uint8)
-        dst = torch.from_numpy(records[:, header:]).view(kv.k[0].dtype)
-        dst = dst.view(len(writes), layout.num_layers, 2, *layout.shape)  # [B, L, 2, P, H, D]
-        if kv.k[0].device.type == "cpu":
-            for i, write in enumerate(writes):
-                for x in range(layout.num_layers):
-                    dst[i, x, 0].copy_(kv.k[x][write.gpu_block])
-                    dst[i, x, 1].copy_(kv.v[x][write.gpu_block])
-        else:  # gathered on the device, then one copy to host
-            ids = torch.tensor([w.gpu_block for w in writes], device=kv.k[0].device)
-            parts = [
-                torch.stack([kv.k[x].index_select(0, ids), kv.v[x].index_select(0, ids)], 1)
-                for x in range(layout.num_layers)
-            ]
-            dst.copy_(torch.stack(parts, 1))
+        blocks = [w.gpu_block for w in writes]
+        kv.read_block_rows(blocks, torch.from_numpy(records), header)
         queued = dropped = 0
         for i, write in enumerate(writes):
             try:
