@@ -41,14 +41,14 @@ from prefixcache.engines.vllm.connector_settings import (
     release_store,
 )
 from prefixcache.engines.vllm.connector_stats import StoreConnectorStats, StorePromMetrics
-from prefixcache.engines.vllm.connector_tally import StoreTally
+from prefixcache.engines.vllm.connector_tally import LOGGER, StoreTally
 from prefixcache.engines.vllm.connector_worker import StoreWorker
 from prefixcache.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("prefixcache.engines.vllm")
+log = logging.getLogger(LOGGER)
 
 
 class PrefixcacheStoreConnector(KVConnectorBase_V1):

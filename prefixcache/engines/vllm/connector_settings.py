@@ -19,6 +19,7 @@ scheduler and the worker may run in one process, and LMDB must not be opened twi
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Mapping
@@ -81,6 +82,21 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> StoreSettings:
         raise ConfigError(f"'retry_after' must be seconds >= 0, got {retry_after!r}")
     check_store_url(store)
     return StoreSettings(store, model, tuple(extra), algo, queue_blocks, float(retry_after))
+
+
+def transfer_config(store: str, **settings: Any) -> str:
+    """vLLM's ``--kv-transfer-config`` JSON for this connector on ``store`` (more settings by
+    name: ``model``, ``extra``, ``hash_algo``, ``queue_blocks``, ``retry_after``)."""
+    parse_settings({"store": store, **settings})
+    return json.dumps(
+        {
+            "kv_connector": "PrefixcacheStoreConnector",
+            "kv_connector_module_path": "prefixcache.engines.vllm.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": store, **settings},
+        }
+    )
 
 
 def parse_size(text: str | int) -> int:

@@ -15,7 +15,9 @@ import threading
 import time
 from collections import Counter
 
-log = logging.getLogger("prefixcache.engines.vllm")
+# under vLLM's logger, so the lines come out with vLLM's own (its handler is on "vllm")
+LOGGER = "vllm.prefixcache_store"
+log = logging.getLogger(LOGGER)
 
 COUNTERS = (
     "queries",  # existence queries (one per request, batched)

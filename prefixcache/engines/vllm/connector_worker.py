@@ -27,12 +27,12 @@ from prefixcache.engines.vllm.connector_plan import (
     StoreStepPlan,
     StoreWorkerReport,
 )
-from prefixcache.engines.vllm.connector_tally import StoreGate, StoreTally
+from prefixcache.engines.vllm.connector_tally import LOGGER, StoreGate, StoreTally
 from prefixcache.engines.vllm.connector_writer import BlockWriter, PendingBlock
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import Refusal, check_record
 
-log = logging.getLogger("prefixcache.engines.vllm")
+log = logging.getLogger(LOGGER)
 STAGING_BYTES = 64 << 20  # records read per batch at most (one record at least)
 
 
