@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,7 +46,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from prefixcache.engines.vllm.install import VLLMInstall, engine_environment, find_vllm
 from prefixcache.errors import ConfigError, PrefixCacheError
@@ -144,6 +145,41 @@ class VLLMServer:
                 return bool(answer.status == 200)
         except (OSError, urllib.error.URLError):
             return False
+
+    def metrics(self, timeout_s: float = 5.0) -> str:
+        """Its Prometheus ``/metrics`` text."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout_s) as answer:
+            return str(answer.read().decode("utf-8"))
+
+    def num_gpu_blocks(self) -> int:
+        """The KV cache blocks it allocated, as its ``vllm:cache_config_info`` reports."""
+        for line in self.metrics().splitlines():
+            if line.startswith("vllm:cache_config_info{"):
+                found = re.search(r'num_gpu_blocks="(\d+)"', line)
+                if found:
+                    return int(found.group(1))
+        raise ServerStartError(f"vLLM server {self.name} reports no num_gpu_blocks in /metrics")
+
+    def replica_entry(self, **overrides: Any) -> dict[str, Any]:
+        """This server as a replica of the service's config file (``prefixcache serve``): its
+        URL, the events endpoint the service binds and the replay endpoint it connects to, its
+        model, block size, KV blocks and block hashing (``engine_hash``); ``overrides`` replace
+        or add keys."""
+        entry: dict[str, Any] = {
+            "name": self.name,
+            "url": self.url,
+            "model": self.spec.model_name,
+            "block_size": self.spec.block_size,
+            "capacity_blocks": self.num_gpu_blocks(),
+        }
+        if self.spec.events is not None:
+            entry.update(events=self.spec.events, events_bind=True, replay=self.replay)
+        algo = self.spec.hash_algo or "sha256"
+        seed = self.spec.hash_seed
+        if seed is not None or not algo.startswith("xxhash"):  # else a random seed per process
+            entry["engine_hash"] = {"engine": "vllm", "algo": algo, "seed": seed}
+        entry.update(overrides)
+        return entry
 
     def wait_ready(self, deadline: float) -> None:
         """Return once ``/health`` answers 200; ServerStartError if the server exits first
