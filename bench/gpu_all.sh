@@ -5,12 +5,14 @@
 #     bash bench/gpu_all.sh OUTDIR [PARTS]
 #
 # 1. In parallel (nothing here is timed): the kernel tests compiled on the GPU
-#    (TRITON_INTERPRET=0, pytest-xdist when installed), examples/tiny_runtime.py with and without
-#    a host tier, and bench/kernel_gpu.py --warm in a few processes, which compiles every kernel
-#    variant the timed run launches into Triton's cache.
+#    (TRITON_INTERPRET=0, pytest-xdist when installed), the batched block transfers' tests on
+#    CUDA (host tier and store rows against block-by-block copies), examples/tiny_runtime.py with
+#    and without a host tier, and bench/kernel_gpu.py --warm in a few processes, which compiles
+#    every kernel variant the timed run launches into Triton's cache.
 # 2. One at a time, so that nothing else shares the GPU: the host tier's pinned copy bandwidths
-#    (bench/host_tier.py --copies-only), bench/kernel_gpu.py (PARTS, default all) and
-#    `prefixcache calibrate --gpu h200`.
+#    (bench/host_tier.py --copies-only), the batched transfers against block-by-block copies and
+#    the pinned-copy bandwidth (bench/transfer_bandwidth.py), bench/kernel_gpu.py (PARTS, default
+#    all) and `prefixcache calibrate --gpu h200`.
 #
 # Each step has a time limit and its exit status is printed; logs, the benchmark's JSON lines and
 # the calibrated profile go to OUTDIR. Exits non-zero if any step failed.
@@ -44,6 +46,9 @@ warm_groups=(decode,fp8,store shared,graphs extend splits decode-configs fp8-con
 step tests 240 python3 -m pytest tests/kernels -q -p no:cacheprovider "${xdist[@]}" \
     >"$out/tests.log" 2>&1 &
 tests=$!
+step transfer-tests 240 python3 -m pytest tests/core/test_kv_transfer.py \
+    tests/store/test_store_block_copies.py -q -p no:cacheprovider >"$out/transfer-tests.log" 2>&1 &
+transfer_tests=$!
 {
     step tiny-runtime 120 python3 examples/tiny_runtime.py
     step tiny-runtime-host-tier 120 python3 examples/tiny_runtime.py --host-blocks 32
@@ -54,12 +59,16 @@ for group in "${warm_groups[@]}"; do
 done >"$out/warm.log" 2>&1
 wait "$tests" || failed=1
 wait "$runtime" || failed=1
+wait "$transfer_tests" || failed=1
 wait  # the warm-up processes
 tail -n 3 "$out/tests.log"
+tail -n 3 "$out/transfer-tests.log"
 grep -E '^(== |device|prefill|generated)' "$out/runtime.log"
 grep -E '^== warm' "$out/warm.log"
 
 step host-tier-copies 120 python3 bench/host_tier.py --copies-only --repeats 5 || failed=1
+step transfer-bandwidth 300 python3 bench/transfer_bandwidth.py --repeats 5 \
+    --json "$out/transfers.jsonl" || failed=1
 step kernel-bench 420 python3 bench/kernel_gpu.py --skip-tests ${parts:+--parts "$parts"} \
     --json "$out/kernel.jsonl" || failed=1
 step calibrate 240 python3 -m prefixcache calibrate --gpu h200 \

@@ -20,19 +20,22 @@ from prefixcache.kv_transfer import plan_pairs, resolve_mode
 
 MODES = ["auto", "runs", "staged", "blocks"]
 DTYPES = ["float32", "bfloat16", "float16", "fp8"]
+# on a GPU machine the same checks run against the CUDA paths too (streams, events, DMAs)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NUM_BLOCKS, HOST_BLOCKS, P, H, D, LAYERS = 40, 48, 4, 2, 8, 3
 
 
-def cache(dtype: str, seed: int = 0) -> PagedKVCache:
+def cache(dtype: str, seed: int = 0, device: str = "cpu") -> PagedKVCache:
     """K/V with random bytes on the GPU side and on host (every layer different)."""
     kw: dict = {"kv_dtype": "fp8"} if dtype == "fp8" else {"dtype": getattr(torch, dtype)}
-    kv = PagedKVCache(LAYERS, NUM_BLOCKS, P, H, D, host_blocks=HOST_BLOCKS, **kw)
+    kv = PagedKVCache(LAYERS, NUM_BLOCKS, P, H, D, host_blocks=HOST_BLOCKS, device=device, **kw)
     gen = torch.Generator().manual_seed(seed)
     for t in (*kv.k, *kv.v, *kv.k_host, *kv.v_host):
-        raw = t.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+        raw = torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, dtype=torch.uint8)
+        values = raw.view(t.dtype)
         if t.dtype.is_floating_point:  # no NaN: compare values, not only bytes
-            t.nan_to_num_(0.0)
+            values = values.nan_to_num(0.0)
+        t.copy_(values)
     return kv
 
 
@@ -56,7 +59,7 @@ def reference(kv: PagedKVCache, offloads, loads) -> list[torch.Tensor]:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
 
 
 def scattered(rng: np.random.Generator, n: int, size: int) -> list[int]:
@@ -96,12 +99,13 @@ def patterns() -> dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]]
     }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(patterns()))
-def test_start_transfers_lands_what_block_by_block_copies_land(mode, dtype, name):
+def test_start_transfers_lands_what_block_by_block_copies_land(device, mode, dtype, name):
     offloads, loads = patterns()[name]
-    kv = cache(dtype)
+    kv = cache(dtype, device=device)
     want = reference(kv, offloads, loads)
     kv.transfer_mode = mode
     kv.start_transfers((offloads, loads, []))
@@ -116,17 +120,18 @@ def test_start_transfers_lands_what_block_by_block_copies_land(mode, dtype, name
             assert same(got, ref), f"layer {layer} differs"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
-def test_random_steps_in_a_row_match_block_by_block(mode):
+def test_random_steps_in_a_row_match_block_by_block(device, mode):
     """Twenty steps of random offloads and loads, some sharing blocks and slots, on one cache
-    against the reference applied step by step."""
+    against the reference applied step by step, with no wait between steps."""
     rng = np.random.default_rng(11)
-    kv = cache("bfloat16", seed=3)
+    kv = cache("bfloat16", seed=3, device=device)
     kv.transfer_mode = mode
     ref = PagedKVCache(LAYERS, NUM_BLOCKS, P, H, D, dtype=torch.bfloat16, host_blocks=HOST_BLOCKS)
     for t, s in zip(tensors(ref), tensors(kv), strict=True):
         t.copy_(s)
-    for _ in range(20):
+    for step in range(20):
         n_off, n_load = int(rng.integers(0, 20)), int(rng.integers(0, 20))
         start_g, start_h = (
             int(rng.integers(0, NUM_BLOCKS - 20)),
@@ -150,7 +155,12 @@ def test_random_steps_in_a_row_match_block_by_block(mode):
         ref.transfer_mode = "blocks"
         ref.start_transfers((offloads, loads))
         kv.start_transfers((offloads, loads))
-        assert all(same(a, b) for a, b in zip(tensors(kv), tensors(ref), strict=True))
+        if step % 2:  # every other step back to back, without waiting
+            for layer in range(LAYERS):
+                kv.wait_transfers(layer)
+            if device == "cuda":  # the host tensors are read by the host below
+                torch.cuda.synchronize()
+            assert all(same(a, b) for a, b in zip(tensors(kv), tensors(ref), strict=True))
 
 
 def test_plans_sort_by_host_and_find_runs():
@@ -166,6 +176,24 @@ def test_plans_sort_by_host_and_find_runs():
     assert resolve_mode("auto", both, on_cuda=True) == "runs"
     assert resolve_mode("blocks", both, on_cuda=True) == "blocks"
     assert len(plan_pairs([], [])) == 0
+
+
+def test_small_and_large_plans_agree(monkeypatch):
+    """Plans of a few pairs are made in plain Python, larger ones with numpy: the same plans."""
+    import prefixcache.kv_transfer as kv_transfer
+
+    rng = np.random.default_rng(3)
+    cases = []
+    for _ in range(400):
+        n = int(rng.integers(0, 40))
+        host = rng.integers(0, 50, n).tolist()
+        if rng.random() < 0.5:  # runs, shuffled, sometimes with runs on the device side too
+            host = (int(rng.integers(0, 10)) + rng.permutation(n)).tolist()
+        device = [h + 3 for h in host] if rng.random() < 0.3 else rng.integers(0, 50, n).tolist()
+        cases.append((host, device, plan_pairs(host, device)))
+    monkeypatch.setattr(kv_transfer, "_SMALL", -1)
+    for host, device, small in cases:
+        assert plan_pairs(host, device) == small
 
 
 def test_a_bad_mode_is_a_config_error():
@@ -212,17 +240,20 @@ ROW_BLOCKS = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(ROW_BLOCKS))
-def test_block_rows_land_what_block_by_block_copies_land(mode, dtype, name):
+def test_block_rows_land_what_block_by_block_copies_land(device, mode, dtype, name):
     blocks = ROW_BLOCKS[name]
-    kv = cache(dtype)
+    kv = cache(dtype, device=device)
     kv.transfer_mode = mode
     rows = random_rows(kv, len(blocks), HEADER)
     want = rows_reference_write(kv, blocks, rows, HEADER)
     before = rows.clone()
     kv.write_block_rows(blocks, rows, HEADER)
+    for layer in range(LAYERS):
+        kv.wait_transfers(layer)
     assert torch.equal(rows, before)
     assert all(same(a, b) for a, b in zip(tensors(kv), want, strict=True))
     # and read back: every row's payload is its block's, the header bytes untouched

@@ -12,20 +12,25 @@ import torch
 from prefixcache import Namespace, PagedKVCache
 from prefixcache.manager.lower_tiers.transfers import StoreLoad, StoreWrite
 
-lmdb_backend = pytest.importorskip("prefixcache.store.lmdb_backend")
-from prefixcache.store.store_connector import KVStoreConnector  # noqa: E402
+pytest.importorskip("lmdb")
+from prefixcache.store.lmdb_backend import LMDBBlockStore
+from prefixcache.store.store_connector import KVStoreConnector
 
 NS = Namespace(model="m")
 LAYERS, BLOCKS, P, H, D = 3, 32, 4, 2, 8
 
 
-def cache(dtype: str, seed: int) -> PagedKVCache:
+# on a GPU machine the same checks run against the CUDA paths too, with and without a host tier
+DEVICES = [("cpu", 0)] + ([("cuda", 0), ("cuda", 8)] if torch.cuda.is_available() else [])
+
+
+def cache(dtype: str, seed: int, device: str = "cpu", host_blocks: int = 0) -> PagedKVCache:
     kw: dict = {"kv_dtype": "fp8"} if dtype == "fp8" else {"dtype": getattr(torch, dtype)}
-    kv = PagedKVCache(LAYERS, BLOCKS, P, H, D, **kw)
+    kv = PagedKVCache(LAYERS, BLOCKS, P, H, D, device=device, host_blocks=host_blocks, **kw)
     gen = torch.Generator().manual_seed(seed)
     for t in (*kv.k, *kv.v):
-        raw = t.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+        raw = torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, dtype=torch.uint8)
+        t.copy_(raw.view(t.dtype))
     return kv
 
 
@@ -34,19 +39,22 @@ def block_bytes(kv: PagedKVCache, block: int) -> bytes:
     parts = []
     for layer in range(kv.num_layers):
         parts += [kv.k[layer][block], kv.v[layer][block]]
-    return b"".join(bytes(p.contiguous().view(torch.uint8).numpy()) for p in parts)
+    return b"".join(bytes(p.cpu().contiguous().view(torch.uint8).numpy()) for p in parts)
 
 
 def digest(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
+@pytest.mark.parametrize("device, host_blocks", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "fp8"])
-def test_write_through_and_loads_move_the_bytes_block_copies_move(tmp_path, dtype):
-    kv = cache(dtype, seed=1)
+def test_write_through_and_loads_move_the_bytes_block_copies_move(
+    tmp_path, dtype, device, host_blocks
+):
+    kv = cache(dtype, seed=1, device=device, host_blocks=host_blocks)
     sources = [3, 4, 5, 6, 20, 1, 31, 9, 10, 11]  # runs and scattered blocks
     want = {digest(i): block_bytes(kv, b) for i, b in enumerate(sources)}
-    connector = KVStoreConnector(lmdb_backend.LMDBBlockStore(tmp_path / "kv", 16 << 20), kv)
+    connector = KVStoreConnector(LMDBBlockStore(tmp_path / "kv", 16 << 20), kv)
     with connector:
         connector.write_through([StoreWrite(digest(i), b, NS) for i, b in enumerate(sources)])
         connector.flush()
@@ -64,6 +72,8 @@ def test_write_through_and_loads_move_the_bytes_block_copies_move(tmp_path, dtyp
         loads.insert(6, StoreLoad("gone", digest(8), 17, NS))  # after its request failed
         loads.append(StoreLoad("r9", digest(9), 13, NS))  # block 13 again: the last wins
         assert connector.load(loads) == ["gone"]
+        for layer in range(LAYERS):  # as a forward pass does (with a host tier, on CUDA)
+            kv.wait_transfers(layer)
         assert connector.counters().loaded_blocks == len(targets) + 1
         landed = {b: digest(i) for i, b in enumerate(targets)} | {13: digest(9)}
         for b in range(BLOCKS):
