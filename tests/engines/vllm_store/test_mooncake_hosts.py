@@ -11,10 +11,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_store_support import (
+from store_support import (
     checkout_import_path,
     complete,
-    connector_missing_reason,
     prompt,
     store_counters,
     store_server,
@@ -48,7 +47,7 @@ def _mooncake_missing() -> str | None:
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    reason = connector_missing_reason() or _mooncake_missing()
+    reason = _mooncake_missing()
     if reason is not None:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("mooncake-pair")

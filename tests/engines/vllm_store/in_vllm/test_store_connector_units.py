@@ -1,7 +1,7 @@
 """The store connector inside vLLM's own scheduler (0.32 CPU build), without a model run: what
 it offers, loads and writes, what it refuses, what it announces and counts.
 
-Runs in vLLM's virtualenv (``tests/engines/test_vllm_store_units.py`` starts it there); skipped
+Runs in vLLM's virtualenv (``tests/engines/vllm_store/test_connector_in_vllm.py`` starts it there); skipped
 anywhere vLLM does not import.
 """
 
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-pytest.importorskip("vllm", reason="runs in vLLM's virtualenv: test_vllm_store_units.py")
+pytest.importorskip("vllm", reason="runs in vLLM's virtualenv: test_connector_in_vllm.py")
 
 import torch
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash

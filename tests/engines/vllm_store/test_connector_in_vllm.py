@@ -3,8 +3,7 @@
 vLLM is not installed in the project's environment (it pins its own torch, transformers and
 numpy), so the tests that import it (``in_vllm/``) run with vLLM's interpreter: this test starts
 pytest there over that folder, with this checkout's package on the path, and fails with its
-output when any of them fails. It skips, naming the make target, where vLLM's virtualenv is
-absent.
+output when any of them fails.
 """
 
 from __future__ import annotations
@@ -12,15 +11,12 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from vllm_store_support import ROOT, checkout_import_path, connector_missing_reason, vllm_install
+from store_support import ROOT, checkout_import_path, vllm_install
 
 from prefixcache.engines.vllm.install import engine_environment
 
 
 def test_store_connector_units_in_vllms_scheduler(tmp_path):
-    reason = connector_missing_reason(pytest_too=True)
-    if reason is not None:
-        pytest.skip(reason)
     install = vllm_install()
     path = checkout_import_path(tmp_path / "path")
     env = engine_environment(
@@ -29,7 +25,7 @@ def test_store_connector_units_in_vllms_scheduler(tmp_path):
         PREFIXCACHE_VLLM_MODEL=str(install.model),
         VLLM_HOST_IP="127.0.0.1",
     )
-    folder = ROOT / "tests" / "engines" / "in_vllm"
+    folder = ROOT / "tests" / "engines" / "vllm_store" / "in_vllm"
     done = subprocess.run(
         [
             str(install.python),

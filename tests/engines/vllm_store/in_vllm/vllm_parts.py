@@ -1,5 +1,5 @@
 """vLLM's own scheduler and connector roles, built without a GPU or a model run, for the store
-connector's tests (these run in vLLM's virtualenv: see ``test_vllm_store_units.py`` one folder
+connector's tests (these run in vLLM's virtualenv: see ``test_connector_in_vllm.py`` one folder
 up).
 
 ``Engine`` is one vLLM engine in miniature: vLLM's ``Scheduler`` with the connector on its

@@ -15,10 +15,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from vllm_store_support import (
+from store_support import (
     checkout_import_path,
     complete,
-    connector_missing_reason,
     prompt,
     store_counters,
     store_server,
@@ -37,9 +36,6 @@ CAPACITY = 8 << 20  # about 120 records of the tiny model (64 KiB each): two pro
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    reason = connector_missing_reason()
-    if reason is not None:
-        pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("lmdb-pair")
     path = Path("/dev/shm") / f"prefixcache-test-{uuid.uuid4().hex[:12]}"
     url = f"lmdb://{path}?capacity={CAPACITY}"

@@ -20,7 +20,7 @@ from prefixcache.engines.vllm.launcher import VLLMServerSpec
 
 PROM_PREFIX = "vllm:prefixcache_store_"
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONNECTOR_NEEDS = ("xxhash", "lmdb", "pytest")  # in vLLM's virtualenv, besides vLLM
 
 
