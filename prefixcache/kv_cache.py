@@ -409,9 +409,9 @@ class PagedKVCache:
             pairs = plan_pairs(range(len(ids)), ids)  # row i -> block ids[i]
             mode = resolve_mode(self._transfer_mode, pairs, on_cuda=False)
             index = torch.tensor(pairs.device) if mode == "staged" else None
-            for layer in range(self.num_layers):
-                for kind, cache in ((0, self.k[layer]), (1, self.v[layer])):
-                    load_blocks(cache, payload[:, layer, kind], pairs, mode, index=index)
+            for layer, both in enumerate(payload.unbind(1)):  # views made at once: cheaper
+                for cache, part in zip((self.k[layer], self.v[layer]), both.unbind(1), strict=True):
+                    load_blocks(cache, part, pairs, mode, index=index)
             return
         current = torch.cuda.current_stream(device)
         stream = self._stream if self._stream is not None else current
@@ -447,9 +447,9 @@ class PagedKVCache:
             pairs = plan_pairs(range(len(ids)), ids)  # row i <- block ids[i]
             mode = resolve_mode(self._transfer_mode, pairs, on_cuda=False)
             index = torch.tensor(pairs.device) if mode == "staged" else None
-            for layer in range(self.num_layers):
-                for kind, cache in ((0, self.k[layer]), (1, self.v[layer])):
-                    offload_blocks(cache, payload[:, layer, kind], pairs, mode, index=index)
+            for layer, both in enumerate(payload.unbind(1)):
+                for cache, part in zip((self.k[layer], self.v[layer]), both.unbind(1), strict=True):
+                    offload_blocks(cache, part, pairs, mode, index=index)
             return
         current = torch.cuda.current_stream(device)
         if self._stream is not None:
