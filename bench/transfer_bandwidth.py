@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from prefixcache import PagedKVCache
-from prefixcache.kv_transfer import plan_pairs, resolve_mode
+from prefixcache.kv_transfer import block_rows_view, plan_pairs, resolve_mode
 
 LAYERS, P, HKV, D = 8, 16, 8, 128
 DTYPE = torch.float16
@@ -107,7 +107,7 @@ class Case:
             else:
                 kv.read_block_rows(dev, self.rows, HEADER)
             return
-        payload = kv._payload_view(self.rows, HEADER)  # the connector's earlier copies
+        payload = block_rows_view(self.rows, HEADER, LAYERS, kv.k[0])  # the earlier copies
         for i, b in enumerate(dev):
             for layer in range(LAYERS):
                 if direction == "load":

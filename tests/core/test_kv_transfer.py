@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from prefixcache import ConfigError, InvalidArgumentError, PagedKVCache
-from prefixcache.kv_transfer import plan_pairs, resolve_mode
+from prefixcache.kv_transfer import block_rows_view, plan_pairs, resolve_mode
 
 MODES = ["auto", "runs", "staged", "blocks"]
 DTYPES = ["float32", "bfloat16", "float16", "fp8"]
@@ -227,7 +227,7 @@ def random_rows(kv: PagedKVCache, n: int, offset: int, seed: int = 5) -> torch.T
         0, 256, (n, offset + kv.block_row_bytes + 16), generator=gen, dtype=torch.uint8
     )
     if kv.k[0].dtype.is_floating_point:
-        payload = kv._payload_view(rows, offset)
+        payload = block_rows_view(rows, offset, LAYERS, kv.k[0])
         payload.copy_(payload.nan_to_num(0.0))
     return rows
 
