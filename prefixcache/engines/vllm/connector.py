@@ -32,14 +32,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from prefixcache.engines.store_access import acquire_store, release_store
 from prefixcache.engines.vllm.connector_plan import StoreStepPlan, StoreWorkerReport
 from prefixcache.engines.vllm.connector_scheduler import StoreScheduler
-from prefixcache.engines.vllm.connector_settings import (
-    StoreSettings,
-    acquire_store,
-    parse_settings,
-    release_store,
-)
+from prefixcache.engines.vllm.connector_settings import StoreSettings, parse_settings
 from prefixcache.engines.vllm.connector_stats import StoreConnectorStats, StorePromMetrics
 from prefixcache.engines.vllm.connector_tally import LOGGER, StoreTally
 from prefixcache.engines.vllm.connector_worker import StoreWorker

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
 from store_support import ROOT, checkout_import_path, vllm_install
 
 from prefixcache.engines.vllm.install import engine_environment

@@ -1,7 +1,7 @@
 """The store connector inside vLLM's own scheduler (0.32 CPU build), without a model run: what
 it offers, loads and writes, what it refuses, what it announces and counts.
 
-Runs in vLLM's virtualenv (``tests/engines/vllm_store/test_connector_in_vllm.py`` starts it there); skipped
+Runs in vLLM's virtualenv (``test_connector_in_vllm.py`` one folder up starts it there); skipped
 anywhere vLLM does not import.
 """
 
@@ -18,8 +18,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm_parts import Engine, make_config, make_request
 
 from prefixcache.blocks.namespace import Namespace
+from prefixcache.engines.store_access import acquire_store, release_store
 from prefixcache.engines.vllm.connector_keys import PromptKeyMaker
-from prefixcache.engines.vllm.connector_settings import acquire_store, release_store
 from prefixcache.errors import ConfigError
 from prefixcache.store.block_record import namespace_fingerprint
 
