@@ -329,6 +329,20 @@ class CacheManager:
             self._store.forget(dropped)
         return dropped
 
+    def abort_many(self, request_ids: Iterable[Hashable]) -> list[Hashable]:
+        """``abort`` each of ``request_ids`` that an earlier one's abort did not drop already (a
+        request relying on another's unwritten blocks goes with it), e.g. the requests whose
+        store loads failed in one step. Returns every id dropped, each once. An id that was
+        not admitted when called raises UnknownRequestError, and nothing is aborted."""
+        ids = list(request_ids)
+        for request_id in ids:
+            live_request(self._seqs, request_id)
+        dropped: list[Hashable] = []
+        for request_id in ids:
+            if is_live(self._seqs, request_id):
+                dropped += self.abort(request_id)
+        return dropped
+
     def end_step(self) -> None:
         """The forward pass of the step has written every K/V it was given: pending blocks
         become ordinary cached blocks, and the copy sources held for the step are let go."""

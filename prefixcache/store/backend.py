@@ -8,11 +8,21 @@ checks nothing: the connector checks every record it reads.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
 
 
 class StoreUnavailableError(RuntimeError):
     """The store cannot be reached or refused the operation; the caller recomputes."""
+
+
+class BlockPlace(NamedTuple):
+    """Where a block sits in its chain: the key of the block before it (None: the chain's first
+    block) and its index in the chain (0 for the first). A store that knows it keeps whole
+    chains: a block whose parent is gone cannot be loaded, a query stopping there."""
+
+    parent: bytes | None
+    block_index: int
 
 
 class KVBlockStore(ABC):
@@ -31,9 +41,21 @@ class KVBlockStore(ABC):
         and returns its length (the caller refuses it)."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
-        """Store each ``(key, value)`` (a key held already keeps its value: equal digests,
-        equal K/V); returns how many were stored new."""
+    def put_many(
+        self,
+        items: Sequence[tuple[bytes, bytes | memoryview]],
+        *,
+        places: Mapping[bytes, BlockPlace] | None = None,
+        replace: Collection[bytes] = (),
+    ) -> int:
+        """Store each ``(key, value)``; returns how many were stored new. A key held already
+        keeps its value (equal digests, equal K/V) unless it is in ``replace`` (a held record
+        the caller found bad: the value recomputed replaces it). ``places`` says where keys
+        sit in their chains (a store may ignore it)."""
+
+    def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027  # optional: no use order
+        """The blocks ``keys`` were just used (loaded): a store that evicts by use keeps them
+        longer. A store whose eviction runs elsewhere, as Mooncake's master, ignores it."""
 
     @abstractmethod
     def remove(self, key: bytes) -> None:

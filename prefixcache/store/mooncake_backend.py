@@ -29,14 +29,14 @@ from __future__ import annotations
 import os
 import threading
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
 from prefixcache.errors import ConfigError
-from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
+from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
 
 NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
@@ -159,10 +159,18 @@ class MooncakeBlockStore(KVBlockStore):
             raise StoreUnavailableError(f"Mooncake get_into failed: {n}")
         return n
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+    def put_many(
+        self,
+        items: Sequence[tuple[bytes, bytes | memoryview]],
+        *,
+        places: Mapping[bytes, BlockPlace] | None = None,
+        replace: Collection[bytes] = (),
+    ) -> int:
         stored = 0
         client = self._ready()
         for key, value in items:
+            if key in replace:  # a put keeps a held value: drop the bad one first
+                self.remove(key)
             rc = client.put(self._key(key), value)
             if rc == 0:
                 stored += 1

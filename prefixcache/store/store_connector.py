@@ -6,8 +6,7 @@ GPU blocks, and the write-through of computed blocks off the step's path.
     # each step: plan, then
     transfers = mgr.take_transfers()
     kv.start_transfers(transfers)                     # host tier
-    for rid in connector.load(transfers.store_loads):  # loads that failed: abort and requeue
-        requeue(mgr.abort(rid))
+    requeue(mgr.abort_many(connector.load(transfers.store_loads)))  # loads that failed
     # forward pass, then
     mgr.end_step()
     connector.write_through(mgr.take_store_writes())  # copies the blocks out now
@@ -41,7 +40,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.kv_cache import PagedKVCache
 from prefixcache.manager.block_events import BlockRemoved, BlockStored, CacheEvent, EventListener
 from prefixcache.manager.lower_tiers.transfers import StoreLoad, StoreWrite
-from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
+from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import (
     BlockLayout,
     Refusal,
@@ -54,6 +53,22 @@ from prefixcache.store.block_record import (
 log = logging.getLogger("prefixcache.store")
 STORE = "STORE"  # the medium of blocks in a shared store, in block events
 _BATCH = 64  # records a background put sends at once
+_SUSPECTS = 4096  # held records known or feared bad, kept to be replaced when written
+
+
+class _Write(NamedTuple):
+    """A block copied out, for the background writer."""
+
+    digest: bytes
+    namespace: Namespace
+    record: np.ndarray
+    place: BlockPlace
+
+
+class _Touch(NamedTuple):
+    """Blocks loaded: the store keeps blocks in use longer."""
+
+    digests: list[bytes]
 
 
 class StoreCounters(NamedTuple):
@@ -116,9 +131,10 @@ class KVStoreConnector:
         self._queries = self._query_errors = self._found = self._loaded = 0
         self._refused: Counter[str] = Counter()
         self._queued = self._written = self._dropped = self._write_errors = 0
-        self._queue: queue.Queue[tuple[bytes, Namespace, np.ndarray] | None] = queue.Queue(
-            queue_blocks
-        )
+        self._queue: queue.Queue[_Write | _Touch | None] = queue.Queue(queue_blocks)
+        # digests whose held record must be replaced by the next write: refused ones that may
+        # not have been removed, and the blocks a failed load never got to check
+        self._suspects: dict[bytes, None] = {}
         self._listeners: list[EventListener] = []
         self._announce: list[CacheEvent] = []  # written or evicted since the last delivery
         self._writer = threading.Thread(
@@ -152,9 +168,10 @@ class KVStoreConnector:
     # ---- loads ------------------------------------------------------------------------------
     def load(self, loads: Sequence[StoreLoad]) -> list[Hashable]:
         """Load each block into its GPU block (every layer's K and V); returns the requests
-        whose loads failed, each once, to ``abort`` and requeue (their blocks are recomputed:
-        a refused record was removed from the store). Run before the forward pass."""
-        failed: dict[Hashable, None] = {}
+        whose loads failed, each once, to abort and requeue with ``mgr.abort_many`` (their
+        blocks are recomputed: a refused record was removed from the store, and the write that
+        recomputes it replaces it). Run before the forward pass."""
+        failed: dict[Hashable, Refusal] = {}
         if not loads:
             self._deliver()
             return []
@@ -162,22 +179,36 @@ class KVStoreConnector:
         rows = kv.host_rows(len(loads), layout.record_bytes)  # the records, fetched in place
         buf = rows.numpy()
         blocks: list[int] = []  # the GPU block of each record fetched
+        fetched: list[bytes] = []  # and its digest
         for request_id, digest, gpu_block, namespace in loads:
-            if request_id in failed:
+            why = failed.get(request_id)
+            if why is not None:
+                if why not in (Refusal.MISSING, Refusal.ERROR):
+                    self._suspect(digest)  # after a bad record: never checked
                 continue
             reason = self._fetch(digest, namespace, buf[len(blocks)].data)
             if reason is not None:
-                failed[request_id] = None
+                failed[request_id] = reason
                 with self._lock:
                     self._refused[reason.value] += 1
                 continue
             blocks.append(gpu_block)
+            fetched.append(digest)
         if blocks:  # every layer's K and V of every block in one batch
             kv.write_block_rows(blocks, rows[: len(blocks)], layout.header_bytes)
             with self._lock:
                 self._loaded += len(blocks)
+            with contextlib.suppress(queue.Full):  # in use: kept longer (best effort)
+                self._queue.put_nowait(_Touch(fetched))
         self._deliver()
         return list(failed)
+
+    def _suspect(self, digest: bytes) -> None:
+        """``digest``'s held record, if any, is replaced by the next write of it."""
+        with self._lock:
+            self._suspects[digest] = None
+            if len(self._suspects) > _SUSPECTS:
+                del self._suspects[next(iter(self._suspects))]
 
     def _fetch(self, digest: bytes, namespace: Namespace, view: memoryview) -> Refusal | None:
         """The record of ``digest`` into ``view``, checked; a refused one is removed."""
@@ -198,6 +229,7 @@ class KVStoreConnector:
             reason = found
         if reason is not None:
             log.warning("store record %s refused (%s): recomputed", digest.hex(), reason.value)
+            self._suspect(digest)  # if the removal fails (or races a rewrite), still replaced
             with contextlib.suppress(StoreUnavailableError):
                 self.backend.remove(digest)
                 if self._listeners:
@@ -239,8 +271,9 @@ class KVStoreConnector:
         kv.read_block_rows(blocks, torch.from_numpy(records), header)
         queued = dropped = 0
         for i, write in enumerate(writes):
+            place = BlockPlace(write.parent, write.block_index)
             try:
-                self._queue.put_nowait((write.digest, write.namespace, records[i]))
+                self._queue.put_nowait(_Write(write.digest, write.namespace, records[i], place))
                 queued += 1
             except queue.Full:
                 dropped += 1
@@ -260,38 +293,66 @@ class KVStoreConnector:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            stop = None in batch
             items = []
+            touched: list[bytes] = []
             spaces: dict[bytes, Namespace] = {}
+            places: dict[bytes, BlockPlace] = {}
             for entry in batch:
+                if isinstance(entry, _Touch):
+                    touched += entry.digests
+                    continue
                 if entry is None:
                     continue
-                digest, namespace, record = entry
+                digest, namespace, record, place = entry
                 checksum = payload_checksum(record[header:])
                 head = encode_header(digest, self._fp(namespace), layout, checksum)
                 record[:header] = np.frombuffer(head, np.uint8)
                 items.append((digest, record.data))
                 spaces[digest] = namespace
+                places[digest] = place
+            if touched:
+                self._touch(touched)
             if items:
-                try:
-                    self._check_up()
-                    stored = self.backend.put_many(items)
-                    evicted = self.backend.take_evicted_keys()
-                    with self._lock:
-                        self._written += stored
-                        if self._listeners:
-                            self._note_stored(spaces)
-                            if evicted:
-                                gone = BlockRemoved(evicted, DEFAULT_NAMESPACE, STORE)
-                                self._announce.append(gone)
-                except StoreUnavailableError as exc:
-                    self._failed(exc)
-                    with self._lock:
-                        self._write_errors += len(items)
+                self._put(items, spaces, places)
             for _ in batch:
                 self._queue.task_done()
-            if stop:
+            if None in batch:
                 return
+
+    def _touch(self, digests: list[bytes]) -> None:
+        """Tell the store the loaded blocks are in use (a failure only costs that)."""
+        try:
+            self._check_up()
+            self.backend.touch(digests)
+        except StoreUnavailableError as exc:
+            self._failed(exc)
+
+    def _put(
+        self,
+        items: list[tuple[bytes, memoryview]],
+        spaces: dict[bytes, Namespace],
+        places: dict[bytes, BlockPlace],
+    ) -> None:
+        """One batch to the store: suspect records among them are replaced."""
+        with self._lock:
+            replace = [d for d, _ in items if d in self._suspects]
+        try:
+            self._check_up()
+            stored = self.backend.put_many(items, places=places, replace=replace)
+            evicted = self.backend.take_evicted_keys()
+        except StoreUnavailableError as exc:
+            self._failed(exc)
+            with self._lock:
+                self._write_errors += len(items)
+            return
+        with self._lock:
+            for digest in replace:
+                self._suspects.pop(digest, None)
+            self._written += stored
+            if self._listeners:
+                self._note_stored(spaces)
+                if evicted:
+                    self._announce.append(BlockRemoved(evicted, DEFAULT_NAMESPACE, STORE))
 
     # ---- announcements ----------------------------------------------------------------------
     def add_listener(self, listener: EventListener) -> None:

@@ -78,11 +78,15 @@ class Faulty(KVBlockStore):
             self.inner.remove(key)
         return self.inner.get_into(key, out)
 
-    def put_many(self, items):
+    def put_many(self, items, *, places=None, replace=()):
         self._check()
         if self.writes_wait is not None:
             self.writes_wait.wait(60)
-        return self.inner.put_many(items)
+        return self.inner.put_many(items, places=places, replace=replace)
+
+    def touch(self, keys):
+        self._check()
+        self.inner.touch(keys)
 
     def remove(self, key):
         self._check()
@@ -189,3 +193,37 @@ def test_a_store_restarted_empty_is_filled_again(runtime, tmp_path):
     store.close()
     _same(out, runtime)
     assert out["loaded_blocks"] == 0 and out["written_blocks"] > 0
+
+
+@pytest.mark.parametrize("damage", ["payload", "layout"])
+def test_the_write_that_recomputes_a_refused_record_replaces_it(runtime, tmp_path, damage):
+    """Two bad records in a row of one chain (corrupt, or of another layout): the load stops at
+    the first, so the second is never read; the recompute writes both, and both are replaced,
+    so the next process loads them."""
+    path = tmp_path / "kv"
+    _filled(runtime, path)
+    store = LMDBBlockStore(path, 64 * MIB)
+    victims = store.keys()[:2]  # the first two blocks of the first chain written
+    good = {}
+    for key in victims:
+        buf = bytearray(1 << 20)
+        n = store.get_into(key, memoryview(buf))
+        good[key] = record = bytes(buf[:n])
+        if damage == "payload":
+            record = record[:-5] + bytes([record[-5] ^ 0x40]) + record[-4:]
+        else:  # as a runtime of another layout writes the same digest
+            other = BlockLayout(16, 2, "float32", 4, (16, 4, 32))
+            head = encode_header(key, record[24:40], other, record[68 - 16 : 68])
+            record = head + record[len(head) :]
+        store.remove(key)
+        store.put_many([(key, record)])
+    first = runtime.compare_store(store)
+    _same(first, runtime)
+    for key in victims:  # both written again as this runtime computed them
+        buf = bytearray(1 << 20)
+        n = store.get_into(key, memoryview(buf))
+        assert bytes(buf[:n]) == good[key]
+    second = runtime.compare_store(store)
+    _same(second, runtime)
+    assert second["refused"] == {} and second["requeued"] == 0
+    store.close()

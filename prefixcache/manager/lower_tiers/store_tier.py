@@ -49,6 +49,7 @@ class StoreTier:
     """Plans store loads and write-throughs for one manager (its counters are the state's)."""
 
     __slots__ = (
+        "_head",
         "_memo",
         "block_size",
         "hasher",
@@ -76,6 +77,8 @@ class StoreTier:
         self.pending: list[tuple[Hashable, list[StoreWrite]]] = []  # this step's, per request
         self.ready: list[StoreWrite] = []  # ended steps', until take_store_writes()
         self._memo: tuple[Namespace, bytes, int, int] | None = None  # the last query this step
+        # the first block the last find_run leaves to compute: (digest, chain index, parent)
+        self._head: tuple[bytes, int, bytes | None] | None = None
 
     def find_run(
         self, buf: bytes, num_tokens: int, start: int, prev: bytes, namespace: Namespace
@@ -86,11 +89,14 @@ class StoreTier:
         computed once, for the query, the index and the write-through."""
         p = self.block_size
         full = num_tokens // p
+        self._head = None
         if start >= full:
             return _new(StoreRun, ([], 0, []))
         digests = self.hasher.hash_buffer(buf, prev, start, full)
+        parent = prev if start else None  # the seed is no block
         end = (num_tokens - 1) // p - start  # blocks that may be loaded
         if end <= 0:
+            self._head = (digests[0], start, parent)
             return _new(StoreRun, ([], 0, digests))
         memo = self._memo
         if memo is not None and memo[0] == namespace and memo[1] == digests[0] and memo[2] == end:
@@ -98,11 +104,12 @@ class StoreTier:
         else:
             found = min(end, max(0, int(self.presence.leading_present(digests[:end]))))
             self._memo = (namespace, digests[0], end, found)
-        if not found:
-            return _new(StoreRun, ([], 0, digests))
         model = self.transfer_model
-        if model is not None and not model.should_load(found, p, start):
+        if not found or (model is not None and not model.should_load(found, p, start)):
+            self._head = (digests[0], start, parent)
             return _new(StoreRun, ([], found, digests))
+        if found < len(digests):
+            self._head = (digests[found], start + found, digests[found - 1])
         return _new(StoreRun, (digests[:found], found, digests[found:]))
 
     def plan(
@@ -124,8 +131,15 @@ class StoreTier:
             ]
             self.stats.store_loaded_blocks += len(run)
         if computed:
-            pairs = zip(computed, computed_blocks, strict=True)
-            writes = [_new(StoreWrite, (d, b, namespace)) for d, b in pairs]
+            head = self._head
+            if head is not None and head[0] == computed[0]:
+                first, parent = head[1], head[2]
+            else:  # not where the last query left off: its place in the chain is unknown
+                first, parent = 0, None
+            writes = []
+            for i, (d, b) in enumerate(zip(computed, computed_blocks, strict=True)):
+                writes.append(_new(StoreWrite, (d, b, namespace, parent, first + i)))
+                parent = d
             self.pending.append((request_id, writes))
 
     def forget(self, request_ids: Iterable[Hashable]) -> None:
@@ -166,4 +180,4 @@ class StoreTier:
     def clear(self) -> None:
         """Every planned load and write gone (a reset)."""
         self.loads, self.pending, self.ready = [], [], []
-        self._memo = None
+        self._memo = self._head = None

@@ -42,11 +42,15 @@ class StoreLoad(NamedTuple):
 
 class StoreWrite(NamedTuple):
     """Write GPU block ``gpu_block`` to the store as ``digest`` (of ``namespace``); its K/V is
-    written: the step that computed it has ended."""
+    written: the step that computed it has ended. ``parent`` is the digest of the block before
+    it in its chain (None: the chain's first) and ``block_index`` its index in the chain, so a
+    store can keep whole chains (a block whose parent it no longer holds cannot be loaded)."""
 
     digest: bytes
     gpu_block: int
     namespace: Namespace
+    parent: bytes | None = None
+    block_index: int = 0
 
 
 class Transfers(NamedTuple):
