@@ -33,11 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from prefixcache.engines.store_access import acquire_store, release_store
+from prefixcache.engines.store_tally import StoreTally
 from prefixcache.engines.vllm.connector_plan import StoreStepPlan, StoreWorkerReport
 from prefixcache.engines.vllm.connector_scheduler import StoreScheduler
 from prefixcache.engines.vllm.connector_settings import StoreSettings, parse_settings
 from prefixcache.engines.vllm.connector_stats import StoreConnectorStats, StorePromMetrics
-from prefixcache.engines.vllm.connector_tally import LOGGER, StoreTally
+from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.engines.vllm.connector_worker import StoreWorker
 from prefixcache.errors import ConfigError
 
@@ -51,7 +52,7 @@ class PrefixcacheStoreConnector(KVConnectorBase_V1):
     """A vLLM KV connector over a prefixcache ``KVBlockStore`` (LMDB on one host, Mooncake
     Store across hosts), keyed by prefixcache's block digests."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings: StoreSettings = parse_settings(transfer.kv_connector_extra_config)

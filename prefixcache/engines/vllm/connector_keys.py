@@ -40,7 +40,7 @@ def request_namespace(model: str, extra: tuple[str, ...], request: Any) -> Names
     lora = getattr(request, "lora_request", None)
     adapter = None if lora is None else str(lora.lora_name)
     salt = getattr(request, "cache_salt", None)
-    return Namespace(model, adapter, None, salt, extra)
+    return Namespace(model=model, adapter=adapter, salt=salt, extra=extra)
 
 
 class PromptKeyMaker:

@@ -21,6 +21,7 @@ and to write each step, and the KV events that announce the store's blocks.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from prefixcache.engines.store_tally import StoreGate, StoreTally
 from prefixcache.engines.vllm.connector_keys import PromptKeyMaker, PromptKeys, request_namespace
 from prefixcache.engines.vllm.connector_plan import (
     BlockMove,
@@ -36,9 +38,10 @@ from prefixcache.engines.vllm.connector_plan import (
     StoreStepPlan,
     StoreWorkerReport,
 )
-from prefixcache.engines.vllm.connector_tally import StoreGate, StoreTally
+from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 
+log = logging.getLogger(LOGGER)
 STORE = "STORE"  # the medium of a shared store's blocks in KV events
 KNOWN_HASHES = 1 << 16  # digests whose vLLM block hash is remembered for announcements
 
@@ -74,7 +77,7 @@ class StoreScheduler:
         self.model = model
         self.extra = extra
         self.keys = PromptKeyMaker(block_size, hash_algo)
-        self.gate = StoreGate(retry_after, "scheduler")
+        self.gate = StoreGate(retry_after, "scheduler", log)
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[RequestBlocks] = []
         self._in_flight = 0  # blocks handed to the writer, not yet settled

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from prefixcache.engines.store_tally import StoreGate, StoreTally
 from prefixcache.engines.vllm.connector_layout import PagedKV
 from prefixcache.engines.vllm.connector_plan import (
     BlockMove,
@@ -27,7 +28,7 @@ from prefixcache.engines.vllm.connector_plan import (
     StoreStepPlan,
     StoreWorkerReport,
 )
-from prefixcache.engines.vllm.connector_tally import LOGGER, StoreGate, StoreTally
+from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.engines.vllm.connector_writer import BlockWriter, PendingBlock
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import Refusal, check_record
@@ -44,7 +45,7 @@ class StoreWorker:
     ) -> None:
         self.store = store
         self.tally = tally
-        self.gate = StoreGate(retry_after, "worker")
+        self.gate = StoreGate(retry_after, "worker", log)
         self.queue_blocks = queue_blocks
         self.kv: PagedKV | None = None
         self.writer: BlockWriter | None = None

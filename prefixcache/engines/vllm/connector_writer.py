@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prefixcache.engines.vllm.connector_tally import StoreGate, StoreTally
+from prefixcache.engines.store_tally import StoreGate, StoreTally
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import BlockLayout, encode_header, payload_checksum
 

