@@ -27,6 +27,7 @@ collect_ignore = ["in_vllm"]  # run with vLLM's interpreter by test_connector_in
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not ENABLED:
         pytest.skip(SKIPPED)
-    reason = connector_missing_reason(pytest_too=item.name.endswith("in_vllms_scheduler"))
+    also = ("pytest",) if item.name.endswith("in_vllms_scheduler") else ()
+    reason = connector_missing_reason(also=also)
     if reason is not None:
         pytest.skip(reason)

@@ -10,6 +10,7 @@ import json
 import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,16 +22,17 @@ from prefixcache.engines.vllm.launcher import VLLMServerSpec
 PROM_PREFIX = "vllm:prefixcache_store_"
 
 ROOT = Path(__file__).resolve().parents[3]
-CONNECTOR_NEEDS = ("xxhash", "lmdb", "pytest")  # in vLLM's virtualenv, besides vLLM
+CONNECTOR_NEEDS = ("xxhash", "lmdb")  # in vLLM's virtualenv, besides vLLM
 
 
-def connector_missing_reason(*, pytest_too: bool = False) -> str | None:
-    """Why the store connector cannot run in vLLM's virtualenv here (None: it can)."""
+def connector_missing_reason(*, also: Sequence[str] = ()) -> str | None:
+    """Why the store connector (and the modules ``also`` names) cannot run in vLLM's
+    virtualenv here (None: they can)."""
     reason = _vllm_missing()
     if reason is not None:
         return reason
     install = find_vllm()
-    needs = CONNECTOR_NEEDS if pytest_too else CONNECTOR_NEEDS[:-1]
+    needs = (*CONNECTOR_NEEDS, *also)
     probe = (
         "import importlib.util, sys; "
         f"sys.exit(0 if all(importlib.util.find_spec(m) for m in {needs!r}) else 1)"
@@ -38,8 +40,8 @@ def connector_missing_reason(*, pytest_too: bool = False) -> str | None:
     done = subprocess.run([str(install.python), "-c", probe], capture_output=True)
     if done.returncode != 0:
         return (
-            f"vLLM's virtualenv at {install.env} lacks {', '.join(needs)} (the store connector's "
-            f"needs): run `{MAKE_TARGET}`"
+            f"vLLM's virtualenv at {install.env} lacks some of {', '.join(needs)}: run "
+            f"`{MAKE_TARGET}`"
         )
     return None
 
