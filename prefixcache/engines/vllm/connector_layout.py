@@ -6,9 +6,10 @@ then V, each ``(block_size, kv_heads, head_dim)``. vLLM's CPU attention keeps on
 layer of ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` elements, which it reads as
 ``[num_blocks, kv_heads, 2 * block_size, head_dim]``: per head, the block's K rows then its V
 rows. ``PagedKV`` views each layer as ``[num_blocks, kv_heads, 2, block_size, head_dim]`` and
-moves a batch of blocks with one gather or scatter per layer, transposing heads and tokens on
-the way. Any other shape (a GPU backend's, a kernel block size other than the scheduler's, a
-hybrid or MLA model) is refused when the caches are registered, with what was found.
+moves a batch of blocks with one gather or scatter per layer through a scratch buffer it keeps,
+transposing heads and tokens on the way. Any other shape (a GPU backend's, a kernel block size
+other than the scheduler's, a hybrid or MLA model) is refused when the caches are registered,
+with what was found.
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class PagedKV:
         shape = (block_size, num_kv_heads, head_size)
         self.dtype = dtype
         self.layout = BlockLayout(block_size, len(blocks), name, itemsize, shape).check()
+        self._tmp = torch.empty(0, num_kv_heads, 2, block_size, head_size, dtype=dtype)
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        """``n`` blocks of one layer in the cache's order, in a buffer kept between calls (a
+        fresh one would cost a page fault per 4 KiB)."""
+        if len(self._tmp) < n:
+            self._tmp = torch.empty(n, *self._tmp.shape[1:], dtype=self.dtype)
+        return self._tmp[:n]
 
     def payloads(self, buffer: torch.Tensor) -> torch.Tensor:
         """``buffer`` (bytes, ``[n, payload_bytes]``) as ``[n, layers, 2, block_size, heads,
@@ -69,12 +78,16 @@ class PagedKV:
         """Copy blocks ``block_ids`` into ``out`` (``payloads`` of ``len(block_ids)``
         records)."""
         ids = torch.as_tensor(block_ids, dtype=torch.long)
+        tmp = self._scratch(len(block_ids))
         for layer, cache in enumerate(self.blocks):
-            out[:, layer].copy_(cache.index_select(0, ids).permute(0, 2, 3, 1, 4))
+            torch.index_select(cache, 0, ids, out=tmp)
+            out[:, layer].copy_(tmp.permute(0, 2, 3, 1, 4))
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
         """Copy ``src`` (``payloads`` of ``len(block_ids)`` records) into blocks
         ``block_ids``."""
         ids = torch.as_tensor(block_ids, dtype=torch.long)
+        tmp = self._scratch(len(block_ids))
         for layer, cache in enumerate(self.blocks):
-            cache[ids] = src[:, layer].permute(0, 3, 1, 2, 4)
+            tmp.copy_(src[:, layer].permute(0, 3, 1, 2, 4))
+            cache.index_copy_(0, ids, tmp)

@@ -26,6 +26,8 @@ class BlockMove(NamedTuple):
     block_id: int  # vLLM's block
     digest: bytes  # the store's key
     fingerprint: bytes  # the namespace's fingerprint in the record header
+    parent: bytes | None  # the digest of the block before it in the prompt (None: the first)
+    block_index: int  # its place in the prompt (0 for the first block)
 
 
 class RequestBlocks(NamedTuple):
@@ -50,7 +52,7 @@ class StoreWorkerReport(KVConnectorWorkerMetadata):
     stored: list[bytes] = field(default_factory=list)  # digests now in the store
     evicted: list[bytes] = field(default_factory=list)  # digests the store evicted
     refused: list[bytes] = field(default_factory=list)  # digests refused on load, removed
-    unloaded: list[bytes] = field(default_factory=list)  # first failed load of each request
+    unloaded: list[bytes] = field(default_factory=list)  # blocks a failed load left unchecked
     settled: int = 0  # blocks handed to the writer that are done (however they ended)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

@@ -152,10 +152,7 @@ class StoreScheduler:
         block_ids = blocks.get_block_ids()[0]
         first, n = tracked.match_from, num_external_tokens // self.block_size
         keys = tracked.keys
-        moves = [
-            BlockMove(block_ids[j], keys.digests[j], keys.fingerprint)
-            for j in range(first, first + n)
-        ]
+        moves = [_move(block_ids[j], keys, j) for j in range(first, first + n)]
         self._loads.append(RequestBlocks(request.request_id, moves))
 
     # ---- each step ----------------------------------------------------------------------
@@ -202,7 +199,7 @@ class StoreScheduler:
             if 0 <= j - base < len(present) and present[j - base]:
                 continue  # the store has it
             digest = keys.digests[j]
-            moves.append(BlockMove(block_ids[j], digest, keys.fingerprint))
+            moves.append(_move(block_ids[j], keys, j))
             if j < len(hashes):
                 self._writing[digest] = maybe_convert_block_hash(hashes[j])
         if moves:
@@ -280,3 +277,9 @@ class StoreScheduler:
     def finished(self, request: Any) -> None:
         """``request`` is done: forget it."""
         self._requests.pop(request.request_id, None)
+
+
+def _move(block_id: int, keys: PromptKeys, j: int) -> BlockMove:
+    """Block ``j`` of a prompt, in vLLM's block ``block_id``."""
+    parent = keys.digests[j - 1] if j else None
+    return BlockMove(block_id, keys.digests[j], keys.fingerprint, parent, j)

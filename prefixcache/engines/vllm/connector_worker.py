@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -29,12 +29,13 @@ from prefixcache.engines.vllm.connector_plan import (
     StoreWorkerReport,
 )
 from prefixcache.engines.vllm.connector_tally import LOGGER
-from prefixcache.engines.vllm.connector_writer import BlockWriter, PendingBlock
+from prefixcache.engines.vllm.connector_writer import BlockWriter
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import Refusal, check_record
 
 log = logging.getLogger(LOGGER)
 STAGING_BYTES = 64 << 20  # records read per batch at most (one record at least)
+SUSPECTS = 4096  # digests of held records to replace, kept at most
 
 
 class StoreWorker:
@@ -54,6 +55,7 @@ class StoreWorker:
         self._failed: set[str] = set()  # requests with a failed load this step
         self._refused: list[bytes] = []
         self._unloaded: list[bytes] = []
+        self._suspects: dict[bytes, None] = {}  # held records to replace when written
         self._dropped = 0  # blocks settled before reaching the writer, not yet reported
 
     def register(
@@ -74,18 +76,35 @@ class StoreWorker:
     def load(self, plan: StoreStepPlan) -> None:
         """Load every block the plan names, checked; failures are kept for the report."""
         self._failed.clear()
+        loaded_digests: list[bytes] = []
         for request in plan.loads:
-            loaded = self._load_request(request)
+            loaded, why = self._load_request(request)
+            loaded_digests += [b.digest for b in request.blocks[:loaded]]
             if loaded < len(request.blocks):
                 self._failed.add(request.request_id)
                 missed = request.blocks[loaded:]
-                self._unloaded.append(missed[0].digest)
+                if why in (Refusal.MISSING, Refusal.ERROR):
+                    self._unloaded.append(missed[0].digest)
+                else:  # after a bad record: the ones after it were never checked either
+                    self._unloaded += [b.digest for b in missed]
+                    self._suspect(b.digest for b in missed)
                 self._errors.update(b.block_id for b in missed)
                 self.tally.add("load_failed_blocks", len(missed))
             self.tally.add("loaded_blocks", loaded)
+        if loaded_digests and self.writer is not None:
+            self.writer.touch(loaded_digests)  # in use: the store keeps them longer
 
-    def _load_request(self, request: RequestBlocks) -> int:
-        """How many leading blocks of ``request`` were loaded."""
+    def _suspect(self, digests: Iterable[bytes]) -> None:
+        """Held records of ``digests`` are replaced by the next write of them (refused ones
+        whose removal may have failed or raced a rewrite, and ones never checked)."""
+        for digest in digests:
+            self._suspects[digest] = None
+        while len(self._suspects) > SUSPECTS:
+            del self._suspects[next(iter(self._suspects))]
+
+    def _load_request(self, request: RequestBlocks) -> tuple[int, Refusal | None]:
+        """How many leading blocks of ``request`` were loaded, and why the next one was
+        not."""
         assert self.kv is not None
         header = self.kv.layout.header_bytes
         staging = self._staging
@@ -94,7 +113,8 @@ class StoreWorker:
             chunk = request.blocks[done : done + len(staging)]
             good = 0
             for i, block in enumerate(chunk):
-                if self._fetch(block, staging[i]) is not None:
+                why = self._fetch(block, staging[i])
+                if why is not None:
                     break
                 good += 1
             if good:
@@ -102,8 +122,8 @@ class StoreWorker:
                 self.kv.scatter([b.block_id for b in chunk[:good]], self.kv.payloads(rows))
             done += good
             if good < len(chunk):
-                break
-        return done
+                return done, why
+        return done, None
 
     def _fetch(self, block: BlockMove, row: np.ndarray) -> Refusal | None:
         """The record of ``block`` into ``row``, checked (None: usable); a refused record is
@@ -154,17 +174,19 @@ class StoreWorker:
         if not moves:
             return
         assert self.kv is not None and self.writer is not None
-        layout = self.kv.layout
         if not self.gate.is_open():
             self.tally.add("dropped_blocks", len(moves))
             self._dropped += len(moves)
             return
-        records = np.empty((len(moves), layout.record_bytes), np.uint8)
-        payloads = self.kv.payloads(torch.from_numpy(records[:, layout.header_bytes :]))
-        self.kv.gather([b.block_id for b in moves], payloads)
-        self.writer.submit(
-            [PendingBlock(b.digest, b.fingerprint, records[i]) for i, b in enumerate(moves)]
-        )
+        kv = self.kv
+
+        def fill(block_ids: list[int], rows: np.ndarray) -> None:
+            kv.gather(block_ids, kv.payloads(torch.from_numpy(rows)))
+
+        replace = {b.digest for b in moves if b.digest in self._suspects}
+        self.writer.take(moves, fill, replace)
+        for digest in replace:
+            self._suspects.pop(digest, None)
 
     def report(self) -> StoreWorkerReport | None:
         """What the store traffic did since the last report (None: nothing)."""

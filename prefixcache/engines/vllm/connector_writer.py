@@ -1,37 +1,62 @@
 """The write-through of computed blocks, off the step's path.
 
-The worker copies a step's computed blocks out of vLLM's cache into record buffers (the step
-must do that before vLLM can hand the blocks out again), then ``BlockWriter.submit`` queues
-them for one background thread, which checksums each payload, writes its header and puts the
-records in batches. The queue holds at most ``queue_blocks`` blocks: past it, blocks are
-dropped and counted, and the step never waits. While the store is left alone after a failure
-(``StoreGate``), queued blocks are dropped too. What the store took, and what it evicted to take
-it, is kept for the scheduler's announcements (``take_outcome``).
+The worker hands ``BlockWriter.take`` a step's computed blocks with a function that copies them
+out of vLLM's cache (the step must do that before vLLM can hand the blocks out again); the
+copies land in record buffers the writer recycles (slabs of several records, allocated once and
+reused: a fresh buffer per step would cost a page fault per 4 KiB, more than the copy), and one
+background thread checksums each payload, writes its header and puts the records in batches.
+At most ``queue_blocks`` records wait at once: past it, blocks are dropped and counted, and the
+step never waits. Each write says where the block sits in its chain (a store that evicts by use
+keeps chains whole, tails first) and whether a held record of it is to be replaced (one refused
+or never checked after a refusal); the blocks a step loaded are reported as used (``touch``)
+the same way. While the store is left alone after a failure (``StoreGate``), queued blocks are
+dropped too. What the store took, and what it evicted to take it, is kept for the scheduler's
+announcements (``take_outcome``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from prefixcache.engines.store_tally import StoreGate, StoreTally
-from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
+from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import BlockLayout, encode_header, payload_checksum
 
 _BATCH = 64  # records one put sends at once
+SLAB_BYTES = 8 << 20  # records of a slab together (one at least, 64 at most)
+
+# block ids, and the slab's rows to fill (``[n, payload bytes]``, a view of the slab)
+Filler = Callable[[list[int], np.ndarray], None]
+# a block to write: vLLM's block id, its digest, its namespace's fingerprint, the digest before
+# it in its chain (None: the first) and its index in the chain
+Block = tuple[int, bytes, bytes, bytes | None, int]
 
 
-class PendingBlock(NamedTuple):
-    """One block to write: its digest, its namespace's fingerprint, its record buffer (the
-    payload filled in, the header still to write)."""
+class _Slab:
+    """Record buffers allocated together; back to the pool once all its records are written."""
 
+    def __init__(self, rows: int, record_bytes: int) -> None:
+        self.records = np.empty((rows, record_bytes), np.uint8)
+        self.pending = 0  # records queued and not yet done (changed under the writer's lock)
+
+
+class _Item(NamedTuple):
     digest: bytes
     fingerprint: bytes
-    record: np.ndarray
+    place: BlockPlace  # the block before it in its chain, its index there
+    replace: bool  # a held record of it is bad or unchecked: overwrite it
+    slab: _Slab
+    row: int
+
+
+class _Touch(NamedTuple):
+    digests: list[bytes]  # blocks just loaded
 
 
 class WriteOutcome(NamedTuple):
@@ -43,7 +68,7 @@ class WriteOutcome(NamedTuple):
 
 
 class BlockWriter:
-    """A bounded queue of blocks and the thread that writes them to ``store``."""
+    """Recycled record buffers, a queue of blocks, and the thread that writes them."""
 
     def __init__(
         self,
@@ -57,7 +82,11 @@ class BlockWriter:
         self.layout = layout
         self.tally = tally
         self.gate = gate
-        self._queue: queue.Queue[PendingBlock | None] = queue.Queue(queue_blocks)
+        self.rows = max(1, min(64, SLAB_BYTES // layout.record_bytes))
+        self.max_slabs = max(1, -(-queue_blocks // self.rows))
+        self._free: list[_Slab] = []
+        self._slabs = 0  # made so far (at most max_slabs)
+        self._queue: queue.Queue[_Item | _Touch | None] = queue.Queue()
         self._lock = threading.Lock()
         self._stored: list[bytes] = []
         self._evicted: list[bytes] = []
@@ -66,21 +95,45 @@ class BlockWriter:
         self._thread.daemon = True
         self._thread.start()
 
-    def submit(self, blocks: Sequence[PendingBlock]) -> None:
-        """Queue ``blocks`` without waiting; those that do not fit are dropped and counted."""
-        queued = 0
-        for block in blocks:
-            try:
-                self._queue.put_nowait(block)
-            except queue.Full:
+    def take(self, blocks: Sequence[Block], fill: Filler, replace: Collection[bytes] = ()) -> None:
+        """Copy ``blocks`` out with ``fill`` into record buffers and queue them, without
+        waiting; blocks past the bound are dropped and counted. Held records of the digests in
+        ``replace`` are overwritten."""
+        header = self.layout.header_bytes
+        done = 0
+        while done < len(blocks):
+            slab = self._slab()
+            if slab is None:
                 break
-            queued += 1
-        dropped = len(blocks) - queued
-        self.tally.add("queued_blocks", queued)
-        self.tally.add("dropped_blocks", dropped)
+            chunk = blocks[done : done + self.rows]
+            fill([b[0] for b in chunk], slab.records[: len(chunk), header:])
+            with self._lock:
+                slab.pending = len(chunk)
+            for row, (_, digest, fingerprint, parent, index) in enumerate(chunk):
+                place = BlockPlace(parent, index)
+                self._queue.put(_Item(digest, fingerprint, place, digest in replace, slab, row))
+            done += len(chunk)
+        dropped = len(blocks) - done
+        self.tally.add("queued_blocks", done)
         if dropped:
+            self.tally.add("dropped_blocks", dropped)
             with self._lock:
                 self._settled += dropped
+
+    def _slab(self) -> _Slab | None:
+        """A free slab, a new one under the bound, or None."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._slabs >= self.max_slabs:
+                return None
+            self._slabs += 1
+        return _Slab(self.rows, self.layout.record_bytes)
+
+    def touch(self, digests: list[bytes]) -> None:
+        """Tell the store, off the step's path, that these blocks were just loaded (a store
+        that evicts by use keeps them longer)."""
+        self._queue.put(_Touch(digests))
 
     def take_outcome(self) -> WriteOutcome:
         """The digests stored and evicted, and the blocks settled, since the last call."""
@@ -100,7 +153,6 @@ class BlockWriter:
             self._thread.join()
 
     def _run(self) -> None:
-        header = self.layout.header_bytes
         while True:
             batch = [self._queue.get()]
             while len(batch) < _BATCH:
@@ -108,38 +160,51 @@ class BlockWriter:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            blocks = [b for b in batch if b is not None]
-            if blocks:
-                self._write(blocks, header)
+            items = [b for b in batch if isinstance(b, _Item)]
+            touched = [d for b in batch if isinstance(b, _Touch) for d in b.digests]
+            if touched and self.gate.is_open():
+                with contextlib.suppress(StoreUnavailableError):  # only costs the use order
+                    self.store.touch(touched)
+            if items:
+                self._write(items)
+                self._done(items)
             for _ in batch:
                 self._queue.task_done()
-            if len(blocks) < len(batch):
+            if None in batch:
                 return
 
-    def _write(self, blocks: list[PendingBlock], header: int) -> None:
+    def _write(self, items: list[_Item]) -> None:
         if not self.gate.is_open():
-            self.tally.add("dropped_blocks", len(blocks))
-            with self._lock:
-                self._settled += len(blocks)
+            self.tally.add("dropped_blocks", len(items))
             return
-        items = []
-        for digest, fingerprint, record in blocks:
+        header = self.layout.header_bytes
+        puts = []
+        for item in items:
+            record = item.slab.records[item.row]
             checksum = payload_checksum(record[header:])
-            head = encode_header(digest, fingerprint, self.layout, checksum)
+            head = encode_header(item.digest, item.fingerprint, self.layout, checksum)
             record[:header] = np.frombuffer(head, np.uint8)
-            items.append((digest, record.data))
+            puts.append((item.digest, record.data))
+        places = {item.digest: item.place for item in items}
+        replace = {item.digest for item in items if item.replace}
         try:
-            stored = self.store.put_many(items)
+            stored = self.store.put_many(puts, places=places, replace=replace)
             evicted = self.store.take_evicted_keys()
         except StoreUnavailableError as exc:
             self.gate.failed(exc)
-            self.tally.add("write_errors", len(items))
-            with self._lock:
-                self._settled += len(items)
+            self.tally.add("write_errors", len(puts))
             return
         self.tally.add("written_blocks", stored)
         self.tally.add("evicted_blocks", len(evicted))
         with self._lock:
-            self._stored.extend(b.digest for b in blocks)
+            self._stored.extend(item.digest for item in items)
             self._evicted.extend(evicted)
+
+    def _done(self, items: list[_Item]) -> None:
+        """The items are settled: their slabs go back to the pool once empty."""
+        with self._lock:
             self._settled += len(items)
+            for item in items:
+                item.slab.pending -= 1
+                if item.slab.pending == 0:
+                    self._free.append(item.slab)

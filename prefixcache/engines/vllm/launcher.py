@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -246,8 +247,29 @@ def _group_members(group: int) -> list[int]:
     return found
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out for a bind to port 0 (Linux: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    """A TCP port on 127.0.0.1 that nothing listens on now, below the kernel's ephemeral range
+    where one is free: a server binds its port seconds after it is chosen, and meanwhile the
+    sockets other servers bind to port 0 (vLLM's internal queues) take ports from that range."""
+    floor = _ephemeral_floor()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(20000, floor) if floor > 20000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

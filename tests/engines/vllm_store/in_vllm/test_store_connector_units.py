@@ -185,6 +185,8 @@ def test_a_corrupt_record_is_refused_removed_recomputed_and_announced(store_url,
     assert totals["loaded_blocks"] == 4  # the blocks before it; nothing after it unchecked
     assert totals["load_failed_blocks"] == 5
     assert len(b.load_errors) == 5
+    assert totals["queued_blocks"] == 5  # the refused block and the unchecked ones after it,
+    # written again (replacing what the store holds) once computed
     for j in range(9):  # vLLM computed the refused block and the ones after it
         assert torch.equal(b.block_kv(rb, j), b.expected_kv(rb, j))
     with opened(store_url) as store:

@@ -1,0 +1,149 @@
+"""The vLLM store connector's get and put per block, against a memcpy of the same bytes.
+
+    python bench/vllm_store_blocks.py [--blocks 64] [--repeats 7]
+
+Runs the connector's own worker side (``StoreWorker``) over CPU-attention-shaped K/V tensors and
+a one-host LMDB store on /dev/shm, for three block sizes: the tiny test model's (32 tokens, 2
+layers, 2 KV heads of 64, fp32: 64 KiB), and 1 MiB and 4 MiB blocks (32 tokens, 8 and 32
+layers, 8 KV heads of 128, fp16, as an 8B-class model). Per block, median over ``--repeats``
+passes of ``--blocks`` blocks:
+
+- ``memcpy``: numpy copy of one record's bytes into a preallocated buffer;
+- ``get``: ``StoreWorker.load`` (``get_into`` a staging buffer, the record's header and
+  checksum checked, every layer's K and V scattered into vLLM's paged tensors);
+- ``put, step``: what the step waits for in ``StoreWorker.save``: every layer's K and V
+  gathered out of the paged tensors into record buffers, queued;
+- ``put, all``: the same plus the background writer's checksum, header and ``put_many``, until
+  the queue is drained.
+
+vLLM's modules are needed (the worker's plan types subclass vLLM's), so the script runs itself
+again with vLLM's interpreter (``make vllm-env``) when started from another environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+SHAPES = {  # name: (layers, kv heads, head_dim, dtype)
+    "tiny fp32": (2, 2, 64, "float32"),
+    "8 layers fp16": (8, 8, 128, "float16"),
+    "32 layers fp16": (32, 8, 128, "float16"),
+}
+BLOCK = 32
+
+
+def rerun_in_vllm() -> int:
+    """Start this script with vLLM's interpreter, this checkout's package on its path."""
+    from prefixcache.engines.vllm.install import engine_environment, find_vllm
+
+    install = find_vllm()
+    with tempfile.TemporaryDirectory(prefix="vllm-store-bench-") as folder:
+        (Path(folder) / "prefixcache").symlink_to(
+            Path(__file__).resolve().parents[1] / "prefixcache"
+        )
+        env = engine_environment(install.env, PYTHONPATH=folder)
+        return subprocess.call([str(install.python), __file__, *sys.argv[1:]], env=env)
+
+
+def one_pass(worker, plan_type, moves, blocks: int, layout) -> dict[str, float]:
+    import numpy as np
+
+    from prefixcache.engines.vllm.connector_plan import RequestBlocks
+
+    t: dict[str, float] = {}
+    plan = plan_type(saves=[RequestBlocks("r", moves)])
+    worker.load(plan_type())  # a step without loads: nothing failed
+    start = time.perf_counter()
+    worker.save(plan)
+    t["put, step"] = (time.perf_counter() - start) / blocks
+    worker.writer.flush()
+    t["put, all"] = (time.perf_counter() - start) / blocks
+    start = time.perf_counter()
+    worker.load(plan_type(loads=[RequestBlocks("r", moves)]))
+    t["get"] = (time.perf_counter() - start) / blocks
+    assert worker.take_load_errors() == set()
+    src = np.ones(layout.record_bytes, np.uint8)
+    out = np.empty_like(src)
+    start = time.perf_counter()
+    for _ in range(blocks):
+        np.copyto(out, src)
+    t["memcpy"] = (time.perf_counter() - start) / blocks
+    return t
+
+
+def run(args: argparse.Namespace) -> None:
+    import shutil
+
+    import torch
+
+    from prefixcache.blocks.namespace import Namespace
+    from prefixcache.engines.store_tally import StoreTally
+    from prefixcache.engines.vllm.connector_plan import BlockMove, StoreStepPlan
+    from prefixcache.engines.vllm.connector_worker import StoreWorker
+    from prefixcache.store.block_record import namespace_fingerprint
+    from prefixcache.store.lmdb_backend import LMDBBlockStore
+
+    torch.set_num_threads(1)
+    fp = namespace_fingerprint(Namespace(model="bench"))
+    print(f"{args.blocks} blocks a pass, {args.repeats} passes, median per block")
+    print(
+        f"{'block':>16} {'MiB':>5} {'memcpy us':>10} {'get us':>8} {'get/memcpy':>11} "
+        f"{'put step us':>12} {'put all us':>11} {'put all/memcpy':>15}"
+    )
+    for name, (layers, heads, dim, dtype) in SHAPES.items():
+        num_blocks = 2 * args.blocks + 1
+        kv = {
+            f"layer{i}": torch.randn(num_blocks, heads, BLOCK, 2 * dim).to(getattr(torch, dtype))
+            for i in range(layers)
+        }
+        record = 2 * layers * BLOCK * heads * dim * kv["layer0"].element_size() + 4096
+        folder = tempfile.mkdtemp(dir="/dev/shm", prefix="vllm-store-bench-")
+        store = LMDBBlockStore(folder, capacity_bytes=2 * args.blocks * record)
+        worker = StoreWorker(store, StoreTally(), retry_after=2.0, queue_blocks=4 * args.blocks)
+        worker.register(kv, BLOCK, heads, dim)
+        passes = []
+        for repeat in range(args.repeats + 1):
+            moves = [
+                BlockMove(1 + i, os.urandom(16), fp, None, i) for i in range(args.blocks)
+            ]  # fresh keys each pass
+            t = one_pass(worker, StoreStepPlan, moves, args.blocks, worker.kv.layout)
+            for move in moves:  # the next pass writes into the pages these free
+                store.remove(move.digest)
+            if repeat:  # the first pass touches the store's pages for the first time
+                passes.append(t)
+        worker.close()
+        store.close()
+        med = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
+        ratio = {k: statistics.median(p[k] / p["memcpy"] for p in passes) for k in passes[0]}
+        size = worker.kv.layout.record_bytes / MIB
+        print(
+            f"{name:>16} {size:5.2f} {med['memcpy'] * 1e6:10.1f} {med['get'] * 1e6:8.1f} "
+            f"{ratio['get']:11.2f} {med['put, step'] * 1e6:12.1f} {med['put, all'] * 1e6:11.1f} "
+            f"{ratio['put, all']:15.2f}"
+        )
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return rerun_in_vllm()
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
