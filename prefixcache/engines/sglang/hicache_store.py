@@ -15,7 +15,9 @@ each rank holds its own heads), so two models, or two ranks, never share a recor
 holds the page in the store's one order (hicache_pages.py) with the store's header: a page read
 back is checked (digest, namespace fingerprint, layout, length, checksum) before one byte of it
 reaches SGLang's host pool; a refused record is removed from the store, counted and logged, and
-SGLang computes the page.
+SGLang computes the page. Writes say where each page sits in its chain when SGLang passes the
+pages before them, and reads tell the store their pages were used (a store that evicts by use
+keeps chains whole, tails first).
 
 ``interface_v1: 1`` makes SGLang use the zero-copy calls (``batch_get_v1`` / ``batch_set_v1``
 on host indices); without it, its older ones (``batch_get`` / ``batch_set`` of flat pages) are
@@ -44,7 +46,7 @@ from prefixcache.engines.sglang.hicache_pages import HostPages
 from prefixcache.engines.store_access import acquire_store, check_store_url, release_store
 from prefixcache.engines.store_tally import StoreGate, StoreTally
 from prefixcache.errors import ConfigError
-from prefixcache.store.backend import StoreUnavailableError
+from prefixcache.store.backend import BlockPlace, StoreUnavailableError
 from prefixcache.store.block_record import (
     Refusal,
     check_record,
@@ -171,6 +173,7 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
                 break
             pages.write(int(host_indices[i * pages.page_size]), payload)
             out[i] = True
+        self._touch(keys[: sum(out)])
         self._note("prefetch", sum(out), start)
         return out
 
@@ -199,6 +202,7 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
             out[i] = self.get(key, target)
             if out[i] is None:
                 break
+        self._touch(keys[: sum(x is not None for x in out)])
         self._note("prefetch", sum(x is not None for x in out), start)
         return out
 
@@ -228,8 +232,30 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
         self.tally.add("found_pages", n)
         return n
 
+    def _touch(self, keys: list[str]) -> None:
+        """The pages just read are in use: a store that evicts by use keeps them longer."""
+        if keys and self.gate.is_open():
+            with contextlib.suppress(StoreUnavailableError):
+                self.store.touch([self.store_key(k) for k in keys])
+
     # ---- writes ------------------------------------------------------------------------
-    def _put(self, keys: list[str], fill: Any) -> list[bool]:
+    def _places(self, keys: list[str], extra_info: Any) -> dict[bytes, BlockPlace] | None:
+        """Where each page sits in its chain, when SGLang says which pages precede them."""
+        before = getattr(extra_info, "prefix_keys", None)
+        if before is None:
+            return None
+        chain = [*before, *keys]
+        first = len(before)
+        return {
+            self.store_key(key): BlockPlace(
+                self.store_key(chain[first + i - 1]) if first + i else None, first + i
+            )
+            for i, key in enumerate(keys)
+        }
+
+    def _put(
+        self, keys: list[str], fill: Any, places: dict[bytes, BlockPlace] | None = None
+    ) -> list[bool]:
         """Write one record per key, ``fill(i, payload)`` copying page ``i`` in; all True
         when the store took them (held already or new)."""
         pages = self._pages()
@@ -251,7 +277,7 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
             self.tally.add("dropped_pages", len(items))
             return [False] * len(items)
         try:
-            stored = self.store.put_many(items)
+            stored = self.store.put_many(items, places=places)
         except StoreUnavailableError as exc:
             self.gate.failed(exc)
             self.tally.add("write_errors", len(items))
@@ -266,7 +292,9 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
         """Write each page from the host pool at its indices."""
         pages, start = self._pages(), time.monotonic()
         done = self._put(
-            keys, lambda i, out: pages.read(int(host_indices[i * pages.page_size]), out)
+            keys,
+            lambda i, out: pages.read(int(host_indices[i * pages.page_size]), out),
+            self._places(keys, extra_info),
         )
         self._note("backup", sum(done), start)
         return done

@@ -15,7 +15,7 @@ import pytest
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
@@ -164,6 +164,21 @@ def test_pages_round_trip_through_sglangs_older_calls(store_url, layout):
     into = torch.arange(PAGES * PAGE, 2 * PAGES * PAGE)
     assert HiCacheController._generic_page_get(ctl, OPERATION, keys, into) == PAGES
     assert torch.equal(pages_of(pool, PAGES * PAGE), written)
+    made.close()
+
+
+def test_pages_written_in_batches_with_the_pages_before_them(store_url):
+    pool = host_pool("page_first")
+    made = backend(store_url, pool)
+    pool.kv_buffer.copy_(torch.randn_like(pool.kv_buffer))
+    keys = page_keys(TOKENS_A)
+    half = PAGES // 2
+    first = HiCacheStorageExtraInfo(prefix_keys=[])
+    second = HiCacheStorageExtraInfo(prefix_keys=keys[:half])
+    assert all(made.batch_set_v1(keys[:half], torch.arange(half * PAGE), first))
+    rest = torch.arange(half * PAGE, PAGES * PAGE)
+    assert all(made.batch_set_v1(keys[half:], rest, second))
+    assert made.batch_exists(keys, second) == PAGES
     made.close()
 
 
