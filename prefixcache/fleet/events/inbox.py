@@ -60,6 +60,14 @@ class ReplicaInboxes:
                 return
             self._pool.submit(self._work, replica)
 
+    def nudge(self, replica: str) -> None:
+        """Have a worker call ``apply(replica, [])`` (retry what waits), unless the replica's
+        queue holds messages: its worker is on it and retries before the next one."""
+        with self._lock:
+            if self._queues.get(replica):
+                return
+        self.put(replica, [])
+
     def _work(self, replica: str) -> None:
         self._local.active = True
         while True:

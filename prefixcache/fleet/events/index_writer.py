@@ -55,7 +55,8 @@ index cannot answer now (away) is not applied: ``apply`` says which.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import msgspec
@@ -78,6 +79,11 @@ _GPU = _FIXED_BITS[GPU]
 _MAX_MEDIA = 24  # media told apart per replica; further names share the last bit
 _ALL_MEDIA = -1
 _OWN_KEYS = ("adapter_version", "salt", "extra")
+
+
+def _held(rep: ReplicaStream) -> AbstractContextManager[None]:
+    """The caller's lock stays held around a read of the shared engine map."""
+    return nullcontext()
 
 
 def canonical_medium(medium: str | None) -> str:
@@ -114,6 +120,9 @@ class EventApplier:
         self.versions: dict[tuple[str, str], str] = {}
         self._bits = dict(_FIXED_BITS)
         self.stores = SharedStoreBlocks(index, max_blocks_per_replica)  # kv_store's holders
+        # around each read of the shared engine map (a network call): the subscriber lets its
+        # lock go there
+        self.unlocked: Callable[[ReplicaStream], AbstractContextManager[None]] = _held
 
     def _bit(self, medium: str) -> int:
         """The bit of ``medium`` in a block's media mask (``ReplicaStream.blocks``)."""
@@ -435,7 +444,8 @@ class EventApplier:
         continuations of them need no lookup, and the index's local view holds them."""
         assert self.engine_map is not None
         blocks = rep.blocks
-        found = self.engine_map.adopt(rep.ep.name, self.max_blocks_per_replica - len(blocks))
+        with self.unlocked(rep):
+            found = self.engine_map.adopt(rep.ep.name, self.max_blocks_per_replica - len(blocks))
         for key, block in (found or {}).items():
             h = block_hash_of_key(key)
             if h is None or h in blocks:
@@ -453,12 +463,15 @@ class EventApplier:
         unknown = {engine_key(h): h for h in hashes if h not in rep.blocks and h not in skipped}
         if not unknown:
             return True
-        found = self.engine_map.recall(rep.ep.name, list(unknown))
+        with self.unlocked(rep):
+            found = self.engine_map.recall(rep.ep.name, list(unknown))
         if found is None:  # the index cannot say now (away): the event waits (False)
             return False
+        blocks, cap = rep.blocks, self.max_blocks_per_replica
         for key, block in found.items():
-            if block.media and len(rep.blocks) < self.max_blocks_per_replica:
-                rep.blocks[unknown[key]] = [block.digest, block.position, block.media]
+            h = unknown[key]  # placed by a lookup meanwhile, it stays as placed
+            if block.media and h not in blocks and len(blocks) < cap:
+                blocks[h] = [block.digest, block.position, block.media]
                 rep.counts.recalled += 1
         return True
 

@@ -12,8 +12,11 @@ keyed by prefixcache's own digests, namespaces, the rules for what is indexed) t
 ``deferral`` (events waiting, in order, for a shared index that cannot answer now); missed
 batches are asked of the replica's replay endpoint by ``replay_client``. The poller thread only
 reads the sockets: each replica's messages are applied in order by one of ``ingest_workers``
-worker threads at a time, which lets the lock go while it waits on a replay endpoint, so a slow
-one holds up that replica alone. A replay is bounded too: it ends once the batches missed are in,
+worker threads at a time, which lets the lock go while it waits on the network (a replay
+endpoint, a read of a shared index's engine map), so a slow endpoint or a hung Redis holds up
+that replica alone, and routes, which take the lock to read unplaced blocks, never wait on it;
+events waiting for the shared index are retried on the replica's worker too. A replay is bounded
+too: it ends once the batches missed are in,
 after ``replay_deadline`` seconds, or after ``max_replay_frames`` answer frames (an unfilled gap,
 below).
 
@@ -50,9 +53,10 @@ replay endpoint: they read a snapshot without its lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -134,10 +138,10 @@ class KVEventSubscriber:
         self.max_blocks_per_replica = max_blocks_per_replica
         self.max_tokens_per_event = max_tokens_per_event
         self.replay_timeout = replay_timeout
-        # what the poller reads, applied on workers (a replay lets the lock go there)
-        self._inbox = ReplicaInboxes(
-            self.ingest_workers, self._on_message, getattr(index, "flush", None)
-        )
+        # what the poller reads, applied on workers (a replay or a read of the shared index
+        # lets the lock go there); a remote index sends what they wrote behind them
+        self._send = getattr(index, "send_queued", None) or getattr(index, "flush", None)
+        self._inbox = ReplicaInboxes(self.ingest_workers, self._on_message, self._send)
         self.max_deferred_events = max_deferred_events
         self._ctx = context or zmq.Context.instance()
         self._decoder = BatchDecoder()
@@ -152,6 +156,7 @@ class KVEventSubscriber:
             max_blocks_per_replica=max_blocks_per_replica,
             max_tokens_per_event=max_tokens_per_event,
         )
+        self._events.unlocked = self._unlocked  # around its reads of the shared engine map
         self._batches = DeferringApplier(self._events, max_deferred_events)
         # what a router asks of blocks stored under parents never seen (Router(held=...))
         self.unplaced = UnplacedLookup(self._replicas, self._lock, self._events)
@@ -314,7 +319,7 @@ class KVEventSubscriber:
         if not rep.seen and self._engine_map is not None:
             # joining: the index holds what other routers (or this one before a restart)
             # applied, up to the batch it names; only the batches after it are missing
-            known = self._engine_map.last_applied(rep.ep.name)
+            known = self._last_applied(rep)
             rep.inherited = seq > 0
             if known is not None and self._new_stream(rep, known, seq, ts):
                 # the engine restarted since: its earlier blocks are gone, and the new
@@ -412,8 +417,7 @@ class KVEventSubscriber:
         """Whether another router applied the batches before ``seq`` meanwhile (its note of
         them may have lagged the first read); also when the index cannot say now (the note was
         there a moment ago): a clear sent later would wipe what other routers hold."""
-        assert self._engine_map is not None
-        again = self._engine_map.last_applied(rep.ep.name)
+        again = self._last_applied(rep)
         return again is None or again.seq >= seq - 1
 
     def _engine_entries(self, name: str) -> list[tuple[bytes, bytes, int]]:
@@ -430,11 +434,8 @@ class KVEventSubscriber:
         no replay endpoint or cannot provide them all."""
         if rep.ep.replay_endpoint is None:
             return None
-        unlock = self._inbox.on_worker  # the lock is held once there
-        if unlock:
-            self._lock.release()
-        try:
-            got = fetch_batches(
+        with self._unlocked(rep):
+            return fetch_batches(
                 self._ctx,
                 rep.ep.replay_endpoint,
                 start,
@@ -445,12 +446,29 @@ class KVEventSubscriber:
                 deadline_s=self.replay_deadline,
                 max_frames=self.max_replay_frames,
             )
+
+    def _last_applied(self, rep: ReplicaStream) -> AppliedBatch | None:
+        """The last batch of the replica's stream the shared index names (a Redis read)."""
+        assert self._engine_map is not None
+        with self._unlocked(rep):
+            return self._engine_map.last_applied(rep.ep.name)
+
+    @contextlib.contextmanager
+    def _unlocked(self, rep: ReplicaStream) -> Iterator[None]:
+        """Around a network call made while applying ``rep``'s batch: on a worker, the lock is
+        let go meanwhile (held once there; the replica's batches stay in order, one worker at a
+        time), so that routes and the other replicas never wait on it; _ReplicaGone when the
+        replica was removed meanwhile. Elsewhere (``ingest()``) the lock stays held."""
+        if not self._inbox.on_worker:
+            yield
+            return
+        self._lock.release()
+        try:
+            yield
         finally:
-            if unlock:
-                self._lock.acquire()
-        if unlock and self._replicas.get(rep.ep.name) is not rep:
+            self._lock.acquire()
+        if self._replicas.get(rep.ep.name) is not rep:
             raise _ReplicaGone(rep.ep.name)
-        return got
 
     # ---- the poller thread ----------------------------------------------------------------
     def start(self) -> None:
@@ -486,7 +504,7 @@ class KVEventSubscriber:
         monitors: dict[str, zmq.Socket[Any]] = {}  # each SUB socket's disconnection events
         names: dict[Any, str] = {}
         refused: dict[str, str | None] = {}  # replica -> the endpoint ZMQ would not connect to
-        flush = getattr(self.index, "flush", None)
+        flush = self._send
 
         def close(n: str) -> None:
             sock, mon = sockets.pop(n), monitors.pop(n, None)
@@ -565,10 +583,10 @@ class KVEventSubscriber:
                         except zmq.Again:
                             break
                         self._inbox.put(name, frames)
-                with self._lock:  # events waiting for the shared index: try again
-                    for rep in self._replicas.values():
-                        if rep.deferred:
-                            self._batches.drain(rep)
+                with self._lock:  # events waiting for the shared index: their worker retries
+                    waiting = [name for name, rep in self._replicas.items() if rep.deferred]
+                for name in waiting:
+                    self._inbox.nudge(name)
                 if ready and flush is not None:  # a remote index: send what the round wrote
                     try:
                         flush()
@@ -582,6 +600,10 @@ class KVEventSubscriber:
         with self._lock:
             rep = self._replicas.get(name)
             if rep is None:
+                return
+            if not frames:  # a nudge: apply the events that wait for the shared index
+                with contextlib.suppress(_ReplicaGone):
+                    self._batches.drain(rep)
                 return
             try:
                 if len(frames) != 3:

@@ -710,7 +710,8 @@ def test_a_router_joining_while_redis_is_away_waits_to_map_the_old_blocks(redis_
     sub.ingest("pod", 2, batches[2])  # a continuation of a block stored before it came
     sub.ingest("pod", 3, batches[3])  # a removal of one
     assert sub.counters()["pod"].blocks_stored == 0  # both wait, in order
-    index.retry_interval = 0.0  # Redis is back
+    index.retry_interval = 0.0  # Redis is back: the sender thread finds it
+    wait_until(lambda: index.stats().in_sync, what="the resync")
     sub.ingest("pod", 4, batches[4])
     assert index.flush()
     truth = MemoryFleetIndex()

@@ -58,6 +58,21 @@ def open_client(url: str, original: str | None = None) -> redis.Redis:
         raise ConfigError(f"not a Redis URL: {redact(original or url)!r} ({exc})") from None
 
 
+def timed_client(client: redis.Redis, timeout: float) -> redis.Redis:
+    """A client of the same Redis as ``client`` (its options, a pool of its own) whose calls
+    and connects time out after ``timeout`` seconds; ``client`` itself when it has no pool."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return client
+    kwargs = dict(pool.connection_kwargs)
+    kwargs["socket_timeout"] = timeout
+    connect = kwargs.get("socket_connect_timeout")
+    kwargs["socket_connect_timeout"] = min(connect or timeout, timeout)
+    return redis.Redis(
+        connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    )
+
+
 def check_cluster_prefix(prefix: str) -> None:
     """ConfigError unless ``prefix`` carries a hash tag, which a cluster needs."""
     if hash_tag(prefix) is None:

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
 from prefixcache.fleet.index.interface import CPU, GPU, AppliedBatch, EngineBlock
+from prefixcache.fleet.index.redis.script_calls import EngineSource
 from prefixcache.fleet.index.redis.scripts import as_bytes, as_text, remember_args
-from prefixcache.fleet.index.redis.sync import EngineSource, RedisSync
+from prefixcache.fleet.index.redis.sync import RedisSync
 
 if TYPE_CHECKING:
     import redis
@@ -65,20 +66,20 @@ class RedisEngineMap:
             return {}
         sync = self.sync
         out: dict[bytes, EngineBlock] = {}
-        with sync.lock:
-            reply = sync.read(
-                lambda client: sync.scripts.recall(
-                    keys=sync.keys,
-                    args=[sync.prefix, replica, *engine_keys],
-                    client=client,  # the node serving the slot now, not the first one
-                )
+        reply = sync.read(
+            lambda client: sync.scripts.recall(
+                keys=sync.keys,
+                args=[sync.prefix, replica, *engine_keys],
+                client=client,  # the node serving the slot now, not the first one
             )
-            if reply is None:
-                return None
-            for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
-                block = _engine_block(as_bytes(value), int(media))
-                if block is not None:
-                    out[key] = block
+        )
+        if reply is None:
+            return None
+        for key, value, media in zip(engine_keys, reply[::2], reply[1::2], strict=False):
+            block = _engine_block(as_bytes(value), int(media))
+            if block is not None:
+                out[key] = block
+        with sync.lock:
             self._join_local_view(replica, out.values())
         return out
 
@@ -120,7 +121,7 @@ class RedisEngineMap:
 
         cursor = 0
         while limit is None or len(out) < limit:
-            got = sync.read(functools.partial(step, cursor=cursor))  # the lock, per step
+            got = sync.read(functools.partial(step, cursor=cursor))  # a read per step
             if got is None:
                 break  # Redis went away: what was read stands, the rest is recalled later
             cursor, found = got
@@ -156,8 +157,7 @@ class RedisEngineMap:
         """The last batch of the replica's stream a router applied (None: unknown, or Redis
         unreachable)."""
         sync = self.sync
-        with sync.lock:
-            value = sync.read(lambda c: c.get(f"{sync.prefix}:s:{replica}") or b"")
+        value = sync.read(lambda c: c.get(f"{sync.prefix}:s:{replica}") or b"")
         if not value:
             return None
         try:

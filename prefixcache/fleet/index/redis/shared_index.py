@@ -213,7 +213,7 @@ class RedisFleetIndex(RedisEngineMap):
             return match_masks(masks, len(digests), slots)
         return self.local.match(digests)  # safe beside the writer without the lock
 
-    def _match_replies(self, client: redis.Redis, digests: Sequence[bytes]) -> list[Any]:
+    def _match_replies(self, client: redis.Redis, digests: Sequence[bytes]) -> list[Any] | None:
         sync = self.sync
         pipe = client.pipeline(transaction=False)
         pipe.get(self.prefix + ":epoch")
@@ -222,10 +222,8 @@ class RedisFleetIndex(RedisEngineMap):
             pipe.mget([self.prefix.encode() + b":b:" + d for d in digests])
         epoch, *replies = pipe.execute()
         if sync.epoch is not None and epoch != sync.epoch:  # lost its data while idle
-            sync.lost_data()
-            if sync.try_resync():
-                return self._match_replies(sync.reader(), digests)
-            raise redis.RedisError("Redis lost its data and the local view is not back yet")
+            sync.lost_data()  # the sender thread writes the local view back
+            return None  # answered from the local view meanwhile
         return replies
 
     def replicas(self) -> list[str]:
@@ -279,33 +277,36 @@ class RedisFleetIndex(RedisEngineMap):
         local view while Redis is unreachable."""
         check_replica(replica)
         sync = self.sync
-        with sync.lock:
-            if not sync.flush():
-                return self.local.holdings(replica)
-            try:
-                client = sync.client
-                members = sorted(as_bytes(m) for m in client.smembers(f"{self.prefix}:r:{replica}"))
-                slot = client.hget(self.prefix + ":replicas", replica)
-                if slot is None:
-                    return {}
-                r = int(slot)
-                pipe = client.pipeline(transaction=False)
-                for d in members:
-                    key = self.prefix.encode() + b":b:" + d
-                    pipe.getbit(key, 2 * r)
-                    pipe.getbit(key, 2 * r + 1)
-                bits = pipe.execute()
-            except redis.RedisError as exc:
-                sync.failed(exc)
-                return self.local.holdings(replica)
-            return {
-                d: frozenset(m for m, b in ((GPU, bits[2 * k]), (CPU, bits[2 * k + 1])) if b)
-                for k, d in enumerate(members)
-            }
+        if not sync.flush():
+            return self.local.holdings(replica)
+        try:
+            client = sync.client
+            members = sorted(as_bytes(m) for m in client.smembers(f"{self.prefix}:r:{replica}"))
+            slot = client.hget(self.prefix + ":replicas", replica)
+            if slot is None:
+                return {}
+            r = int(slot)
+            pipe = client.pipeline(transaction=False)
+            for d in members:
+                key = self.prefix.encode() + b":b:" + d
+                pipe.getbit(key, 2 * r)
+                pipe.getbit(key, 2 * r + 1)
+            bits = pipe.execute()
+        except redis.RedisError as exc:
+            sync.failed(exc)
+            return self.local.holdings(replica)
+        return {
+            d: frozenset(m for m, b in ((GPU, bits[2 * k]), (CPU, bits[2 * k + 1])) if b)
+            for k, d in enumerate(members)
+        }
+
+    def send_queued(self) -> None:
+        """Send the queued writes unless another thread is sending (they go with its send, or
+        right after it); never waits on Redis while one is under way."""
+        self.sync.flush(wait=False)
 
     def close(self) -> None:
         """Send what is queued (if Redis is there) and close the connections."""
-        with self.sync.lock:
-            self.sync.close()
-            if self._owner is not None:
-                self._owner.close()
+        self.sync.close()
+        if self._owner is not None:
+            self._owner.close()
