@@ -28,7 +28,9 @@ class Namespace:
     """Model, adapter and tenant identity. Blocks never match across namespaces.
 
     ``extra`` carries further keys that change the K/V of the same token ids, e.g. content hashes
-    of images in a multimodal prompt.
+    of images in a multimodal prompt. ``weights`` names the exact weights behind ``model`` (a
+    revision such as a Hugging Face commit, or ``store.weights_fingerprint`` of the tensors):
+    runtimes that serve one model name with other weights then never share a block.
     """
 
     model: str = ""
@@ -36,6 +38,7 @@ class Namespace:
     adapter_version: str | None = None
     salt: str | None = None
     extra: tuple[str, ...] = ()
+    weights: str | None = None
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined]  # set in __post_init__, not a field
@@ -43,6 +46,8 @@ class Namespace:
     def __reduce__(self) -> tuple[type[Namespace], tuple[object, ...]]:
         # rebuilt through __init__: str hashes differ between processes
         fields = (self.model, self.adapter, self.adapter_version, self.salt, self.extra)
+        if self.weights is not None:
+            return type(self), (*fields, self.weights)
         return type(self), fields
 
     def __post_init__(self) -> None:
@@ -50,7 +55,7 @@ class Namespace:
             raise InvalidArgumentError(
                 f"Namespace.model must be a str, got {type(self.model).__name__}"
             )
-        for name in ("adapter", "adapter_version", "salt"):
+        for name in ("adapter", "adapter_version", "salt", "weights"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidArgumentError(f"Namespace.{name} must be a str or None, got {value!r}")
@@ -58,7 +63,8 @@ class Namespace:
             raise InvalidArgumentError(
                 f"Namespace.extra must be a tuple of str, got {self.extra!r}"
             )
-        for value in (self.model, self.adapter, self.adapter_version, self.salt, *self.extra):
+        values = (self.model, self.adapter, self.adapter_version, self.salt, self.weights)
+        for value in (*values, *self.extra):
             if value is not None:
                 try:
                     value.encode("utf-8")
@@ -67,18 +73,23 @@ class Namespace:
                         f"Namespace fields must be valid Unicode text, got {value!r} "
                         "(a lone surrogate)"
                     ) from None
-        key = (self.model, self.adapter, self.adapter_version, self.salt, self.extra)
+        key = (self.model, self.adapter, self.adapter_version, self.salt, self.extra, self.weights)
         object.__setattr__(self, "_hash", hash(key))
 
     def canonical_bytes(self) -> bytes:
         """The encoding that seeds the hash chain: the same on every process and machine, and
         injective (two namespaces that differ in any field never encode alike). Each field is a
         presence byte then a 4-byte length and its UTF-8 bytes; ``extra`` is prefixed by its
-        count."""
+        count. ``weights``, when set, follows as the tag ``w`` and its encoding; unset, nothing
+        follows, so every namespace without it (and every digest seeded by one) encodes as it
+        did before the field existed: the fields before end where they always ended, so a
+        tail can only be the tag's."""
         parts = [_encode(self.model), _encode(self.adapter), _encode(self.adapter_version)]
         parts.append(_encode(self.salt))
         parts.append(len(self.extra).to_bytes(4, "little"))
         parts.extend(_encode(x) for x in self.extra)
+        if self.weights is not None:
+            parts.append(b"w" + _encode(self.weights))
         return b"".join(parts)
 
     def label(self) -> str:
@@ -100,6 +111,8 @@ class Namespace:
                 parts.append("extra=" + ",".join(self.extra))
             else:
                 parts.append("extra=" + json.dumps(list(self.extra)))
+        if self.weights is not None:
+            parts.append(f"weights={_shown(self.weights)}")
         return " ".join(parts)
 
 
