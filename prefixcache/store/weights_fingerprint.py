@@ -28,11 +28,11 @@ def weights_fingerprint(tensors: Mapping[str, Any]) -> str:
         if isinstance(value, torch.Tensor):
             t = value.detach().contiguous().cpu()
             dtype, shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
-            data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+            raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
         else:
             a = np.ascontiguousarray(value)
-            dtype, shape, data = str(a.dtype), a.shape, a.reshape(-1).view(np.uint8)
+            dtype, shape, raw = str(a.dtype), a.shape, a.reshape(-1).view(np.uint8)
         head = f"{name}\x00{dtype}\x00{','.join(map(str, shape))}\x00".encode()
         h.update(len(head).to_bytes(4, "little") + head)
-        h.update(data)
+        h.update(raw.data)
     return "xxh3:" + h.hexdigest()
