@@ -205,15 +205,15 @@ class FingerprintRuntime:
             self.kv.start_transfers((offloads, loads))
         failed: list[Hashable] = []
         found: list[tuple[int, np.ndarray]] = []
-        for rid, digest, gpu_block, _ in store_loads:
+        for load in store_loads:
             assert self.kv_store is not None
-            row = self.kv_store.blocks.get(digest)
+            row = self.kv_store.blocks.get(load.digest)
             if row is None:  # gone since the admission looked: its request is aborted
                 self.kv_store.failed += 1
-                failed.append(rid)
+                failed.append(load.request_id)
             else:
                 self.kv_store.loaded += 1
-                found.append((gpu_block, row))
+                found.append((load.gpu_block, row))
         if self.kv is None:
             for gpu_block, row in found:
                 self.store[gpu_block] = row
@@ -258,15 +258,15 @@ class FingerprintRuntime:
                 rows = self.kv.host_rows(len(writes), 8 + self.kv.block_row_bytes)
                 self.kv.read_block_rows([w.gpu_block for w in writes], rows, 8)
                 payload = rows[:, 8:].numpy().view(np.uint64)
-                for (digest, gpu_block, _), got in zip(writes, payload, strict=True):
+                for write, got in zip(writes, payload, strict=True):
                     got = got.reshape(self.kv.num_layers, 2, -1)
                     for layer, kind in np.ndindex(self.kv.num_layers, 2):
-                        want = self.store[gpu_block] ^ _salt(layer, kind)
+                        want = self.store[write.gpu_block] ^ _salt(layer, kind)
                         assert (got[layer, kind] == want).all(), "a written-through row is wrong"
-                    self.kv_store.blocks[digest] = got[0, 0].copy()
+                    self.kv_store.blocks[write.digest] = got[0, 0].copy()
             else:
-                for digest, gpu_block, _ in writes:
-                    self.kv_store.blocks[digest] = self.store[gpu_block].copy()
+                for write in writes:
+                    self.kv_store.blocks[write.digest] = self.store[write.gpu_block].copy()
         self.check_cached()
 
     # ---- the PagedKVCache's other layers ---------------------------------------------------
