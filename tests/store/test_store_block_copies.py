@@ -89,3 +89,31 @@ def test_write_through_and_loads_move_the_bytes_block_copies_move(
                         before[LAYERS + layer][b].view(torch.uint8),
                     )
         assert connector.load([]) == []
+
+
+def host_bytes(kv: PagedKVCache, slot: int) -> bytes:
+    parts = []
+    for layer in range(kv.num_layers):
+        parts += [kv.k_host[layer][slot], kv.v_host[layer][slot]]
+    return b"".join(bytes(p.contiguous().view(torch.uint8).numpy()) for p in parts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an ordering of CUDA streams")
+def test_a_store_load_waits_for_the_offload_that_reads_its_block(tmp_path):
+    """A block offloaded to host and handed to a store load in the same step: the offload runs
+    on the side stream, so the load must not write the block before the offload has read it
+    (the loads used to run on the current stream, unordered with the side stream)."""
+    kv = cache("float16", seed=2, device="cuda", host_blocks=8)
+    with KVStoreConnector(LMDBBlockStore(tmp_path / "kv", 16 << 20), kv) as connector:
+        connector.write_through([StoreWrite(digest(0), 5, NS)])
+        connector.flush()
+        stored, before = block_bytes(kv, 5), block_bytes(kv, 7)
+        assert stored != before
+        with torch.cuda.stream(kv._stream):  # the side stream busy: its offload starts late
+            torch.cuda._sleep(500_000_000)
+        kv.start_transfers(([(7, 3)], []))  # block 7 to host slot 3
+        assert connector.load([StoreLoad("r", digest(0), 7, NS)]) == []  # block 7 reused
+        for layer in range(LAYERS):
+            kv.wait_transfers(layer)
+        torch.cuda.synchronize()
+        assert host_bytes(kv, 3) == before and block_bytes(kv, 7) == stored
