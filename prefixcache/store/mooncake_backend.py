@@ -12,6 +12,15 @@ libnuma1``) and start a master, e.g. on one host::
 then ``MooncakeBlockStore("MASTER:50051", "http://MASTER:8080/metadata")`` in each runtime, or
 ``--store mooncake://MASTER:50051?metadata=http://MASTER:8080/metadata`` for the tiny runtime.
 
+**Where the segment is.** A client registers its segment under ``local_hostname``, and every
+other client reads it there: it must be this host's address as the other hosts reach it.
+Unset, it is the address this host reaches the master from (the route's source address; no
+packet is sent), or 127.0.0.1 when the master is on loopback; a loopback ``local_hostname``
+with a master elsewhere is refused (other hosts would read their own loopback and load
+nothing). Set it (``&local_hostname=`` in a URL) on a host with several networks, to the one
+the other hosts use. The transfer engine's RPC listens on the same address
+(``MC_TCP_BIND_ADDRESS``, unless set).
+
 How it behaves, as measured on Mooncake 0.3.13: keys are strings (``pckv/`` then the digest in
 hex); a ``put`` of a key held already keeps the old value (equal digests, equal K/V); a read
 takes a lease (10 s by default) during which a plain remove is refused, so removals force;
@@ -26,7 +35,9 @@ guarded: calls after ``close`` fail as unavailable.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import threading
 import urllib.request
 from collections.abc import Collection, Mapping, Sequence
@@ -45,6 +56,50 @@ STORE_FULL = -200
 MIB = 1 << 20
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (an unresolvable name: no)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def segment_address(master: str, local_hostname: str | None) -> str:
+    """The address this process registers its segment under, where every other client reads
+    it: ``local_hostname`` as given, unless it is loopback while the master ``HOST:PORT`` is
+    not (ConfigError: other hosts could not reach it); unset, 127.0.0.1 for a master on
+    loopback, else the address this host reaches the master from."""
+    host, _, port = master.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ConfigError(f"the Mooncake master is HOST:PORT, got {master!r}")
+    master_local = _is_loopback(host)
+    if local_hostname is not None:
+        if not master_local and _is_loopback(local_hostname):
+            raise ConfigError(
+                f"local_hostname {local_hostname!r} is a loopback address but the Mooncake "
+                f"master {master} is not: other hosts would read their own loopback and load "
+                "nothing; pass this host's address as they reach it, or leave local_hostname "
+                "unset to take the address this host reaches the master from"
+            )
+        return local_hostname
+    if master_local:
+        return "127.0.0.1"
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[
+            0
+        ]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(addr)  # a datagram socket's connect only picks the route
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot tell this host's address toward the Mooncake master {master} ({exc}): "
+            "pass local_hostname"
+        ) from None
+
+
 def _mooncake() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -59,8 +114,10 @@ def _mooncake() -> Any:
 class MooncakeBlockStore(KVBlockStore):
     """A Mooncake Store client: ``master`` is the master's ``HOST:PORT``, ``metadata`` its
     HTTP metadata URL; this process contributes ``segment_bytes`` of memory to the store and
-    moves values through a ``buffer_bytes`` local buffer (at least one record).
-    ``metrics_url`` (the master's ``/metrics``) lets ``evicted()`` read the master's count."""
+    moves values through a ``buffer_bytes`` local buffer (at least one record), registered at
+    ``local_hostname`` (``segment_address``: by default this host's address toward the
+    master). ``metrics_url`` (the master's ``/metrics``) lets ``evicted()`` read the master's
+    count."""
 
     name = "mooncake"
 
@@ -69,7 +126,7 @@ class MooncakeBlockStore(KVBlockStore):
         master: str,
         metadata: str,
         *,
-        local_hostname: str = "127.0.0.1",
+        local_hostname: str | None = None,
         segment_bytes: int = 256 * MIB,
         buffer_bytes: int = 64 * MIB,
         protocol: str = "tcp",
@@ -81,15 +138,20 @@ class MooncakeBlockStore(KVBlockStore):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{label} must be an int >= 0, got {value!r}")
         client_class = _mooncake()
-        if local_hostname.startswith("127.") or local_hostname == "localhost":
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # else it offers eth0
+        address = segment_address(master, local_hostname)
+        try:
+            ipaddress.ip_address(address)
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", address)  # else it offers eth0
+        except ValueError:
+            pass  # a host name: the transfer engine resolves it
+        self.local_hostname = address
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", "3000")
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
         self.master, self.metadata, self.metrics_url = master, metadata, metrics_url
         self.prefix = key_prefix
         self._client = client_class()
         rc = self._client.setup(
-            local_hostname, metadata, segment_bytes, buffer_bytes, protocol, device, master
+            address, metadata, segment_bytes, buffer_bytes, protocol, device, master
         )
         if rc != 0:
             raise ConfigError(
@@ -104,7 +166,8 @@ class MooncakeBlockStore(KVBlockStore):
 
     @classmethod
     def from_url(cls, url: str) -> MooncakeBlockStore:
-        """``mooncake://MASTER:PORT?metadata=URL[&metrics=URL][&segment=MiB][&buffer=MiB]``."""
+        """``mooncake://MASTER:PORT?metadata=URL[&metrics=URL][&segment=MiB][&buffer=MiB]
+        [&local_hostname=ADDRESS]``."""
         parts = urlsplit(url)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         if parts.scheme != "mooncake" or not parts.netloc or "metadata" not in query:
@@ -122,6 +185,7 @@ class MooncakeBlockStore(KVBlockStore):
             segment_bytes=segment,
             buffer_bytes=buffer,
             metrics_url=query.get("metrics"),
+            local_hostname=query.get("local_hostname"),
         )
 
     def _key(self, digest: bytes) -> str:

@@ -126,3 +126,75 @@ def test_a_killed_master_keeps_the_runtime_serving(master):
         assert again["written_blocks"] > 0  # the empty store is filled again
     finally:
         store.close()
+
+
+def _host(url: str, address: str, role: str, wrote, done, results) -> None:
+    """One runtime process on its own "host" (a loopback address of its own), run as a host
+    would run it: no transfer-engine settings in its environment, its address in the URL."""
+    os.environ.pop("MC_TCP_BIND_ADDRESS", None)
+    os.environ["MC_LOG_LEVEL"] = "ERROR"
+    rt = _runtime()
+    from prefixcache.store.mooncake_backend import MooncakeBlockStore
+
+    store = MooncakeBlockStore.from_url(f"{url}&local_hostname={address}")
+    results.put((role, rt.compare_store(store)))
+    wrote.set()
+    done.wait(120)
+    store.close()
+
+
+def test_a_runtime_on_another_host_loads_what_the_first_wrote(master):
+    """Two hosts as 127.0.0.1 and 127.0.0.2: each registers its segment at its own address
+    (the master lists both), and the second loads the blocks the first holds."""
+    import json
+    import urllib.request
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    done = ctx.Event()
+    procs = []
+    try:
+        for address, role in (("127.0.0.1", "first"), ("127.0.0.2", "second")):
+            wrote = ctx.Event()
+            p = ctx.Process(target=_host, args=(master.url, address, role, wrote, done, results))
+            p.start()
+            procs.append(p)
+            assert wrote.wait(180), f"the runtime on {address} did not finish"
+        outs = dict(results.get(timeout=10) for _ in range(2))
+        with urllib.request.urlopen(f"http://127.0.0.1:{master.metrics}/get_segments_detail") as r:
+            segments = json.loads(r.read())["segments"]
+    finally:
+        done.set()
+        for p in procs:
+            p.join(60)
+    hosts = sorted(s["segment_name"].rsplit(":", 1)[0] for s in segments)
+    assert hosts == ["127.0.0.1", "127.0.0.2"], segments
+    first, second = outs["first"], outs["second"]
+    assert first["written_blocks"] > 0
+    assert second["loaded_blocks"] > 0 and second["refused"] == {}
+    assert second["identical"] and second["max_logit_diff"] <= 1e-4
+
+
+def test_the_segment_address_is_the_hosts_own():
+    from prefixcache.errors import ConfigError
+    from prefixcache.store.mooncake_backend import MooncakeBlockStore, segment_address
+
+    assert segment_address("127.0.0.1:50051", None) == "127.0.0.1"  # a master on this host
+    assert segment_address("localhost:50051", None) == "127.0.0.1"
+    assert segment_address("10.1.2.3:50051", "10.9.9.9") == "10.9.9.9"  # as given
+    with pytest.raises(ConfigError, match=r"loopback.*local_hostname"):
+        segment_address("10.1.2.3:50051", "127.0.0.1")  # other hosts cannot reach it
+    with pytest.raises(ConfigError, match="loopback"):  # refused before joining the store
+        MooncakeBlockStore(
+            "198.51.100.7:50051", "http://198.51.100.7:8080/metadata", local_hostname="localhost"
+        )
+    try:  # a master elsewhere: the address this host reaches it from (no packet is sent)
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("198.51.100.7", 50051))
+            expected = s.getsockname()[0]
+    except OSError as exc:
+        pytest.skip(f"this host has no route off loopback: {exc}")
+    assert segment_address("198.51.100.7:50051", None) == expected
+    assert not expected.startswith("127.")
