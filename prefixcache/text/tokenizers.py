@@ -55,11 +55,18 @@ class HFTokenizer:
         except Exception as exc:  # the Rust side raises a bare Exception
             raise ConfigError(f"{path}: not a tokenizers JSON file ({exc})") from None
         self.name = Path(path).name
+        self._fast = getattr(self._tok, "encode_batch_fast", None)
 
     def encode(self, text: str) -> np.ndarray:
         """The token ids of ``text`` as an int32 array, without the special tokens the
-        tokenizer would add (a chat template writes its own)."""
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype="<i4")
+        tokenizer would add (a chat template writes its own). The same ids as ``encode``'s,
+        about half the time: no offsets are tracked (``encode_batch_fast``, where the
+        ``tokenizers`` release has it)."""
+        if self._fast is not None:
+            ids = self._fast([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype="<i4")
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

@@ -103,15 +103,10 @@ def create_app(
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """The service's lifetime: the proxy's HTTP client, the ingest and the health probes (of the
-    replicas with a url, in either mode) run from the app's start to its stop."""
+    """The service's lifetime: the replicas' HTTP client, the ingest and the health probes (of
+    the replicas with a url, in either mode) run from the app's start to its stop."""
     service: FleetService = app.state.service
     config, ingest = service.config, service.ingest
-    if service.proxying:
-        import httpx
-
-        timeout = httpx.Timeout(config.proxy.timeout_s, connect=min(10.0, config.proxy.timeout_s))
-        service.http_client = httpx.AsyncClient(timeout=timeout)
     if ingest is not None:
         await run_in_threadpool(ingest.start)
     prober = None
@@ -136,8 +131,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 await prober
         if ingest is not None:
             await run_in_threadpool(ingest.stop)
-        if service.http_client is not None:
-            await service.http_client.aclose()
+        await service.http_client.close()
         if service.recorder is not None:
             service.recorder.close()
         if service.shadows is not None:

@@ -34,7 +34,7 @@ import secrets
 import time
 from typing import Any, NamedTuple
 
-import httpx
+import msgspec
 
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
@@ -49,6 +49,7 @@ from prefixcache.fleet.events.engine_keys import (
 from prefixcache.fleet.events.replica_stream import StreamView
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.service.dispatch import FleetService
+from prefixcache.fleet.service.replica_client import UpstreamError
 from prefixcache.fleet.service.usage_reader import cached_tokens_of
 
 log = logging.getLogger("prefixcache.fleet")
@@ -125,20 +126,19 @@ async def _run(service: FleetService, spec: ReplicaSpec, url: str) -> list[Probe
         bodies.append({**body, "cache_salt": PROBE_SALT + secrets.token_hex(8)})
     view_before = _view(service, name)
     findings: list[ProbeFinding] = []
-    client = service.http_client or httpx.AsyncClient(timeout=service.config.proxy.timeout_s)
     try:
         figures = []
         for sent in bodies:
-            answer = await client.post(f"{url}/v1/completions", json=sent)
-            if not answer.is_success:
-                detail = f"POST {url}/v1/completions answered HTTP {answer.status_code}"
-                return [ProbeFinding("request", False, f"{detail}: {answer.text[:200]}")]
-            figures.append(cached_tokens_of(answer.json()))
-    except (httpx.HTTPError, ValueError) as exc:
-        return [ProbeFinding("request", False, f"{type(exc).__name__}: {exc}")]
-    finally:
-        if client is not service.http_client:
-            await client.aclose()
+            status, data = await service.http_client.post_json(f"{url}/v1/completions", sent)
+            if not 200 <= status < 300:
+                detail = f"POST {url}/v1/completions answered HTTP {status}"
+                text = data[:200].decode("utf-8", "replace")
+                return [ProbeFinding("request", False, f"{detail}: {text}")]
+            figures.append(cached_tokens_of(msgspec.json.decode(data)))
+    except UpstreamError as exc:
+        return [ProbeFinding("request", False, f"POST {url}/v1/completions failed: {exc}")]
+    except msgspec.DecodeError as exc:
+        return [ProbeFinding("request", False, f"the answer is not JSON: {exc}")]
     findings += _hit_findings(figures[1], len(tokens), p)
     if salted and figures[2] is not None:
         findings.append(_salt_finding(figures[2], len(tokens)))

@@ -1,6 +1,6 @@
 """What the service's handlers share (``FleetService``): the router, the config, the tokenizer and
 chat template that turn a request into token ids, the metrics, the per-key limits, the optional
-ingest, and the HTTP client of proxy mode.
+ingest, and the HTTP client the replicas are reached with.
 
 A request is served for its ``Caller`` (``access``): its prompt is keyed under the caller's tenant
 salt, and its request id is the caller's own (scoped per key).
@@ -45,6 +45,7 @@ from prefixcache.fleet.service.guards.access import ANONYMOUS, Caller
 from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.metrics import ServiceMetrics
+from prefixcache.fleet.service.replica_client import ReplicaClient
 from prefixcache.fleet.whatif.live_curves import LiveCurves
 from prefixcache.fleet.whatif.shadow_process import ShadowProcess
 from prefixcache.fleet.whatif.trace_recorder import TraceRecorder
@@ -114,7 +115,9 @@ class FleetService:
         self._block_sizes = {r.name: r.block_size for r in config.replicas}
         self.proxying = proxying  # the OpenAI-compatible endpoints forward to replicas
         self.urls = {r.name: r.url for r in config.replicas}
-        self.http_client: Any = None  # httpx.AsyncClient while proxying
+        # HTTP to the replicas (proxying, probes): opened at first use, closed with the app
+        proxy = config.proxy
+        self.http_client = ReplicaClient(proxy.timeout_s, min(10.0, proxy.timeout_s))
         self.started_at = time.time()  # the "created" of the models it lists
         # an index in this process (CompactFleetIndex is one too) answers without blocking
         self.inline = isinstance(router.index, MemoryFleetIndex)

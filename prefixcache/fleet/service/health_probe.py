@@ -27,8 +27,6 @@ async def probe_replicas(service: FleetService) -> None:
     failure (no answer in time, or not a 2xx) takes it out of routing for ``health.down_s`` (at
     least until the next probe), a success brings it back, after the restart check when it was
     down. Runs until cancelled."""
-    import httpx
-
     health = service.config.health
     interval = health.probe_interval_s
     assert interval is not None
@@ -39,58 +37,59 @@ async def probe_replicas(service: FleetService) -> None:
     probing: set[asyncio.Task[object]] = set()  # held until done
     suspects: set[str] = set()  # went down since they last answered
     times_down: dict[str, int] = {}
-    async with httpx.AsyncClient(timeout=health.probe_timeout_s) as client:
-        while True:
-            targets = [
-                (spec.name, f"{url}{health.probe_path}")
-                for spec in router.replicas()
-                if (url := service.urls.get(spec.name))
-            ]
-            for state in router.health():  # marked down since the last round (a request)
-                if state.marked_down != times_down.get(state.name, 0):
-                    times_down[state.name] = state.marked_down
-                    suspects.add(state.name)
-            answers = await asyncio.gather(
-                *(client.get(url) for _, url in targets), return_exceptions=True
-            )
-            back, answered = [], []
-            for (name, _), answer in zip(targets, answers, strict=True):
-                with suppress(UnknownReplicaError):  # removed from the fleet meanwhile
-                    if isinstance(answer, BaseException):
-                        reason = f"health probe failed: {type(answer).__name__}"
-                        router.mark_down(name, down_s, reason)
-                        suspects.add(name)
-                    elif not answer.is_success:
-                        reason = f"health probe answered HTTP {answer.status_code}"
-                        router.mark_down(name, down_s, reason)
-                        suspects.add(name)
-                    elif name in suspects:
-                        back.append(name)  # up once its stream is checked
-                    else:
-                        router.mark_up(name)
-                        answered.append(name)
-            restarted = await asyncio.gather(*(_recovered(service, name) for name in back))
-            for name, fresh in zip(back, restarted, strict=True):
-                suspects.discard(name)
-                with suppress(UnknownReplicaError):
+    client = service.http_client
+    while True:
+        targets = [
+            (spec.name, f"{url}{health.probe_path}")
+            for spec in router.replicas()
+            if (url := service.urls.get(spec.name))
+        ]
+        for state in router.health():  # marked down since the last round (a request)
+            if state.marked_down != times_down.get(state.name, 0):
+                times_down[state.name] = state.marked_down
+                suspects.add(state.name)
+        answers = await asyncio.gather(
+            *(client.get(url, health.probe_timeout_s) for _, url in targets),
+            return_exceptions=True,
+        )
+        back, answered = [], []
+        for (name, _), answer in zip(targets, answers, strict=True):
+            with suppress(UnknownReplicaError):  # removed from the fleet meanwhile
+                if isinstance(answer, BaseException):
+                    kind = getattr(answer, "kind", type(answer).__name__)
+                    reason = f"health probe failed: {kind}"
+                    router.mark_down(name, down_s, reason)
+                    suspects.add(name)
+                elif not 200 <= answer < 300:
+                    reason = f"health probe answered HTTP {answer}"
+                    router.mark_down(name, down_s, reason)
+                    suspects.add(name)
+                elif name in suspects:
+                    back.append(name)  # up once its stream is checked
+                else:
                     router.mark_up(name)
                     answered.append(name)
-                    if fresh:
-                        log.warning(
-                            "replica %s restarted: its blocks are out of the index; probing it "
-                            "again",
-                            name,
-                        )
-                        attached.discard(name)
-            for name in answered:
-                if health.attach_probe and name not in attached:
-                    attached.add(name)
-                    task = asyncio.create_task(_attach(service, name))
-                    probing.add(task)
-                    task.add_done_callback(probing.discard)
-            for state in router.health():
-                times_down[state.name] = state.marked_down
-            await asyncio.sleep(interval)
+        restarted = await asyncio.gather(*(_recovered(service, name) for name in back))
+        for name, fresh in zip(back, restarted, strict=True):
+            suspects.discard(name)
+            with suppress(UnknownReplicaError):
+                router.mark_up(name)
+                answered.append(name)
+                if fresh:
+                    log.warning(
+                        "replica %s restarted: its blocks are out of the index; probing it again",
+                        name,
+                    )
+                    attached.discard(name)
+        for name in answered:
+            if health.attach_probe and name not in attached:
+                attached.add(name)
+                task = asyncio.create_task(_attach(service, name))
+                probing.add(task)
+                task.add_done_callback(probing.discard)
+        for state in router.health():
+            times_down[state.name] = state.marked_down
+        await asyncio.sleep(interval)
 
 
 async def _recovered(service: FleetService, name: str) -> bool:

@@ -8,12 +8,16 @@ request's ``add_generation_prompt``, ``continue_final_message``, ``tools``, ``do
 ids the engine computes. Without a template the messages are rendered neutrally, which matches
 other routed conversations but not what the replicas cache.
 
-The body is forwarded unchanged and the answer streamed back as it arrives (server-sent events
-included). The request counts as load on its replica from the route until the answer ends, the
-client goes away, or the replica fails. A replica that refuses the connection (or does not
-accept it in time) received nothing: it is marked down at once and the request is routed again
-among the others, up to ``proxy.connect_retries`` times; a request whose bytes may have reached a
-replica is never sent again. A failed request gives a 502 JSON error.
+The body is forwarded as it came (re-encoded only to put a tenant's salt in), over a pooled
+keep-alive connection (``replica_client``), and the answer passed back (``answer_relay``): an
+event stream relayed as it arrives, a JSON answer once it is whole. A prompt of token ids is
+routed on the event loop (the index in this process, ``FleetService.inline``); text and chat are
+tokenized and routed in one trip to the thread pool. The request counts as load on its replica
+from the route until the answer ends, the client goes away, or the replica fails. A replica
+that refuses the connection (or does not accept it in time) received nothing: it is marked down
+at once and the request is routed again among the others, up to ``proxy.connect_retries`` times;
+a request whose bytes may have reached a replica is never sent again. A failed request gives a
+502 JSON error.
 The model name selects the namespace: the base model of a replica whose model it is, or a
 LoRA adapter (how vLLM names LoRA modules) that a replica has as its own or lists in
 ``adapters``; vLLM's ``cache_salt`` becomes the salt. Which replicas may take the request is the
@@ -31,18 +35,15 @@ predicted (``FleetService.delivery``).
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-import httpx
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import TokenIds
@@ -55,71 +56,15 @@ from prefixcache.errors import (
 from prefixcache.fleet.delivery_check import Prediction
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, pinned_adapter_versions, served_label
 from prefixcache.fleet.router import RouteDecision
+from prefixcache.fleet.service.answer_relay import StreamRelay, whole_answer
 from prefixcache.fleet.service.bodies import decode_body
-from prefixcache.fleet.service.dispatch import FleetService
-from prefixcache.fleet.service.guards.access import caller_of
+from prefixcache.fleet.service.dispatch import INLINE_MAX_TOKENS, FleetService
+from prefixcache.fleet.service.guards.access import Caller, caller_of
 from prefixcache.fleet.service.http_errors import error_response
+from prefixcache.fleet.service.replica_client import NotSentError, UpstreamError
 from prefixcache.fleet.service.usage_reader import UsageReader
 
-_DROPPED_HEADERS = frozenset(
-    ("content-length", "transfer-encoding", "connection", "keep-alive", "host")
-)
 _FORWARDED_REQUEST_HEADERS = ("content-type", "authorization", "accept", "x-request-id")
-
-
-class _UpstreamStream(StreamingResponse):
-    """The replica's answer, relayed chunk by chunk; ``on_close`` runs however it ends, with the
-    engine's cached-token figure when ``reader`` found one in what passed (else None)."""
-
-    def __init__(
-        self,
-        upstream: httpx.Response,
-        extra_headers: dict[str, str],
-        on_close: Callable[[int | None], None],
-        reader: UsageReader | None,
-    ) -> None:
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
-        headers.update(extra_headers)
-        replica = extra_headers.get("x-prefixcache-replica", "the replica")
-        relay = self._relay(upstream, replica, reader)
-        super().__init__(relay, status_code=upstream.status_code, headers=headers)
-        self._upstream = upstream
-        self._on_close = on_close
-        self._reader = reader
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._upstream.aclose()
-            finally:
-                # the figure, as soon as the answer carried it, whether or not the client
-                # stayed for the rest (a stream's usage chunk comes before data: [DONE])
-                reader = self._reader
-                ok = reader is not None and self._upstream.status_code == 200
-                self._on_close(reader.close() if ok and reader is not None else None)
-
-    async def _relay(
-        self, upstream: httpx.Response, replica: str, reader: UsageReader | None
-    ) -> AsyncIterator[bytes]:
-        """The replica's bytes as they come (each also to ``reader``). If it breaks off
-        mid-answer, a streamed answer ends with an error event, as vLLM ends a stream that fails
-        (clients raise on it; a cut-off stream would read as a short answer); any other answer
-        just ends there."""
-        try:
-            async for chunk in upstream.aiter_raw():
-                if reader is not None:
-                    reader.feed(chunk)
-                yield chunk
-        except httpx.HTTPError as exc:
-            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                error = {
-                    "message": f"replica {replica} broke off the answer: {type(exc).__name__}",
-                    "type": "UpstreamError",
-                    "code": 502,
-                }
-                yield b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
@@ -198,11 +143,9 @@ async def _forward(
     salt = caller.salt(given_salt)
     if salt != given_salt:  # the engine keys the blocks under the tenant's salt
         raw = msgspec.json.encode({**payload, "cache_salt": salt})
-
-    def prompt() -> tuple[Namespace, TokenIds]:  # tokenizing: off the loop
-        return namespace_for(service, payload.get("model"), salt), tokens_of(service, payload)
-
-    namespace, tokens = await run_in_threadpool(prompt)
+    namespace = namespace_for(service, payload.get("model"), salt)
+    inline = service.inline and _token_prompt(payload)
+    tokens: TokenIds | None = tokens_of(service, payload) if inline else None
     # one prompt, one answer: the engine's cached tokens are this prompt's
     model = namespace.adapter or namespace.model
     checked = service.delivery.config.enabled and _one_prompt(payload)
@@ -212,12 +155,22 @@ async def _forward(
         headers["authorization"] = f"Bearer {upstream_key}"
     elif service.config.access.enabled:
         headers.pop("authorization", None)  # the caller's key is for this service only
+    client = service.http_client
     retries = service.config.proxy.connect_retries
     refused: Response | None = None
     for attempt in range(retries + 1):
         request_id = uuid.uuid4().hex
         try:
-            decision = await _route(service, caller, namespace, tokens, request_id)
+            if tokens is None:  # text or chat: tokenized and routed off the loop, once
+                tokens, decision = await run_in_threadpool(
+                    _tokenize_and_route, service, caller, payload, namespace, tokens_of, request_id
+                )
+            elif inline:
+                decision = _route(service, caller, namespace, tokens, request_id)
+            else:  # routed again after a refusal, off the loop as the first time
+                decision = await run_in_threadpool(
+                    _route, service, caller, namespace, tokens, request_id
+                )
         except NoHealthyReplicaError:
             if refused is None:
                 raise
@@ -226,46 +179,74 @@ async def _forward(
         release = _releaser(service, caller, request_id, prediction)
         url = f"{service.urls[decision.replica]}{path}"
         try:
-            upstream = await service.http_client.send(
-                service.http_client.build_request("POST", url, content=raw, headers=headers),
-                stream=True,
-            )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            # nothing was sent: the replica is unreachable; it takes no routes, and another
-            # one gets the request
+            answer = await client.post(url, raw, headers)
+        except NotSentError as exc:
+            # the replica is unreachable: it takes no routes, and another one gets the request
             release()
             with suppress(UnknownReplicaError):
-                reason = f"request failed: {type(exc).__name__}"
+                reason = f"request failed: {exc.kind}"
                 service.router.mark_down(decision.replica, service.config.health.down_s, reason)
             refused = _upstream_failed(service, path, decision.replica, url, exc)
             if attempt < retries:
                 continue
             return refused
-        except httpx.HTTPError as exc:  # sent, or perhaps sent: never sent again
+        except UpstreamError as exc:  # sent, or perhaps sent: never sent again
             release()
             return _upstream_failed(service, path, decision.replica, url, exc)
         except BaseException:
             release()
             raise
-        extra = {"x-prefixcache-replica": decision.replica, "x-prefixcache-request-id": request_id}
-        reader = None
-        if prediction is not None:
-            reader = UsageReader(upstream.headers.get("content-type", ""))
-        return _UpstreamStream(upstream, extra, release, reader)
+        extra = (
+            (b"x-prefixcache-replica", decision.replica.encode()),
+            (b"x-prefixcache-request-id", request_id.encode()),
+        )
+        reader = UsageReader(answer.content_type) if prediction is not None else None
+        if answer.streamed:
+            return StreamRelay(answer, extra, release, reader, decision.replica)
+        return whole_answer(answer, extra, release, reader)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-async def _route(
-    service: FleetService, caller: Any, namespace: Namespace, tokens: TokenIds, request_id: str
+def _token_prompt(payload: dict[str, Any]) -> bool:
+    """Whether the request's prompt is token ids, few enough to route on the event loop."""
+    prompt = payload.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if isinstance(prompt[0], list):  # several prompts: the first
+        prompt = prompt[0]
+    return (
+        isinstance(prompt, list)
+        and len(prompt) <= INLINE_MAX_TOKENS
+        and (not prompt or isinstance(prompt[0], int))
+    )
+
+
+def _tokenize_and_route(
+    service: FleetService,
+    caller: Caller,
+    payload: dict[str, Any],
+    namespace: Namespace,
+    tokens_of: Callable[[FleetService, dict[str, Any]], TokenIds],
+    request_id: str,
+) -> tuple[TokenIds, RouteDecision]:
+    """The prompt's token ids and its route (in the thread pool: the tokenizer)."""
+    tokens = tokens_of(service, payload)
+    return tokens, _route(service, caller, namespace, tokens, request_id)
+
+
+def _route(
+    service: FleetService,
+    caller: Caller,
+    namespace: Namespace,
+    tokens: TokenIds,
+    request_id: str,
 ) -> RouteDecision:
-    """Route the prompt as ``request_id`` within ``caller``'s in-flight cap (hashing and the
-    index: off the loop)."""
+    """Route the prompt as ``request_id`` within ``caller``'s in-flight cap."""
     service.limits.reserve(caller)
     settled: str | None = None
     try:
-        decision: RouteDecision = await run_in_threadpool(
-            service.route_tokens, namespace, tokens, request_id, expire=False
-        )  # always released: no in-flight timeout
+        # always released: no in-flight timeout
+        decision = service.route_tokens(namespace, tokens, request_id, expire=False)
         settled = request_id
     finally:
         service.limits.settle(caller, settled)
@@ -273,7 +254,7 @@ async def _route(
 
 
 def _releaser(
-    service: FleetService, caller: Any, request_id: str, prediction: Prediction | None
+    service: FleetService, caller: Caller, request_id: str, prediction: Prediction | None
 ) -> Callable[..., None]:
     """Ends the load of ``request_id`` once (with the engine's cached-token figure, checked
     against ``prediction``)."""
@@ -292,12 +273,10 @@ def _releaser(
 
 
 def _upstream_failed(
-    service: FleetService, path: str, replica: str, url: str, exc: Exception
+    service: FleetService, path: str, replica: str, url: str, exc: UpstreamError
 ) -> Response:
     service.metrics.errors.labels(path, "502").inc()
-    return error_response(
-        502, "UpstreamError", f"replica {replica} at {url} failed: {type(exc).__name__}: {exc}"
-    )
+    return error_response(502, "UpstreamError", f"replica {replica} at {url} failed: {exc}")
 
 
 def _one_prompt(payload: dict[str, Any]) -> bool:
@@ -323,6 +302,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 def add_proxy_routes(app: FastAPI) -> None:
-    """Register the OpenAI-compatible forwarding endpoints on ``app``."""
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    """Register the OpenAI-compatible forwarding endpoints on ``app`` (plain routes: the
+    handlers read the request themselves, no dependency resolution per request)."""
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])

@@ -33,71 +33,84 @@ def cached_tokens_of(answer: Any) -> int | None:
 
 
 class UsageReader:
-    """Fed each relayed chunk; ``cached_tokens`` is the figure once the answer has ended."""
+    """Fed each relayed chunk; ``close()`` gives the figure (what passed so far is enough: a
+    stream's usage chunk counts once it is whole, whatever comes after it).
 
-    __slots__ = ("_buffer", "_stream", "_too_long", "cached_tokens")
+    A stream costs a search or two per chunk: only the last whole event that mentions
+    ``"usage"`` is kept (the last one counts), and decoded once, at ``close()``."""
+
+    __slots__ = ("_buffer", "_last_usage", "_stream", "_too_long")
 
     def __init__(self, content_type: str) -> None:
         self._stream = content_type.startswith("text/event-stream")
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # a JSON answer so far, or a stream's unfinished event
         self._too_long = False
-        self.cached_tokens: int | None = None
+        self._last_usage: bytes | None = None  # the events (whole) where usage was last seen
 
     def feed(self, chunk: bytes) -> None:
         """One more chunk of the answer."""
-        if self._too_long:
-            if self._stream and b"\n\n" in chunk:  # the long event ended: read on after it
-                self._too_long = False
-                chunk = chunk[chunk.index(b"\n\n") + 2 :]
-            else:
-                return
-        self._buffer += chunk
         if not self._stream:
-            if len(self._buffer) > MAX_JSON_BYTES:
-                self._too_long = True
-                self._buffer.clear()
+            if not self._too_long:
+                self._buffer += chunk
+                if len(self._buffer) > MAX_JSON_BYTES:
+                    self._too_long = True
+                    self._buffer.clear()
             return
-        self._read_events()
-
-    def _read_events(self) -> None:
-        buf = self._buffer
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
+        if self._too_long:  # inside an event too long to read: skip to its end
+            end = chunk.find(b"\n\n")
             if end < 0:
-                break
-            self._read_event(bytes(buf[start:end]))
-            start = end + 2
-        del buf[:start]
+                return
+            self._too_long = False
+            chunk = chunk[end + 2 :]
+        buf = self._buffer
+        data = bytes(buf) + chunk if buf else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:  # no event ended in it
+            buf[:] = data
+        else:
+            if b'"usage"' in data[:end]:
+                self._last_usage = data[:end]
+            buf[:] = data[end + 2 :]
         if len(buf) > MAX_EVENT_BYTES:
             buf.clear()
             self._too_long = True
 
-    def _read_event(self, event: bytes) -> None:
-        if b'"usage"' not in event:  # most chunks: no decoding
-            return
-        for line in event.split(b"\n"):
-            line = line.rstrip(b"\r")
-            if line.startswith(b"data:"):
-                payload = line[5:].strip()
-                if payload and payload != b"[DONE]":
-                    self._take(payload)
-
-    def _take(self, payload: bytes) -> None:
-        try:
-            answer = msgspec.json.decode(payload)
-        except (msgspec.DecodeError, RecursionError):
-            return
-        cached = cached_tokens_of(answer)
-        if cached is not None:
-            self.cached_tokens = cached
-
     def close(self) -> int | None:
-        """The answer ended: its figure (None when it carried none)."""
-        if not self._stream and not self._too_long and self._buffer:
-            self._take(bytes(self._buffer))
-        elif self._stream and self._buffer:
-            self._buffer += b"\n\n"
-            self._read_events()
+        """The figure the answer carried so far (None when it carried none)."""
+        if not self._stream:
+            figure = None if self._too_long or not self._buffer else _figure(bytes(self._buffer))
+            self._buffer.clear()
+            return figure
+        events = [self._last_usage or b""]
+        if b'"usage"' in self._buffer and not self._too_long:  # a last event left unended
+            events.append(bytes(self._buffer))
         self._buffer.clear()
-        return self.cached_tokens
+        figure = None
+        for event in b"\n\n".join(events).split(b"\n\n"):  # the last figure counts
+            if b'"usage"' in event:
+                got = _event_figure(event)
+                if got is not None:
+                    figure = got
+        return figure
+
+
+def _event_figure(event: bytes) -> int | None:
+    """The figure of one server-sent event's ``data:`` lines, if any."""
+    figure = None
+    for line in event.split(b"\n"):
+        line = line.rstrip(b"\r")
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload and payload != b"[DONE]":
+                got = _figure(payload)
+                if got is not None:
+                    figure = got
+    return figure
+
+
+def _figure(payload: bytes) -> int | None:
+    try:
+        answer = msgspec.json.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return cached_tokens_of(answer)

@@ -9,9 +9,8 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import httpx
 from fastapi import FastAPI
 
 from prefixcache.blocks.hashing import BlockHasher
@@ -105,21 +104,36 @@ def engine_stores(
     index.store(replica, digests)
 
 
+class ReplicaAnswer(NamedTuple):
+    """A whole JSON answer, as ``ReplicaClient.post`` gives one."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    content_type: str = "application/json"
+    streamed: bool = False
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 class Replicas:
     """A stand-in for the replicas in proxy mode: answers every forwarded request and keeps its
-    body and headers."""
+    body and headers (``client()`` takes the place of the service's ``http_client``)."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[dict[str, Any], httpx.Headers]] = []
+        self.seen: list[tuple[dict[str, Any], dict[str, str]]] = []
 
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        self.seen.append((json.loads(request.content), request.headers))
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> ReplicaAnswer:
+        self.seen.append((json.loads(body), dict(headers)))
         answer = json.dumps({"object": "text_completion", "choices": []}).encode()
-        headers = {"content-type": "application/json"}
-        return httpx.Response(200, headers=headers, stream=httpx.ByteStream(answer))
+        return ReplicaAnswer(200, [(b"content-type", b"application/json")], answer)
 
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.MockTransport(self.handler))
+    async def close(self) -> None:
+        """Nothing to close."""
+
+    def client(self) -> Replicas:
+        return self
 
 
 @contextlib.contextmanager
