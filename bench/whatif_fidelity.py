@@ -82,25 +82,41 @@ def main() -> None:
             f"{'factor':>7} {'blocks':>9} {'replay':>8} {'live 1%':>9} {'live 10%':>9} {'all':>9}"
         )
         worst = {rate: 0.0 for rate in curves}
+        inside = {rate: 0 for rate in curves}
         for i, point in enumerate(curves[1.0]):
             config = ReplayConfig(
                 capacity_blocks=point["blocks"], block_size=16, trace_block_size=16
             )
             exact = replay_path(recorded, config).to_report_dict()["token_hit_rate"]
-            diffs = {rate: 100 * (curves[rate][i]["token_hit_rate"] - exact) for rate in curves}
-            for rate, d in diffs.items():
-                worst[rate] = max(worst[rate], abs(d))
+            cells = []
+            for rate in curves:
+                live = curves[rate][i]
+                if live["token_hit_rate"] is None:  # too few sampled blocks to answer
+                    cells.append(f"{'-':>9}")
+                    continue
+                d = live["token_hit_rate"] - exact
+                worst[rate] = max(worst[rate], 100 * abs(d))
+                inside[rate] += abs(d) <= 2 * live["stderr"]
+                cells.append(f"{100 * d:+7.2f}pp")
             print(
                 f"{point['factor']:>8}x {point['blocks']:>9,} {100 * exact:8.2f}% "
-                + " ".join(f"{diffs[rate]:+7.2f}pp" for rate in curves)
+                + " ".join(cells)
             )
         print(
             "worst |live - replay|: " + ", ".join(f"{r:.0%} {w:.2f} pp" for r, w in worst.items())
         )
-        errors = {rate: max(p["stderr"] for p in points) for rate, points in curves.items()}
+        errors = {
+            rate: max((p["stderr"] for p in points if p["stderr"] is not None), default=0.0)
+            for rate, points in curves.items()
+        }
         print(
             "largest stderr the service gave: "
             + ", ".join(f"{r:.0%} {100 * e:.2f} pp" for r, e in errors.items())
+        )
+        print(
+            "replay within 2 stderr of the live curve: "
+            + ", ".join(f"{r:.0%} {inside[r]} of {len(curves[r])}" for r in curves if r < 1)
+            + " (over many samples: bench/whatif_coverage.py)"
         )
 
 

@@ -23,6 +23,7 @@ from prefixcache import CacheManager, Namespace
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.fleet.whatif.shadow_fleets import sample_prompt
 from prefixcache.fleet.whatif.shards import (
+    MIN_SAMPLED_BLOCKS,
     MIN_TREE,
     ShardsSampler,
     _bucket,
@@ -233,3 +234,26 @@ def test_sampled_hashes_and_depths_are_the_threshold_test_on_every_digest(
     assert own.depths == under
     for higher in (threshold, min(1 << 64, 2 * threshold)):
         assert sample_prompt(digests, rate, sampled_hashes(digests, higher)) == own
+
+
+def test_a_sample_too_small_to_answer_says_so():
+    """Below ``MIN_SAMPLED_BLOCKS`` sampled blocks a point is marked as no answer (its figure and
+    error mean nothing: none sampled reads 0 with an error of 0); every block sampled is exact
+    whatever the count."""
+    rng = np.random.default_rng(2)
+    document = [rng.bytes(16) for _ in range(15)]
+    chains = [document + [rng.bytes(16)] for _ in range(300)]  # a shared 15-block document
+    tiny = ShardsSampler(rate=0.01, block_size=128)
+    exact = ShardsSampler(rate=1.0, block_size=128)
+    for chain in chains:
+        tiny.reference_prompt(chain, 16 * 128 + 40)
+        exact.reference_prompt(chain, 16 * 128 + 40)
+    assert tiny.sampled_blocks < MIN_SAMPLED_BLOCKS and not tiny.answers
+    assert not tiny.hit_rate(64).enough
+    point = exact.hit_rate(64)
+    assert exact.answers and point.enough and point.stderr == 0.0
+    assert point.hit_rate == pytest.approx(299 * 15 * 128 / (300 * (16 * 128 + 40)), abs=0.01)
+    many = ShardsSampler(rate=0.01, block_size=B)
+    for _ in range(200):
+        many.reference_prompt([rng.bytes(16) for _ in range(64)], 64 * B)
+    assert many.sampled_blocks >= MIN_SAMPLED_BLOCKS and many.hit_rate(100).enough

@@ -26,6 +26,24 @@ the strata and groups keep coarser counts (a bucket a doubling, ``COARSE``) in a
 enough for the correction, which is added to the fine curve. So a sample's memory is its
 blocks plus a fixed ``FIXED_BYTES``, whatever the traffic.
 
+The error has three parts, added as independent: the groups' delete-a-group jackknife (which
+blocks the sample drew), the doubt of a stratum's hot correction (``group_regression``), and
+the distances' own error. A sampled distance counts the sampled blocks in a stretch of the
+stream, a binomial draw from the blocks truly there, so at 1% a distance of 25,000 blocks is
+off by 6%; where the curve is steep that moves the hit rate by tenths of a point, alike for
+every reference whose stretch overlaps (the groups, whose distances are not measured again,
+cannot show it). So each reference's distance is also measured in ``SPLITS`` random halves of
+the sample (counts packed beside the main one in the reuse-distance trees, one walk for three
+counts): the two halves of a split disagree by the distances' error, and the disagreement,
+summed by distance (``SHIFT_STEPS`` buckets a doubling) and read at the cache size, is a
+balanced half-sample replicate of it (the shift of each distance, to first order).
+
+A sampled distance is a whole number of sampled blocks, each standing for ``1 / rate`` blocks:
+a reference at sampled distance ``d`` counts as a hit of a cache of ``C`` blocks by
+``clip((C - d) rate, 0, 1)``, which over a binomial draw of the distance is right on average
+(a hard ``d < C`` reads a few tenths of a point high at 1%, where ``C rate`` is a few tens of
+blocks).
+
 Fixed size: at most ``max_blocks`` sampled blocks are kept; past that, the block with the
 largest hash leaves and the threshold drops to its hash, so memory is bounded whatever the
 traffic (the rate adapts down, and later references weigh more).
@@ -48,8 +66,26 @@ from prefixcache.fleet.whatif.group_regression import GROUPS, stratified_share
 FULL = 1 << 64
 STRATA = 12  # depth strata: depth 0, 1, 2-3, 4-7, ..., 512-1023, and 1024 on
 COARSE = 48  # the strata's and groups' distance buckets: under 1, then one a doubling
-FIXED_BYTES = 640 * 1024  # a sample's memory besides its blocks (histograms, counts), at most
+FIXED_BYTES = 704 * 1024  # a sample's memory besides its blocks (histograms, counts), at most
 MIN_TREE = 4096  # positions of the smallest reuse-distance tree
+SPLITS = 4  # random halves of the sample, each measuring the distances again (their error)
+SPLIT_BITS = 4  # the hash bits the halves read: above the group's (``h % GROUPS``)
+FIELD = 20  # bits of each count packed in a reuse-distance tree's values
+MASK = (1 << FIELD) - 1
+MAX_BLOCKS = MASK  # sampled blocks a sample can keep (a packed count must fit its field)
+_STEPS = 64  # histogram buckets per doubling of distance (about 1% apart)
+SHIFT_STEPS = 8  # the halves' distance shifts are summed in 8 buckets a doubling
+SHIFT_BUCKETS = SHIFT_STEPS * COARSE + 2
+# the jackknife's 16 groups give its variance 15 degrees of freedom: +-2 standard errors of a
+# Student t with 15 of them cover 93.6%, so the error is scaled by t(15) at the normal's 97.7%
+# over 2 (2.18 / 2), for +-2 of it to cover what 2 standard deviations of a known error would
+STUDENT = 1.09
+# fewer sampled blocks cannot answer (``ShardsSampler.answers``): over 20 seeds of small
+# samples (the first 100-3,200 requests of the Mooncake trace, a chat scenario and a document
+# workload, 16- and 128-token blocks, 1-10%), the truth fell within 2 standard errors at 0% of
+# the points with no sampled block, 47% with one, 62-81% with 2-15, 88% with 16-31, 91% with
+# 32-63 (their errors 12 points), 93% with 64-127 and 95% past that
+MIN_SAMPLED_BLOCKS = 64
 
 
 class CurvePoint(NamedTuple):
@@ -57,7 +93,8 @@ class CurvePoint(NamedTuple):
 
     blocks: float
     hit_rate: float  # of the prompt tokens fed
-    stderr: float  # a standard error of ``hit_rate`` (jackknife over the sample's groups)
+    stderr: float  # its standard error (``ShardsSampler.hit_rate``)
+    enough: bool  # whether the sample can answer (``ShardsSampler.answers``): else no figure
 
 
 def sampled_hashes(digests: list[bytes], threshold: int) -> list[tuple[int, int]]:
@@ -117,21 +154,22 @@ class _Fenwick:
             tree[i] += delta
             i += i & -i
 
-    def move(self, old: int, new: int) -> None:
-        """The 1 at position ``old`` moves to ``new``: both update paths rise until they meet,
-        where the -1 and the +1 cancel (a block referenced again soon walks a few nodes)."""
+    def move(self, old: int, new: int, value: int) -> None:
+        """The ``value`` at position ``old`` moves to ``new``: both update paths rise until
+        they meet, where the two changes cancel (a block referenced again soon walks a few
+        nodes)."""
         tree, n = self.tree, self.n
         i, j = old, new
         while i != j:
             if i < j:
                 if i > n:
                     return
-                tree[i] -= 1
+                tree[i] -= value
                 i += i & -i
             else:
                 if j > n:
                     return
-                tree[j] += 1
+                tree[j] += value
                 j += j & -j
 
     def prefix(self, i: int) -> int:
@@ -151,22 +189,30 @@ class ShardsSampler:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks!r}")
         self.threshold = min(FULL, int(rate * FULL))
-        self.max_blocks = max_blocks
+        self.max_blocks = min(max_blocks, MAX_BLOCKS)
         self.block_size = block_size
         self._last: dict[int, int] = {}  # sampled block's hash -> the time of its last reference
         self._by_hash: list[int] = []  # max-heap (negated) of the sampled blocks' hashes
         self._clock = 0  # references to sampled blocks so far (the time)
-        # 1 at each live block's last time; sized to the live sample (4x, at least
-        # MIN_TREE), so a small sample's walks stay in the CPU's cache
+        # each live block's packed counts (``_counts``) at its last time: 1 and whether it is
+        # in the first two halves; sized to the live sample (4x, at least MIN_TREE), so a
+        # small sample's walks stay in the CPU's cache
         self._times = _Fenwick(MIN_TREE)
+        self._halves = _Fenwick(MIN_TREE)  # alike, whether it is in the other two halves
+        self._live = 0  # the live blocks' packed counts in ``_times``, summed
+        self._live_halves = 0  # ... and in ``_halves``
         # bucket of scaled distance (``_bucket``) -> summed weight of its references
         self._hist: dict[int, float] = {}
         # ((stratum x GROUPS + group) x COARSE + coarse bucket) -> summed weight
         self._cells = [0.0] * (STRATA * GROUPS * COARSE)
         # first references (compulsory misses), weighted, by stratum x GROUPS + group
         self._cold = [0.0] * (STRATA * GROUPS)
+        # (split x SHIFT_BUCKETS + shift bucket of the distance) -> each reference's weight
+        # times the relative excess of the split's first half in its distance
+        self._shifts = [0.0] * (SPLITS * SHIFT_BUCKETS)
         self._expected = [0] * STRATA  # every block reference fed, by depth stratum
         self.sampled_refs = 0  # references to sampled blocks
+        self.sampled_reuses = 0  # ... of which to a block the sample held (not first ones)
         self.references = 0  # every block reference fed
         self.prompt_tokens = 0  # every prompt token fed
 
@@ -179,6 +225,12 @@ class ShardsSampler:
     def sampled_blocks(self) -> int:
         """Distinct sampled blocks kept now."""
         return len(self._last)
+
+    @property
+    def answers(self) -> bool:
+        """Whether the sample holds enough blocks for its estimate and its error to mean what
+        they say: at least ``MIN_SAMPLED_BLOCKS``, or every block (rate 1, exact)."""
+        return self.sampled_blocks >= MIN_SAMPLED_BLOCKS or self.threshold >= FULL
 
     def reference_prompt(self, digests: Sequence[bytes], prompt_tokens: int) -> None:
         """One prompt's full blocks (``digests``, root first) referenced deepest first, and its
@@ -203,7 +255,8 @@ class ShardsSampler:
         weight = FULL / threshold
         picked = [h for h, _ in hashes if h < threshold]
         last_of, times, hist, cells = self._last, self._times, self._hist, self._cells
-        live = len(last_of)
+        halves, shifts = self._halves, self._shifts
+        live, live_halves = self._live, self._live_halves
         for h, depth in hashes:
             if h >= threshold:
                 continue
@@ -212,12 +265,23 @@ class ShardsSampler:
             if last is None:
                 self._cold[cell] += weight
                 continue
-            # the live blocks referenced since: each has a 1 at its last time, after ``last``
-            # (none when no reference came since)
-            since = live - times.prefix(last + 1) if self._clock - last - 1 else 0
+            self.sampled_reuses += 1
+            # the live blocks referenced since, each counted at its last time after ``last``
+            # (none when no reference came since): how many, and how many in each half
+            packed = live - times.prefix(last + 1) if self._clock - last - 1 else 0
+            since = packed & MASK
             bucket = _bucket(since * weight)
             hist[bucket] = hist.get(bucket, 0.0) + weight
             cells[cell * COARSE + _coarse_of(bucket)] += weight
+            if since:
+                other = live_halves - halves.prefix(last + 1)
+                step = weight / since
+                at = 1 + (bucket - 1) // (_STEPS // SHIFT_STEPS) if bucket else 0
+                at = min(SHIFT_BUCKETS - 1, at)
+                shifts[at] += step * (2 * ((packed >> FIELD) & MASK) - since)
+                shifts[SHIFT_BUCKETS + at] += step * (2 * (packed >> (2 * FIELD)) - since)
+                shifts[2 * SHIFT_BUCKETS + at] += step * (2 * (other & MASK) - since)
+                shifts[3 * SHIFT_BUCKETS + at] += step * (2 * (other >> FIELD) - since)
         self.sampled_refs += len(picked)
         for h in picked:
             if h >= self.threshold:  # left the sample as it filled
@@ -235,12 +299,16 @@ class ShardsSampler:
         """Raise AssertionError unless the tree holds a 1 at each live block's last time and
         nothing else, the heap holds the live hashes, and every live hash is under the
         threshold."""
-        times, live = self._times, len(self._last)
-        if times.prefix(times.n) != live:
-            raise AssertionError(f"the tree counts {times.prefix(times.n)} blocks, {live} live")
+        times, halves, live = self._times, self._halves, len(self._last)
+        if times.prefix(times.n) != self._live or self._live & MASK != live:
+            raise AssertionError(f"the tree counts {times.prefix(times.n) & MASK}, {live} live")
+        if halves.prefix(halves.n) != self._live_halves:
+            raise AssertionError("the halves' tree and its total differ")
         for h, t in self._last.items():
-            if times.prefix(t + 1) - times.prefix(t) != 1:
-                raise AssertionError(f"block {h:#x}: no 1 at its time {t}")
+            if times.prefix(t + 1) - times.prefix(t) != _counts(h):
+                raise AssertionError(f"block {h:#x}: not counted at its time {t}")
+            if halves.prefix(t + 1) - halves.prefix(t) != _half_counts(h):
+                raise AssertionError(f"block {h:#x}: not in its halves at its time {t}")
             if h >= self.threshold:
                 raise AssertionError(f"block {h:#x} is not under the threshold")
         if sorted(-x for x in self._by_hash) != sorted(self._last):
@@ -248,77 +316,160 @@ class ShardsSampler:
 
     def _place(self, h: int, last: int) -> None:
         """``h`` is referenced now (``last``: its time before, -1 when new): its time in the
-        tree (renumbered when the tree is full)."""
+        trees (renumbered when they are full)."""
+        counts, halves = _counts(h), _half_counts(h)
         if self._clock + 1 > self._times.n:
             if last >= 0:
-                self._times.add(last + 1, -1)
+                self._unplace(h, last)
                 del self._last[h]
             self._renumber()
             last = -1
         if last >= 0:
-            self._times.move(last + 1, self._clock + 1)
+            self._times.move(last + 1, self._clock + 1, counts)
+            if halves:
+                self._halves.move(last + 1, self._clock + 1, halves)
         else:
-            self._times.add(self._clock + 1, 1)
+            self._times.add(self._clock + 1, counts)
+            if halves:
+                self._halves.add(self._clock + 1, halves)
+            self._live += counts
+            self._live_halves += halves
         self._last[h] = self._clock
         self._clock += 1
 
+    def _unplace(self, h: int, last: int) -> None:
+        """``h`` leaves the trees (its time was ``last``)."""
+        counts, halves = _counts(h), _half_counts(h)
+        self._times.add(last + 1, -counts)
+        if halves:
+            self._halves.add(last + 1, -halves)
+        self._live -= counts
+        self._live_halves -= halves
+
     def _renumber(self) -> None:
-        """Give the live blocks consecutive times from 0, in their order, in a tree of four
-        times their number (the tree is full)."""
+        """Give the live blocks consecutive times from 0, in their order, in trees of four
+        times their number (the trees are full)."""
         order = sorted(self._last.items(), key=lambda kv: kv[1])
-        self._times = _Fenwick(max(MIN_TREE, 4 * len(order)))
+        size = max(MIN_TREE, 4 * len(order))
+        self._times, self._halves = _Fenwick(size), _Fenwick(size)
         for i, (h, _) in enumerate(order):
             self._last[h] = i
-            self._times.add(i + 1, 1)
+            self._times.add(i + 1, _counts(h))
+            halves = _half_counts(h)
+            if halves:
+                self._halves.add(i + 1, halves)
         self._clock = len(order)
 
     def _drop_largest(self) -> None:
         """The sample is full: the block with the largest hash leaves, the threshold drops."""
         h = -heapq.heappop(self._by_hash)
-        last = self._last.pop(h)
-        self._times.add(last + 1, -1)
+        self._unplace(h, self._last.pop(h))
         self.threshold = h
 
     def hit_rate(self, blocks: float) -> CurvePoint:
         """The estimated token hit rate of an LRU prefix cache of ``blocks`` blocks: the share
         of block references that hit (the sampled share, corrected for each depth stratum's
         shortfall or surplus by its groups, weighed by its true references), times the blocks'
-        share of the prompt tokens. The standard error is the groups' jackknife, times the
-        finite-sample factor (none at rate 1)."""
+        share of the prompt tokens. The standard error adds the groups' jackknife (times the
+        finite-sample factor, none at rate 1), the hot corrections' doubt and the distances'
+        own error (``_distance_error``), times ``STUDENT``."""
         refs = self.references
         tokens = self.prompt_tokens
         if not tokens or not self.sampled_refs:
-            return CurvePoint(blocks, 0.0, 0.0)
-        fine = sum(w for b, w in self._hist.items() if _bucket_top(b) <= blocks)
+            return CurvePoint(blocks, 0.0, 0.0, self.answers)
+        unit = FULL / self.threshold  # what a sampled reference counts for now
+        fine = self._fine_hits(blocks, unit)
         hits: list[list[float]] = []  # coarse weighted hits, by stratum and group
         seen: list[list[float]] = []  # weighted references the sample saw, alike
         cells, cold = self._cells, self._cold
         reach = 0  # coarse buckets wholly under ``blocks``
         while reach < COARSE and _coarse_top(reach) <= blocks:
             reach += 1
+        # the share of the bucket ``blocks`` falls in (log-linear), at most the last
+        part = math.log2(blocks) - (reach - 1) if 0 < reach < COARSE else 0.0
         coarse = 0.0
         for s in range(STRATA):
             hit_row, seen_row = [0.0] * GROUPS, [0.0] * GROUPS
             for g in range(GROUPS):
                 base = (s * GROUPS + g) * COARSE
-                h = sum(cells[base : base + reach])
+                under = sum(cells[base : base + reach])
+                h = under + part * cells[base + reach] if reach < COARSE else under
                 hit_row[g] = h
-                seen_row[g] = cold[s * GROUPS + g] + h + sum(cells[base + reach : base + COARSE])
+                seen_row[g] = cold[s * GROUPS + g] + sum(cells[base : base + COARSE])
                 coarse += h
             hits.append(hit_row)
             seen.append(seen_row)
-        unit = FULL / self.threshold  # what a sampled reference counts for now
         expected = [float(n) for n in self._expected]
         share, error = stratified_share(hits, seen, expected, unit)
         # the correction, from the coarse counts, added to the fine curve
         share += (fine - coarse) / refs
         scale = refs * self.block_size / tokens  # the blocks' share of the prompt tokens
         keep = math.sqrt(max(0.0, 1.0 - self.rate))  # no sampling error at rate 1
-        rate = min(1.0, max(0.0, share * scale))
-        return CurvePoint(blocks, rate, error * scale * keep)
+        spread = self._distance_error(blocks) / refs
+        stderr = STUDENT * math.sqrt((error * keep) ** 2 + spread * spread) * scale
+        return CurvePoint(blocks, min(1.0, max(0.0, share * scale)), stderr, self.answers)
+
+    def _fine_hits(self, blocks: float, unit: float) -> float:
+        """The weighted references at a sampled distance ``d`` under ``blocks``, each counted
+        ``clip((blocks - d) / unit, 0, 1)`` (``unit``: the blocks one sampled block stands
+        for): a bucket of the histogram wholly under ``blocks - unit`` counts whole, the few
+        about ``blocks`` by the sampled distances they can hold (multiples of ``unit``)."""
+        edge = blocks - unit
+        x = blocks / unit
+        whole = math.floor(x)
+        total = 0.0
+        for b, w in self._hist.items():
+            top = _bucket_top(b)
+            if top <= edge:
+                total += w
+                continue
+            low = _bucket_low(b)
+            if low >= blocks:
+                continue
+            first, last = math.ceil(low / unit), math.ceil(top / unit) - 1
+            if last < first:  # taken at a higher rate, between today's multiples
+                total += w * min(1.0, max(0.0, (blocks - (low + top) / 2) / unit))
+                continue
+            full = max(0, min(last, whole - 1) - first + 1)
+            tip = x - whole if first <= whole <= last else 0.0
+            total += w * (full + tip) / (last - first + 1)
+        return total
+
+    def _distance_error(self, blocks: float) -> float:
+        """The standard error, in weighted hits, that the sampled distances' own error puts on
+        the hits of ``blocks`` blocks: each split's halves disagree by the references about
+        ``blocks`` that one half's distances move across it and the other's do not (the shift
+        of each distance, log2 of the halves' ratio to first order, over a bucket's width),
+        a difference whose square is four times the full sample's variance."""
+        if blocks < 1 or self.sampled_reuses == 0:
+            return 0.0
+        pos = SHIFT_STEPS * math.log2(blocks) + 0.5  # bucket k is centred at k - 0.5
+        k = int(pos)
+        if k + 1 >= SHIFT_BUCKETS:
+            return 0.0
+        f = pos - k
+        shifts = self._shifts
+        total = 0.0
+        for j in range(SPLITS):
+            base = j * SHIFT_BUCKETS
+            excess = (1.0 - f) * shifts[base + k] + f * shifts[base + k + 1]
+            moved = excess * SHIFT_STEPS * 2.0 / math.log(2.0)
+            total += moved * moved
+        rate = self.rate
+        variance = total / SPLITS / 4.0 * (1.0 - rate) / (1.0 - rate / 2.0)
+        return math.sqrt(max(0.0, variance))
 
 
-_STEPS = 64  # histogram buckets per doubling of distance (about 1% apart)
+def _counts(h: int) -> int:
+    """What block ``h`` adds to the main tree: 1, and 1 in the field of each of the first two
+    splits whose first half holds it."""
+    return 1 | ((h >> SPLIT_BITS) & 1) << FIELD | ((h >> (SPLIT_BITS + 1)) & 1) << (2 * FIELD)
+
+
+def _half_counts(h: int) -> int:
+    """What block ``h`` adds to the halves' tree: 1 in the field of each of the other two
+    splits whose first half holds it."""
+    return ((h >> (SPLIT_BITS + 2)) & 1) | ((h >> (SPLIT_BITS + 3)) & 1) << FIELD
 
 
 def _bucket(distance: float) -> int:
@@ -339,6 +490,13 @@ def _coarse_of(bucket: int) -> int:
 def _coarse_top(bucket: int) -> float:
     """The smallest cache (blocks) that holds every distance of coarse ``bucket``."""
     return 2.0**bucket
+
+
+def _bucket_low(bucket: int) -> float:
+    """The smallest scaled distance of ``bucket``."""
+    if bucket == 0:
+        return 0.0
+    return 2.0 ** ((bucket - 1) / _STEPS)
 
 
 def _bucket_top(bucket: int) -> float:
