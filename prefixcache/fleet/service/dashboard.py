@@ -4,7 +4,9 @@ The page is static (no data in it, so it is open like ``/health``); its script r
 operator endpoints every few seconds (``?every=N``, 3 by default) and redraws in place, without
 reloading: each replica's state (up, degraded and why, in flight, blocks the index holds), the
 what-if curves (``/v1/whatif``: token hit rate against KV capacity, each replica's and the
-fleet's as one cache, drawn as SVG on a log axis), the shadow fleets' answers (N-1, N+1
+fleet's as one cache, drawn as SVG on a log axis; the table gives each point with two standard
+errors, the rate sampled now and the one asked for, and no figure for a curve whose sample is
+too small to answer), the shadow fleets' answers (N-1, N+1
 and 2N replicas, each other policy) with their errors and warnings, and where reuse went per
 tenant and model (``/v1/stats``: available, captured, delivered). With API keys the endpoints
 want an operator key: the page asks for one and keeps it in the tab's session storage only.
@@ -70,6 +72,7 @@ async function get(path) {
   return r.json();
 }
 function pct(x) { return (100 * x).toFixed(1) + "%"; }
+function ratePct(x) { return x >= 0.01 ? pct(x) : (100 * x).toPrecision(2) + "%"; }
 function esc(t) {
   return String(t).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;",
     '"': "&quot;"})[c]);
@@ -85,7 +88,9 @@ function fill(id, rows, make) {
 function drawCurves(w) {
   const svg = document.getElementById("curves");
   const W = 720, H = 320, L = 56, R = 150, T = 12, B = 36;
-  const curves = [...w.replicas, w.fleet].filter((c) => c.points.length);
+  const all = [...w.replicas, w.fleet].filter((c) => c.points.length);
+  // a curve whose sample is too small to answer has no figures: listed, not drawn
+  const curves = all.filter((c) => !c.too_few_sampled);
   const xs = w.factors.map(Math.log2), x0 = Math.min(...xs), x1 = Math.max(...xs);
   const X = (f) => L + (Math.log2(f) - x0) / (x1 - x0) * (W - L - R);
   const Y = (h) => T + (1 - h) * (H - T - B);
@@ -112,13 +117,28 @@ function drawCurves(w) {
   const head = document.querySelector("#points thead");
   head.innerHTML =
     "<tr><th>Curve</th>" + w.factors.map((f) => `<th>${f}x</th>`).join("") + "</tr>";
-  fill("points", curves, (row, c) => {
+  fill("points", all, (row, c) => {
     cell(row, c.name);
-    for (const p of c.points) cell(row, pct(p.token_hit_rate));
+    for (const p of c.points) {
+      cell(row, p.token_hit_rate === null ? "-" :
+        `${pct(p.token_hit_rate)} \u00b1 ${(100 * 2 * p.stderr).toFixed(1)}`);
+    }
   });
-  document.getElementById("whatif-note").textContent =
-    `sampled ${pct(w.sampling.rate)} of blocks, ${w.window.routed_requests} routed requests ` +
-    `in ${Math.round(w.window.seconds)} s; LRU estimate (SHARDS)`;
+  // the rate the curves sample at now; the one asked for when the memory bound lowered it
+  const sampling = w.sampling;
+  const lowered = !sampling.rate_lowered ? "" :
+    ` (asked ${ratePct(sampling.requested_rate)}, lowered to stay within ` +
+    "whatif.max_memory_mib)";
+  const few = all.filter((c) => c.too_few_sampled).map((c) => c.name);
+  const tooFew = !few.length ? "" :
+    `; too few sampled blocks to answer for ${few.join(", ")} (under ` +
+    `${all[0].min_sampled_blocks}): raise whatif.rate or wait for more traffic`;
+  const note = document.getElementById("whatif-note");
+  note.className = few.length ? "bad" : "muted";
+  note.textContent =
+    `sampling ${ratePct(sampling.rate)} of blocks${lowered}, ` +
+    `${w.window.routed_requests} routed requests in ${Math.round(w.window.seconds)} s; ` +
+    `LRU estimate (SHARDS), \u00b1 two standard errors${tooFew}`;
 }
 function drawShadows(c) {
   fill("shadows", c.scenarios, (row, r) => {

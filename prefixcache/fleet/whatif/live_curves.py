@@ -18,10 +18,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefixcache.fleet.replica_spec import ReplicaSpec
-from prefixcache.fleet.whatif.shards import FIXED_BYTES, ShardsSampler, sampled_hashes
+from prefixcache.fleet.whatif.shards import (
+    FIXED_BYTES,
+    MAX_BLOCKS,
+    MIN_SAMPLED_BLOCKS,
+    ShardsSampler,
+    sampled_hashes,
+)
 
 FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 BYTES_PER_SAMPLED_BLOCK = 256  # its dict entry, heap entry, ints and four tree slots (242 measured)
@@ -54,7 +60,7 @@ class LiveCurves:
     def _max_blocks(self) -> int:
         curves = len(self._replicas()) + 1
         budget = self.config.max_memory_mib * (1 << 20) - curves * FIXED_BYTES
-        return max(256, int(budget / (curves * BYTES_PER_SAMPLED_BLOCK)))
+        return min(MAX_BLOCKS, max(256, int(budget / (curves * BYTES_PER_SAMPLED_BLOCK))))
 
     def observe(
         self,
@@ -104,10 +110,14 @@ class LiveCurves:
             block_size = specs[0].block_size if specs else 0
             fleet = self._curve(FLEET, self._fleet, total, block_size, requests)
         fleet["replicas"] = len(specs)
+        # the rate each curve samples at now: the one asked for until its bound lowers it
+        running = min((row["rate"] for row in [*rows, fleet]), default=self.config.rate)
         return {
             "enabled": self.config.enabled,
             "sampling": {
-                "rate": self.config.rate,
+                "rate": running,
+                "requested_rate": self.config.rate,
+                "rate_lowered": running < self.config.rate,
                 "max_memory_mib": self.config.max_memory_mib,
                 "max_sampled_blocks_per_curve": self._max_blocks(),
             },
@@ -137,6 +147,8 @@ class LiveCurves:
             "rate": sample.rate if sample is not None else self.config.rate,
             "sampled_blocks": sample.sampled_blocks if sample is not None else 0,
             "sampled_references": sample.sampled_refs if sample is not None else 0,
+            "min_sampled_blocks": MIN_SAMPLED_BLOCKS,
+            "too_few_sampled": sample is None or not sample.answers,
             "points": [],
         }
         if sample is None or capacity <= 0:
@@ -147,17 +159,30 @@ class LiveCurves:
                 {
                     "factor": factor,
                     "blocks": int(point.blocks),
-                    "token_hit_rate": round(point.hit_rate, 6),
-                    "stderr": round(point.stderr, 6),
+                    # below a sample that can answer, no figure (not a confident 0)
+                    "token_hit_rate": round(point.hit_rate, 6) if point.enough else None,
+                    "stderr": round(point.stderr, 6) if point.enough else None,
                 }
             )
         return row
 
-    def gauges(self) -> list[tuple[str, float, float]]:
-        """(curve, factor, hit rate) of every point, for the metrics."""
-        out = []
+    def gauges(self) -> WhatIfGauges:
+        """The curves' sampling rates and points, for the metrics."""
         snap = self.snapshot()
-        for row in [*snap["replicas"], snap["fleet"]]:
-            for point in row["points"]:
-                out.append((row["name"], point["factor"], point["token_hit_rate"]))
-        return out
+        rows = [*snap["replicas"], snap["fleet"]]
+        points = [
+            (row["name"], point["factor"], point["token_hit_rate"])
+            for row in rows
+            for point in row["points"]
+            if point["token_hit_rate"] is not None
+        ]
+        rates = [(row["name"], float(row["rate"])) for row in rows]
+        return WhatIfGauges(self.config.rate, rates, points)
+
+
+class WhatIfGauges(NamedTuple):
+    """What the metrics export of the curves."""
+
+    requested_rate: float  # whatif.rate, as configured
+    rates: list[tuple[str, float]]  # (curve, the rate it samples at now)
+    points: list[tuple[str, float, float]]  # (curve, factor, token hit rate)

@@ -63,7 +63,7 @@ def test_the_dashboard_draws_the_fleet_and_refreshes_in_place(tmp_path: Path) ->
     assert sorted(rows) == ["r1", "r2"], rows
     svg = re.search(r'<svg id="curves".*?</svg>', dom, re.S)
     assert svg and svg.group(0).count("<polyline") == 3  # each replica's curve and the fleet's
-    fleet = re.search(r"<tr><td>fleet</td>((?:<td>[\d.]+%</td>)+)</tr>", dom)
+    fleet = re.search(r"<tr><td>fleet</td>((?:<td>[\d.]+% \u00b1 [\d.]+</td>)+)</tr>", dom)
     assert fleet, dom[-3000:]
     rates = [float(x) for x in re.findall(r"([\d.]+)%", fleet.group(1))]
     assert len(rates) == 6 and rates == sorted(rates) and rates[-1] > 50
@@ -81,6 +81,41 @@ def test_the_dashboard_draws_the_fleet_and_refreshes_in_place(tmp_path: Path) ->
     blue = (np.abs(image - np.array(CURVE_BLUE)).max(axis=2) < 0.08).sum()
     assert blue > 300, "the first replica's curve is not drawn"
     assert (image.min(axis=2) < 0.5).mean() > 0.01  # text and lines, not a blank page
+
+
+def _whatif_page(tmp_path: Path, whatif: dict, blocks: int, requests: int) -> str:
+    """The dashboard's DOM after ``requests`` routes of ``blocks`` random blocks each."""
+    replicas = [
+        {"name": n, "model": MODEL, "block_size": BLOCK, "capacity_blocks": 40}
+        for n in ("r1", "r2")
+    ]
+    extra = {"whatif": whatif, "replicas": replicas, "routing": {"policy": "round_robin"}}
+    config = make_config(tmp_path, keys=False, extra=extra)
+    app, _ = make_app(config)
+    rng = np.random.default_rng(9)
+    with serving(app, config) as base:
+        with httpx.Client(base_url=base) as client:
+            for _ in range(requests):
+                tokens = rng.integers(1, 30_000, BLOCK * blocks + 1).tolist()
+                assert client.post("/v1/route", json={"model": MODEL, "tokens": tokens}).is_success
+        return unescape(_chromium(tmp_path, f"{base}/dashboard", "--dump-dom").stdout)
+
+
+def test_the_whatif_rows_say_the_rate_sampled_and_a_sample_too_small(tmp_path: Path) -> None:
+    # a memory bound lowers the rate: the note says the rate sampled now and the one asked
+    (tmp_path / "lowered").mkdir()
+    dom = _whatif_page(tmp_path / "lowered", {"rate": 0.5, "max_memory_mib": 0.5}, 10, 200)
+    note = re.search(r'id="whatif-note">([^<]*)<', dom)
+    assert note and re.match(r"sampling \d+\.\d% of blocks \(asked 50\.0%, lowered", note.group(1))
+    # a sample too small to answer: no figure, and the note names the curves
+    (tmp_path / "small").mkdir()
+    dom = _whatif_page(tmp_path / "small", {"rate": 0.01}, 3, 40)
+    note = re.search(r'class="bad" id="whatif-note">([^<]*)<', dom)
+    assert note and "too few sampled blocks to answer for r1, r2, fleet" in note.group(1), dom
+    fleet = re.search(r"<tr><td>fleet</td>((?:<td>[^<]*</td>)+)</tr>", dom)
+    assert fleet and re.findall(r"<td>([^<]*)</td>", fleet.group(1)) == ["-"] * 6
+    svg = re.search(r'<svg id="curves".*?</svg>', dom, re.S)
+    assert svg and "<polyline" not in svg.group(0)
 
 
 def test_with_keys_the_page_asks_for_an_operator_key(tmp_path: Path) -> None:

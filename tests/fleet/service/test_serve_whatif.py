@@ -140,3 +140,60 @@ def test_the_shadows_process_dies_and_the_service_goes_on(tmp_path: Path):
     assert "stopped" in after["counterfactuals"]["error"]
     assert after["counterfactuals"]["scenarios"] == []
     assert after["window"]["routed_requests"] == 60  # the curves are the router's own
+
+
+def test_the_rate_reported_is_the_one_sampling_runs_at(tmp_path: Path):
+    """A memory bound lowers the curves' sampling as they fill: `/v1/whatif` and the metrics say
+    the rate each curve runs at now, and the rate asked for under its own name."""
+    ops = {"authorization": f"Bearer {OPS}"}
+    rng = np.random.default_rng(8)
+    with _client(tmp_path, {"rate": 0.5, "max_memory_mib": 0.5}) as client:
+        for _ in range(300):  # about 3,000 distinct blocks: far past 256 sampled a curve
+            tokens = rng.integers(1, 10_000, BLOCK * 10 + 1).tolist()
+            client.post("/v1/route", json={"model": MODEL, "tokens": tokens}, headers=ops)
+        body = client.get("/v1/whatif", headers=ops).json()
+        metrics = client.get("/metrics", headers=ops).text
+    sampling = body["sampling"]
+    assert sampling["requested_rate"] == 0.5
+    rows = [*body["replicas"], body["fleet"]]
+    assert all(row["sampled_blocks"] <= sampling["max_sampled_blocks_per_curve"] for row in rows)
+    assert all(row["rate"] < 0.5 for row in rows)
+    assert sampling["rate"] == min(row["rate"] for row in rows) and sampling["rate_lowered"]
+    for row in rows:
+        line = f'prefixcache_whatif_sampling_rate{{curve="{row["name"]}"}} '
+        gauge = float(next(x for x in metrics.splitlines() if x.startswith(line)).split()[-1])
+        assert gauge == pytest.approx(row["rate"], rel=1e-6), row["name"]
+    assert "prefixcache_whatif_requested_sampling_rate 0.5" in metrics
+
+
+def test_a_sample_too_small_to_answer_gives_no_figure(tmp_path: Path):
+    """128-token blocks and 300 requests that share a 15-block document: at 1% a curve holds
+    a handful of sampled blocks (often none), which cannot tell a hit rate of 0.87 from 0: no
+    point reads as a figure, the row says why, and the metrics leave the points out. Every
+    block sampled, the same traffic answers."""
+    ops = {"authorization": f"Bearer {OPS}"}
+    rng = np.random.default_rng(12)
+    document = rng.integers(1, 30_000, 15 * 128).tolist()
+    prompts = [document + rng.integers(1, 30_000, 200).tolist() for _ in range(300)]
+    (tmp_path / "small").mkdir()
+    (tmp_path / "full").mkdir()
+    small_app = round_robin_app(tmp_path / "small", 128, 64, whatif={"rate": 0.01})
+    full_app = round_robin_app(tmp_path / "full", 128, 64, whatif={"rate": 1.0})
+    with TestClient(small_app) as small, TestClient(full_app) as full:
+        for p in prompts:
+            for client in (small, full):
+                client.post("/v1/route", json={"model": MODEL, "tokens": p}, headers=ops)
+        body = small.get("/v1/whatif", headers=ops).json()
+        metrics = small.get("/metrics", headers=ops).text
+        answered = full.get("/v1/whatif", headers=ops).json()
+    for row in [*body["replicas"], body["fleet"]]:
+        assert row["sampled_blocks"] < row["min_sampled_blocks"], row
+        assert row["too_few_sampled"], row
+        assert row["points"] and all(
+            p["token_hit_rate"] is None and p["stderr"] is None for p in row["points"]
+        ), row
+    assert "prefixcache_whatif_token_hit_rate{" not in metrics
+    for row in [*answered["replicas"], answered["fleet"]]:
+        assert not row["too_few_sampled"]
+        at_1x = next(p for p in row["points"] if p["factor"] == 1.0)
+        assert at_1x["token_hit_rate"] > 0.8 and at_1x["stderr"] == 0.0
