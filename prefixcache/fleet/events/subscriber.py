@@ -566,7 +566,11 @@ class KVEventSubscriber:
                             names[mon] = n
                             poller.register(mon, zmq.POLLIN)
                 self._sockets_up.set()
-                ready = poller.poll(50)
+                if sockets:
+                    ready = poller.poll(50)
+                else:  # zmq's poll of no socket returns at once: the loop would spin
+                    self._stop.wait(0.05)
+                    ready = []
                 for sock, _ in ready:
                     name = names.get(sock)
                     if name is None:  # closed in this round
