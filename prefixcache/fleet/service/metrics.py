@@ -218,16 +218,31 @@ class _WhatIfCollector(Collector):
         self._curves = curves
 
     def collect(self) -> Iterator[Metric]:
-        """Every point of every curve, read now."""
+        """Every point of every curve, and the rates they sample at, read now."""
+        gauges = self._curves.gauges()
         family = GaugeMetricFamily(
             "prefixcache_whatif_token_hit_rate",
             "Estimated token hit rate of the traffic routed to the replica (curve=fleet: all "
             "of it as one cache) with factor times its KV capacity (sampled, LRU)",
             labels=["curve", "factor"],
         )
-        for curve, factor, rate in self._curves.gauges():
+        for curve, factor, rate in gauges.points:
             family.add_metric([curve, f"{factor:g}"], rate)
         yield family
+        running = GaugeMetricFamily(
+            "prefixcache_whatif_sampling_rate",
+            "Share of blocks the curve samples now: whatif.rate until the memory bound "
+            "(whatif.max_memory_mib) lowers it",
+            labels=["curve"],
+        )
+        for curve, rate in gauges.rates:
+            running.add_metric([curve], rate)
+        yield running
+        yield GaugeMetricFamily(
+            "prefixcache_whatif_requested_sampling_rate",
+            "Share of blocks the curves were asked to sample (whatif.rate)",
+            value=gauges.requested_rate,
+        )
 
 
 class _ConnectionCollector(Collector):
