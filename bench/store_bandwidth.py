@@ -1,7 +1,7 @@
 """Put and get bandwidth of the K/V stores next to a plain memcpy of the same bytes.
 
     python bench/store_bandwidth.py [--store lmdb|mooncake|mooncake://HOST:PORT?metadata=URL]
-                                    [--blocks 256] [--repeats 5]
+                                    [--blocks 256] [--repeats 5] [--dir /dev/shm]
 
 For records of 0.25, 0.5 and 2 MiB, in one run: ``memcpy`` (numpy copy of the record into a
 preallocated buffer), ``get`` (the connector's read: ``get_into`` a preallocated buffer, then
@@ -18,12 +18,17 @@ feed ``prefixcache replay --pool-bw`` are the get bandwidths (docs/tiers.md).
 ``--store mooncake`` starts a Mooncake master and a separate storage process (holding the
 memory, as another host would) on loopback, and measures from a client that holds nothing:
 every byte crosses the transfer engine (TCP). A ``mooncake://`` URL uses a running store.
+
+Each LMDB store lives in a new directory under ``--dir`` and is deleted as soon as its record
+size is measured, and on Ctrl-C (or SIGTERM) too: a run leaves nothing in /dev/shm.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -33,10 +38,12 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import FrameType
 
 import numpy as np
 
 from prefixcache import Namespace
+from prefixcache.errors import ConfigError
 from prefixcache.store.backend import KVBlockStore
 from prefixcache.store.block_record import (
     BlockLayout,
@@ -111,16 +118,31 @@ def mooncake_on_loopback(segment_mib: int) -> Iterator[str]:
         master.wait(10)
 
 
-def open_store(spec: str, capacity: int) -> KVBlockStore:
+@contextmanager
+def open_store(spec: str, capacity: int, where: str) -> Iterator[KVBlockStore]:
+    """The store to measure, closed (and an LMDB store's directory deleted) on the way out."""
     if spec.startswith("mooncake://"):
         from prefixcache.store.mooncake_backend import MooncakeBlockStore
 
-        return MooncakeBlockStore.from_url(spec)
+        store: KVBlockStore = MooncakeBlockStore.from_url(spec)
+        try:
+            yield store
+        finally:
+            store.close()
+        return
     if spec != "lmdb":
         raise SystemExit(f"unknown store {spec!r}: lmdb or mooncake")
     from prefixcache.store.lmdb_backend import LMDBBlockStore
 
-    return LMDBBlockStore(tempfile.mkdtemp(dir="/dev/shm"), capacity_bytes=capacity)
+    path = tempfile.mkdtemp(prefix="store-bandwidth-", dir=where)
+    try:
+        store = LMDBBlockStore(path, capacity_bytes=capacity)
+        try:
+            yield store
+        finally:
+            store.close()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def one_pass(store: KVBlockStore, layout: BlockLayout, n: int, seed: int) -> dict[str, float]:
@@ -168,29 +190,66 @@ def one_pass(store: KVBlockStore, layout: BlockLayout, n: int, seed: int) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--store", default="lmdb")
-    ap.add_argument("--blocks", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--store",
+        default="lmdb",
+        help="lmdb (a new LMDB store under --dir, the default), mooncake (a master and a "
+        "storage process started on loopback), or a running store's "
+        "mooncake://MASTER:PORT?metadata=URL",
+    )
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=256,
+        help="distinct records written and read in each pass (default 256)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="passes per record size; each figure is their median (default 5)",
+    )
+    ap.add_argument(
+        "--dir",
+        default="/dev/shm",
+        help="where the LMDB stores go, each deleted once measured (default /dev/shm, tmpfs)",
+    )
     args = ap.parse_args()
-    with ExitStack() as stack:
-        if args.store == "mooncake":
-            segment = 3 * args.blocks * 2 * (2 * MIB + 4096) >> 20
-            args.store = stack.enter_context(mooncake_on_loopback(segment))
-        run(args)
+    if args.blocks < 1 or args.repeats < 1:
+        ap.error("--blocks and --repeats must be at least 1")
+    signal.signal(signal.SIGTERM, _stop)  # cleaned up as on Ctrl-C
+    try:
+        with ExitStack() as stack:
+            if args.store == "mooncake":
+                segment = 3 * args.blocks * 2 * (2 * MIB + 4096) >> 20
+                args.store = stack.enter_context(mooncake_on_loopback(segment))
+            run(args)
+    except KeyboardInterrupt:
+        print("interrupted: the stores are deleted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except ConfigError as exc:  # a store that cannot open here, e.g. too large for --dir
+        raise SystemExit(f"store_bandwidth: {exc}") from None
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace) -> None:
-    print(f"store {args.store.split('?')[0]}, {args.blocks} records a pass, {args.repeats} passes")
+    print(
+        f"store {args.store.split('?')[0]}, {args.blocks} records a pass, {args.repeats} passes",
+        flush=True,
+    )
     print(
         f"{'record':>8} {'memcpy GB/s':>12} {'get GB/s':>9} {'get/memcpy':>11} "
         f"{'no-check/memcpy':>16} {'put GB/s':>9} {'put/memcpy':>11} {'get extra us':>13}"
     )
     for size in (256 << 10, 512 << 10, 2 * MIB):
         layout = layout_for(size)
-        store = open_store(args.store, capacity=4 * args.blocks * layout.record_bytes)
-        cold = one_pass(store, layout, args.blocks, 99)  # first touch of the store's pages
-        passes = [one_pass(store, layout, args.blocks, seed) for seed in range(args.repeats)]
-        store.close()
+        capacity = 4 * args.blocks * layout.record_bytes
+        with open_store(args.store, capacity, args.dir) as store:
+            cold = one_pass(store, layout, args.blocks, 99)  # first touch of the store's pages
+            passes = [one_pass(store, layout, args.blocks, seed) for seed in range(args.repeats)]
         med = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
         ratio = {k: statistics.median(p["memcpy"] / p[k] for p in passes) for k in passes[0]}
         extra = statistics.median(p["get"] - p["memcpy"] for p in passes)
