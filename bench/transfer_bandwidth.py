@@ -16,10 +16,12 @@ On the device present (a CUDA GPU when there is one, else the CPU), for runs of 
 
 Ids come in three patterns: ``contiguous`` (consecutive host slots and GPU blocks), ``host-run``
 (consecutive host slots, scattered GPU blocks: one staged gather or scatter) and ``scattered``
-(both scattered). Each figure is the median of ``--repeats`` timings, the methods alternating
-within each repeat (after one warm-up each), so all see the same machine. Prints GB/s and the
-share of the baseline; on a GPU, whether the batched path reaches 80% of the pinned-copy
-bandwidth for runs of 16 blocks and more in both directions (contiguous and host-run).
+(both scattered). The methods alternate within each of ``--repeats`` repeats (after one warm-up
+each), so all see the same machine. Prints GB/s (of the median time), the share of the baseline
+and, for the batched paths, the speed-up over block by block: each the median over the repeats of
+that repeat's ratio, so a slow stretch of a shared machine weighs on both sides of a ratio. On a
+GPU, also whether the batched path reaches 80% of the pinned-copy bandwidth for runs of 16 blocks
+and more in both directions (contiguous and host-run).
 """
 
 from __future__ import annotations
@@ -138,10 +140,12 @@ def measure(n: int, device: torch.device, repeats: int, out: list[dict]) -> None
             for _ in range(repeats):
                 for name, fn in methods.items():
                     times[name].append(timed(fn, device))
-            base = case.nbytes / statistics.median(times["baseline"])
             picked = _picked(case, host, dev)
+            versus = {"batched": "per-block", "store batched": "store per-block"}
             for name, ts in times.items():
                 rate = case.nbytes / statistics.median(ts)
+                share = _speed_ratio(ts, times["baseline"])
+                speedup = _speed_ratio(ts, times[versus[name]]) if name in versus else None
                 row = {
                     "device": device.type,
                     "blocks": n,
@@ -151,15 +155,23 @@ def measure(n: int, device: torch.device, repeats: int, out: list[dict]) -> None
                     "mode": picked if name == "batched" else None,
                     "bytes": case.nbytes,
                     "gb_s": round(rate / 1e9, 3),
-                    "of_baseline": round(rate / base, 3),
+                    "of_baseline": round(share, 3),
+                    "speedup": None if speedup is None else round(speedup, 3),
                     "median_s": statistics.median(ts),
                 }
                 out.append(row)
                 mode = f" ({picked})" if name == "batched" else ""
+                faster = "" if speedup is None else f", {speedup:5.2f}x block by block"
                 print(
                     f"{device.type:4} {n:4} blocks {direction:7} {pattern:10} {name + mode:24} "
-                    f"{rate / 1e9:7.2f} GB/s {rate / base:6.0%} of the baseline"
+                    f"{rate / 1e9:7.2f} GB/s {share:6.0%} of the baseline{faster}"
                 )
+
+
+def _speed_ratio(times: list[float], reference: list[float]) -> float:
+    """The median over the repeats of repeat ``i``'s speed relative to the reference's:
+    ``reference[i] / times[i]``."""
+    return statistics.median(r / t for t, r in zip(times, reference, strict=True))
 
 
 def _picked(case: Case, host: list, dev: list) -> str:
