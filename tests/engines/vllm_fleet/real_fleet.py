@@ -6,15 +6,19 @@ port (vLLM connects to it). A test asks the engines themselves what they hold: a
 straight to a server answers ``usage.prompt_tokens_details.cached_tokens``, the truth the index
 is checked against.
 
-``barrier`` makes such checks exact: a marker prompt of two blocks is sent straight to one
-server, and the check waits until the index holds it there. A replica's events are applied in
-order, so by then the index has applied everything that server did before the marker.
+The service binds each server's event port; vLLM's socket connects to it within 100 ms and loses
+what it sends before (PUB/SUB), so ``serving`` returns once a batch of each server has arrived
+(``connect_events``). ``barrier`` makes the checks exact: a marker prompt of two blocks is sent
+straight to one server, and the check waits until the index holds it there. A replica's events
+are applied in order, so by then the index has applied everything that server did before the
+marker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -216,6 +220,39 @@ class Service:
         assert answer.status_code == 200, answer.text
         return {s["name"]: int(s["cached_tokens"]) for s in answer.json()["replicas"]}
 
+    def ingested(self, name: str) -> int:
+        """KV event messages the service has received from replica ``name``."""
+        text = httpx.get(f"{self.url}/metrics", headers=self.operator, timeout=30).text
+        found = re.search(
+            rf'^prefixcache_ingest_events_total{{replica="{name}"}} (\S+)', text, re.M
+        )
+        return int(float(found.group(1))) if found else 0
+
+    def connect_events(self, server: VLLMServer) -> None:
+        """Return once the service receives ``server``'s KV events. vLLM's PUB socket connects to
+        the port the service binds, retrying every 100 ms, and what it publishes before the
+        connection and the subscription are up is lost (PUB/SUB): a one-block prompt is sent
+        straight to it until a batch arrives."""
+        before = self.ingested(server.name)
+        deadline = time.monotonic() + INDEX_DEADLINE_S
+        while time.monotonic() < deadline:
+            complete(server.url, random_tokens(BLOCK + 1)).raise_for_status()
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                if self.ingested(server.name) > before:
+                    return
+                time.sleep(0.05)
+        raise AssertionError(f"no KV events from {server.name} reached the service")
+
+    def probe(self, name: str) -> dict[str, Any]:
+        """Run the attach probe of replica ``name`` now; its findings by check."""
+        answer = httpx.post(
+            f"{self.url}/v1/replicas/{name}/probe", headers=self.operator, timeout=HTTP_TIMEOUT_S
+        )
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        return {"ok": body["ok"], **{f["check"]: f for f in body["findings"]}}
+
     def wait_probed(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Wait until every named replica is up and its attach probe has run; its rows."""
 
@@ -312,7 +349,11 @@ def serving(
             config[section] = values
     service = Service(workdir, config, keys=keys, args=args)
     try:
-        yield service.start()
+        service.start()
+        for server in servers:
+            if service.config["replicas"][servers.index(server)].get("events") and server.events:
+                service.connect_events(server)
+        yield service
     finally:
         service.stop()
 

@@ -23,13 +23,14 @@ KV_BYTES = 64 << 20
 
 
 def _probe(tmp_path: Path, server: Any, model: Path, **replica: Any) -> dict[str, Any]:
-    """The service's attach probe of ``server``, configured with ``replica`` overrides: each
+    """The service's attach probe of ``server``, configured with ``replica`` overrides, once
+    the server's events reach the service (its socket connects after the service binds): each
     check's finding by name."""
     with serving(tmp_path, [server], model, replica_overrides={ODD: replica}) as service:
-        row = service.wait_probed([ODD])[ODD]
-    probe = row["probe"]
-    assert probe["ok"] is False, probe
-    return {f["check"]: f for f in probe["findings"]}
+        service.wait_probed([ODD])  # the probe when it first answered
+        found = service.probe(ODD)
+    assert found["ok"] is False, found
+    return found
 
 
 @pytest.fixture
