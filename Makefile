@@ -26,7 +26,7 @@ vllm-fleet: vllm-env  ## a real vLLM fleet on this machine behind prefixcache se
 	$(PYTHON) examples/fleet/vllm_fleet.py $(ARGS)
 
 test-vllm: vllm-env  ## the real-engine tests: real vLLM servers behind prefixcache serve (minutes; the plain test run skips them)
-	PREFIXCACHE_REAL_VLLM=1 $(PYTHON) -m pytest tests/engines/vllm_fleet
+	PREFIXCACHE_REAL_VLLM=1 $(PYTHON) -m pytest tests/engines/vllm_fleet tests/engines/vllm_store tests/engines/sglang_store
 
 quickstart:  ## the README's main job: a replay with its report, no server needed
 	$(PYTHON) -m prefixcache replay scenarios/shared_system_prompt.yaml --model llama-3.1-8b \
