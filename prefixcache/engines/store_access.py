@@ -3,10 +3,10 @@
 ``lmdb://PATH[?capacity=SIZE]`` (or a bare path) is the one-host LMDB store on ``PATH``,
 holding at most ``SIZE`` of records (``4GiB``, ``512MiB``, a byte count; 1 GiB by default).
 ``mooncake://MASTER:PORT?metadata=URL[&local_hostname=HOST][&segment=MiB][&buffer=MiB]
-[&metrics=URL]`` is a Mooncake Store client: ``local_hostname`` is the address other hosts
-reach this one at (127.0.0.1 by default: one host only), ``segment`` the memory it contributes
-to the store (256 MiB), ``buffer`` its transfer buffer (64 MiB), ``metrics`` the master's
-``/metrics`` (its evictions).
+[&metrics=URL]`` is a Mooncake Store client (``MooncakeBlockStore.from_url``): ``local_hostname``
+is the address other hosts read this one's memory at (by default the one this host reaches the
+master from), ``segment`` the memory it contributes to the store (256 MiB), ``buffer`` its
+transfer buffer (64 MiB), ``metrics`` the master's ``/metrics`` (its evictions).
 
 An engine's processes may hold several users of one store (vLLM's scheduler and worker roles of
 its connector can share a process), and LMDB must not be opened twice in one process:
@@ -68,15 +68,7 @@ def open_store(url: str) -> KVBlockStore:
     if parts.scheme == "mooncake":
         from prefixcache.store.mooncake_backend import MooncakeBlockStore
 
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        return MooncakeBlockStore(
-            parts.netloc,
-            query["metadata"],
-            local_hostname=query.get("local_hostname", "127.0.0.1"),
-            segment_bytes=int(query.get("segment", "256")) * MIB,
-            buffer_bytes=int(query.get("buffer", "64")) * MIB,
-            metrics_url=query.get("metrics"),
-        )
+        return MooncakeBlockStore.from_url(url)
     from prefixcache.store.lmdb_backend import LMDBBlockStore
 
     path = unquote(parts.path) if parts.scheme == "lmdb" else url

@@ -10,8 +10,9 @@ builds by module path.
 
 Keys are SGLang's own: the hex SHA-256 it chains per page (its cache salt and extra key seed the
 chain). The store key of a page is the xxh3-128 of that key under the backend's namespace
-(``model``: SGLang's model name unless set; ``extra``; the tensor-parallel rank and size, as
-each rank holds its own heads), so two models, or two ranks, never share a record. A record
+(``model``: SGLang's model name unless set; ``weights``, the exact weights when named;
+``extra``; the tensor-parallel rank and size, as each rank holds its own heads), so two models,
+two sets of weights or two ranks never share a record. A record
 holds the page in the store's one order (hicache_pages.py) with the store's header: a page read
 back is checked (digest, namespace fingerprint, layout, length, checksum) before one byte of it
 reaches SGLang's host pool; a refused record is removed from the store, counted and logged, and
@@ -56,7 +57,7 @@ from prefixcache.store.block_record import (
 )
 
 log = logging.getLogger("prefixcache.engines.sglang")
-_OURS = ("store", "model", "extra", "retry_after")
+_OURS = ("store", "model", "weights", "extra", "retry_after")
 _SGLANGS = ("backend_name", "module_path", "class_name", "interface_v1")
 
 
@@ -94,8 +95,11 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
         retry_after = extra.get("retry_after", 2.0)
         if isinstance(retry_after, bool) or not isinstance(retry_after, int | float):
             raise ConfigError(f"'retry_after' must be seconds, got {retry_after!r}")
+        weights = extra.get("weights")
+        if weights is not None and (not isinstance(weights, str) or not weights):
+            raise ConfigError(f"'weights' must be a non-empty string, got {weights!r}")
         rank = f"tp{storage_config.tp_rank}-of-{storage_config.tp_size}"
-        self.namespace = Namespace(model=str(model), extra=("sglang", rank, *keys))
+        self.namespace = Namespace(model=str(model), extra=("sglang", rank, *keys), weights=weights)
         self.fingerprint = namespace_fingerprint(self.namespace)
         self._seed = b"prefixcache/sglang-page\x00" + self.fingerprint
         self.url = url

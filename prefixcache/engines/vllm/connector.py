@@ -71,6 +71,7 @@ class PrefixcacheStoreConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self._spec = _attention_spec(kv_cache_config, self.block_size)
         model = self.settings.model or _served_name(vllm_config)
+        weights = self.settings.weights or getattr(vllm_config.model_config, "revision", None)
         self.tally = StoreTally()
         self._store_url: str | None = self.settings.store
         store = acquire_store(self.settings.store)
@@ -82,6 +83,7 @@ class PrefixcacheStoreConnector(KVConnectorBase_V1):
                 self.tally,
                 block_size=self.block_size,
                 model=model,
+                weights=weights,
                 extra=self.settings.extra,
                 hash_algo=self.settings.hash_algo,
                 retry_after=self.settings.retry_after,
@@ -91,10 +93,11 @@ class PrefixcacheStoreConnector(KVConnectorBase_V1):
                 store, self.tally, self.settings.retry_after, self.settings.queue_blocks
             )
         log.info(
-            "prefixcache store connector (%s): store %s, model %r, blocks of %d tokens",
+            "prefixcache store connector (%s): store %s, model %r, weights %r, blocks of %d tokens",
             "scheduler" if self._scheduler is not None else "worker",
             self._store_url,
             model,
+            weights,
             self.block_size,
         )
 

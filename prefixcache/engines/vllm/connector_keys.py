@@ -3,9 +3,11 @@ service routes the request in.
 
 The namespace is the service's for an OpenAI request to a vLLM replica: ``model`` (the served
 model name, or the connector's ``model`` setting), the LoRA adapter's name as ``adapter``, the
-request's ``cache_salt`` as ``salt``, and the replica's ``extra`` keys. Each full block of the
-prompt is keyed by its chained digest (``BlockHasher``, ``xxh3_128`` unless set), the digest the
-service computes for the same prompt, so a record in the store is the block the router counts.
+request's ``cache_salt`` as ``salt``, and the replica's ``extra`` keys, plus the exact weights
+when named (``weights``: servers of one model name with other weights never share a record).
+Each full block of the prompt is keyed by its chained digest (``BlockHasher``, ``xxh3_128``
+unless set); without ``weights`` it is the digest the service computes for the same prompt (the
+service itself places a server's store blocks by vLLM's block hashes, either way).
 Multimodal prompts and prompt embeddings are not keyed (their K/V depends on more than token
 ids): such requests neither load nor save.
 """
@@ -30,7 +32,9 @@ class PromptKeys(NamedTuple):
     digests: list[bytes]
 
 
-def request_namespace(model: str, extra: tuple[str, ...], request: Any) -> Namespace | None:
+def request_namespace(
+    model: str, weights: str | None, extra: tuple[str, ...], request: Any
+) -> Namespace | None:
     """The namespace of a vLLM ``Request`` (None: its blocks are not keyed: multimodal input
     or prompt embeddings)."""
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
@@ -40,7 +44,7 @@ def request_namespace(model: str, extra: tuple[str, ...], request: Any) -> Names
     lora = getattr(request, "lora_request", None)
     adapter = None if lora is None else str(lora.lora_name)
     salt = getattr(request, "cache_salt", None)
-    return Namespace(model=model, adapter=adapter, salt=salt, extra=extra)
+    return Namespace(model=model, adapter=adapter, salt=salt, extra=extra, weights=weights)
 
 
 class PromptKeyMaker:

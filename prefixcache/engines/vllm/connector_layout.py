@@ -6,10 +6,10 @@ then V, each ``(block_size, kv_heads, head_dim)``. vLLM's CPU attention keeps on
 layer of ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` elements, which it reads as
 ``[num_blocks, kv_heads, 2 * block_size, head_dim]``: per head, the block's K rows then its V
 rows. ``PagedKV`` views each layer as ``[num_blocks, kv_heads, 2, block_size, head_dim]`` and
-moves a batch of blocks with one gather or scatter per layer through a scratch buffer it keeps,
-transposing heads and tokens on the way. Any other shape (a GPU backend's, a kernel block size
-other than the scheduler's, a hybrid or MLA model) is refused when the caches are registered,
-with what was found.
+moves a batch of blocks out with one gather per layer (through a scratch buffer it keeps) and
+in with one strided copy per block and layer, transposing heads and tokens on the way. Any
+other shape (a GPU backend's, a kernel block size other than the scheduler's, a hybrid or MLA
+model) is refused when the caches are registered, with what was found.
 """
 
 from __future__ import annotations
@@ -86,8 +86,7 @@ class PagedKV:
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
         """Copy ``src`` (``payloads`` of ``len(block_ids)`` records) into blocks
         ``block_ids``."""
-        ids = torch.as_tensor(block_ids, dtype=torch.long)
-        tmp = self._scratch(len(block_ids))
-        for layer, cache in enumerate(self.blocks):
-            tmp.copy_(src[:, layer].permute(0, 3, 1, 2, 4))
-            cache.index_copy_(0, ids, tmp)
+        for layer, cache in enumerate(self.blocks):  # block by block: one strided copy each,
+            rows = src[:, layer].permute(0, 3, 1, 2, 4)  # half the time of index_copy_ here
+            for i, block in enumerate(block_ids):
+                cache[block].copy_(rows[i])

@@ -67,6 +67,7 @@ class StoreScheduler:
         *,
         block_size: int,
         model: str,
+        weights: str | None,
         extra: tuple[str, ...],
         hash_algo: str,
         retry_after: float,
@@ -75,6 +76,7 @@ class StoreScheduler:
         self.tally = tally
         self.block_size = block_size
         self.model = model
+        self.weights = weights
         self.extra = extra
         self.keys = PromptKeyMaker(block_size, hash_algo)
         self.gate = StoreGate(retry_after, "scheduler", log)
@@ -114,7 +116,7 @@ class StoreScheduler:
     def _track(self, request: Any) -> _Tracked:
         tracked = self._requests.get(request.request_id)
         if tracked is None or tracked.request is not request:
-            namespace = request_namespace(self.model, self.extra, request)
+            namespace = request_namespace(self.model, self.weights, self.extra, request)
             keys = None
             if namespace is not None:
                 keys = self.keys.keys(namespace, request.prompt_token_ids)

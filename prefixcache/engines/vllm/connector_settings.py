@@ -7,11 +7,13 @@
 
 ``store`` names the store (engines/store_access.py): ``lmdb://PATH[?capacity=SIZE]`` for the
 one-host LMDB store, ``mooncake://MASTER:PORT?metadata=URL[&local_hostname=HOST]...`` for
-Mooncake Store. The other keys, all optional: ``model`` (the namespace's
-model; the served model name by default, as the service's replica ``model``), ``extra`` (the
-replica's ``extra`` namespace keys), ``hash_algo`` (the service's ``hash_algo``, ``xxh3_128`` by
-default), ``queue_blocks`` (blocks waiting to be written; past it they are dropped, 1024) and
-``retry_after`` (seconds the store is left alone after it failed, 2).
+Mooncake Store. The other keys, all optional: ``model`` (the namespace's model; the served
+model name by default, as the service's replica ``model``), ``weights`` (the exact weights
+behind that name, ``Namespace.weights``: a revision or a weights fingerprint; vLLM's
+``--revision`` by default, when given), ``extra`` (the replica's ``extra`` namespace keys),
+``hash_algo`` (the service's ``hash_algo``, ``xxh3_128`` by default), ``queue_blocks`` (blocks
+waiting to be written; past it they are dropped, 1024) and ``retry_after`` (seconds the store
+is left alone after it failed, 2).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from prefixcache.blocks.hashing import HASH_FUNCTIONS
 from prefixcache.engines.store_access import check_store_url
 from prefixcache.errors import ConfigError
 
-_KEYS = ("store", "model", "extra", "hash_algo", "queue_blocks", "retry_after")
+_KEYS = ("store", "model", "weights", "extra", "hash_algo", "queue_blocks", "retry_after")
 
 
 class StoreSettings(NamedTuple):
@@ -32,6 +34,7 @@ class StoreSettings(NamedTuple):
 
     store: str  # the store URL (or LMDB path)
     model: str | None  # the namespace's model; None: vLLM's served model name
+    weights: str | None  # the exact weights (a revision, a fingerprint); None: vLLM's --revision
     extra: tuple[str, ...]  # further namespace keys, as the replica's ``extra``
     hash_algo: str  # prefixcache's block digest (the service's ``hash_algo``)
     queue_blocks: int  # blocks waiting to be written before more are dropped
@@ -55,6 +58,9 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> StoreSettings:
     model = given.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise ConfigError(f"'model' must be a non-empty string, got {model!r}")
+    weights = given.get("weights")
+    if weights is not None and (not isinstance(weights, str) or not weights):
+        raise ConfigError(f"'weights' must be a non-empty string, got {weights!r}")
     extra = given.get("extra", ())
     if not isinstance(extra, list | tuple) or not all(isinstance(x, str) for x in extra):
         raise ConfigError(f"'extra' must be a list of strings, got {extra!r}")
@@ -72,12 +78,14 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> StoreSettings:
     ):
         raise ConfigError(f"'retry_after' must be seconds >= 0, got {retry_after!r}")
     check_store_url(store)
-    return StoreSettings(store, model, tuple(extra), algo, queue_blocks, float(retry_after))
+    return StoreSettings(
+        store, model, weights, tuple(extra), algo, queue_blocks, float(retry_after)
+    )
 
 
 def transfer_config(store: str, **settings: Any) -> str:
     """vLLM's ``--kv-transfer-config`` JSON for this connector on ``store`` (more settings by
-    name: ``model``, ``extra``, ``hash_algo``, ``queue_blocks``, ``retry_after``)."""
+    name: ``model``, ``weights``, ``extra``, ``hash_algo``, ``queue_blocks``, ``retry_after``)."""
     parse_settings({"store": store, **settings})
     return json.dumps(
         {

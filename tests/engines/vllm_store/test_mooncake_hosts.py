@@ -1,6 +1,7 @@
 """Two real vLLM servers share prefixes through Mooncake Store as two hosts would: one master,
-and each server a client on its own address (127.0.0.1 and 127.0.0.2, its transfer engine bound
-there), so a block one server wrote is read over the transfer engine from the other's memory.
+and each server a client on its own address (``local_hostname`` 127.0.0.1 and 127.0.0.2, where
+its transfer engine listens), so a block one server wrote is read over the transfer engine from
+the other's memory.
 The master killed and restarted empty: the servers keep answering the same tokens, count the
 failures, and share prefixes again once it is back.
 """
@@ -60,7 +61,7 @@ def hosts(tmp_path_factory):
             f"mooncake://127.0.0.1:{master.rpc}?metadata=http://127.0.0.1:{master.http}/metadata"
             f"&local_hostname={host}&segment=64&buffer=16"
         )
-        env = {"MC_TCP_BIND_ADDRESS": host, "MC_LOG_LEVEL": "ERROR"}
+        env = {"MC_LOG_LEVEL": "ERROR"}  # the client binds its transfer engine to local_hostname
         specs.append(store_server(name, cpu, url, import_path, env=env))
     try:
         with VLLMFleet(specs, log_dir=Path(tmp) / "logs") as fleet:

@@ -221,13 +221,14 @@ def test_a_corrupt_record_is_refused_removed_and_computed(store_url):
     made.close()
 
 
-def test_models_ranks_and_salts_never_share_a_page(store_url):
+def test_models_weights_ranks_and_salts_never_share_a_page(store_url):
     pool = host_pool("page_first")
     made = backend(store_url, pool)
     keys = page_keys(TOKENS_A)
     made.batch_set_v1(keys, torch.arange(PAGES * PAGE))
     assert backend(store_url, pool, model="other").batch_exists(keys) == 0
     assert backend(store_url, pool, tp=(1, 2)).batch_exists(keys) == 0
+    assert backend(store_url, pool, weights="revision-b").batch_exists(keys) == 0
     assert made.batch_exists(page_keys(TOKENS_A, salt="tenant:acme")) == 0
     assert made.batch_exists(keys) == PAGES
 

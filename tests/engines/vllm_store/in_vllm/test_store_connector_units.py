@@ -131,6 +131,21 @@ def test_cache_salt_and_adapter_are_namespaces(store_url, engines):
     assert c.loaded_tokens[same.request_id] == 192
 
 
+def test_other_weights_under_the_same_name_never_load(store_url, engines):
+    tokens = prompt(200)
+    a = engines(store_url, weights="revision-a")
+    a.add(make_request(tokens))
+    a.run()
+    b = engines(store_url, weights="revision-b")
+    other = b.add(make_request(tokens))
+    b.step()
+    assert b.loaded_tokens[other.request_id] == 0
+    c = engines(store_url, weights="revision-a")
+    same = c.add(make_request(tokens))
+    c.step()
+    assert c.loaded_tokens[same.request_id] == 192
+
+
 def test_the_store_blocks_are_announced_with_vllms_hashes(tmp_path, engines):
     url = f"lmdb://{tmp_path / 'kv'}?capacity=1MiB"  # 16 records of 64 KiB and a bit
     tokens = prompt(200)
