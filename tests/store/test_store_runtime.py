@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("lmdb", reason="the one-host store needs lmdb (pip install '.[store]')")
 
+from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import BlockLayout, encode_header
 from prefixcache.store.lmdb_backend import LMDBBlockStore
@@ -203,7 +204,10 @@ def test_the_write_that_recomputes_a_refused_record_replaces_it(runtime, tmp_pat
     path = tmp_path / "kv"
     _filled(runtime, path)
     store = LMDBBlockStore(path, 64 * MIB)
-    victims = store.keys()[:2]  # the first two blocks of the first chain written
+    cfg = runtime.ModelConfig()
+    prompt = runtime.rotating_prompt_batch(8, 2, 64, cfg.vocab)["req-0"]
+    chain = BlockHasher(16).hash_prompt(prompt, runtime.Namespace(model="tiny-random"))
+    victims = chain[:2]  # the first two blocks of the first system prompt
     good = {}
     for key in victims:
         buf = bytearray(1 << 20)
