@@ -8,7 +8,10 @@ preallocated buffer), ``get`` (the connector's read: ``get_into`` a preallocated
 the header and checksum check), ``get, no check`` (``get_into`` alone) and ``put`` (what the
 connector's background writer does per record: the checksum, the header written in front of
 the payload the step's snapshot left in place, and ``put_many`` in batches of 16; the snapshot
-itself is one copy on the step's side, a memcpy's worth). Each figure is the median
+itself is one copy on the step's side, a memcpy's worth). Then the same records as one prompt's
+chain (each the parent of the next, as the connector writes them), and the ``touch`` a load
+sends for each block read, on records written epochs before: what the store's eviction order
+costs. Each figure is the median
 over ``--repeats`` passes of ``--blocks`` distinct records; the ratios are to the memcpy of the
 same pass, and the bookkeeping is the get's time per block beyond the memcpy's. A first pass
 fills the new store (the first touch of its pages, reported on its own line) and is not in the
@@ -44,7 +47,7 @@ import numpy as np
 
 from prefixcache import Namespace
 from prefixcache.errors import ConfigError
-from prefixcache.store.backend import KVBlockStore
+from prefixcache.store.backend import BlockPlace, KVBlockStore
 from prefixcache.store.block_record import (
     BlockLayout,
     check_record,
@@ -183,7 +186,24 @@ def one_pass(store: KVBlockStore, layout: BlockLayout, n: int, seed: int) -> dic
         m = store.get_into(key, view)
         assert m is not None and check_record(view[:m], key, NS, layout) is None
     t["get"] = (time.perf_counter() - start) / n
-    for key in keys:
+
+    # the same records again as one prompt's chain (each the parent of the next), then the
+    # first ones read again: what the eviction order costs a put and a load
+    chain = [rng.bytes(16) for _ in range(n)]
+    places = {k: BlockPlace(chain[i - 1] if i else None, i) for i, k in enumerate(chain)}
+    for i, key in enumerate(chain):
+        checksum = payload_checksum(records[i, header:])
+        records[i, :header] = np.frombuffer(encode_header(key, NS, layout, checksum), np.uint8)
+    linked = [(key, records[i].data) for i, key in enumerate(chain)]
+    start = time.perf_counter()
+    for i in range(0, n, 16):
+        store.put_many(linked[i : i + 16], places=places)
+    t["put, chain"] = (time.perf_counter() - start) / n
+    start = time.perf_counter()
+    for i in range(0, n, 16):  # written an epoch or more ago: each moves to the current one
+        store.touch(keys[i : i + 16])
+    t["touch"] = (time.perf_counter() - start) / n
+    for key in keys + chain:
         store.remove(key)
     return t
 
@@ -261,6 +281,11 @@ def run(args: argparse.Namespace) -> None:
         )
         fill = layout.record_bytes / cold["put"] / 1e9
         print(f"{'':>8} first fill of a new store: put {fill:.2f} GB/s")
+        print(
+            f"{'':>8} as one chain: put {gbs['put, chain']:.2f} GB/s "
+            f"({ratio['put'] / ratio['put, chain']:.2f}x the put's time); a load's touch "
+            f"{med['touch'] * 1e6:.1f} us a block"
+        )
 
 
 if __name__ == "__main__":
