@@ -80,28 +80,32 @@ def _unreachable_share(
     return len(tails) / max(1, len(held)), len(held)
 
 
-def test_a_full_store_keeps_chains_from_their_heads(tmp_path):
+@pytest.mark.parametrize("gpu_blocks, most", [(32, 0.0), (128, 0.05)])
+def test_a_full_store_keeps_chains_from_their_heads(tmp_path, gpu_blocks, most):
     """Prompts over 24 system prompts of 6 blocks with 1-3 blocks of their own, served by a
-    runtime whose GPU pool keeps little, through a store that holds a third of them."""
+    runtime through a store that holds a few of them. With a GPU pool that keeps little, every
+    chain is held from its head (oldest-written first left 5% of the store stranded); with one
+    that keeps the system prompts, the store sees mostly their continuations, and only blocks
+    written just now without their head may be stranded (oldest-written first: 43%)."""
     rng = np.random.default_rng(7)
     systems = [rng.integers(0, 1000, 6 * BLOCK).tolist() for _ in range(24)]
     popularity = 1.0 / np.arange(1, 25)
     popularity /= popularity.sum()
     prompts = []
-    for _ in range(400):
+    for _ in range(600):
         s = int(rng.choice(24, p=popularity))
         own = int(rng.integers(1, 4)) * BLOCK
         prompts.append(systems[s] + rng.integers(0, 1000, own).tolist() + [1])
-    kv = small_cache(32)
+    kv = small_cache(gpu_blocks)
     store = LMDBBlockStore(tmp_path / "kv", capacity_bytes=1 * MIB)  # about 60 records
     connector = KVStoreConnector(store, kv)
-    mgr = CacheManager(32, BLOCK, stepped=True, store=connector)
+    mgr = CacheManager(gpu_blocks, BLOCK, stepped=True, store=connector)
     try:
         for i, tokens in enumerate(prompts):
             _serve(mgr, connector, f"r{i}", tokens)
-        assert store.evicted() > 200
+        assert store.evicted() > 1000
         share, held = _unreachable_share(mgr, store, prompts)
         assert held > 30
-        assert share == 0.0, f"{share:.0%} of the {held} blocks held are unreachable tails"
+        assert share <= most, f"{share:.0%} of the {held} blocks held are unreachable tails"
     finally:
         connector.close()
