@@ -17,7 +17,8 @@ On the device present (a CUDA GPU when there is one, else the CPU), for runs of 
 Ids come in three patterns: ``contiguous`` (consecutive host slots and GPU blocks), ``host-run``
 (consecutive host slots, scattered GPU blocks: one staged gather or scatter) and ``scattered``
 (both scattered). The methods alternate within each of ``--repeats`` repeats (after one warm-up
-each), so all see the same machine. Prints GB/s (of the median time), the share of the baseline
+each; each repeat starts with the next method, so none always runs after the same one, on caches
+it left), so all see the same machine. Prints GB/s (of the median time), the share of the baseline
 and, for the batched paths, the speed-up over block by block: each the median over the repeats of
 that repeat's ratio, so a slow stretch of a shared machine weighs on both sides of a ratio. On a
 GPU, also whether the batched path reaches 80% of the pinned-copy bandwidth for runs of 16 blocks
@@ -137,9 +138,10 @@ def measure(n: int, device: torch.device, repeats: int, out: list[dict]) -> None
             times: dict[str, list[float]] = {name: [] for name in methods}
             for fn in methods.values():
                 timed(fn, device)  # warm-up
-            for _ in range(repeats):
-                for name, fn in methods.items():
-                    times[name].append(timed(fn, device))
+            order = list(methods)
+            for i in range(repeats):  # each repeat starts one method later: none always
+                for name in order[i % len(order) :] + order[: i % len(order)]:  # follows another
+                    times[name].append(timed(methods[name], device))
             picked = _picked(case, host, dev)
             versus = {"batched": "per-block", "store batched": "store per-block"}
             for name, ts in times.items():
