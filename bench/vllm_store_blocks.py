@@ -16,6 +16,11 @@ passes of ``--blocks`` blocks:
 - ``put, all``: the same plus the background writer's checksum, header and ``put_many``, until
   the queue is drained.
 
+Then the connector's cost per engine step when it has nothing to load or write: vLLM's own
+scheduler (the tiny model's config) steps one request through 128 decode steps, once with the
+connector (its scheduler side, and its worker side's hooks as vLLM's model runner calls them)
+and once without, no model run in either: the difference is what the connector adds to a step.
+
 vLLM's modules are needed (the worker's plan types subclass vLLM's), so the script runs itself
 again with vLLM's interpreter (``make vllm-env``) when started from another environment.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,8 +86,6 @@ def one_pass(worker, plan_type, moves, blocks: int, layout) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> None:
-    import shutil
-
     import torch
 
     from prefixcache.blocks.namespace import Namespace
@@ -106,7 +110,7 @@ def run(args: argparse.Namespace) -> None:
         }
         record = 2 * layers * BLOCK * heads * dim * kv["layer0"].element_size() + 4096
         folder = tempfile.mkdtemp(dir="/dev/shm", prefix="vllm-store-bench-")
-        store = LMDBBlockStore(folder, capacity_bytes=2 * args.blocks * record)
+        store = LMDBBlockStore(folder, capacity_bytes=max(4 << 20, 2 * args.blocks * record))
         worker = StoreWorker(store, StoreTally(), retry_after=2.0, queue_blocks=4 * args.blocks)
         worker.register(kv, BLOCK, heads, dim)
         passes = []
@@ -132,6 +136,131 @@ def run(args: argparse.Namespace) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def hook_cost(repeats: int) -> None:
+    """Median time of a decode step of vLLM's scheduler with the connector and without."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from prefixcache.engines.vllm.connector import PrefixcacheStoreConnector
+    from prefixcache.engines.vllm.connector_settings import parse_settings
+    from prefixcache.engines.vllm.install import find_vllm
+
+    init_none_hash(sha256)
+    folder = tempfile.mkdtemp(dir="/dev/shm", prefix="vllm-store-bench-")
+    extra = parse_settings({"store": f"lmdb://{folder}?capacity=64MiB"})._asdict()
+    extra = {k: v for k, v in extra.items() if k in ("store",)}
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+    def scheduler(with_connector: bool):
+        transfer = None
+        if with_connector:
+            transfer = KVTransferConfig(
+                kv_connector="PrefixcacheStoreConnector",
+                kv_connector_module_path="prefixcache.engines.vllm.connector",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config=extra,
+            )
+        config = VllmConfig(
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=4096,
+                max_model_len=4096,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            model_config=ModelConfig(model=str(find_vllm().model), dtype="float32", seed=0),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            kv_transfer_config=transfer,
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.num_gpu_blocks = 256
+        kv_config = KVCacheConfig(256, [], [KVCacheGroupSpec(layers, spec)])
+        made = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+        )
+        worker = None
+        if with_connector:
+            worker = PrefixcacheStoreConnector(config, KVConnectorRole.WORKER, kv_config)
+            worker.register_kv_caches({n: torch.zeros(256, 2, BLOCK, 128) for n in layers})
+        return made, worker
+
+    def steps(made, worker, n: int = 128) -> list[float]:
+        params = SamplingParams(max_tokens=n + 1, temperature=0.0)
+        params.update_from_generation_config({}, 2)
+        request = Request(
+            request_id=os.urandom(4).hex(),
+            prompt_token_ids=[3 + (i * 7919) % 31000 for i in range(64)],
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+        made.add_request(request)
+        out_times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            out = made.schedule()
+            kv_output = None
+            if worker is not None:  # as vLLM's model runner calls the worker side each step
+                worker.bind_connector_metadata(out.kv_connector_metadata)
+                worker.start_load_kv(None)
+                worker.wait_for_save()
+                errors = worker.get_block_ids_with_load_errors()
+                report = worker.build_connector_worker_meta()
+                worker.get_kv_connector_stats()
+                worker.clear_connector_metadata()
+                kv_output = KVConnectorOutput(
+                    invalid_block_ids=errors, kv_connector_worker_meta=report
+                )
+            ids = list(out.num_scheduled_tokens)
+            made.update_from_output(
+                out,
+                ModelRunnerOutput(
+                    req_ids=ids,
+                    req_id_to_index={r: i for i, r in enumerate(ids)},
+                    sampled_token_ids=[[7] for _ in ids],
+                    kv_connector_output=kv_output,
+                ),
+            )
+            out_times.append(time.perf_counter() - start)
+        return out_times[8:]  # the first steps prefill and warm up
+
+    with_parts, without_parts = scheduler(True), scheduler(False)
+    with_t, without_t = [], []
+    for _ in range(repeats):  # interleaved
+        with_t += steps(*with_parts)
+        without_t += steps(*without_parts)
+    with_parts[1].shutdown()
+    with_parts[0].connector.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
+    a, b = statistics.median(with_t) * 1e6, statistics.median(without_t) * 1e6
+    print(
+        f"decode step, no model: {a:.1f} us with the connector, {b:.1f} us without: "
+        f"{a - b:.1f} us a step"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=64)
@@ -142,6 +271,7 @@ def main() -> int:
     except ImportError:
         return rerun_in_vllm()
     run(args)
+    hook_cost(args.repeats)
     return 0
 
 

