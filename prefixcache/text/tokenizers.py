@@ -62,11 +62,13 @@ class HFTokenizer:
         tokenizer would add (a chat template writes its own). The same ids as ``encode``'s,
         about half the time: no offsets are tracked (``encode_batch_fast``, where the
         ``tokenizers`` release has it)."""
+        return np.asarray(self.encode_many([text])[0], dtype="<i4")
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """The token ids of each of ``texts`` (as ``encode``), in one call."""
         if self._fast is not None:
-            ids = self._fast([text], add_special_tokens=False)[0].ids
-        else:
-            ids = self._tok.encode(text, add_special_tokens=False).ids
-        return np.asarray(ids, dtype="<i4")
+            return [e.ids for e in self._fast(texts, add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

@@ -50,7 +50,8 @@ from prefixcache.fleet.whatif.live_curves import LiveCurves
 from prefixcache.fleet.whatif.shadow_process import ShadowProcess
 from prefixcache.fleet.whatif.trace_recorder import TraceRecorder
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
-from prefixcache.text.tokenizers import Tokenizer, render_chat
+from prefixcache.text.prefix_tokenizer import PrefixTokenizer
+from prefixcache.text.tokenizers import HFTokenizer, Tokenizer, render_chat
 
 # the most token ids of a prompt routed on the event loop when the index is in this process; a
 # longer prompt goes to the thread pool, so that its hashing does not stall every other request
@@ -81,7 +82,10 @@ class FleetService:
     ) -> None:
         self.router = router
         self.config = config
-        self.tokenizer = tokenizer
+        # a text's leading segments tokenized once: prompts share their beginnings
+        self.tokenizer: Tokenizer = (
+            PrefixTokenizer(tokenizer) if isinstance(tokenizer, HFTokenizer) else tokenizer
+        )
         self.chat_template = chat_template
         self.metrics = metrics
         self.limits = KeyLimits(config.access, metrics, router.in_flight_among)

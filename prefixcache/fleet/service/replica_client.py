@@ -110,7 +110,6 @@ class ReplicaClient:
             connector = aiohttp.TCPConnector(
                 limit=0,  # as many connections as requests in flight
                 keepalive_timeout=KEEP_ALIVE_S,
-                ttl_dns_cache=None,
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
