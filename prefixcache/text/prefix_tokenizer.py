@@ -39,9 +39,13 @@ class BatchTokenizer(Protocol):
 
     name: str
 
-    def encode(self, text: str) -> np.ndarray: ...
+    def encode(self, text: str) -> np.ndarray:
+        """The token ids of ``text``, no special tokens added."""
+        ...
 
-    def encode_many(self, texts: list[str]) -> list[list[int]]: ...
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """The token ids of each of ``texts``, in one call."""
+        ...
 
 
 class PrefixTokenizerStats(NamedTuple):
@@ -93,6 +97,8 @@ class PrefixTokenizer:
         self._texts = self._reused = self._tokenized = self._whole = 0
 
     def stats(self) -> PrefixTokenizerStats:
+        """The texts encoded so far, the characters reused and tokenized, and whether the cache
+        is on."""
         return PrefixTokenizerStats(
             self._texts, self._reused, self._tokenized, self._whole, self._enabled
         )
