@@ -238,7 +238,7 @@ class LMDBBlockStore(KVBlockStore):
         lmdb = self._lmdb
         for _ in range(3):
             try:
-                with self._gate.shared():
+                with self._gate:
                     return operation()
             except (lmdb.MapResizedError, _Resized):
                 pass
@@ -254,24 +254,36 @@ class LMDBBlockStore(KVBlockStore):
 
     # ---- reads ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        def query() -> list[bool]:
-            with self._env.begin(db=self._records, buffers=True) as txn:
-                return [txn.get(k) is not None for k in keys]
+        try:  # the common case inline: a read costs the step what LMDB's costs
+            with self._gate:
+                return self._exists(keys)
+        except self._lmdb.MapResizedError:
+            return self._run(partial(self._exists, keys))
+        except self._lmdb.Error as exc:
+            raise StoreUnavailableError(f"lmdb: {exc}") from exc
 
-        return self._run(query)
+    def _exists(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._env.begin(db=self._records, buffers=True) as txn:
+            return [txn.get(k) is not None for k in keys]
 
     def get_into(self, key: bytes, out: memoryview) -> int | None:
-        def read() -> int | None:
-            with self._env.begin(db=self._records, buffers=True) as txn:
-                value = txn.get(key)
-                if value is None:
-                    return None
-                n = len(value)
-                if n <= len(out):
-                    out[:n] = value  # one copy out of the shared map
-                return n
+        try:
+            with self._gate:
+                return self._get_into(key, out)
+        except self._lmdb.MapResizedError:
+            return self._run(partial(self._get_into, key, out))
+        except self._lmdb.Error as exc:
+            raise StoreUnavailableError(f"lmdb: {exc}") from exc
 
-        return self._run(read)
+    def _get_into(self, key: bytes, out: memoryview) -> int | None:
+        with self._env.begin(db=self._records, buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                return None
+            n = len(value)
+            if n <= len(out):
+                out[:n] = value  # one copy out of the shared map
+            return n
 
     def _meta_value(self, name: bytes) -> int:
         def read() -> int:
@@ -321,7 +333,7 @@ class LMDBBlockStore(KVBlockStore):
             # the map is full though the records are under the bound: free the slots of
             # readers that died inside a read (their snapshots pin the pages freed since),
             # then evict more and try again
-            with self._gate.shared():
+            with self._gate:
                 self.stale_readers_cleared += int(self._env.reader_check())
         raise StoreUnavailableError("lmdb: the map is full even after evicting")
 
