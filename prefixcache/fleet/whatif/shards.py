@@ -32,11 +32,13 @@ the distances' own error. A sampled distance counts the sampled blocks in a stre
 stream, a binomial draw from the blocks truly there, so at 1% a distance of 25,000 blocks is
 off by 6%; where the curve is steep that moves the hit rate by tenths of a point, alike for
 every reference whose stretch overlaps (the groups, whose distances are not measured again,
-cannot show it). So each reference's distance is also measured in ``SPLITS`` random halves of
-the sample (counts packed beside the main one in the reuse-distance trees, one walk for three
-counts): the two halves of a split disagree by the distances' error, and the disagreement,
-summed by distance (``SHIFT_STEPS`` buckets a doubling) and read at the cache size, is a
-balanced half-sample replicate of it (the shift of each distance, to first order).
+cannot show it). So each reference's distance is also measured in one random half of the
+sample for each of ``SPLITS`` splits (the three counts packed in the values of a second
+reuse-distance tree: one more walk for the three): a split's two halves disagree by the
+distances' error, and the disagreement, summed by distance (``SHIFT_STEPS`` buckets a
+doubling) and read at the cache size, is a half-sample replicate of it (the shift of each
+distance, to first order). Three splits, not four: a fourth field would make the packed values
+wider than a machine word, which cost the route path more than the estimate gains.
 
 A sampled distance is a whole number of sampled blocks, each standing for ``1 / rate`` blocks:
 a reference at sampled distance ``d`` counts as a hit of a cache of ``C`` blocks by
@@ -68,9 +70,9 @@ STRATA = 12  # depth strata: depth 0, 1, 2-3, 4-7, ..., 512-1023, and 1024 on
 COARSE = 48  # the strata's and groups' distance buckets: under 1, then one a doubling
 FIXED_BYTES = 704 * 1024  # a sample's memory besides its blocks (histograms, counts), at most
 MIN_TREE = 4096  # positions of the smallest reuse-distance tree
-SPLITS = 4  # random halves of the sample, each measuring the distances again (their error)
+SPLITS = 3  # random halves of the sample, each measuring the distances again (their error)
 SPLIT_BITS = 4  # the hash bits the halves read: above the group's (``h % GROUPS``)
-FIELD = 20  # bits of each count packed in a reuse-distance tree's values
+FIELD = 20  # bits of each half's count packed in the halves' tree values
 MASK = (1 << FIELD) - 1
 MAX_BLOCKS = MASK  # sampled blocks a sample can keep (a packed count must fit its field)
 _STEPS = 64  # histogram buckets per doubling of distance (about 1% apart)
@@ -194,13 +196,12 @@ class ShardsSampler:
         self._last: dict[int, int] = {}  # sampled block's hash -> the time of its last reference
         self._by_hash: list[int] = []  # max-heap (negated) of the sampled blocks' hashes
         self._clock = 0  # references to sampled blocks so far (the time)
-        # each live block's packed counts (``_counts``) at its last time: 1 and whether it is
-        # in the first two halves; sized to the live sample (4x, at least MIN_TREE), so a
-        # small sample's walks stay in the CPU's cache
+        # 1 at each live block's last time; sized to the live sample (4x, at least
+        # MIN_TREE), so a small sample's walks stay in the CPU's cache
         self._times = _Fenwick(MIN_TREE)
-        self._halves = _Fenwick(MIN_TREE)  # alike, whether it is in the other two halves
-        self._live = 0  # the live blocks' packed counts in ``_times``, summed
-        self._live_halves = 0  # ... and in ``_halves``
+        # alike, the halves that hold it, packed (``_HALVES``): a 1 in each one's field
+        self._halves = _Fenwick(MIN_TREE)
+        self._live_halves = 0  # the live blocks' packed halves, summed
         # bucket of scaled distance (``_bucket``) -> summed weight of its references
         self._hist: dict[int, float] = {}
         # ((stratum x GROUPS + group) x COARSE + coarse bucket) -> summed weight
@@ -256,7 +257,7 @@ class ShardsSampler:
         picked = [h for h, _ in hashes if h < threshold]
         last_of, times, hist, cells = self._last, self._times, self._hist, self._cells
         halves, shifts = self._halves, self._shifts
-        live, live_halves = self._live, self._live_halves
+        live, live_halves = len(last_of), self._live_halves
         for h, depth in hashes:
             if h >= threshold:
                 continue
@@ -266,22 +267,21 @@ class ShardsSampler:
                 self._cold[cell] += weight
                 continue
             self.sampled_reuses += 1
-            # the live blocks referenced since, each counted at its last time after ``last``
-            # (none when no reference came since): how many, and how many in each half
-            packed = live - times.prefix(last + 1) if self._clock - last - 1 else 0
-            since = packed & MASK
+            # the live blocks referenced since: each has a 1 at its last time, after ``last``
+            # (none when no reference came since)
+            since = live - times.prefix(last + 1) if self._clock - last - 1 else 0
             bucket = _bucket(since * weight)
             hist[bucket] = hist.get(bucket, 0.0) + weight
             cells[cell * COARSE + _coarse_of(bucket)] += weight
             if since:
-                other = live_halves - halves.prefix(last + 1)
+                # and how many of them each half holds: the half's relative excess
+                part = live_halves - halves.prefix(last + 1)
                 step = weight / since
                 at = 1 + (bucket - 1) // (_STEPS // SHIFT_STEPS) if bucket else 0
                 at = min(SHIFT_BUCKETS - 1, at)
-                shifts[at] += step * (2 * ((packed >> FIELD) & MASK) - since)
-                shifts[SHIFT_BUCKETS + at] += step * (2 * (packed >> (2 * FIELD)) - since)
-                shifts[2 * SHIFT_BUCKETS + at] += step * (2 * (other & MASK) - since)
-                shifts[3 * SHIFT_BUCKETS + at] += step * (2 * (other >> FIELD) - since)
+                shifts[at] += step * (2 * (part & MASK) - since)
+                shifts[SHIFT_BUCKETS + at] += step * (2 * ((part >> FIELD) & MASK) - since)
+                shifts[2 * SHIFT_BUCKETS + at] += step * (2 * (part >> (2 * FIELD)) - since)
         self.sampled_refs += len(picked)
         for h in picked:
             if h >= self.threshold:  # left the sample as it filled
@@ -300,14 +300,14 @@ class ShardsSampler:
         nothing else, the heap holds the live hashes, and every live hash is under the
         threshold."""
         times, halves, live = self._times, self._halves, len(self._last)
-        if times.prefix(times.n) != self._live or self._live & MASK != live:
-            raise AssertionError(f"the tree counts {times.prefix(times.n) & MASK}, {live} live")
+        if times.prefix(times.n) != live:
+            raise AssertionError(f"the tree counts {times.prefix(times.n)} blocks, {live} live")
         if halves.prefix(halves.n) != self._live_halves:
             raise AssertionError("the halves' tree and its total differ")
         for h, t in self._last.items():
-            if times.prefix(t + 1) - times.prefix(t) != _counts(h):
-                raise AssertionError(f"block {h:#x}: not counted at its time {t}")
-            if halves.prefix(t + 1) - halves.prefix(t) != _half_counts(h):
+            if times.prefix(t + 1) - times.prefix(t) != 1:
+                raise AssertionError(f"block {h:#x}: no 1 at its time {t}")
+            if halves.prefix(t + 1) - halves.prefix(t) != _HALVES[_split_bits(h)]:
                 raise AssertionError(f"block {h:#x}: not in its halves at its time {t}")
             if h >= self.threshold:
                 raise AssertionError(f"block {h:#x} is not under the threshold")
@@ -317,7 +317,7 @@ class ShardsSampler:
     def _place(self, h: int, last: int) -> None:
         """``h`` is referenced now (``last``: its time before, -1 when new): its time in the
         trees (renumbered when they are full)."""
-        counts, halves = _counts(h), _half_counts(h)
+        halves = _HALVES[_split_bits(h)]
         if self._clock + 1 > self._times.n:
             if last >= 0:
                 self._unplace(h, last)
@@ -325,25 +325,23 @@ class ShardsSampler:
             self._renumber()
             last = -1
         if last >= 0:
-            self._times.move(last + 1, self._clock + 1, counts)
+            self._times.move(last + 1, self._clock + 1, 1)
             if halves:
                 self._halves.move(last + 1, self._clock + 1, halves)
         else:
-            self._times.add(self._clock + 1, counts)
+            self._times.add(self._clock + 1, 1)
             if halves:
                 self._halves.add(self._clock + 1, halves)
-            self._live += counts
             self._live_halves += halves
         self._last[h] = self._clock
         self._clock += 1
 
     def _unplace(self, h: int, last: int) -> None:
         """``h`` leaves the trees (its time was ``last``)."""
-        counts, halves = _counts(h), _half_counts(h)
-        self._times.add(last + 1, -counts)
+        halves = _HALVES[_split_bits(h)]
+        self._times.add(last + 1, -1)
         if halves:
             self._halves.add(last + 1, -halves)
-        self._live -= counts
         self._live_halves -= halves
 
     def _renumber(self) -> None:
@@ -354,8 +352,8 @@ class ShardsSampler:
         self._times, self._halves = _Fenwick(size), _Fenwick(size)
         for i, (h, _) in enumerate(order):
             self._last[h] = i
-            self._times.add(i + 1, _counts(h))
-            halves = _half_counts(h)
+            self._times.add(i + 1, 1)
+            halves = _HALVES[_split_bits(h)]
             if halves:
                 self._halves.add(i + 1, halves)
         self._clock = len(order)
@@ -460,16 +458,15 @@ class ShardsSampler:
         return math.sqrt(max(0.0, variance))
 
 
-def _counts(h: int) -> int:
-    """What block ``h`` adds to the main tree: 1, and 1 in the field of each of the first two
-    splits whose first half holds it."""
-    return 1 | ((h >> SPLIT_BITS) & 1) << FIELD | ((h >> (SPLIT_BITS + 1)) & 1) << (2 * FIELD)
+def _split_bits(h: int) -> int:
+    """Which halves hold block ``h``: one bit of its hash each, above the group's."""
+    return (h >> SPLIT_BITS) & ((1 << SPLITS) - 1)
 
 
-def _half_counts(h: int) -> int:
-    """What block ``h`` adds to the halves' tree: 1 in the field of each of the other two
-    splits whose first half holds it."""
-    return ((h >> (SPLIT_BITS + 2)) & 1) | ((h >> (SPLIT_BITS + 3)) & 1) << FIELD
+# by ``_split_bits``: a 1 in the field of each half that holds the block
+_HALVES = [
+    sum(((bits >> j) & 1) << (FIELD * j) for j in range(SPLITS)) for bits in range(1 << SPLITS)
+]
 
 
 def _bucket(distance: float) -> int:
