@@ -81,16 +81,15 @@ def plan_pairs(host: Sequence[int], device: Sequence[int]) -> BlockPairs:
                 host_runs.append((i, 1))
             both_runs.append((i, 1))
         return BlockPairs(hs, ds, host_runs, both_runs)
-    h = np.asarray(host, dtype=np.int64).reshape(-1)
-    d = np.asarray(device, dtype=np.int64).reshape(-1)
-    if not len(h):
+    host_ids = np.asarray(host, dtype=np.int64).reshape(-1)
+    device_ids = np.asarray(device, dtype=np.int64).reshape(-1)
+    if not len(host_ids):
         return BlockPairs([], [], [], [])
-    order_np = np.argsort(h, kind="stable")
-    h, d = h[order_np], d[order_np]
-    host_step = np.diff(h) == 1
-    return BlockPairs(
-        h.tolist(), d.tolist(), _runs(host_step), _runs(host_step & (np.diff(d) == 1))
-    )
+    order_np = np.argsort(host_ids, kind="stable")
+    host_ids, device_ids = host_ids[order_np], device_ids[order_np]
+    host_step = np.diff(host_ids) == 1
+    both_step = host_step & (np.diff(device_ids) == 1)
+    return BlockPairs(host_ids.tolist(), device_ids.tolist(), _runs(host_step), _runs(both_step))
 
 
 _SMALL = 64  # pairs planned in plain Python (numpy costs about 30 us a call)
