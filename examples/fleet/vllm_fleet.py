@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     service = None
     try:
         install = ensure_vllm()
-        print(f"starting {args.replicas} vLLM servers (logs in {workdir})", flush=True)
+        servers = "a vLLM server" if args.replicas == 1 else f"{args.replicas} vLLM servers"
+        print(f"starting {servers} (logs in {workdir})", flush=True)
         fleet = VLLMFleet(specs, log_dir=workdir, install=install)
         with fleet:
             config: dict[str, Any] = {
