@@ -9,8 +9,10 @@ One real vLLM server (vLLM's own virtualenv and the tiny word-level Llama of
 (its processes' affinity and ``VLLM_CPU_OMP_THREADS_BIND``), and ``prefixcache serve --proxy`` in
 front of it (its tokenizer and chat template, KV events bound by the service) pinned to
 ``--service-cpu``, where this script, the load generator, runs too. With ``--baseline-root`` a
-second service from another checkout (the same config) fronts the same server, so that a change
-is measured against its baseline in one run.
+second service from another checkout fronts the same server, so that a change is measured
+against its baseline in one run; vLLM publishes its KV events to one endpoint only, which the
+first service binds, so the baseline follows an endpoint nothing publishes on (its index stays
+empty: its routes hash as many blocks and find none).
 
 Each prompt is ``--prompt-tokens`` random words, sent once straight to vLLM first, so that every
 measured request is a prefix-cache hit (the engine's part is short and steady, and what differs
@@ -192,7 +194,12 @@ def _service(
         log.close()
 
 
-def _config(server: VLLMServer, model: Path) -> dict[str, Any]:
+def _config(server: VLLMServer, model: Path, events: bool = True) -> dict[str, Any]:
+    """The service's config: the server as its one replica, its KV events bound by the service
+    (``events``), else an endpoint nothing publishes on."""
+    followed = {"events": server.spec.events, "events_bind": True, "replay": server.replay}
+    if not events:
+        followed = {"events": f"tcp://127.0.0.1:{free_port()}"}
     return {
         "index": "memory",
         "proxy": {"enabled": True},
@@ -204,10 +211,7 @@ def _config(server: VLLMServer, model: Path) -> dict[str, Any]:
                 "url": server.url,
                 "model": MODEL,
                 "block_size": server.spec.block_size,
-                "events": server.spec.events,
-                "events_bind": True,
-                "replay": server.replay,
-                "engine_hash": "vllm",
+                **followed,
             }
         ],
     }
@@ -314,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                 stack.enter_context(_service(ROOT, "proxy", config, workdir, args.service_cpu))
             )
             if args.baseline_root is not None:
-                base = _service(args.baseline_root, "baseline", config, workdir, args.service_cpu)
+                unfollowed = _config(server, install.model, events=False)
+                cpu = args.service_cpu
+                base = _service(args.baseline_root, "baseline", unfollowed, workdir, cpu)
                 targets.append(stack.enter_context(base))
             warm = KeepAliveClient(targets[0])
             for tokens in prompts:  # every measured request is a hit
