@@ -260,6 +260,12 @@ class _ConnectionCollector(Collector):
             value=self._events.closed_over_limit,
         )
         yield CounterMetricFamily(
+            "prefixcache_connections_evicted",
+            "Connections waiting on their client (a partial request, an idle keep-alive) closed "
+            "to make room for a new one, from the address holding the most",
+            value=self._events.evicted,
+        )
+        yield CounterMetricFamily(
             "prefixcache_accept_failures",
             "accept() calls that failed for lack of descriptors or memory (the service then "
             "stops accepting for a second)",

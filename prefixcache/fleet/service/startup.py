@@ -33,6 +33,7 @@ from prefixcache.fleet.service.configuration.config_file import (
     load_config,
 )
 from prefixcache.fleet.service.guards.connection_budget import service_budget
+from prefixcache.fleet.service.guards.connection_shares import ConnectionShares
 from prefixcache.fleet.service.transport import (
     HeadTimeoutProtocol,
     httptools_protocol,
@@ -159,5 +160,5 @@ def worker_app() -> Any:
         if protocol is not None:
             protocol.head_timeout_s = config.server.header_timeout_s
             protocol.max_head_bytes = config.server.max_header_bytes
-            protocol.max_open_connections = budget.max_open_connections
+            protocol.shares = ConnectionShares(budget)
     return app

@@ -3,16 +3,20 @@
 ``HttpToolsHeadProtocol`` on httptools), and the warning for a service open to the network
 without keys (``exposure_warning``).
 
-uvicorn bounds the keep-alive idle time (``timeout_keep_alive``) and the connections it serves
-(``limit_concurrency``: past it, new requests get a 503), and on h11 the size of a request head
-(``h11_max_incomplete_event_size``), but not the time a client takes to send its head: a client
-that opens connections and trickles header bytes would hold them for good. Both protocols here
-close a connection whose next request head is not complete within ``server.header_timeout_s`` of
-the connection opening or of its first byte, and close a connection at once, unanswered, while
-the service holds ``max_open_connections`` (``connection_budget``: ``server.max_connections``
-plus the headroom kept for 503 answers, within the open-file limit), so that the process never
-runs out of descriptors. On httptools (a C parser, about a quarter less CPU
-per request than h11, used when installed: ``server.http``) a head longer than
+uvicorn bounds the keep-alive idle time (``timeout_keep_alive``) and on h11 the size of a request
+head (``h11_max_incomplete_event_size``), but not the time a client takes to send its head: a
+client that opens connections and trickles header bytes would hold them for good. Both protocols
+here close a connection whose next request head is not complete within
+``server.header_timeout_s`` of the connection opening or of its first byte. They count every
+connection in the service's ``ConnectionShares`` (``guards.connection_shares``): past
+``server.max_connections`` a new connection closes the partial request waiting longest of the
+address holding the most, an address past its share (which tightens as the budget fills) closes
+its own, and only when no connection waits on its client do requests get 503 (never a health
+check: uvicorn's own ``limit_concurrency``, which answered 503 to health checks too, is off) and,
+past ``max_open_connections`` (``connection_budget``: ``server.max_connections`` plus the headroom
+kept for 503 answers, within the open-file limit), a new connection is closed at once, unanswered,
+so that the process never runs out of descriptors. On httptools (a C parser, about a quarter
+less CPU per request than h11, used when installed: ``server.http``) a head longer than
 ``server.max_header_bytes`` gets a 431 and the connection is closed; h11 bounds what it buffers
 of an incomplete head to that size (a 400). The body has its own timeout
 in the service's body reader (``FleetService.read_body``).
@@ -39,6 +43,7 @@ from typing import Any
 
 import msgspec
 import uvicorn
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prefixcache.fleet.service.configuration.access_config import ServerConfig
@@ -49,6 +54,7 @@ from prefixcache.fleet.service.guards.connection_budget import (
     connection_budget,
     service_budget,
 )
+from prefixcache.fleet.service.guards.connection_shares import HEALTH_PATHS, ConnectionShares
 
 _log = logging.getLogger("prefixcache.serve")
 
@@ -106,25 +112,66 @@ class _HeadTimeout:
             self.transport.close()
 
 
-class _ConnectionCeiling:
-    """A connection past ``max_open_connections`` is closed as soon as it is made (counted in
-    ``CONNECTION_EVENTS``): mixed into a uvicorn HTTP protocol, which provides ``connections``
-    (the server's open connections, this one included)."""
+class _SharedConnections:
+    """Each connection counts in its service's ``ConnectionShares``, which may close another
+    one (the partial request of an address holding more than its share, waiting longest) or
+    this one to make room; a request on a connection past ``max_connections``, when none could
+    be closed, gets 503 unless it asks for health. Mixed into a uvicorn HTTP protocol, which
+    provides ``app``, ``client``, ``cycle`` and ``transport``."""
 
-    max_open_connections: int | None = None  # set per service by ``http_protocol``
-    connections: set[Any]
+    shares: ConnectionShares | None = None  # set per service by ``http_protocol``
+    app: Any
+    client: tuple[str, int] | None
+    cycle: Any
+    transport: asyncio.Transport
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        """A new connection: served, or closed at once while the service holds its maximum."""
+        """A new connection: counted, and room made for it (or it closed at once)."""
         super().connection_made(transport)  # type: ignore[misc]
-        limit = self.max_open_connections
-        if limit is not None and len(self.connections) > limit:
+        shares = self.shares
+        if shares is None:
+            return
+        self._service_app, self.app = self.app, self._answer_unless_full
+        victim = shares.opened(self, self.client[0] if self.client else "")
+        if victim is self:
             CONNECTION_EVENTS.count_closed_over_limit()
-            _log.info("closing a connection past the %d the service holds", limit)
+            _log.info("closing a new connection: no room for it (server.max_connections)")
             transport.close()
+        elif isinstance(victim, _SharedConnections):
+            CONNECTION_EVENTS.count_evicted()
+            _log.info("closing the partial request waiting longest of the address holding most")
+            victim.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The connection ended: it no longer counts."""
+        if self.shares is not None:
+            self.shares.closed(self)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def on_response_complete(self) -> None:
+        """An answer was sent: the connection waits for its next request from now."""
+        super().on_response_complete()  # type: ignore[misc]
+        if self.shares is not None:
+            self.shares.answered(self)
+
+    def waiting_on_client(self) -> bool:
+        """Whether its next request is incomplete: no complete head, or a body still coming."""
+        if self.transport.is_closing():
+            return False  # on its way out already: closing it makes no more room
+        cycle = self.cycle
+        return cycle is None or cycle.response_complete or cycle.more_body
+
+    async def _answer_unless_full(self, scope: Any, receive: Any, send: Any) -> None:
+        """The service's app, or a 503 past ``max_connections`` (never to a health check)."""
+        shares = self.shares
+        if shares is not None and shares.over_budget and scope.get("path") not in HEALTH_PATHS:
+            _log.warning("answering 503: every one of the connections served is busy")
+            await service_unavailable(scope, receive, send)
+            return
+        await self._service_app(scope, receive, send)
 
 
-class HeadTimeoutProtocol(_ConnectionCeiling, _HeadTimeout, H11Protocol):  # type: ignore[misc]
+class HeadTimeoutProtocol(_SharedConnections, _HeadTimeout, H11Protocol):  # type: ignore[misc]
     """uvicorn's h11 protocol with a head timeout (h11 bounds the size of a head it buffers,
     ``h11_max_incomplete_event_size``)."""
 
@@ -141,7 +188,7 @@ def httptools_protocol() -> type[Any] | None:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HttpToolsHeadProtocol(  # type: ignore[misc]
-        _ConnectionCeiling, _HeadTimeout, HttpToolsProtocol
+        _SharedConnections, _HeadTimeout, HttpToolsProtocol
     ):
         """uvicorn's httptools protocol with a head timeout and a head size limit: the parser's
         callbacks count the request line and header bytes of every head (pipelined ones too)
@@ -215,7 +262,7 @@ def http_protocol(server: ServerConfig, budget: ConnectionBudget | None = None) 
     limits = {
         "head_timeout_s": server.header_timeout_s,
         "max_head_bytes": server.max_header_bytes,
-        "max_open_connections": budget.max_open_connections,
+        "shares": ConnectionShares(budget),
     }
     return type(base.__name__, (base,), limits)  # this service's limits, not every server's
 
@@ -227,7 +274,7 @@ def uvicorn_options(config: ServiceConfig) -> dict[str, Any]:
     budget = service_budget(config)
     return {
         "http": http_protocol(server, budget),
-        "limit_concurrency": budget.max_connections,
+        "limit_concurrency": None,  # the protocol's 503, which spares health checks
         "timeout_keep_alive": max(1, math.ceil(server.keep_alive_s)),
         "h11_max_incomplete_event_size": server.max_header_bytes,
         "ssl_certfile": server.certfile,

@@ -7,12 +7,14 @@ checked without a server: what the limit leaves, the warning naming what to rais
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,7 +31,12 @@ from prefixcache.fleet.service.guards.connection_budget import (
     RESERVED_DESCRIPTORS,
     connection_budget,
 )
-from prefixcache.fleet.service.transport import ACCEPT_BATCH, LISTEN_BACKLOG
+from prefixcache.fleet.service.transport import (
+    ACCEPT_BATCH,
+    LISTEN_BACKLOG,
+    BatchedAcceptServer,
+    uvicorn_config,
+)
 from tests.fleet.fleet_processes import running
 from tests.fleet.service.serve_harness import make_app, make_config, serving
 from tests.fleet_support import free_port, wait_until
@@ -198,36 +205,127 @@ def _closed_by_server(sock: socket.socket) -> bytes:
     return data
 
 
-def test_connections_past_the_ceiling_are_closed_unanswered_and_counted(tmp_path: Path) -> None:
-    """Silent connections (no head yet, so no request in progress) past ``max_connections`` +
-    the accept headroom are closed as soon as they are accepted, freeing their descriptors."""
+def test_connections_past_the_budget_close_the_ones_waiting_longest(tmp_path: Path) -> None:
+    """Silent connections (no head yet) past ``max_connections``: each new one closes the one
+    that has waited longest (one address here), counted as evicted; the new ones are served."""
     config = make_config(tmp_path, keys=False, extra={"server": {"max_connections": 4}})
     app, _ = make_app(config)
-    ceiling = 4 + ACCEPT_HEADROOM
     with serving(app, config) as base:
-        before = _counter(base, CLOSED_OVER_LIMIT)
+        before = _counter(base, EVICTED)
         port = int(base.rsplit(":", 1)[1])
-        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(ceiling)]
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        newer = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
         try:
-            past = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
-            for sock in past:
-                assert sock.recv(1) == b""  # closed, unanswered
-                sock.close()
+            for sock in silent[:3]:
+                assert sock.recv(1) == b""  # closed, unanswered: the three waiting longest
+            # the newest is served, and says what happened (on its own connection: a new one
+            # would close another)
+            newer[-1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = _answer(newer[-1])
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            evicted = _counter_in(answer.decode(), EVICTED)
+            assert evicted - before == 3
+            assert _counter_in(answer.decode(), CLOSED_OVER_LIMIT) == 0  # none refused
         finally:
-            for sock in silent:
+            for sock in silent + newer:
                 sock.close()
-        wait_until(lambda: _healthy(base), "/health to answer once they close")
-        assert _counter(base, CLOSED_OVER_LIMIT) - before == 3
 
 
+def test_while_every_connection_is_busy_health_is_answered_and_other_requests_get_503(
+    tmp_path: Path,
+) -> None:
+    """``max_connections`` requests the app is working on (none waits on its client, so none
+    can be closed): a new connection's health check is answered, any other request gets 503,
+    and once they end the service answers again."""
+    config = make_config(tmp_path, keys=False, extra={"server": {"max_connections": 4}})
+    app = _BusyApp()
+    port = free_port()
+    server = BatchedAcceptServer(uvicorn_config(app, config, "127.0.0.1", port, "warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    busy: list[socket.socket] = []
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), "the server to start")
+        for _ in range(4):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
+            busy.append(sock)
+        wait_until(lambda: app.working == 4, "the app to work on all four")
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        assert httpx.get(f"{base}/other", timeout=5).status_code == 503
+        app.release.set()
+        for sock in busy:
+            assert _answer(sock).startswith(b"HTTP/1.1 200 ")
+        assert httpx.get(f"{base}/other", timeout=5).status_code == 200
+    finally:
+        app.release.set()
+        for sock in busy:
+            sock.close()
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+class _BusyApp:
+    """An ASGI app whose ``/work`` requests wait until ``release`` is set; anything else is
+    answered at once."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.working = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == "/work":
+            self.working += 1
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """One answer read off ``sock``: its head and a body of its content-length."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+         if line.startswith(b"content-length:")),
+        0,
+    )  # fmt: skip
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def _counter_in(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name}")
+
+
+EVICTED = "prefixcache_connections_evicted_total"
 CLOSED_OVER_LIMIT = "prefixcache_connections_closed_over_limit_total"
 
 
 def _counter(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[-1])
-    raise AssertionError(f"no {name}")
+    return _counter_in(httpx.get(f"{base}/metrics", timeout=5).text, name)
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="reads the listening socket's queue with ss")

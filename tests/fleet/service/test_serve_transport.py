@@ -103,9 +103,12 @@ def test_a_stalled_body_gets_408_after_the_body_timeout(tmp_path: Path, parser: 
         assert 'reason="body_timeout"' in metrics
 
 
-def test_connections_beyond_the_limit_get_503_until_slow_ones_are_closed(
+def test_past_the_limit_a_new_connection_takes_the_place_of_a_slow_one(
     tmp_path: Path, parser: str
 ) -> None:
+    """Four connections trickling their heads hold the 4 connections served: a new client is
+    answered (health checks and other requests alike: they got 503 before), the slow connection
+    waiting longest closed to make room, and the others closed by the head timeout."""
     config = make_config(
         tmp_path, keys=False, extra=_server(parser, max_connections=4, header_timeout_s=1.0)
     )
@@ -114,11 +117,12 @@ def test_connections_beyond_the_limit_get_503_until_slow_ones_are_closed(
         slow = [_connect(base) for _ in range(4)]
         for sock in slow:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHo")
-        refused = httpx.get(f"{base}/healthz", headers={"connection": "close"})
-        assert refused.status_code == 503
-        for sock in slow:
-            assert _closed_by_server(sock) == b""
-        wait_until(lambda: _healthy(base), "/healthz to answer again")
+        assert httpx.get(f"{base}/healthz", headers={"connection": "close"}).status_code == 200
+        assert _closed_by_server(slow[0]) == b""  # it waited longest: closed for the new one
+        assert httpx.get(f"{base}/v1/models", headers={"connection": "close"}).status_code == 200
+        for sock in slow[1:]:
+            assert _closed_by_server(sock) == b""  # by the head timeout
+        wait_until(lambda: _healthy(base), "/healthz to answer")
 
 
 def test_a_request_head_beyond_max_header_bytes_is_refused(tmp_path: Path) -> None:
@@ -303,7 +307,9 @@ def test_serve_passes_the_limits_and_tls_to_uvicorn_and_warns_when_open(
     assert protocol.head_timeout_s == 3 and protocol.max_head_bytes == 16 * 1024
     h11 = http_protocol(ServerConfig(http="h11"))
     assert issubclass(h11, HeadTimeoutProtocol) and h11.max_head_bytes == 16 * 1024
-    assert options.limit_concurrency == 50 and options.timeout_keep_alive == 2
+    # the protocol answers 503 past max_connections (sparing health checks), not uvicorn
+    assert options.limit_concurrency is None and protocol.shares.max_connections == 50
+    assert options.timeout_keep_alive == 2
     assert options.ssl_certfile == str(cert) and options.ssl_keyfile == str(key)
     assert options.host == "0.0.0.0" and options.backlog == ACCEPT_BATCH
     assert "warning: listening on 0.0.0.0 without API keys" in capsys.readouterr().err

@@ -153,18 +153,25 @@ def _shown(value: int) -> str:
 
 class ConnectionEvents:
     """What happened to connections below the app, counted since the process started: closed
-    unanswered past ``max_open_connections``, and accepts that failed for lack of descriptors
-    (or memory). Read by the metrics at scrape time."""
+    unanswered for want of room, closed while waiting on their client to make room for a new
+    one (``connection_shares``), and accepts that failed for lack of descriptors (or memory).
+    Read by the metrics at scrape time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.closed_over_limit = 0
+        self.evicted = 0
         self.accept_failures = 0
 
     def count_closed_over_limit(self) -> None:
         """One connection closed unanswered because the service holds its maximum."""
         with self._lock:
             self.closed_over_limit += 1
+
+    def count_evicted(self) -> None:
+        """One waiting connection closed to make room for a new one (``connection_shares``)."""
+        with self._lock:
+            self.evicted += 1
 
     def count_accept_failure(self) -> None:
         """One accept() that failed (EMFILE, ENFILE, ENOBUFS, ENOMEM)."""
