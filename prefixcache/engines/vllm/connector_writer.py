@@ -11,14 +11,17 @@ keeps chains whole, tails first) and whether a held record of it is to be replac
 or never checked after a refusal); the blocks a step loaded are reported as used (``touch``)
 the same way. While the store is left alone after a failure (``StoreGate``), queued blocks are
 dropped too. What the store took, and what it evicted to take it, is kept for the scheduler's
-announcements (``take_outcome``).
+announcements (``take_outcome``). The thread runs at a lower priority and hands the interpreter
+back between records, so an engine step waiting on either never waits for the writer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
@@ -28,7 +31,8 @@ from prefixcache.engines.store_tally import StoreGate, StoreTally
 from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import BlockLayout, encode_header, payload_checksum
 
-_BATCH = 64  # records one put sends at once
+_BATCH = 16  # records one put sends at once (the thread lets the step run between puts)
+_NICE = 10  # the writer thread's niceness: the engine's own threads and processes go first
 SLAB_BYTES = 8 << 20  # records of a slab together (one at least, 64 at most)
 
 # block ids, and the slab's rows to fill (``[n, payload bytes]``, a view of the slab)
@@ -153,6 +157,8 @@ class BlockWriter:
             self._thread.join()
 
     def _run(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
         while True:
             batch = [self._queue.get()]
             while len(batch) < _BATCH:
@@ -170,6 +176,7 @@ class BlockWriter:
                 self._done(items)
             for _ in batch:
                 self._queue.task_done()
+            time.sleep(0)  # hand the interpreter back at once (else up to its switch interval)
             if None in batch:
                 return
 
@@ -181,6 +188,7 @@ class BlockWriter:
         puts = []
         for item in items:
             record = item.slab.records[item.row]
+            time.sleep(0)  # between records too: a step waiting on the interpreter goes first
             checksum = payload_checksum(record[header:])
             head = encode_header(item.digest, item.fingerprint, self.layout, checksum)
             record[:header] = np.frombuffer(head, np.uint8)
