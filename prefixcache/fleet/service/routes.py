@@ -1,7 +1,8 @@
 """The service's own endpoints: ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
-``GET /v1/replicas``, ``GET /v1/models``, ``GET /v1/stats``, ``GET /v1/whatif``, ``GET /healthz``,
-``GET /health``
-and ``GET /metrics``, module functions that ``add_api_routes`` registers on the app's own router
+``GET /v1/replicas``, ``POST /v1/replicas/{name}/probe``, ``GET /v1/models``, ``GET /v1/stats``,
+``GET /v1/whatif``, ``GET /dashboard``, ``GET /healthz``, ``GET /health`` and ``GET /metrics``
+(``API_ROUTES``; proxy mode adds ``POST /v1/completions`` and ``POST /v1/chat/completions``,
+``proxy.py``), module functions that ``add_api_routes`` registers on the app's own router
 as plain Starlette routes: each takes the ``Request`` and answers a ``Response`` itself, so
 FastAPI's parameter and dependency machinery (and an included router's extra hop) is not paid
 per request. Each handler finds the ``FleetService`` in ``request.app.state.service``.
@@ -269,21 +270,23 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE)
 
 
+API_ROUTES = (  # (path, handler, method): every endpoint of the service's own
+    ("/v1/lookup", lookup, "POST"),
+    ("/v1/route", route, "POST"),
+    ("/v1/release", release, "POST"),
+    ("/v1/replicas", replicas, "GET"),
+    ("/v1/replicas/{name}/probe", probe, "POST"),
+    ("/v1/models", models, "GET"),
+    ("/v1/stats", stats, "GET"),
+    ("/v1/whatif", whatif, "GET"),
+    ("/dashboard", dashboard, "GET"),
+    ("/healthz", healthz, "GET"),
+    ("/health", health, "GET"),
+    ("/metrics", metrics, "GET"),
+)
+
+
 def add_api_routes(app: FastAPI) -> None:
-    """Register the service's own endpoints on ``app``."""
-    endpoints = (
-        ("/v1/lookup", lookup, "POST"),
-        ("/v1/route", route, "POST"),
-        ("/v1/release", release, "POST"),
-        ("/v1/replicas", replicas, "GET"),
-        ("/v1/replicas/{name}/probe", probe, "POST"),
-        ("/v1/models", models, "GET"),
-        ("/v1/stats", stats, "GET"),
-        ("/v1/whatif", whatif, "GET"),
-        ("/dashboard", dashboard, "GET"),
-        ("/healthz", healthz, "GET"),
-        ("/health", health, "GET"),
-        ("/metrics", metrics, "GET"),
-    )
-    for path, endpoint, method in endpoints:
+    """Register the service's own endpoints (``API_ROUTES``) on ``app``."""
+    for path, endpoint, method in API_ROUTES:
         app.router.routes.append(Route(path, endpoint, methods=[method]))

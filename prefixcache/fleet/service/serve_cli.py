@@ -26,9 +26,11 @@ def register(subparsers: Any) -> None:
     sp = subparsers.add_parser(
         "serve",
         help="run the fleet prefix-cache routing service",
-        description="Serve /v1/lookup, /v1/route, /v1/release, /v1/replicas, /healthz and "
-        "/metrics for the replicas of a fleet config (see examples/fleet/fleet.yaml); with "
-        "--proxy, also forward OpenAI-compatible completions to the chosen replica.",
+        description="Serve POST /v1/lookup, /v1/route, /v1/release and "
+        "/v1/replicas/{name}/probe, GET /v1/replicas, /v1/models, /v1/stats, /v1/whatif, "
+        "/dashboard, /healthz, /health and /metrics for the replicas of a fleet config (see "
+        "examples/fleet/fleet.yaml); with --proxy, also forward POST /v1/completions and "
+        "/v1/chat/completions to the chosen replica.",
     )
     sp.add_argument("--config", type=Path, required=True, help="fleet YAML file")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
