@@ -49,6 +49,7 @@ COMPILED_MODULES = (
     "prefixcache.manager.argument_checks",
     "prefixcache.manager.block_indexing",
     "prefixcache.manager.block_supply",
+    "prefixcache.manager.listeners",
     "prefixcache.manager.lower_tiers.host_offload",
     "prefixcache.manager.request_blocks",
     "prefixcache.manager.results",

@@ -36,28 +36,12 @@ class AdmissionPlan(NamedTuple):
 
 
 class AdmissionPlanner:
-    """Matches prompts against the index and the host tier and sizes their admission."""
+    """Matches prompts against the index and the tiers below it and sizes their admission."""
 
-    __slots__ = (
-        "block_size",
-        "enable_caching",
-        "index",
-        "num_blocks",
-        "offload",
-        "partial_copy",
-        "pool",
-        "store",
-    )
+    __slots__ = ("state",)
 
     def __init__(self, state: CacheState) -> None:
-        self.index = state.index
-        self.pool = state.pool
-        self.offload = state.offload
-        self.store = state.store
-        self.block_size = state.block_size
-        self.num_blocks = state.num_blocks
-        self.partial_copy = state.partial_copy
-        self.enable_caching = state.enable_caching
+        self.state = state
 
     def plan(self, buf: bytes, namespace: Namespace, *, check_size: bool = True) -> AdmissionPlan:
         """Match and size the admission of the prompt ``buf`` (int32 LE tokens).
@@ -67,18 +51,19 @@ class AdmissionPlanner:
         taken, the plan counts the matched blocks nobody holds, gives up a partial copy whose
         source would not survive, and gives up copying the last block of a fully cached prompt.
         """
-        p, t = self.block_size, len(buf) // 4
+        state = self.state
+        p, t = state.block_size, len(buf) // 4
         num_logical = -(-t // p)
-        if check_size and num_logical > self.num_blocks:
+        if check_size and num_logical > state.num_blocks:
             raise RequestTooLargeError(
                 f"{t} tokens need {num_logical} blocks of {p}, more than the pool's "
-                f"{self.num_blocks}; raise num_blocks or split the request"
+                f"{state.num_blocks}; raise num_blocks or split the request"
             )
-        offload = self.offload
-        root = self.index.roots.get(namespace)
-        if root is None or not self.enable_caching:  # nothing cached in the namespace
+        index, offload, store = state.index, state.offload, state.store
+        root = index.roots.get(namespace)
+        if root is None or not state.enable_caching:  # nothing cached in the namespace
             return self._uncached(buf, t, num_logical, namespace)
-        match = self.index.match(root, buf, t // p)
+        match = index.match(root, buf, t // p)
         while True:
             n = match.n
             cow = n > 0 and n * p == t
@@ -96,17 +81,16 @@ class AdmissionPlanner:
                 if offload is not None:
                     on_host = offload.find_run(buf, t, match)
                     run, found = on_host.digests, on_host.found
-                if self.store is not None:
+                if store is not None:
                     prev = run[-1] if run else match.digest
-                    in_store = self.store.find_run(buf, t, n + len(run), prev, namespace)
+                    in_store = store.find_run(buf, t, n + len(run), prev, namespace)
                     stored, store_found, computed = in_store
                 cached_len = (n + len(run) + len(stored)) * p
-                if self.partial_copy and not run and not stored and cached_len < t - 1:
-                    partial = self.index.partial_match(match, buf, min(p, t - 1 - cached_len))
+                if state.partial_copy and not run and not stored and cached_len < t - 1:
+                    partial = index.partial_match(match, buf, min(p, t - 1 - cached_len))
                     if partial is not None:
                         cached_len += partial.m
-            index = self.index
-            free = self.pool.num_free + index.num_blocks - index.active_blocks
+            free = state.pool.num_free + index.num_blocks - index.active_blocks
             # the copy source block is held through the admission (our own allocation must not
             # evict it): unheld, it is one evictable block less meanwhile
             source = 1 if partial is not None and partial.node.ref == 0 else 0
@@ -124,20 +108,21 @@ class AdmissionPlanner:
                 return _new(AdmissionPlan, plan)
             # the copy of the last block needs one block more than the prompt: with the pool
             # that full, recompute the last block instead
-            match = self.index.match(root, buf, n - 1)
+            match = index.match(root, buf, n - 1)
 
     def _uncached(
         self, buf: bytes, t: int, num_logical: int, namespace: Namespace
     ) -> AdmissionPlan:
         """The plan of a prompt with nothing cached in its namespace: the store may hold it."""
-        store = self.store
-        if store is None or not self.enable_caching:
+        state = self.state
+        store = state.store
+        if store is None or not state.enable_caching:
             return _new(
                 AdmissionPlan, (num_logical, 0, None, 0, False, None, 0, [], 0, [], 0, None)
             )
         seed = store.hasher.seed(namespace)
         stored, found, computed = store.find_run(buf, t, 0, seed, namespace)
-        cached_len = len(stored) * self.block_size
+        cached_len = len(stored) * state.block_size
         none: list[bytes] = []
         plan = (num_logical, 0, None, 0, False, None, cached_len, none, 0, stored, found, computed)
         return _new(AdmissionPlan, plan)

@@ -19,16 +19,10 @@ from prefixcache.manager.state import CacheState, RequestState
 class BlockIndexer:
     """Indexes requests' full blocks in order, and announces them to the listeners."""
 
-    __slots__ = ("events", "hasher", "index", "offload", "pool", "stats", "tenants")
+    __slots__ = ("state",)
 
     def __init__(self, state: CacheState) -> None:
-        self.index = state.index
-        self.pool = state.pool
-        self.hasher = state.hasher
-        self.stats = state.stats
-        self.events = state.listeners
-        self.offload = state.offload  # host copies of blocks computed again are dropped
-        self.tenants = state.tenants  # per-tenant counters, when tenant accounting is on
+        self.state = state  # its index and tenant counters are read anew
 
     def index_blocks(
         self,
@@ -57,15 +51,16 @@ class BlockIndexer:
         if upto <= start:
             return
         if parent is None:
-            parent = self.index.root(seq.namespace)
+            parent = self.state.index.root(seq.namespace)
         if digest is None:
             digest = parent.last_digest()
+        hasher = self.state.hasher
         if known:
             known = known[: upto - start]
-            tail = self.hasher.hash_buffer(buf, known[-1], start + len(known), upto)
+            tail = hasher.hash_buffer(buf, known[-1], start + len(known), upto)
             digests = known + tail if tail else known
         else:
-            digests = self.hasher.hash_buffer(buf, digest, start, upto)
+            digests = hasher.hash_buffer(buf, digest, start, upto)
         if parent.children and digests[0] in parent.children:  # blocks someone cached already
             followed = self._follow_cached(seq, parent, digests, buf, now)
             if followed is None:
@@ -90,7 +85,7 @@ class BlockIndexer:
         """Move the request's path over blocks someone else cached already (its own stay
         private duplicates). Returns the last node followed; None when a digest collision
         stopped the request."""
-        index = self.index
+        index = self.state.index
         start = i = parent.end if parent.parent is not None else 0
         upto = start + len(digests)
         while i < upto and parent.children:
@@ -127,15 +122,17 @@ class BlockIndexer:
         are pending. ``prev`` is the digest before them, for the event; ``owned``: they carry
         refcounts to drop; the first ``loaded`` come from host, ``holders`` keeping what hung
         below them there."""
-        bb = self.index.block_bytes
+        state = self.state
+        index = state.index
+        bb = index.block_bytes
         ids = seq.table[i:upto]
         run = buf[i * bb : upto * bb]
-        if self.offload is None:
-            node = self.index.add(parent, digests, run, ids, now)
+        if state.offload is None:
+            node = index.add(parent, digests, run, ids, now)
         else:
             node = self._add_over_host(parent, digests, run, ids, now, holders, loaded)
         if owned:
-            self.pool.to_index(ids)
+            state.pool.to_index(ids)
         private = seq.private
         if private[: len(ids)] == ids:  # the usual case: the oldest private blocks
             del private[: len(ids)]
@@ -147,13 +144,14 @@ class BlockIndexer:
             seq.pending = ids[:]
         else:  # a list by now
             seq.pending.extend(ids)  # type: ignore[union-attr]
-        self.stats.stored_blocks += len(ids)
-        if self.tenants is not None:  # computed here: those a neighbour evicted count
-            self.tenants.note_stored(seq.namespace.salt, digests, loaded)
-        if self.events.callbacks:
+        state.stats.stored_blocks += len(ids)
+        if state.tenants is not None:  # computed here: those a neighbour evicted count
+            state.tenants.note_stored(seq.namespace.salt, digests, loaded)
+        events = state.listeners
+        if events.callbacks:
             tokens = np.frombuffer(run, dtype="<i4").tolist()
-            namespace = self.index.namespace_of(node)
-            self.events.emit(BlockStored(digests, prev, tokens, self.index.block_size, namespace))
+            namespace = index.namespace_of(node)
+            events.emit(BlockStored(digests, prev, tokens, index.block_size, namespace))
         seq.deepest = node
 
     def _add_over_host(
@@ -170,7 +168,7 @@ class BlockIndexer:
         ``loaded`` ones loaded (``holders`` keep what hung below them) and others computed again
         (their host copies go). What hung below such a block on host hangs below the GPU node
         that ends with it, so the blocks are added in as many nodes as that takes."""
-        offload = self.offload
+        index, offload = self.state.index, self.state.offload
         assert offload is not None
         node, done, total = parent, 0, len(digests)
         if holders:
@@ -179,8 +177,8 @@ class BlockIndexer:
         while done < total:
             kids = node.host_children
             if kids is None or digests[done] not in kids:
-                bb = self.index.block_bytes
-                return self.index.add(node, digests[done:], run[done * bb :], ids[done:], now)
+                bb = index.block_bytes
+                return index.add(node, digests[done:], run[done * bb :], ids[done:], now)
             end, found = offload.take_recomputed(node, digests, done)
             node = self._add_hanging(node, digests, run, ids, now, done, end, found)
             done = end
@@ -199,7 +197,7 @@ class BlockIndexer:
     ) -> Node:
         """Add blocks ``start .. end-1`` below ``node``, ending a node after each holder's
         block that still has host children to hang below it. Returns the last node."""
-        index, hang = self.index, HostTier.hang
+        index, hang = self.state.index, HostTier.hang
         bb = index.block_bytes
         for upto, holder in holders:
             if holder.host_children:  # (host evictions since may have taken them)

@@ -9,70 +9,55 @@ from prefixcache.blocks.hashing import DIGEST_SIZE, split_digests
 from prefixcache.blocks.radix import Node
 from prefixcache.manager.block_events import BlockRemoved
 from prefixcache.manager.state import CacheState, RequestState
-from prefixcache.manager.tenant_shares import ShareEvictor, TenantLedger
+from prefixcache.manager.tenant_shares import ShareEvictor
 
 
 class BlockSupply:
     """Hands out GPU blocks, evicting exactly the deficit, and takes back what requests let go
     of (an index path nobody holds any more becomes evictable)."""
 
-    __slots__ = (
-        "events",
-        "evictor",
-        "index",
-        "now",
-        "offload",
-        "pool",
-        "shares",
-        "stats",
-        "tenants",
-    )
+    __slots__ = ("state",)
 
     def __init__(self, state: CacheState) -> None:
-        self.index = state.index
-        self.pool = state.pool
-        self.evictor = state.evictor
-        self.stats = state.stats
-        self.events = state.listeners
-        self.offload = state.offload  # None: evicted blocks leave the cache
-        self.now = state.now
-        evictor = state.evictor
-        # with tenant accounting on: the share-keeping order and the per-tenant counters
-        self.shares = evictor if isinstance(evictor, ShareEvictor) else None
-        self.tenants: TenantLedger | None = state.tenants
+        self.state = state  # its index, eviction order and tenant counters are read anew
 
     def evictable(self) -> int:
         """Cached blocks nobody holds."""
-        return self.index.num_blocks - self.index.active_blocks
+        index = self.state.index
+        return index.num_blocks - index.active_blocks
 
     def available(self, held_cached: int) -> int:
         """Blocks an allocation can get now: the free ones and the evictable ones, less
         ``held_cached`` evictable blocks that the caller is about to hold."""
-        index = self.index
-        return self.pool.num_free + index.num_blocks - index.active_blocks - held_cached
+        state = self.state
+        index = state.index
+        return state.pool.num_free + index.num_blocks - index.active_blocks - held_cached
 
     def take(self, k: int, *, owned: bool = True, tenant: str | None = None) -> list[int]:
         """``k`` private blocks for a request of ``tenant``, evicting exactly the deficit
         (capacity was checked); a tenant at its cap first evicts its own. Not ``owned``: no
         refcounts yet (see ``BlockPool.take_unowned``)."""
-        if self.shares is not None and tenant is not None:
-            self._keep_cap(tenant, k)
-        deficit = k - self.pool.num_free
+        pool, evictor = self.state.pool, self.state.evictor
+        if tenant is not None and isinstance(evictor, ShareEvictor):
+            self._keep_cap(evictor, tenant, k)
+        deficit = k - pool.num_free
         if deficit > 0:
             self.evict(deficit, tenant)
-        return self.pool.take(k) if owned else self.pool.take_unowned(k)
+        return pool.take(k) if owned else pool.take_unowned(k)
 
     def evict(self, count: int, cause: str | None = None, *, asked: bool = False) -> None:
         """Evict ``count`` cached blocks in policy order, each node from its tail (that many
         are evictable: checked by the caller), for an allocation of tenant ``cause``
         (``asked``: for the runtime's own ``evict`` call, no tenant's)."""
-        now = self.now()
-        if self.shares is not None:
-            self._evict_shared(count, cause, now, asked)
+        state = self.state
+        now = state.now()
+        evictor = state.evictor
+        if isinstance(evictor, ShareEvictor):
+            self._evict_shared(evictor, count, cause, now, asked)
             return
-        index, evictor, events, offload = self.index, self.evictor, self.events, self.offload
-        if offload is None and not events.callbacks:  # nobody needs the digests: drop the tails
-            give_back = self.pool.give_back
+        index = state.index
+        if state.offload is None and not state.listeners.callbacks:  # nobody needs the digests
+            give_back = state.pool.give_back
             evicted = count
             while count > 0:
                 node = evictor.pop(now)
@@ -87,7 +72,7 @@ class BlockSupply:
                     evictor.push(node, now)
                 elif parent is not None and parent.parent is not None and evictor.evictable(parent):
                     evictor.push(parent, now)
-            self.stats.evicted_blocks += evicted
+            state.stats.evicted_blocks += evicted
             return
         while count > 0:  # the digests go to listeners, or the blocks to host
             node = evictor.pop(now)
@@ -96,10 +81,10 @@ class BlockSupply:
             self._evict_tail(node, k, cause, now, capped=False, breaks=False)
             count -= k
 
-    def _evict_shared(self, count: int, cause: str | None, now: float, asked: bool) -> None:
+    def _evict_shared(
+        self, shares: ShareEvictor, count: int, cause: str | None, now: float, asked: bool
+    ) -> None:
         """``evict`` with tenant shares: guarantees kept while anything else can go."""
-        shares = self.shares
-        assert shares is not None
         while count > 0:
             victim = shares.pop_victim(now)
             assert victim is not None, "capacity check admitted more than is evictable"
@@ -111,16 +96,14 @@ class BlockSupply:
             self._evict_tail(node, k, cause, now, capped=False, breaks=victim.breaks_guarantee)
             count -= k
 
-    def _keep_cap(self, tenant: str, k: int) -> None:
+    def _keep_cap(self, shares: ShareEvictor, tenant: str, k: int) -> None:
         """Before ``tenant`` grows by ``k`` blocks: past its cap, it evicts its own oldest
         blocks (those its running requests hold cannot go)."""
-        shares = self.shares
-        assert shares is not None
         share = shares.shares.get(tenant)
         if share is None or share.cap is None:
             return
         over = shares.counts.get(tenant, 0) + k - share.cap
-        now = self.now()
+        now = self.state.now()
         while over > 0:
             node = shares.pop_own(tenant, now)
             if node is None:
@@ -134,21 +117,22 @@ class BlockSupply:
     ) -> None:
         """Evict the last ``k`` blocks of a leaf popped from the eviction order, for an
         allocation of ``cause``, and file what is left (or its parent) again."""
-        index, evictor, events, offload = self.index, self.evictor, self.events, self.offload
+        state = self.state
+        evictor, events, offload = state.evictor, state.listeners, state.offload
         parent = node.parent
         namespace = node.namespace
         assert namespace is not None
         if events.callbacks:
             tail = bytes(node.digests[-k * DIGEST_SIZE :])
             events.emit(BlockRemoved(split_digests(tail), namespace))
-        if self.tenants is not None:
-            self.tenants.note_eviction(namespace.salt, cause, node, k, capped, breaks)
+        if state.tenants is not None:
+            state.tenants.note_eviction(namespace.salt, cause, node, k, capped, breaks)
         if offload is not None:  # the blocks move to host (as many as it has room for)
             ids = offload.offload(node, k)
         else:
-            ids = index.trim_tail(node, k)
-        self.pool.give_back(ids)
-        self.stats.evicted_blocks += k
+            ids = state.index.trim_tail(node, k)
+        state.pool.give_back(ids)
+        state.stats.evicted_blocks += k
         if node.blocks and not node.on_host:
             evictor.push(node, now)
         elif parent is not None and parent.parent is not None and evictor.evictable(parent):
@@ -157,11 +141,12 @@ class BlockSupply:
     def unhold(self, node: Node | None) -> None:
         """Drop one hold on the path from the root to ``node``; a leaf nobody holds any more
         becomes evictable."""
-        now = self.now()
-        leaf = self.index.unhold(node, now)
+        state = self.state
+        now = state.now()
+        leaf = state.index.unhold(node, now)
         if leaf is not None:
-            self.evictor.push(leaf, now)
-            self.evictor.compact(self.index.num_nodes)
+            state.evictor.push(leaf, now)
+            state.evictor.compact(state.index.num_nodes)
 
     def release_request(self, seq: RequestState) -> None:
         """Give back everything a request holds: its copy source, its index path and its
@@ -170,4 +155,4 @@ class BlockSupply:
             self.unhold(seq.copy_source)
             seq.copy_source = None
         self.unhold(seq.deepest)
-        self.pool.drop(seq.private)
+        self.state.pool.drop(seq.private)

@@ -6,17 +6,18 @@ rejected call raises a typed error and changes nothing.
 The step protocol (pending blocks, abort, copy sources held through a step) is described once,
 in docs/architecture.md ("The step protocol"); each operation's docstring says its part.
 
-All it knows is one ``CacheState`` (state.py), built once and again by ``reset``; the helpers
-built around it (``_build_helpers``) each take that state and do one job: planning
+All it knows is one ``CacheState`` (state.py), which builds and owns every part, the tiers
+below the GPU included, for the manager's whole life (``reset`` clears it in place). The helpers
+built around it once each keep that state, read its parts through it and do one job: planning
 (admission_planning), block tables (request_blocks), indexing (block_indexing), allocation and
-eviction (block_supply), the step ledger (step_ledger) and the host tier (host_offload).
-Introspection (tests, tools, the integrity check) goes through one accessor, ``internals``.
+eviction (block_supply) and the step ledger (step_ledger); the tiers are the state's
+(lower_tiers/). Introspection (tests, tools, the integrity check) goes through one accessor,
+``internals``.
 """
 
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -28,7 +29,7 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.host_tier import HostTier
 from prefixcache.blocks.namespace import DEFAULT_NAMESPACE, Namespace
 from prefixcache.blocks.pool import BlockPool
-from prefixcache.blocks.radix import Node, RadixIndex
+from prefixcache.blocks.radix import RadixIndex
 from prefixcache.blocks.tokens import (
     TokenIds,
     as_single_token,
@@ -63,8 +64,7 @@ from prefixcache.manager.block_events import AllBlocksCleared, EventListener
 from prefixcache.manager.block_indexing import BlockIndexer
 from prefixcache.manager.block_supply import BlockSupply
 from prefixcache.manager.integrity import check_manager
-from prefixcache.manager.lower_tiers.host_offload import HostOffload
-from prefixcache.manager.lower_tiers.store_tier import BlockPresence, StoreTier
+from prefixcache.manager.lower_tiers.store_tier import BlockPresence
 from prefixcache.manager.lower_tiers.transfers import StoreWrite, TransferModel, Transfers
 from prefixcache.manager.request_blocks import RequestBlocks
 from prefixcache.manager.results import Admission, AppendResult, Lookup
@@ -129,36 +129,28 @@ class CacheManager:
             check_transfer_model(transfer_model)
         if store is not None:
             check_store(store, store_transfer_model, stepped, enable_caching)
-        self._state = state = CacheState.build(
+        self._state = state = CacheState(
             blocks,
             size,
             hash_algo=hash_algo,
             policy=policy,
-            host_blocks=num_host,
             clock=clock,
             partial_copy=bool(partial_copy),
             enable_caching=bool(enable_caching),
             stepped=bool(stepped),
             shares=checked,
+            host_blocks=num_host,
+            transfer_model=transfer_model,
+            store=store,
+            store_transfer_model=store_transfer_model,
         )
-        if state.host is not None:
-            state.offload = HostOffload(state, state.host, transfer_model)
-        if store is not None:
-            state.store = StoreTier(state.hasher, state.stats, store, store_transfer_model)
         self.transfer_model = transfer_model
         self._pin_ids = itertools.count(1)  # handles stay unique across resets
-        self._build_helpers()
-
-    def _build_helpers(self) -> None:
-        """The helpers, around the current state (built again when ``reset`` replaces it)."""
-        state = self._state
         self._supply = supply = BlockSupply(state)
         self._planner = AdmissionPlanner(state)
         self._ledger = ledger = StepLedger(state, supply)
         self._requests = RequestBlocks(state, supply, BlockIndexer(state), ledger)
-        self._seqs = state.seqs  # the live requests: every call looks one up
-        self._offload = state.offload
-        self._store = state.store
+        self._seqs = state.seqs  # the live requests (cleared in place): every call looks one up
 
     # ---- settings and components ----------------------------------------------------------
     @property
@@ -266,8 +258,7 @@ class CacheManager:
             check_namespace(namespace)
         if type(priority) is not int or retention is not None:
             priority, retention = check_priority(priority, retention)
-        if self._store is not None:
-            self._store.expire()
+        self._state.expire_store_writes()
         plan = self._planner.plan(buf, namespace)
         available = self._supply.available(plan.held_cached)
         if plan.need > available:
@@ -289,8 +280,7 @@ class CacheManager:
         container); allocates blocks as needed and copies a shared partial last block before
         writing into it. Newly filled blocks enter the index."""
         seq = live_request(self._seqs, request_id)
-        if self._store is not None:
-            self._store.expire()
+        self._state.expire_store_writes()
         token = as_single_token(tokens)
         if token is not None:  # the decode fast path: no array round trip for one token
             data, k = token.to_bytes(4, "little"), 1
@@ -325,8 +315,7 @@ class CacheManager:
         blocks may be handed out again at once (preemption makes room in the same step).
         """
         dropped = self._ledger.abort(live_request(self._seqs, request_id))
-        if self._store is not None:
-            self._store.forget(dropped)
+        self._state.forget_store_writes(dropped)
         return dropped
 
     def abort_many(self, request_ids: Iterable[Hashable]) -> list[Hashable]:
@@ -347,33 +336,25 @@ class CacheManager:
         """The forward pass of the step has written every K/V it was given: pending blocks
         become ordinary cached blocks, and the copy sources held for the step are let go."""
         self._ledger.end_step()
-        if self._offload is not None:
-            self._offload.end_step()
-        if self._store is not None:
-            self._store.end_step()
+        self._state.end_tiers_step()
 
     def take_transfers(self) -> Transfers:
         """The host-tier and store transfers planned since the last call, and forget them.
         Run every offload, then every load, after planning the step and before its forward
         pass. A store load that fails: ``abort`` its request (and requeue what that drops)."""
-        store_loads = self._store.take_loads() if self._store is not None else []
-        if self._offload is None:
-            return Transfers([], [], store_loads)
-        host = self._offload.take_transfers()
-        return Transfers(host.offloads, host.loads, store_loads)
+        return self._state.take_transfers()
 
     def take_store_writes(self) -> list[StoreWrite]:
         """The full prompt blocks computed by the step that just ended, to write through to
         the store (each digest once). Call right after ``end_step()`` and copy the blocks out
         before the next ``admit`` or ``append``, which may hand them out again (writes not
         taken by then are dropped and counted in ``stats.store_writes_expired``)."""
-        return self._store.take_writes() if self._store is not None else []
+        return self._state.take_store_writes()
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` cached blocks now (policy order); returns how many."""
         count = min(as_size(num_blocks, "num_blocks"), self._supply.evictable())
-        if self._store is not None:
-            self._store.expire()
+        self._state.expire_store_writes()
         if count:
             self._supply.evict(count, asked=True)
         return count
@@ -390,7 +371,6 @@ class CacheManager:
         mapping changes nothing; refiles the evictable leaves in O(cached nodes)."""
         state = self._state
         state.apply_shares(None if shares is None else check_shares(shares, state.num_blocks))
-        self._build_helpers()
 
     def tenant_stats(self) -> dict[str | None, TenantStats]:
         """Per tenant (cache salt; None: no salt): cached blocks, its share, and evictions (by
@@ -473,42 +453,6 @@ class CacheManager:
         """The live requests' ids, in admission order."""
         return list(self._seqs)
 
-    @property
-    def states(self) -> Mapping[Hashable, RequestState]:
-        """Deprecated: ``internals.states``."""
-        _deprecated("states")
-        return self.internals.states
-
-    @property
-    def pins(self) -> Mapping[int, Node]:
-        """Deprecated: ``internals.pins``."""
-        _deprecated("pins")
-        return self.internals.pins
-
-    @property
-    def pending_blocks(self) -> frozenset[int]:
-        """Deprecated: ``internals.pending_blocks``."""
-        _deprecated("pending_blocks")
-        return self.internals.pending_blocks
-
-    @property
-    def step_holds(self) -> tuple[list[Node], list[int]]:
-        """Deprecated: ``internals.step_holds``."""
-        _deprecated("step_holds")
-        return self.internals.step_holds
-
-    @property
-    def clock_ticks(self) -> float:
-        """Deprecated: ``internals.clock_ticks``."""
-        _deprecated("clock_ticks")
-        return self.internals.clock_ticks
-
-    @property
-    def listener_errors(self) -> int:
-        """Deprecated: ``internals.listener_errors``."""
-        _deprecated("listener_errors")
-        return self.internals.listener_errors
-
     def block_counts(self) -> BlockCounts:
         """Free, active (held by requests, pins or the step) and cached (evictable) blocks."""
         state = self._state
@@ -549,22 +493,9 @@ class CacheManager:
                 f"{in_use} blocks are in use by {len(self._seqs)} requests and "
                 f"{len(self._state.pins)} pins{step}; release them first or pass force=True"
             )
-        if self._offload is not None:
-            self._offload.clear()
-        if self._store is not None:
-            self._store.clear()
-        self._state = self._state.emptied()
-        self._build_helpers()
+        self._state.clear()
         self._state.listeners.emit(AllBlocksCleared())
 
     def check_integrity(self) -> None:
         """Assert every invariant the bookkeeping can see (docs/architecture.md). O(cache)."""
         check_manager(self)
-
-
-def _deprecated(name: str) -> None:
-    warnings.warn(
-        f"CacheManager.{name} is deprecated; read CacheManager.internals.{name}",
-        DeprecationWarning,
-        stacklevel=3,
-    )

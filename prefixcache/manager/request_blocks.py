@@ -29,40 +29,15 @@ _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is
 class RequestBlocks:
     """Gives requests their blocks: the cached prefix they share, the new ones they write."""
 
-    __slots__ = (
-        "block_size",
-        "claims_all",
-        "enable_caching",
-        "index",
-        "indexer",
-        "ledger",
-        "now",
-        "offload",
-        "pool",
-        "seqs",
-        "stats",
-        "stepped",
-        "store",
-        "supply",
-    )
+    __slots__ = ("indexer", "ledger", "state", "supply")
 
     def __init__(
         self, state: CacheState, supply: BlockSupply, indexer: BlockIndexer, ledger: StepLedger
     ) -> None:
-        self.seqs = state.seqs
+        self.state = state  # its index is read anew (a reset replaces it)
         self.supply = supply
-        self.index = state.index
-        self.pool = state.pool
-        self.offload = state.offload
-        self.store = state.store
-        self.now = state.now
         self.indexer = indexer
         self.ledger = ledger
-        self.stats = state.stats
-        self.block_size = state.block_size
-        self.enable_caching = state.enable_caching
-        self.stepped = state.stepped
-        self.claims_all = state.claims_all  # a default request's claim counts (priority policy)
 
     def admit(
         self,
@@ -76,8 +51,9 @@ class RequestBlocks:
         """Carry out a plan (its capacity checked): hold the matched prefix, take the new
         blocks, plan the copies and loads, index the prompt's full blocks and register the
         request."""
-        index, p, t = self.index, self.block_size, len(buf) // 4
-        now = self.now()
+        state = self.state
+        index, p, t = state.index, state.block_size, len(buf) // 4
+        now = state.now()
         node: Node | None = None
         digest = None
         matched = 0
@@ -92,9 +68,10 @@ class RequestBlocks:
                 table = index.hold_table(node, now)  # held nodes: eviction leaves the table be
         host_run = plan.host_run
         holders: list[tuple[int, Node]] | None = None
+        offload = state.offload
         if host_run:  # off the host tier before any offload of ours can evict them
-            assert self.offload is not None and match is not None
-            host_slots, holders = self.offload.unload(match.node, host_run, namespace)
+            assert offload is not None and match is not None
+            host_slots, holders = offload.unload(match.node, host_run, namespace)
         partial = plan.partial
         if partial is not None:  # the copy source must survive our own eviction (see planning)
             source = partial.node
@@ -103,15 +80,15 @@ class RequestBlocks:
             index.hold(source, now)
         fresh = self.supply.take(plan.need, owned=False, tenant=namespace.salt)  # owned: below
         if host_run:
-            assert self.offload is not None
-            self.offload.plan_loads(host_slots, fresh, stepped=self.stepped)
+            assert offload is not None
+            offload.plan_loads(host_slots, fresh, stepped=state.stepped)
         cow = plan.cow
         cow_source = table[-1] if cow else -1
         del table[plan.shared :]
         table += fresh
         seq = RequestState(request_id, namespace, buf, t, table, node)
         seq.private = fresh  # a new list from the pool: the request owns it
-        st = self.stats
+        st = state.stats
         copies: list[Copy] = []
         partial_tokens = 0
         if cow:  # every prompt token is cached: recompute only the last one, in a copy
@@ -127,7 +104,7 @@ class RequestBlocks:
         seq.unconfirmed = True
         stored = plan.store_run
         computed = plan.computed
-        if self.enable_caching:
+        if state.enable_caching:
             known = host_run
             if computed is not None:  # a store: every digest past the match is known
                 known = host_run + stored + computed
@@ -143,19 +120,19 @@ class RequestBlocks:
                 loaded=len(host_run),
             )
             if computed is not None:
-                assert self.store is not None
+                assert state.store is not None
                 first = matched + len(host_run)  # the first block loaded from the store
                 middle = first + len(stored)
                 table = seq.table
                 end = middle + len(computed)
-                self.store.plan(
+                state.store.plan(
                     request_id, namespace, stored, table[first:middle], computed, table[middle:end]
                 )
-        self.pool.own(seq.private)  # usually just the partial last block
-        if priority or retention is not None or self.claims_all:
+        state.pool.own(seq.private)  # usually just the partial last block
+        if priority or retention is not None or state.claims_all:
             seq.claim = (priority, math.inf if retention is None else now + retention)
             add_claim(seq.deepest, seq.claim, now)
-        self.seqs[request_id] = seq
+        state.seqs[request_id] = seq
         cached_len, loaded = plan.cached_len, len(host_run)
         st.requests += 1
         st.lookup_tokens += t
@@ -176,9 +153,9 @@ class RequestBlocks:
     def append_need(self, seq: RequestState, k: int) -> int:
         """New blocks an append of ``k`` tokens to ``seq`` takes (a shared partial last block
         is copied first)."""
-        p, t0 = self.block_size, seq.num_tokens
+        p, t0 = self.state.block_size, seq.num_tokens
         need = -(-(t0 + k) // p) - len(seq.table)
-        if k and t0 % p and self.pool.refcount[seq.table[-1]] > 1:
+        if k and t0 % p and self.state.pool.refcount[seq.table[-1]] > 1:
             need += 1
         return need
 
@@ -186,10 +163,11 @@ class RequestBlocks:
         """Append ``k`` tokens (``data``: int32 LE) to ``seq``, taking the blocks it needs
         (OutOfBlocksError, changing nothing, when they are not there); newly filled blocks
         enter the index."""
-        p, t0 = self.block_size, seq.num_tokens
+        state = self.state
+        pool, p, t0 = state.pool, state.block_size, seq.num_tokens
         t1 = t0 + k
         need = -(-t1 // p) - len(seq.table)  # as append_need, inline on the decode path
-        if k and t0 % p and self.pool.refcount[seq.table[-1]] > 1:
+        if k and t0 % p and pool.refcount[seq.table[-1]] > 1:
             need += 1
         available = self.supply.available(0)
         if need > available:
@@ -201,13 +179,13 @@ class RequestBlocks:
             self.ledger.let_go_copy_source(seq)
         fresh = self.supply.take(need, tenant=seq.namespace.salt)
         copies: list[Copy] = []
-        if t0 % p and self.pool.refcount[seq.table[-1]] > 1:  # shared partial block: copy first
+        if t0 % p and pool.refcount[seq.table[-1]] > 1:  # shared partial block: copy first
             old, dst = seq.table[-1], fresh.pop(0)
             copies.append(Copy(old, dst, t0 % p))
             self.ledger.let_go_copied_block(old)
             seq.private[seq.private.index(old)] = dst
             seq.table[-1] = dst
-            self.stats.cow_copies += 1
+            state.stats.cow_copies += 1
         seq.table.extend(fresh)
         seq.private.extend(fresh)
         if type(seq.tokens) is bytes:  # first append: the prompt's buffer becomes growable
@@ -215,9 +193,9 @@ class RequestBlocks:
         seq.tokens += data
         seq.num_tokens = t1
         seq.unconfirmed = True
-        self.stats.appended_tokens += k
-        if self.enable_caching and t1 // p > t0 // p:
-            now = self.now()
+        state.stats.appended_tokens += k
+        if state.enable_caching and t1 // p > t0 // p:
+            now = state.now()
             self.indexer.index_blocks(seq, seq.tokens, t1 // p, None, now)
             if seq.claim is not None:  # the blocks it decoded carry its claim too
                 add_claim(seq.deepest, seq.claim, now)
@@ -240,11 +218,12 @@ class RequestBlocks:
         child.private = list(parent.private)
         child.blocked = parent.blocked
         child.claim = parent.claim
-        self.pool.share(child.private)
-        self.index.hold(child.deepest, self.now())
+        state = self.state
+        state.pool.share(child.private)
+        state.index.hold(child.deepest, state.now())
         self.ledger.add_fork(parent, child)
-        self.seqs[child_id] = child
-        self.stats.forks += 1
+        state.seqs[child_id] = child
+        state.stats.forks += 1
 
 
 # ---- retention claims: the priority a request gives its blocks under the ``priority``

@@ -1,20 +1,18 @@
 """The state of one cache manager, shared by the helpers that work on it, and the state of each
 live request.
 
-``CacheState`` is the whole of what a manager knows: its settings, the radix index, the block
-pool, the evictor, the host tier, the live requests, pins, the step's held copy sources, the
-counters, the event listeners (``Listeners``) and the clock. The manager builds it once
-(``CacheState.build``) and hands the same object to every helper; ``reset`` builds the next one
-with ``emptied``, which keeps what outlives a reset (settings, counters, listeners, clock, the
-host tier's slots) and starts every structure of blocks afresh.
+``CacheState`` is the whole of what a manager knows and owns: its settings, the radix index, the
+block pool, the evictor, the tiers below the GPU (the host tier's ``HostOffload``, a store's
+``StoreTier``), the live requests, pins, the step's held copy sources, the counters, the event
+listeners and the clock. The manager builds it once and hands the same object to every helper,
+for the manager's whole life: ``reset`` clears it in place (``clear``), keeping what outlives a
+reset (settings, counters, listeners, clock, shares, the tiers' slots and connections).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from prefixcache.blocks.eviction import Evictor, PolicyKey
 from prefixcache.blocks.hashing import BlockHasher
@@ -22,7 +20,10 @@ from prefixcache.blocks.host_tier import HostTier
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.pool import BlockPool
 from prefixcache.blocks.radix import Node, RadixIndex
-from prefixcache.manager.block_events import CacheEvent, EventListener
+from prefixcache.manager.listeners import Listeners
+from prefixcache.manager.lower_tiers.host_offload import HostOffload
+from prefixcache.manager.lower_tiers.store_tier import BlockPresence, StoreTier
+from prefixcache.manager.lower_tiers.transfers import StoreWrite, TransferModel, Transfers
 from prefixcache.manager.stats import CacheStats
 from prefixcache.manager.tenant_shares import (
     LOST_LIMIT_FACTOR,
@@ -33,12 +34,6 @@ from prefixcache.manager.tenant_shares import (
     share_evictor_for,
     tenant_rows,
 )
-
-if TYPE_CHECKING:
-    from prefixcache.manager.lower_tiers.host_offload import HostOffload
-    from prefixcache.manager.lower_tiers.store_tier import StoreTier
-
-log = logging.getLogger("prefixcache.manager")
 
 
 class RequestState:
@@ -95,38 +90,6 @@ class RequestState:
         self.dependents = ()
 
 
-class Listeners:
-    """The callables that receive the manager's BlockStored / BlockRemoved / AllBlocksCleared
-    events. ``callbacks`` is replaced, never changed in place, so an event being sent keeps the
-    list it started with; an empty list means no event needs building."""
-
-    __slots__ = ("callbacks", "errors")
-
-    def __init__(self) -> None:
-        self.callbacks: list[EventListener] = []
-        self.errors = 0  # exceptions raised by listeners (logged, then ignored)
-
-    def add(self, listener: EventListener) -> None:
-        """Call ``listener`` with every later event."""
-        self.callbacks = [*self.callbacks, listener]
-
-    def remove(self, listener: EventListener) -> None:
-        """Stop calling ``listener``; ValueError when it was not added."""
-        callbacks = list(self.callbacks)
-        callbacks.remove(listener)
-        self.callbacks = callbacks
-
-    def emit(self, event: CacheEvent) -> None:
-        """Send ``event`` to every listener. Events go out in the middle of an operation, so an
-        exception from a listener is logged and counted, never raised."""
-        for listener in self.callbacks:
-            try:
-                listener(event)
-            except Exception:  # mid-operation: raising here would leave the state half-changed
-                self.errors += 1
-                log.exception("event listener %r failed on %s", listener, type(event).__name__)
-
-
 class TickClock:
     """The manager's clock when the runtime gives none: it advances one tick per reading."""
 
@@ -142,7 +105,9 @@ class TickClock:
 
 
 class CacheState:
-    """One manager's state, read and changed by its helpers (each keeps a reference)."""
+    """One manager's state, read and changed by its helpers, which keep a reference to it and
+    read its parts through it: ``clear`` replaces the index and ``apply_shares`` the eviction
+    order and the tenant counters, so a helper never holds a part that may be replaced."""
 
     __slots__ = (
         "block_size",
@@ -171,55 +136,113 @@ class CacheState:
 
     def __init__(
         self,
-        hasher: BlockHasher,
-        pool: BlockPool,
-        evictor: Evictor,
-        host: HostTier | None,
-        stats: CacheStats,
-        listeners: Listeners,
-        ticks: TickClock,
-        now: Callable[[], float],
+        num_blocks: int,
+        block_size: int,
         *,
+        hash_algo: str,
+        policy: str | PolicyKey,
+        clock: Callable[[], float] | None,
         partial_copy: bool,
         enable_caching: bool,
         stepped: bool,
-        claims_all: bool,
+        shares: Mapping[str, TenantShare] | None,
+        host_blocks: int,
+        transfer_model: TransferModel | None,
+        store: BlockPresence | None,
+        store_transfer_model: TransferModel | None,
     ) -> None:
-        self.hasher = hasher
-        self.block_size = hasher.block_size  # tokens per block: the one setting every part reads
-        self.index = RadixIndex(hasher)
-        self.pool = pool
-        self.num_blocks = pool.num_blocks
-        self.evictor = evictor
-        self.host = host  # None: no host tier
-        if host is not None:
-            host.index = self.index  # its nodes live in the index
-        self.offload: HostOffload | None = None  # set by the manager when there is a host tier
-        self.store: StoreTier | None = None  # set by the manager when there is a shared store
-        self.stats = stats
-        self.listeners = listeners
-        self.ticks = ticks  # the clock when none is given
-        self.now = now
+        """A manager's first state, empty, with its tiers (settings checked by the caller;
+        ``shares``: None for no tenant accounting, ``host_blocks`` 0 and ``store`` None for no
+        host tier and no store)."""
+        self.hasher = hasher = BlockHasher(block_size, hash_algo)
+        self.block_size = block_size  # tokens per block: the one setting every part reads
+        self.num_blocks = num_blocks
         self.partial_copy = partial_copy
         self.enable_caching = enable_caching
         self.stepped = stepped
         # under the priority policy a default request's claim (0, forever) counts too: it lifts a
         # lower priority left by another request on the blocks it shares
-        self.claims_all = claims_all
+        self.claims_all = policy == "priority"
+        self.ticks = ticks = TickClock()  # the clock when none is given
+        self.now = ticks.tick if clock is None else clock
+        self.stats = stats = CacheStats()  # the counters and listeners outlive a reset
+        self.listeners = listeners = Listeners()
+        self.pool = BlockPool(num_blocks)
+        self.index = index = RadixIndex(hasher)  # a new one after each reset
+        # per-tenant eviction counters: None unless tenant shares (or accounting) are on
+        self.tenants: TenantLedger | None = None
+        self.evictor: Evictor = Evictor(policy)
+        if shares is not None:
+            self.evictor = ShareEvictor(policy, shares, index.tenant_blocks)
+            self.tenants = TenantLedger(LOST_LIMIT_FACTOR * num_blocks)
+        self.host: HostTier | None = None  # the host tier: its nodes live in the index
+        self.offload: HostOffload | None = None  # its offloads and loads
+        if host_blocks:
+            self.host = HostTier(host_blocks, index)
+            self.offload = HostOffload(self.host, hasher, stats, listeners, transfer_model)
+        self.store: StoreTier | None = None  # a shared K/V store below the host tier
+        if store is not None:
+            self.store = StoreTier(hasher, stats, store, store_transfer_model)
         self.seqs: dict[Hashable, RequestState] = {}  # the live requests, in admission order
         self.pins: dict[int, Node] = {}  # pin handle -> the deepest pinned node
         # stepped: copy sources of the current step that their request let go of before its end
         self.holds: list[tuple[Node, RequestState]] = []  # partial-copy source nodes
         self.refs: list[int] = []  # private blocks a copy-on-write of the step reads
-        # per-tenant eviction counters: None unless tenant shares (or accounting) are on
-        self.tenants: TenantLedger | None = None
-        if isinstance(evictor, ShareEvictor):  # it counts the tenants of this state's index
-            evictor.counts = self.index.tenant_blocks
 
-    def pending_blocks(self) -> frozenset[int]:
-        """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
-        return frozenset(b for seq in self.seqs.values() for b in seq.pending)
+    def clear(self) -> None:
+        """A reset: no request, pin, cached or host block, planned transfer or write; the
+        settings, counters, listeners, clock and shares stay. The index is a new one."""
+        if self.offload is not None:
+            self.offload.clear()
+        if self.store is not None:
+            self.store.clear()
+        self.pool.reset()
+        self.evictor.clear()
+        self.index = index = RadixIndex(self.hasher)
+        if self.host is not None:  # its nodes live in the state's index
+            self.host.index = index
+        if isinstance(self.evictor, ShareEvictor):  # it counts the tenants of the index
+            self.evictor.counts = index.tenant_blocks
+        if self.tenants is not None:  # what was evicted before the reset is not missed
+            self.tenants.forget_lost()
+        self.seqs.clear()
+        self.pins.clear()
+        self.holds.clear()
+        self.refs.clear()
 
+    # ---- the tiers below the GPU, for the manager's calls ---------------------------------
+    def expire_store_writes(self) -> None:
+        """A call that may hand blocks out again: the store's write-throughs not taken by now
+        are dropped (and counted)."""
+        if self.store is not None:
+            self.store.expire()
+
+    def forget_store_writes(self, request_ids: list[Hashable]) -> None:
+        """Requests taken out before their K/V was written: nothing of theirs is written."""
+        if self.store is not None:
+            self.store.forget(request_ids)
+
+    def end_tiers_step(self) -> None:
+        """The step's K/V is written: the host slots its loads read are free, and its
+        write-throughs are ready."""
+        if self.offload is not None:
+            self.offload.end_step()
+        if self.store is not None:
+            self.store.end_step()
+
+    def take_transfers(self) -> Transfers:
+        """The host-tier and store transfers planned since the last call, which are forgotten."""
+        store_loads = self.store.take_loads() if self.store is not None else []
+        if self.offload is None:
+            return Transfers([], [], store_loads)
+        host = self.offload.take_transfers()
+        return Transfers(host.offloads, host.loads, store_loads)
+
+    def take_store_writes(self) -> list[StoreWrite]:
+        """The ended step's write-throughs (each digest once), which are forgotten."""
+        return self.store.take_writes() if self.store is not None else []
+
+    # ---- tenant shares --------------------------------------------------------------------
     def shares(self) -> dict[str, TenantShare] | None:
         """The tenant shares in force ({}: per-tenant counts only; None: no accounting)."""
         evictor = self.evictor
@@ -245,71 +268,9 @@ class CacheState:
             return {}
         return tenant_rows(self.index.tenant_blocks, self.shares() or {}, self.tenants)
 
-    @classmethod
-    def build(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        *,
-        hash_algo: str,
-        policy: str | PolicyKey,
-        host_blocks: int,
-        clock: Callable[[], float] | None,
-        partial_copy: bool,
-        enable_caching: bool,
-        stepped: bool,
-        shares: Mapping[str, TenantShare] | None = None,
-    ) -> CacheState:
-        """A manager's first state: empty, its sizes and shares checked by the caller
-        (``shares``: None for no tenant accounting)."""
-        hasher = BlockHasher(block_size, hash_algo)
-        ticks = TickClock()
-        evictor = Evictor(policy) if shares is None else ShareEvictor(policy, shares, {})
-        state = cls(
-            hasher,
-            BlockPool(num_blocks),
-            evictor,
-            None,
-            CacheStats(),
-            Listeners(),
-            ticks,
-            ticks.tick if clock is None else clock,
-            partial_copy=partial_copy,
-            enable_caching=enable_caching,
-            stepped=stepped,
-            claims_all=policy == "priority",  # a default claim (0, forever) counts too
-        )
-        if host_blocks:  # its nodes live in the state's index
-            state.host = HostTier(host_blocks, state.index)
-        if shares is not None:
-            state.tenants = TenantLedger(LOST_LIMIT_FACTOR * num_blocks)
-        return state
-
-    def emptied(self) -> CacheState:
-        """The state after a reset: no request, pin, cached or host block, the same settings,
-        counters, listeners, clock and host slots."""
-        self.pool.reset()
-        self.evictor.clear()
-        state = CacheState(
-            self.hasher,
-            self.pool,
-            self.evictor,
-            self.host,
-            self.stats,
-            self.listeners,
-            self.ticks,
-            self.now,
-            partial_copy=self.partial_copy,
-            enable_caching=self.enable_caching,
-            stepped=self.stepped,
-            claims_all=self.claims_all,
-        )
-        state.offload = self.offload
-        state.store = self.store
-        state.tenants = self.tenants
-        if self.tenants is not None:  # what was evicted before the reset is not missed
-            self.tenants.forget_lost()
-        return state
+    def pending_blocks(self) -> frozenset[int]:
+        """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""
+        return frozenset(b for seq in self.seqs.values() for b in seq.pending)
 
 
 class ManagerInternals:

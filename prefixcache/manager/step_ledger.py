@@ -30,16 +30,11 @@ class AbortScope(NamedTuple):
 class StepLedger:
     """Tracks unwritten K/V per request and the copy sources held through a step."""
 
-    __slots__ = ("index", "pool", "seqs", "state", "stats", "stepped", "supply")
+    __slots__ = ("state", "supply")
 
     def __init__(self, state: CacheState, supply: BlockSupply) -> None:
         self.state = state  # its ``holds`` and ``refs``: the copy sources the step still reads
-        self.seqs = state.seqs
-        self.index = state.index
-        self.pool = state.pool
         self.supply = supply
-        self.stats = state.stats
-        self.stepped = state.stepped
 
     # ---- during a step --------------------------------------------------------------------
     def let_go_copy_source(self, seq: RequestState) -> None:
@@ -47,7 +42,7 @@ class StepLedger:
         the end of the step when there are steps."""
         source = seq.copy_source
         assert source is not None
-        if self.stepped:
+        if self.state.stepped:
             self.state.holds.append((source, seq))
         else:
             self.supply.unhold(source)
@@ -56,10 +51,10 @@ class StepLedger:
     def let_go_copied_block(self, block: int) -> None:
         """A shared private block was copied out of: its other owners may leave in this step,
         so with steps it is kept until the end."""
-        if self.stepped:
+        if self.state.stepped:
             self.state.refs.append(block)
         else:
-            self.pool.drop([block])
+            self.state.pool.drop([block])
 
     def add_fork(self, parent: RequestState, child: RequestState) -> None:
         """``child`` forks ``parent``: while ``parent`` is unconfirmed, the fork reads what it
@@ -69,7 +64,7 @@ class StepLedger:
         deps = parent.dependents
         if deps:
             if len(deps) >= 16 and not len(deps) & (len(deps) - 1):  # at 16, 32, 64, ...
-                seqs = self.seqs
+                seqs = self.state.seqs
                 deps[:] = [
                     d for d in deps if seqs.get(d.request_id) is d or d.dependents or d.pending
                 ]
@@ -81,14 +76,14 @@ class StepLedger:
     def end_step(self) -> None:
         """The step's K/V is written: every request is confirmed, and the copy sources held for
         the step are let go."""
-        for seq in self.seqs.values():
+        state = self.state
+        for seq in state.seqs.values():
             if seq.unconfirmed:
                 seq.confirm()
-        state = self.state
         for node, _ in state.holds:
             self.supply.unhold(node)
         state.holds.clear()
-        self.pool.drop(state.refs)
+        state.pool.drop(state.refs)
         state.refs.clear()
 
     # ---- abort ----------------------------------------------------------------------------
@@ -96,9 +91,8 @@ class StepLedger:
         """Drop ``seq`` and every live request relying on K/V it never wrote; their unwritten
         indexed blocks leave the index. Returns the ids dropped, ``seq``'s first."""
         scope = self._abort_scope(seq)
-        supply = self.supply
-        now = supply.now()
-        state = self.state
+        supply, state = self.supply, self.state
+        now = state.now()
         if state.holds:  # the copies of dropped requests do not run
             gone = {id(dead) for dead in scope.requests}
             region = {id(top) for top in scope.tops}  # and no hold may keep a node that leaves
@@ -110,36 +104,36 @@ class StepLedger:
                     keep.append((node, owner))
             state.holds = keep
         for dead in scope.requests:
-            del self.seqs[dead.request_id]
+            del state.seqs[dead.request_id]
             supply.release_request(dead)
         for top in sorted(scope.tops, key=lambda node: node.depth):
             if top.parent is not None:  # not inside a region removed already
                 self._unindex(top, now)
-        self.stats.aborted_requests += len(scope.requests)
+        state.stats.aborted_requests += len(scope.requests)
         return [dead.request_id for dead in scope.requests]
 
     def _unindex(self, top: Node, now: float) -> None:
         """Take ``top`` and everything below it out of the index; its blocks are free."""
-        supply = self.supply
-        events, offload = supply.events, supply.offload
+        state = self.state
+        index, events, offload = state.index, state.listeners, state.offload
         parent = top.parent
         assert parent is not None
-        namespace = self.index.namespace_of(top)
-        for node, ids, digests in self.index.remove_subtree(top):
-            self.pool.give_back(ids)
-            self.stats.unindexed_blocks += len(ids)
+        namespace = index.namespace_of(top)
+        for node, ids, digests in index.remove_subtree(top):
+            state.pool.give_back(ids)
+            state.stats.unindexed_blocks += len(ids)
             if events.callbacks:
                 events.emit(BlockRemoved(split_digests(digests), namespace))
             if offload is not None:
                 offload.drop_below(node)
-        if parent.parent is not None and supply.evictor.evictable(parent):
-            supply.evictor.push(parent, now)
+        if parent.parent is not None and state.evictor.evictable(parent):
+            state.evictor.push(parent, now)
 
     def _abort_scope(self, seq: RequestState) -> AbortScope:
         """``seq`` and every live request that relies on K/V it (or they, in turn) has not
         written yet, plus the top node of each one's unwritten indexed blocks. The forks of a
         fork released already count too: they read what ``seq`` never wrote through it."""
-        seqs = self.seqs
+        seqs = self.state.seqs
         doomed, seen, tops = [seq], {id(seq)}, []
         chain = [seq]  # the doomed and the released forks between them
         region: set[int] = set()  # ids of nodes in unwritten regions
@@ -194,7 +188,7 @@ class StepLedger:
             node = node.parent
         assert node.parent is not None and node.depth <= start < node.end
         if node.depth < start:
-            self.index.split(node, start - node.depth)  # ``node`` keeps the lower part
+            self.state.index.split(node, start - node.depth)  # ``node`` keeps the lower part
         return node
 
     # ---- views ----------------------------------------------------------------------------

@@ -4,8 +4,6 @@ nothing; numpy integers are taken wherever ints are."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 
@@ -52,7 +50,7 @@ def test_a_wrong_priority_is_typed_and_changes_nothing(priority: object) -> None
     mgr.check_integrity()
 
 
-def test_introspection_goes_through_internals_and_old_names_warn() -> None:
+def test_introspection_goes_through_internals() -> None:
     mgr = CacheManager(8, 4, stepped=True)
     mgr.admit("a", list(range(10)))
     inside = mgr.internals
@@ -62,12 +60,17 @@ def test_introspection_goes_through_internals_and_old_names_warn() -> None:
     assert inside.step_holds == ([], []) and inside.listener_errors == 0
     assert inside.clock_ticks > 0 and dict(inside.pins) == {}
     for name in ("states", "pins", "pending_blocks", "step_holds", "clock_ticks"):
-        with pytest.warns(DeprecationWarning, match=f"internals.{name}"):
-            old = getattr(mgr, name)
-        assert old == getattr(inside, name) or dict(old) == dict(getattr(inside, name))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        mgr.internals.listener_errors  # noqa: B018 - the accessor itself never warns
+        assert not hasattr(mgr, name)  # read through internals alone
+
+
+def test_internals_taken_before_a_reset_read_the_state_after_it() -> None:
+    mgr = CacheManager(8, 4, stepped=True, host_blocks=4)
+    inside = mgr.internals
+    mgr.admit("a", list(range(10)))
+    mgr.pin(list(range(8)))
+    mgr.reset(force=True)
+    assert dict(inside.states) == {} and dict(inside.pins) == {}
+    assert inside.radix_index is mgr.index and inside.pending_blocks == frozenset()
 
 
 def test_reset_builds_a_new_state_and_keeps_what_outlives_it() -> None:

@@ -19,8 +19,9 @@ from prefixcache.blocks.host_tier import HostBlock, HostTier
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.radix import MatchResult, Node
 from prefixcache.manager.block_events import BlockRemoved, BlockStored
+from prefixcache.manager.listeners import Listeners
 from prefixcache.manager.lower_tiers.transfers import Load, Offload, TransferModel, Transfers
-from prefixcache.manager.state import CacheState
+from prefixcache.manager.stats import CacheStats
 
 D: Final = DIGEST_SIZE
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
@@ -50,15 +51,20 @@ class HostOffload:
     )
 
     def __init__(
-        self, state: CacheState, tier: HostTier, transfer_model: TransferModel | None
+        self,
+        tier: HostTier,
+        hasher: BlockHasher,
+        stats: CacheStats,
+        events: Listeners,
+        transfer_model: TransferModel | None,
     ) -> None:
-        self.tier = tier  # its index is the state's, that of every later state too
-        self.hasher: BlockHasher = state.hasher
-        self.block_size = state.block_size
-        self.block_bytes = state.index.block_bytes
+        self.tier = tier  # its index is the manager's (a reset gives it the new one)
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+        self.block_bytes = 4 * hasher.block_size  # int32 token ids per block
         self.transfer_model = transfer_model  # None: always load what is found
-        self.stats = state.stats  # the counters and listeners outlive a reset
-        self.events = state.listeners
+        self.stats = stats
+        self.events = events
         self.offloads: list[Offload] = []  # since the last take_transfers()
         self.loads: list[Load] = []
 

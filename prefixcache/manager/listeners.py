@@ -1,0 +1,42 @@
+"""The callables that receive a manager's block events, shared by the manager's state and the
+tiers below the GPU that announce what they store and drop."""
+
+from __future__ import annotations
+
+import logging
+
+from prefixcache.manager.block_events import CacheEvent, EventListener
+
+log = logging.getLogger("prefixcache.manager")
+
+
+class Listeners:
+    """The callables that receive the manager's BlockStored / BlockRemoved / AllBlocksCleared
+    events. ``callbacks`` is replaced, never changed in place, so an event being sent keeps the
+    list it started with; an empty list means no event needs building."""
+
+    __slots__ = ("callbacks", "errors")
+
+    def __init__(self) -> None:
+        self.callbacks: list[EventListener] = []
+        self.errors = 0  # exceptions raised by listeners (logged, then ignored)
+
+    def add(self, listener: EventListener) -> None:
+        """Call ``listener`` with every later event."""
+        self.callbacks = [*self.callbacks, listener]
+
+    def remove(self, listener: EventListener) -> None:
+        """Stop calling ``listener``; ValueError when it was not added."""
+        callbacks = list(self.callbacks)
+        callbacks.remove(listener)
+        self.callbacks = callbacks
+
+    def emit(self, event: CacheEvent) -> None:
+        """Send ``event`` to every listener. Events go out in the middle of an operation, so an
+        exception from a listener is logged and counted, never raised."""
+        for listener in self.callbacks:
+            try:
+                listener(event)
+            except Exception:  # mid-operation: raising here would leave the state half-changed
+                self.errors += 1
+                log.exception("event listener %r failed on %s", listener, type(event).__name__)
