@@ -63,7 +63,7 @@ from prefixcache.manager.argument_checks import (
 from prefixcache.manager.block_events import AllBlocksCleared, EventListener
 from prefixcache.manager.block_indexing import BlockIndexer
 from prefixcache.manager.block_supply import BlockSupply
-from prefixcache.manager.integrity import check_manager
+from prefixcache.manager.integrity import check_state
 from prefixcache.manager.lower_tiers.store_tier import BlockPresence
 from prefixcache.manager.lower_tiers.transfers import StoreWrite, TransferModel, Transfers
 from prefixcache.manager.request_blocks import RequestBlocks
@@ -455,9 +455,7 @@ class CacheManager:
 
     def block_counts(self) -> BlockCounts:
         """Free, active (held by requests, pins or the step) and cached (evictable) blocks."""
-        state = self._state
-        active = state.index.active_blocks + state.pool.num_private
-        return BlockCounts(state.pool.num_free, active, self._supply.evictable())
+        return self._state.block_counts()
 
     # ---- events ---------------------------------------------------------------------------
     def add_listener(self, listener: EventListener) -> None:
@@ -498,4 +496,4 @@ class CacheManager:
 
     def check_integrity(self) -> None:
         """Assert every invariant the bookkeeping can see (docs/architecture.md). O(cache)."""
-        check_manager(self)
+        check_state(self._state)

@@ -1,4 +1,5 @@
-"""Full invariant check of a CacheManager (the invariants of docs/architecture.md), for tests."""
+"""Full invariant check of a manager's state (the invariants of docs/architecture.md), for
+tests: ``CacheManager.check_integrity``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from prefixcache.blocks.radix import TokenGroup
 
 if TYPE_CHECKING:
     from prefixcache.blocks.radix import Node
-    from prefixcache.manager.cache_manager import CacheManager
+    from prefixcache.manager.state import CacheState
 
 
 class IntegrityError(AssertionError):
@@ -24,27 +25,27 @@ def _require(cond: bool, msg: str) -> None:
         raise IntegrityError(msg)
 
 
-def check_manager(mgr: CacheManager) -> None:
+def check_state(state: CacheState) -> None:
     """Raise IntegrityError at the first invariant the manager's state breaks."""
-    _check_gpu(mgr)
-    check_host_tier(mgr)
+    _check_gpu(state)
+    check_host_tier(state)
 
 
-def _check_tenants(mgr: CacheManager) -> None:
+def _check_tenants(state: CacheState) -> None:
     """With tenant shares: every evictable leaf is filed in its tenant's heap (or the common
     one), the counters are not negative, and the shares still fit the pool."""
-    shares = mgr.shares
+    shares = state.shares()
     if shares is None:
         return
-    evictor = mgr.evictor
-    _require(sum(s.guaranteed for s in shares.values()) <= mgr.num_blocks, "guarantees overflow")
-    for tenant, row in mgr.tenant_stats().items():
+    evictor = state.evictor
+    _require(sum(s.guaranteed for s in shares.values()) <= state.num_blocks, "guarantees overflow")
+    for tenant, row in state.tenant_stats().items():
         _require(min(row[3:]) >= 0, f"tenant {tenant!r} has a negative counter")
         _require(row.evicted_by_others <= row.evicted_blocks, "more evicted by others than all")
     heaps = getattr(evictor, "heaps", {})
     filed = {tenant: heap.filed_ids() for tenant, heap in heaps.items()}
     common = evictor.filed_ids()
-    for node in mgr.index.iter_nodes():
+    for node in state.index.iter_nodes():
         if not evictor.evictable(node):
             continue
         assert node.namespace is not None
@@ -53,15 +54,15 @@ def _check_tenants(mgr: CacheManager) -> None:
         _require(id(node) in ids, "an evictable leaf is not filed in its tenant's eviction heap")
 
 
-def _check_gpu(mgr: CacheManager) -> None:
-    index, pool, p = mgr.index, mgr.pool, mgr.block_size
+def _check_gpu(state: CacheState) -> None:
+    index, pool, p = state.index, state.pool, state.block_size
     bb = 4 * p
     tree_blocks: list[int] = []
     expected_ref: Counter[int] = Counter()
-    states, pins = mgr.internals.states, mgr.internals.pins
+    states, pins = state.seqs, state.pins
     holders = [s.deepest for s in states.values()] + list(pins.values())
     holders += [s.copy_source for s in states.values()]
-    step_nodes, step_refs = mgr.internals.step_holds
+    step_nodes, step_refs = [node for node, _ in state.holds], state.refs
     holders += step_nodes
     for node in holders:
         while node is not None and node.parent is not None:
@@ -76,7 +77,7 @@ def _check_gpu(mgr: CacheManager) -> None:
             bool(root.children or root.host_children), "a namespace root without children is kept"
         )
         assert root.namespace is not None
-        _require(bytes(root.digests) == mgr.hasher.seed(root.namespace), "root seed is wrong")
+        _require(bytes(root.digests) == state.hasher.seed(root.namespace), "root seed is wrong")
         stack: list[Node] = [root]
         while stack:
             node = stack.pop()
@@ -127,7 +128,7 @@ def _check_gpu(mgr: CacheManager) -> None:
                 "children hold more than their parent",
             )
             _require(not node.on_host, "a host node is among GPU children")
-            _require(_chain_holds(mgr, node), "stored digest breaks the chain")
+            _require(_chain_holds(state, node), "stored digest breaks the chain")
             tree_blocks.extend(node.blocks)
             assert node.namespace is not None
             tenant_blocks[node.namespace.salt] += n
@@ -140,7 +141,7 @@ def _check_gpu(mgr: CacheManager) -> None:
         dict(tenant_blocks) == index.tenant_blocks,
         f"tenant block counts {index.tenant_blocks} != {dict(tenant_blocks)}",
     )
-    _check_tenants(mgr)
+    _check_tenants(state)
 
     private_refs: Counter[int] = Counter()
     for seq in states.values():
@@ -162,11 +163,11 @@ def _check_gpu(mgr: CacheManager) -> None:
         _require(pool.refcount[b] > 0, f"private block {b} has no owner")
         _require(pool.refcount[b] == private_refs[b], f"private block {b} refcount is wrong")
     _require(set(private_refs) == set(private), "a request lists a block it does not own")
-    counts = mgr.block_counts()
+    counts = state.block_counts()
     _require(counts.total == pool.num_blocks, "block states do not add up")
 
     tree_set = set(tree_blocks)
-    pending = mgr.internals.pending_blocks
+    pending = state.pending_blocks()
     _require(pending <= tree_set, "a pending block is not in the index")
     own: list[int] = []
     for rid, seq in states.items():
@@ -179,7 +180,7 @@ def _check_gpu(mgr: CacheManager) -> None:
             tail = set(index.path_blocks(seq.deepest)[seq.pending_start :])
             _require(set(seq.pending) <= tail, f"{rid!r}: a pending block is not on its path")
     _require(len(own) == len(set(own)), "a block is pending for two requests")
-    if not mgr.stepped:
+    if not state.stepped:
         _require(not step_nodes and not step_refs, "step holds without steps")
     for handle, node in pins.items():
         _require(
@@ -190,7 +191,7 @@ def _check_gpu(mgr: CacheManager) -> None:
         _require(len(seq.table) == -(-seq.num_tokens // p), f"{rid!r}: table length is wrong")
         _require(set(seq.private) <= set(seq.table), f"{rid!r}: private block not in table")
         _require(len(set(seq.private)) == len(seq.private), f"{rid!r}: private block twice")
-        path = mgr.index.path_blocks(seq.deepest)
+        path = state.index.path_blocks(seq.deepest)
         _require(len(path) <= seq.num_tokens // p, f"{rid!r}: path longer than its full blocks")
         for i, b in enumerate(seq.table):
             if i >= len(path) or b != path[i]:
@@ -205,12 +206,12 @@ def _check_gpu(mgr: CacheManager) -> None:
             node = node.parent
 
 
-def _chain_holds(mgr: CacheManager, node: Node) -> bool:
+def _chain_holds(state: CacheState, node: Node) -> bool:
     """Whether the node's digests are those of its tokens, chained from its parent's last."""
     assert node.parent is not None
-    p = mgr.block_size
+    p = state.block_size
     tokens = np.frombuffer(bytes(node.tokens), dtype="<i4")
-    digests = mgr.hasher.hash_blocks(
+    digests = state.hasher.hash_blocks(
         np.concatenate([np.zeros(node.depth * p, dtype="<i4"), tokens]),
         node.parent.last_digest(),
         node.depth,
@@ -219,18 +220,18 @@ def _chain_holds(mgr: CacheManager, node: Node) -> bool:
     return b"".join(digests) == bytes(node.digests)
 
 
-def check_host_tier(mgr: CacheManager) -> None:
+def check_host_tier(state: CacheState) -> None:
     """The host tier's invariants: host nodes' links, places and chains, exclusivity with the
     GPU's blocks, slots, the block count, stamps and the leaf LRU."""
-    host = mgr.host
+    host = state.host
     if host is None:
         return
-    _require(host.index is mgr.index, "the host tier works on another index")
-    bb = mgr.index.block_bytes
+    _require(host.index is state.index, "the host tier works on another index")
+    bb = state.index.block_bytes
     used: list[int] = []
     stamps: list[int] = []
     leaves: list[Node] = []
-    for root in mgr.index.roots.values():
+    for root in state.index.roots.values():
         stack: list[Node] = [root]
         while stack:
             node = stack.pop()
@@ -264,7 +265,7 @@ def check_host_tier(mgr: CacheManager) -> None:
             _require(
                 len(node.digests) == n * D and len(node.tokens) == n * bb, "run lengths differ"
             )
-            _require(_chain_holds(mgr, node), "a host block's digest breaks the chain")
+            _require(_chain_holds(state, node), "a host block's digest breaks the chain")
             used.extend(node.blocks)
             stamps.extend(range(node.stamp, node.stamp + n))
             if not kids:
@@ -273,7 +274,7 @@ def check_host_tier(mgr: CacheManager) -> None:
     slots = used + host.free_slots() + host.deferred
     _require(len(slots) == host.capacity, "host slots are leaked or counted twice")
     _require(set(slots) == set(range(host.capacity)), "host slots are leaked or in two states")
-    if not mgr.stepped:
+    if not state.stepped:
         _require(not host.deferred, "deferred host slots without steps")
     _require(len(set(stamps)) == len(stamps), "two host blocks share a stamp")
     _require(all(0 < s <= host.last_stamp for s in stamps), "a host block's stamp is not given")

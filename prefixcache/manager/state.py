@@ -24,7 +24,7 @@ from prefixcache.manager.listeners import Listeners
 from prefixcache.manager.lower_tiers.host_offload import HostOffload
 from prefixcache.manager.lower_tiers.store_tier import BlockPresence, StoreTier
 from prefixcache.manager.lower_tiers.transfers import StoreWrite, TransferModel, Transfers
-from prefixcache.manager.stats import CacheStats
+from prefixcache.manager.stats import BlockCounts, CacheStats
 from prefixcache.manager.tenant_shares import (
     LOST_LIMIT_FACTOR,
     ShareEvictor,
@@ -267,6 +267,12 @@ class CacheState:
         if self.tenants is None:
             return {}
         return tenant_rows(self.index.tenant_blocks, self.shares() or {}, self.tenants)
+
+    def block_counts(self) -> BlockCounts:
+        """Free, active (held by requests, pins or the step) and cached (evictable) blocks."""
+        pool, index = self.pool, self.index
+        active = index.active_blocks + pool.num_private
+        return BlockCounts(pool.num_free, active, index.num_blocks - index.active_blocks)
 
     def pending_blocks(self) -> frozenset[int]:
         """Indexed blocks whose K/V no ``end_step`` or ``release`` has confirmed yet."""

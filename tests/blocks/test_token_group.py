@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from prefixcache import CacheManager
 from prefixcache.blocks.radix import GROUP_BUCKET, Node, TokenGroup
-from prefixcache.manager.integrity import check_manager
 
 _KEYS = st.binary(min_size=4, max_size=4)
 
@@ -65,7 +64,7 @@ def test_a_crowded_divergence_point_stays_whole() -> None:
     for i in range(5 * GROUP_BUCKET):  # more than the pool holds: branches get evicted too
         m.admit(i, system + rng.integers(100, 10_000, 6).tolist())
         m.release(i)
-    check_manager(m)
+    m.check_integrity()
     (root,) = m.index.roots.values()
     (shared,) = root.children.values()
     (group,) = shared.by_token.values()
@@ -76,7 +75,7 @@ def test_a_crowded_divergence_point_stays_whole() -> None:
     assert got.cached_len == block + 3  # the shared block, then 3 tokens copied from the sibling
     # a prompt that needs the whole pool evicts every branch: the group empties cleanly
     m.admit("big", [10_001] * (block * (capacity - 1)))
-    check_manager(m)
+    m.check_integrity()
     assert not shared.children and shared.by_token is None
 
 
