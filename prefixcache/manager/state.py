@@ -171,8 +171,9 @@ class CacheState:
         self.index = index = RadixIndex(hasher)  # a new one after each reset
         # per-tenant eviction counters: None unless tenant shares (or accounting) are on
         self.tenants: TenantLedger | None = None
-        self.evictor: Evictor = Evictor(policy)
-        if shares is not None:
+        if shares is None:
+            self.evictor: Evictor = Evictor(policy)
+        else:  # the shares' eviction order counts the index's tenants
             self.evictor = ShareEvictor(policy, shares, index.tenant_blocks)
             self.tenants = TenantLedger(LOST_LIMIT_FACTOR * num_blocks)
         self.host: HostTier | None = None  # the host tier: its nodes live in the index
