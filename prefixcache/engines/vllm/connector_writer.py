@@ -3,7 +3,8 @@
 The worker hands ``BlockWriter.take`` a step's computed blocks with a function that copies them
 out of vLLM's cache (the step must do that before vLLM can hand the blocks out again); the
 copies land in record buffers the writer recycles (slabs of several records, allocated once and
-reused: a fresh buffer per step would cost a page fault per 4 KiB, more than the copy), and one
+reused: a fresh buffer per step would cost a page fault per 4 KiB, more than the copy; a step
+fills the rows the last one left, so steps of a few blocks each use the whole bound), and one
 background thread checksums each payload, writes its header and puts the records in batches.
 At most ``queue_blocks`` records wait at once: past it, blocks are dropped and counted, and the
 step never waits. Each write says where the block sits in its chain (a store that evicts by use
@@ -43,11 +44,14 @@ Block = tuple[int, bytes, bytes, bytes | None, int]
 
 
 class _Slab:
-    """Record buffers allocated together; back to the pool once all its records are written."""
+    """Record buffers allocated together, handed out a run of rows at a time (a step's blocks
+    fill the rows the last step left); back to the pool once all its records are written."""
 
     def __init__(self, rows: int, record_bytes: int) -> None:
         self.records = np.empty((rows, record_bytes), np.uint8)
-        self.pending = 0  # records queued and not yet done (changed under the writer's lock)
+        # changed under the writer's lock:
+        self.used = 0  # rows handed out since the slab was last empty
+        self.pending = 0  # records handed out and not yet done
 
 
 class _Item(NamedTuple):
@@ -89,6 +93,7 @@ class BlockWriter:
         self.rows = max(1, min(64, SLAB_BYTES // layout.record_bytes))
         self.max_slabs = max(1, -(-queue_blocks // self.rows))
         self._free: list[_Slab] = []
+        self._filling: _Slab | None = None  # the slab whose next rows are handed out
         self._slabs = 0  # made so far (at most max_slabs)
         self._queue: queue.Queue[_Item | _Touch | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -106,17 +111,16 @@ class BlockWriter:
         header = self.layout.header_bytes
         done = 0
         while done < len(blocks):
-            slab = self._slab()
-            if slab is None:
+            rows = self._rows(len(blocks) - done)
+            if rows is None:
                 break
-            chunk = blocks[done : done + self.rows]
-            fill([b[0] for b in chunk], slab.records[: len(chunk), header:])
-            with self._lock:
-                slab.pending = len(chunk)
-            for row, (_, digest, fingerprint, parent, index) in enumerate(chunk):
+            slab, first, n = rows
+            chunk = blocks[done : done + n]
+            fill([b[0] for b in chunk], slab.records[first : first + n, header:])
+            for row, (_, digest, fingerprint, parent, index) in enumerate(chunk, first):
                 place = BlockPlace(parent, index)
                 self._queue.put(_Item(digest, fingerprint, place, digest in replace, slab, row))
-            done += len(chunk)
+            done += n
         dropped = len(blocks) - done
         self.tally.add("queued_blocks", done)
         if dropped:
@@ -124,15 +128,25 @@ class BlockWriter:
             with self._lock:
                 self._settled += dropped
 
-    def _slab(self) -> _Slab | None:
-        """A free slab, a new one under the bound, or None."""
+    def _rows(self, wanted: int) -> tuple[_Slab, int, int] | None:
+        """Up to ``wanted`` free rows in one slab, as (slab, first row, count), held for the
+        caller to fill; None when every row the bound allows is taken."""
         with self._lock:
-            if self._free:
-                return self._free.pop()
-            if self._slabs >= self.max_slabs:
-                return None
-            self._slabs += 1
-        return _Slab(self.rows, self.layout.record_bytes)
+            slab = self._filling
+            if slab is None or slab.used == self.rows:
+                if self._free:
+                    slab = self._free.pop()
+                elif self._slabs < self.max_slabs:
+                    self._slabs += 1
+                    slab = _Slab(self.rows, self.layout.record_bytes)
+                else:
+                    return None
+                self._filling = slab
+            first = slab.used
+            n = min(wanted, self.rows - first)
+            slab.used += n
+            slab.pending += n
+        return slab, first, n
 
     def touch(self, digests: list[bytes]) -> None:
         """Tell the store, off the step's path, that these blocks were just loaded (a store
@@ -213,6 +227,9 @@ class BlockWriter:
         with self._lock:
             self._settled += len(items)
             for item in items:
-                item.slab.pending -= 1
-                if item.slab.pending == 0:
-                    self._free.append(item.slab)
+                slab = item.slab
+                slab.pending -= 1
+                if slab.pending == 0:  # every row handed out is written: all free again
+                    slab.used = 0
+                    if slab is not self._filling:
+                        self._free.append(slab)
