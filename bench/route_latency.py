@@ -3,7 +3,7 @@
     python bench/route_latency.py [--routes 400] [--repeats 5] [--tokens 8192] [--replicas 16]
     python bench/route_latency.py --auth [--routes 300] [--repeats 6]
     python bench/route_latency.py --attribution [--routes 400] [--repeats 7]
-    python bench/route_latency.py --whatif [--counterfactual 0.01] [--routes 400] [--repeats 7]
+    python bench/route_latency.py --whatif [--routes 400] [--repeats 7]
 
 In process: ``Router.route`` on an int32 array and on a Python list (what a JSON body gives),
 each route counted as load and released. Over HTTP: the service in a uvicorn subprocess on
@@ -26,8 +26,7 @@ service's index holds the prompts under the namespace its routes see, so both do
 against the engine's figure on release, the attribution sums): two apps in this process, one
 with ``delivery: {enabled: false}``, routes alternating ABBA; p50, p99 and CPU per route +
 release on each side and their ratios (target: p99 and CPU within 3%). ``--whatif``: the same
-for the live what-if curves (1% sampling, the default), the delivery check off on both sides;
-with ``--counterfactual RATE`` the "on" side runs the shadow fleets too.
+for the live what-if curves (1% sampling, the default), the delivery check off on both sides.
 
 The index is the in-memory fleet index (``prefixcache.fleet.index.memory``). Every
 replica holds a different depth of one of four prompt families (0 to 100% of the prompt), so each
@@ -249,13 +248,8 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
     def app(enabled: bool) -> Any:
         router, _, _ = build(args.tokens, args.replicas)
         whatif: dict[str, Any] = {"enabled": enabled if section == "whatif" else False}
-        if enabled and section == "whatif" and args.counterfactual:
-            whatif["counterfactual_rate"] = args.counterfactual
-        replica: dict[str, Any] = {"model": MODEL}
-        if args.counterfactual:  # the shadows size their replicas from the capacities
-            replica["capacity_blocks"] = 32_768
         data: dict[str, Any] = {
-            "replicas": [{"name": s.name, **replica} for s in router.replicas()],
+            "replicas": [{"name": s.name, "model": MODEL} for s in router.replicas()],
             "limits": {"max_body_bytes": 64 * args.tokens, "max_prompt_tokens": 2 * args.tokens},
             "delivery": {"enabled": enabled if section == "delivery" else False},
             "whatif": whatif,
@@ -274,13 +268,7 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
             )
             for on in (False, True)
         }
-        shadows = apps[True].state.service.shadows  # the shadow fleets' process, if any
         for repeat in range(args.repeats + 1):  # the first is a warm-up
-            if repeat == 1 and shadows is not None:  # what the child has used so far
-                child_cpu[0] = (await clients[True].get("/v1/whatif")).json()["counterfactuals"][
-                    "cpu_seconds"
-                ]
-                child_cpu[1] = shadows.sender_cpu
             times: dict[bool, list[float]] = {False: [], True: []}
             for i in range(2 * args.routes):
                 on = bool(i % 2) != bool((i // 2) % 2)  # ABBA order
@@ -304,24 +292,15 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
         else:
             curves = (await clients[True].get("/v1/whatif")).json()
             assert curves["window"]["routed_requests"] == (args.repeats + 1) * args.routes
-            if shadows is not None:
-                c = curves["counterfactuals"]
-                assert c["routed_requests"] == (args.repeats + 1) * args.routes, c
-                child_cpu[0] = c["cpu_seconds"] - child_cpu[0]
-                child_cpu[1] = shadows.sender_cpu - child_cpu[1]
-                shadows.close()
         for client in clients.values():
             await client.aclose()
         return samples, cpu
 
-    child_cpu = [0.0, 0.0]  # the shadows' process and their sender thread, measured repeats
     samples, cpu = asyncio.run(run())
     n = args.repeats * args.routes
     p50 = {k: statistics.median(v[0] for v in samples[k]) * 1e3 for k in samples}
     p99 = {k: statistics.median(v[1] for v in samples[k]) * 1e3 for k in samples}
     what = "delivery check and attribution" if section == "delivery" else "what-if curves (1%)"
-    if section == "whatif" and args.counterfactual:
-        what += f" and shadow fleets ({args.counterfactual:.1%} of blocks)"
     print(
         f"{what}, in process (ASGI), {args.tokens}-token routes with a "
         f"request id, each released with the engine's cached tokens; medians of {args.repeats} "
@@ -338,14 +317,6 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
         f"  ratio p50 {ratios[0]:.3f}, p99 {ratios[1]:.3f}, CPU {ratios[2]:.3f}  "
         f"(target p99 and CPU <= 1.03: {verdict})"
     )
-    if section == "whatif" and args.counterfactual:
-        print(
-            f"  the shadow fleets' own process: {child_cpu[0] / n * 1e6:.1f} us of CPU per route "
-            f"(not in the router's); their sender thread in the router's process "
-            f"{child_cpu[1] / n * 1e6:.1f} us per route (counted above, on either side); the "
-            f"router's and the shadows' CPU together against off: "
-            f"{(cpu[True] + child_cpu[0]) / cpu[False]:.3f}"
-        )
 
 
 def _report(where: str, samples: dict[bool, list[tuple[float, float]]]) -> float:
@@ -558,12 +529,6 @@ def main() -> None:
         "--attribution", action="store_true", help="only the delivery check's cost, on vs off"
     )
     ap.add_argument("--whatif", action="store_true", help="only the what-if curves' cost, on/off")
-    ap.add_argument(
-        "--counterfactual",
-        type=float,
-        default=0.0,
-        help="with --whatif: the shadow fleets on too, sampling this share of blocks",
-    )
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""The estimator the live curves and the shadow fleets share: a sample short of (or over) what
+"""The live curves' estimator: a sample short of (or over) what
 its rate promises is corrected by what its random groups show; a shortfall far past chance is
 hot blocks the sample missed, counted as hits; a stratum the sample missed by chance takes the
 others' share; the jackknife error widens where a few groups carry the hits."""

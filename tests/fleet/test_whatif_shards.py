@@ -21,14 +21,13 @@ from hypothesis import strategies as st
 
 from prefixcache import CacheManager, Namespace
 from prefixcache.blocks.hashing import BlockHasher
-from prefixcache.fleet.whatif.shadow_fleets import sample_prompt
 from prefixcache.fleet.whatif.shards import (
     MIN_SAMPLED_BLOCKS,
     MIN_TREE,
     ShardsSampler,
     _bucket,
-    sampled_depths,
     sampled_hashes,
+    sampling_threshold,
 )
 from tests.fleet_support import exact_prefix_lru
 
@@ -214,26 +213,21 @@ def test_reuse_distances_stay_exact_when_the_tree_is_renumbered():
     rate=st.sampled_from([1e-3, 0.01, 0.05, 0.5, 1.0]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_sampled_hashes_and_depths_are_the_threshold_test_on_every_digest(
+def test_sampled_hashes_are_the_threshold_test_on_every_digest(
     width: int, firsts: list[int], rate: float, seed: int
 ) -> None:
     """The first-byte test that passes over most digests picks exactly the digests whose first
     8 bytes are under the threshold, whatever their width."""
     rng = np.random.default_rng(seed)
     digests = [bytes([b]) + rng.bytes(width - 1) for b in firsts]
-    threshold = min(1 << 64, int(rate * (1 << 64)))
+    threshold = sampling_threshold(rate)
+    assert threshold == min(1 << 64, int(rate * (1 << 64)))
     under = [i for i, d in enumerate(digests) if int.from_bytes(d[:8], "big") < threshold]
     assert sampled_hashes(digests, threshold) == [
         (int.from_bytes(digests[i][:8], "big"), i) for i in reversed(under)
     ]
-    assert sampled_depths(digests, threshold) == under
     uneven = [d + b"\0" * (k % 3) for k, d in enumerate(digests)]
-    assert sampled_depths(uneven, threshold) == under
-    # the shadows' cut from hashes the curves picked at this threshold or a higher one
-    own = sample_prompt(digests, rate)
-    assert own.depths == under
-    for higher in (threshold, min(1 << 64, 2 * threshold)):
-        assert sample_prompt(digests, rate, sampled_hashes(digests, higher)) == own
+    assert [i for _, i in sampled_hashes(uneven, threshold)] == under[::-1]
 
 
 def test_a_sample_too_small_to_answer_says_so():

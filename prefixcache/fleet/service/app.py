@@ -132,7 +132,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if ingest is not None:
             await run_in_threadpool(ingest.stop)
         await service.http_client.close()
+        await run_in_threadpool(service.counterfactuals.close)
         if service.recorder is not None:
             service.recorder.close()
-        if service.shadows is not None:
-            await run_in_threadpool(service.shadows.close)

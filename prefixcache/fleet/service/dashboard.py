@@ -6,8 +6,9 @@ reloading: each replica's state (up, degraded and why, in flight, blocks the ind
 what-if curves (``/v1/whatif``: token hit rate against KV capacity, each replica's and the
 fleet's as one cache, drawn as SVG on a log axis; the table gives each point with two standard
 errors, the rate sampled now and the one asked for, and no figure for a curve whose sample is
-too small to answer), the shadow fleets' answers (N-1, N+1
-and 2N replicas, each other policy) with their errors and warnings, and where reuse went per
+too small to answer; no fleet line for replicas of several block sizes), the counterfactual
+fleets (N-1, N+1 and 2N replicas, each other policy: the last replay of the recorded trace, and
+a button that starts one, ``POST /v1/whatif/counterfactuals``), and where reuse went per
 tenant and model (``/v1/stats``: available, captured, delivered). With API keys the endpoints
 want an operator key: the page asks for one and keeps it in the tab's session storage only.
 """
@@ -44,9 +45,10 @@ PAGE = """<!doctype html>
 <svg id="curves" width="720" height="320" role="img" aria-label="what-if curves"></svg>
 <table id="points"><thead></thead><tbody></tbody></table>
 <h2>Other fleets, same traffic</h2>
-<div class="muted" id="shadows-note"></div>
-<table id="shadows"><thead><tr><th>Fleet</th><th>Replicas</th><th>Policy</th>
-<th>Token hit rate</th><th>&plusmn;</th></tr></thead><tbody></tbody></table>
+<div class="muted" id="counterfactuals-note"></div>
+<button id="replay">Replay the recorded window</button>
+<table id="counterfactuals"><thead><tr><th>Fleet</th><th>Replicas</th><th>Policy</th>
+<th>Token hit rate</th><th>Replay</th></tr></thead><tbody></tbody></table>
 <h2>Where reuse went</h2>
 <table id="attribution"><thead><tr><th>Tenant</th><th>Model</th><th>Requests</th>
 <th>Available</th><th>Captured</th><th>Delivered</th></tr></thead><tbody></tbody></table>
@@ -61,15 +63,17 @@ document.getElementById("key").addEventListener("submit", (e) => {
   sessionStorage.setItem("prefixcache-key", document.getElementById("keyvalue").value);
   refresh();
 });
-async function get(path) {
+async function get(path, method) {
   const headers = key() ? {"authorization": "Bearer " + key()} : {};
-  const r = await fetch(path, {headers});
+  const r = await fetch(path, {headers, method: method || "GET"});
   if (r.status === 401 || r.status === 403) {
     document.getElementById("key").style.display = "block";
     throw new Error("an operator key is needed");
   }
-  if (!r.ok) throw new Error(path + " answered " + r.status);
-  return r.json();
+  const body = await r.json();
+  if (!r.ok) throw new Error(path + " answered " + r.status + ": " +
+    ((body.error || {}).message || ""));
+  return body;
 }
 function pct(x) { return (100 * x).toFixed(1) + "%"; }
 function ratePct(x) { return x >= 0.01 ? pct(x) : (100 * x).toPrecision(2) + "%"; }
@@ -129,7 +133,7 @@ function drawCurves(w) {
   const lowered = !sampling.rate_lowered ? "" :
     ` (asked ${ratePct(sampling.requested_rate)}, lowered to stay within ` +
     "whatif.max_memory_mib)";
-  const few = all.filter((c) => c.too_few_sampled).map((c) => c.name);
+  const few = all.filter((c) => c.too_few_sampled && c.points.length).map((c) => c.name);
   const tooFew = !few.length ? "" :
     `; too few sampled blocks to answer for ${few.join(", ")} (under ` +
     `${all[0].min_sampled_blocks}): raise whatif.rate or wait for more traffic`;
@@ -138,32 +142,43 @@ function drawCurves(w) {
   note.textContent =
     `sampling ${ratePct(sampling.rate)} of blocks${lowered}, ` +
     `${w.window.routed_requests} routed requests in ${Math.round(w.window.seconds)} s; ` +
-    `LRU estimate (SHARDS), \u00b1 two standard errors${tooFew}`;
+    `LRU estimate (SHARDS), \u00b1 two standard errors${tooFew}` +
+    (w.fleet.mixed_block_sizes ? `; no fleet line: the replicas' block sizes differ ` +
+      `(${w.fleet.mixed_block_sizes.join(", ")})` : "");
 }
-function drawShadows(c) {
-  fill("shadows", c.scenarios, (row, r) => {
+let replayError = "";  // why the last start was refused, until one is not
+function drawCounterfactuals(c) {
+  fill("counterfactuals", c.scenarios, (row, r) => {
     cell(row, r.scenario); cell(row, r.replicas); cell(row, r.policy);
     cell(row, r.token_hit_rate === null ? "-" : pct(r.token_hit_rate));
-    cell(row, r.stderr === null ? "" : (100 * r.stderr).toFixed(1) + " pp");
+    cell(row, r.seconds === null ? "" : r.seconds.toFixed(1) + " s");
   });
-  const note = document.getElementById("shadows-note");
-  note.className = c.too_small || c.shared_prefix_unsampled ? "bad" : "muted";
-  if (!c.rate) {
-    note.textContent = "off: set whatif.counterfactual_rate to run shadow fleets";
-    return;
-  }
-  let text = `shadow fleets on ${pct(c.rate)} of blocks: ${c.sampled_blocks} blocks of ` +
-    `${c.sampled_requests} requests, replicas of ${c.shadow_capacity_blocks} blocks; ` +
-    "no load in a shadow";
-  if (c.too_small) text += "; too small to trust: raise the rate";
-  if (c.shared_prefix_unsampled) text += "; a prefix many requests share is unsampled: " +
-    "raise the rate";
-  if (c.dropped_requests) {
-    text += `; ${c.dropped_requests} requests dropped (the shadows fell behind)`;
-  }
-  if (c.error) { text += "; " + c.error; note.className = "bad"; }
-  note.textContent = text;
+  const note = document.getElementById("counterfactuals-note");
+  note.className = c.state === "failed" ? "bad" : "muted";
+  document.getElementById("replay").disabled = c.state === "running";
+  const when = c.finished_at ? new Date(1000 * c.finished_at).toLocaleTimeString() : "";
+  const span = c.window_requests === null || c.window_requests === undefined ? "" :
+    ` over ${c.window_requests} recorded requests`;
+  note.textContent = {
+    idle: "no replay yet: replay the recorded window (needs --record-trace)",
+    running: `replaying${span}: ${c.scenarios.filter((r) => r.seconds !== null).length} ` +
+      `of ${c.scenarios.length} fleets done`,
+    done: `replay${span}, replicas of ${c.capacity_blocks} blocks, finished ${when}; ` +
+      "the prompts alone, no load",
+    failed: `the replay failed: ${c.error}`,
+  }[c.state] + (replayError ? "; " + replayError : "");
+  if (replayError) note.className = "bad";
 }
+document.getElementById("replay").addEventListener("click", async () => {
+  try {
+    const state = await get("/v1/whatif/counterfactuals", "POST");
+    replayError = "";
+    drawCounterfactuals(state);
+  } catch (err) {
+    replayError = String(err);
+    drawCounterfactuals(await get("/v1/whatif/counterfactuals"));
+  }
+});
 async function refresh() {
   try {
     const [reps, whatif, stats] = await Promise.all(
@@ -178,7 +193,7 @@ async function refresh() {
       cell(row, r.degraded_reason || r.down_reason || "", "reason");
     });
     drawCurves(whatif);
-    drawShadows(whatif.counterfactuals);
+    drawCounterfactuals(whatif.counterfactuals);
     fill("attribution", stats.attribution, (row, a) => {
       const p = a.prompt_tokens || 1;
       cell(row, a.tenant || "(none)"); cell(row, a.model); cell(row, a.requests);

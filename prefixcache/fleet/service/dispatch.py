@@ -46,8 +46,8 @@ from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.service.replica_client import ReplicaClient
+from prefixcache.fleet.whatif.counterfactual_replay import CounterfactualReplay
 from prefixcache.fleet.whatif.live_curves import LiveCurves
-from prefixcache.fleet.whatif.shadow_process import ShadowProcess
 from prefixcache.fleet.whatif.trace_recorder import TraceRecorder
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.prefix_tokenizer import PrefixTokenizer
@@ -103,17 +103,14 @@ class FleetService:
         # what more memory would buy, from the prompts routed (sampled; the router feeds it)
         self.whatif = LiveCurves(config.whatif, router.replicas)
         metrics.watch_whatif(self.whatif)
-        # N-1, N+1, 2N replicas and the other policies, as miniature fleets on a sample
-        # (in a process of their own, started here and stopped with the app)
-        self.shadows: ShadowProcess | None = None
-        if config.whatif.enabled and config.whatif.counterfactual_rate > 0:
-            specs = [r.spec() for r in config.replicas]
-            rate = config.whatif.counterfactual_rate
-            self.shadows = ShadowProcess(specs, router.policy, rate)
         # what was routed, for offline replay (closed when the app stops)
         self.recorder: TraceRecorder | None = None
         if config.record_trace.path is not None:
-            self.recorder = TraceRecorder(config.record_trace)
+            sizes = [r.block_size for r in config.replicas]
+            self.recorder = TraceRecorder(config.record_trace, sizes)
+        # N-1, N+1, 2N replicas and the other policies: the replay of the recorded trace, run
+        # on request off the route path (stopped with the app)
+        self.counterfactuals = CounterfactualReplay(self.recorder, router.replicas, router.policy)
         if config.whatif.enabled or self.recorder is not None:
             router.attach_observer(self._observe_route)
         self._block_sizes = {r.name: r.block_size for r in config.replicas}
@@ -129,14 +126,9 @@ class FleetService:
     def _observe_route(
         self, replica: str, digests: Sequence[bytes], prompt_tokens: int, block_size: int
     ) -> None:
-        """Every route: the live curves' sample, the shadow fleets and the recorded trace (the
-        curves pick the sampled digests for the shadows too: one pass over the digests)."""
-        picks = None
+        """Every route: the live curves' sample and the recorded trace."""
         if self.config.whatif.enabled:
-            at_least = self.shadows.threshold if self.shadows is not None else 0
-            picks = self.whatif.observe(replica, digests, prompt_tokens, block_size, at_least)
-        if self.shadows is not None:
-            self.shadows.offer(digests, prompt_tokens, picks)
+            self.whatif.observe(replica, digests, prompt_tokens, block_size)
         if self.recorder is not None:
             self.recorder.record(digests, prompt_tokens, block_size)
 

@@ -2,7 +2,8 @@
 counted in the ``prefixcache_http_errors`` metric by endpoint and status.
 
 A typed error (``PrefixCacheError``) gets the status its kind names (``status_of``), including the
-service's own ``TooManyRequestsError`` (429) and ``BodyTimeoutError`` (408); an unknown
+service's own ``TooManyRequestsError`` (429), ``BodyTimeoutError`` (408) and
+``CounterfactualUnavailableError`` (409); an unknown
 path (404) or a wrong method (405) answers in the same shape; a body nested too deeply for any
 step that reads it is a 400; anything unforeseen is a 500 in the same shape, counted too. A
 client that goes away before its body has arrived is not an error: it is counted in
@@ -32,6 +33,7 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
+from prefixcache.fleet.whatif.counterfactual_replay import CounterfactualUnavailableError
 
 
 class TooManyRequestsError(PrefixCacheError, RuntimeError):
@@ -55,6 +57,7 @@ _STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
     (UnknownRequestError, 404),
     (UnknownReplicaError, 404),
     (DuplicateRequestError, 409),
+    (CounterfactualUnavailableError, 409),
     (NoHealthyReplicaError, 503),
     (MalformedJSONError, 400),
     (ConfigError, 500),

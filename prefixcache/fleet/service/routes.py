@@ -1,11 +1,13 @@
-"""The service's own endpoints: ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
-``GET /v1/replicas``, ``POST /v1/replicas/{name}/probe``, ``GET /v1/models``, ``GET /v1/stats``,
-``GET /v1/whatif``, ``GET /dashboard``, ``GET /healthz``, ``GET /health`` and ``GET /metrics``
-(``API_ROUTES``; proxy mode adds ``POST /v1/completions`` and ``POST /v1/chat/completions``,
-``proxy.py``), module functions that ``add_api_routes`` registers on the app's own router
-as plain Starlette routes: each takes the ``Request`` and answers a ``Response`` itself, so
-FastAPI's parameter and dependency machinery (and an included router's extra hop) is not paid
-per request. Each handler finds the ``FleetService`` in ``request.app.state.service``.
+"""The service's own endpoints: ``POST /v1/lookup``, ``POST /v1/route``,
+``POST /v1/release``, ``GET /v1/replicas``, ``POST /v1/replicas/{name}/probe``,
+``GET /v1/models``, ``GET /v1/stats``, ``GET /v1/whatif``, ``POST`` and
+``GET /v1/whatif/counterfactuals``, ``GET /dashboard``, ``GET /healthz``, ``GET /health`` and
+``GET /metrics`` (``API_ROUTES``; proxy mode adds ``POST /v1/completions`` and
+``POST /v1/chat/completions``, ``proxy.py``), module functions that ``add_api_routes`` registers
+on the app's own router as plain Starlette routes: each takes the ``Request`` and answers a
+``Response`` itself, so FastAPI's parameter and dependency machinery (and an included router's
+extra hop) is not paid per request. Each handler finds the ``FleetService`` in
+``request.app.state.service``.
 
 A request has passed the ``access`` gate when keys are configured (``/v1/replicas`` and
 ``/metrics`` then only with an operator key); lookups and routes count against the caller's rate
@@ -35,7 +37,7 @@ from prefixcache.fleet.service.dashboard import dashboard
 from prefixcache.fleet.service.dispatch import FleetService
 from prefixcache.fleet.service.guards.access import caller_of
 from prefixcache.fleet.service.metrics import CONTENT_TYPE
-from prefixcache.fleet.whatif.shadow_fleets import ShadowFleets
+from prefixcache.fleet.whatif.counterfactual_replay import CounterfactualBody
 
 
 def _json(data: Any) -> Response:
@@ -217,11 +219,28 @@ async def whatif(request: Request) -> Response:
 
     def read() -> dict[str, Any]:
         body = service.whatif.snapshot()
-        shadows = service.shadows
-        body["counterfactuals"] = shadows.report() if shadows is not None else ShadowFleets.off()
+        body["counterfactuals"] = service.counterfactuals.report()
         return body
 
     return _json(await run_in_threadpool(read))
+
+
+async def start_counterfactuals(request: Request) -> Response:
+    """Start replaying the recorded trace for N-1, N+1, 2N replicas and each other policy (or
+    the body's ``scenarios``), operator keys only: 202 with the job's state, 409 when one runs
+    already or no trace can answer."""
+    service: FleetService = request.app.state.service
+    raw = await service.read_body(request, caller_of(request))
+    body = decode_body(raw, CounterfactualBody) if raw.strip() else CounterfactualBody()
+    limit = service.config.limits.max_replicas
+    state = await run_in_threadpool(service.counterfactuals.start, body, limit)
+    return Response(msgspec.json.encode(state), 202, media_type="application/json")
+
+
+async def counterfactuals(request: Request) -> Response:
+    """The last counterfactual job's state and answers (operator keys only)."""
+    service: FleetService = request.app.state.service
+    return _json(service.counterfactuals.report())
 
 
 async def models(request: Request) -> Response:
@@ -279,6 +298,8 @@ API_ROUTES = (  # (path, handler, method): every endpoint of the service's own
     ("/v1/models", models, "GET"),
     ("/v1/stats", stats, "GET"),
     ("/v1/whatif", whatif, "GET"),
+    ("/v1/whatif/counterfactuals", start_counterfactuals, "POST"),
+    ("/v1/whatif/counterfactuals", counterfactuals, "GET"),
     ("/dashboard", dashboard, "GET"),
     ("/healthz", healthz, "GET"),
     ("/health", health, "GET"),

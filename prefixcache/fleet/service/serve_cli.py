@@ -26,8 +26,9 @@ def register(subparsers: Any) -> None:
     sp = subparsers.add_parser(
         "serve",
         help="run the fleet prefix-cache routing service",
-        description="Serve POST /v1/lookup, /v1/route, /v1/release and "
-        "/v1/replicas/{name}/probe, GET /v1/replicas, /v1/models, /v1/stats, /v1/whatif, "
+        description="Serve POST /v1/lookup, /v1/route, /v1/release, "
+        "/v1/replicas/{name}/probe and /v1/whatif/counterfactuals, GET /v1/replicas, "
+        "/v1/models, /v1/stats, /v1/whatif, /v1/whatif/counterfactuals, "
         "/dashboard, /healthz, /health and /metrics for the replicas of a fleet config (see "
         "examples/fleet/fleet.yaml); with --proxy, also forward POST /v1/completions and "
         "/v1/chat/completions to the chosen replica.",

@@ -1,5 +1,5 @@
 """The hit share of every routed block from a spatial sample's random groups: the estimator the
-live curves (``shards``) and the shadow fleets share.
+live curves (``shards``) use.
 
 A spatial sample holds more or fewer block references than its rate promises, and on hot
 prefixes by far: one system prompt's few blocks, in the sample or not, carry a large part of

@@ -5,7 +5,10 @@ hit rate of one cache of the fleet's total size (the pooled line).
 Each curve is read on a grid of ``FACTORS`` times the replica's ``capacity_blocks`` (the fleet's:
 their sum). Past 1x a point is what the same traffic would hit with that much more cache: GPU
 memory, or a host tier or a pool that held it. The estimate assumes LRU eviction (leaves first)
-and the router's own digests; it covers the traffic since the service started.
+and the router's own digests; it covers the traffic since the service started. The fleet's
+curve needs one block size (a cache's blocks are of one size, and a prompt's digests differ by
+block size): with replicas of several it has no points and names them (``mixed_block_sizes``);
+each replica's curve answers as ever.
 
 Memory is bounded: ``max_memory_mib`` is shared by the curves (each replica's and the fleet's):
 each sample has its fixed part (``FIXED_BYTES``: histograms and counts) and is bounded in blocks
@@ -41,7 +44,6 @@ class WhatIfConfig:
     enabled: bool = True
     rate: float = 0.01  # blocks sampled, at first (lowered as a sample fills)
     max_memory_mib: float = 64.0  # shared by every curve
-    counterfactual_rate: float = 0.0  # requests fed to the shadow fleets (0: no shadows)
 
 
 class LiveCurves:
@@ -54,6 +56,7 @@ class LiveCurves:
         self._lock = threading.Lock()
         self._samples: dict[str, ShardsSampler] = {}  # by replica
         self._fleet: ShardsSampler | None = None  # every prompt, as one cache
+        self._mixed: set[int] = set()  # block sizes routed to besides the fleet curve's
         self._requests: dict[str, int] = {}
         self.since = time.time()
 
@@ -68,14 +71,10 @@ class LiveCurves:
         digests: Sequence[bytes],
         prompt_tokens: int,
         block_size: int,
-        at_least: int = 0,
-    ) -> list[tuple[int, int]]:
-        """A routed prompt (its digests at the replica's ``block_size``, root first). Returns
-        the sampling hashes it picked with their depths (``sampled_hashes``), under the curves'
-        threshold or ``at_least``, whichever is higher: another sample of the same prompt
-        (the shadow fleets') takes its own from them instead of reading every digest again."""
+    ) -> None:
+        """A routed prompt (its digests at the replica's ``block_size``, root first)."""
         if not self.config.enabled:
-            return []
+            return
         with self._lock:
             sample = self._samples.get(replica)
             if sample is None:
@@ -85,11 +84,13 @@ class LiveCurves:
                 fleet = self._fleet = self._new_sample(block_size)
             # one pass picks what either sample takes; each then keeps its own
             chain = digests if isinstance(digests, list) else list(digests)
-            hashes = sampled_hashes(chain, max(sample.threshold, fleet.threshold, at_least))
+            hashes = sampled_hashes(chain, max(sample.threshold, fleet.threshold))
             sample.reference_hashes(hashes, len(digests), prompt_tokens)
-            fleet.reference_hashes(hashes, len(digests), prompt_tokens)
+            if block_size == fleet.block_size:
+                fleet.reference_hashes(hashes, len(digests), prompt_tokens)
+            else:
+                self._mixed.add(block_size)
             self._requests[replica] = self._requests.get(replica, 0) + 1
-        return hashes
 
     def _new_sample(self, block_size: int) -> ShardsSampler:
         return ShardsSampler(self.config.rate, self._max_blocks(), block_size)
@@ -108,8 +109,13 @@ class LiveCurves:
             ]  # fmt: skip
             total = sum(s.capacity_blocks for s in specs)
             block_size = specs[0].block_size if specs else 0
-            fleet = self._curve(FLEET, self._fleet, total, block_size, requests)
+            sizes = sorted({s.block_size for s in specs} | self._mixed)
+            if len(sizes) > 1:  # no one cache of the fleet's memory: no points
+                fleet = self._curve(FLEET, None, 0, block_size, requests)
+            else:
+                fleet = self._curve(FLEET, self._fleet, total, block_size, requests)
         fleet["replicas"] = len(specs)
+        fleet["mixed_block_sizes"] = sizes if len(sizes) > 1 else None
         # the rate each curve samples at now: the one asked for until its bound lowers it
         running = min((row["rate"] for row in [*rows, fleet]), default=self.config.rate)
         return {

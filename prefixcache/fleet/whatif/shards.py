@@ -65,7 +65,7 @@ from typing import NamedTuple
 
 from prefixcache.fleet.whatif.group_regression import GROUPS, stratified_share
 
-FULL = 1 << 64
+FULL = 1 << 64  # sampling hashes are 64-bit: a rate r samples those under r x FULL
 STRATA = 12  # depth strata: depth 0, 1, 2-3, 4-7, ..., 512-1023, and 1024 on
 COARSE = 48  # the strata's and groups' distance buckets: under 1, then one a doubling
 FIXED_BYTES = 704 * 1024  # a sample's memory besides its blocks (histograms, counts), at most
@@ -99,6 +99,18 @@ class CurvePoint(NamedTuple):
     enough: bool  # whether the sample can answer (``ShardsSampler.answers``): else no figure
 
 
+def sampling_threshold(rate: float) -> int:
+    """The threshold of a sample of ``rate`` (a share in (0, 1]): a block is in it when its
+    ``sampling_hash`` is under this. Every sample of blocks or requests by digest uses it."""
+    return min(FULL, int(rate * FULL))
+
+
+def sampling_hash(digest: bytes) -> int:
+    """A block's sampling hash: its digest's first 8 bytes, big-endian (uniform, since the
+    digest is)."""
+    return int.from_bytes(digest[:8], "big")
+
+
 def sampled_hashes(digests: list[bytes], threshold: int) -> list[tuple[int, int]]:
     """The sampling hashes (each digest's first 8 bytes, big-endian) under ``threshold``, with
     their depth in the prompt, deepest block first: the few a sample references. A digest
@@ -109,21 +121,9 @@ def sampled_hashes(digests: list[bytes], threshold: int) -> list[tuple[int, int]
     for i in range(len(digests) - 1, -1, -1):
         d = digests[i]
         if d[0] <= top:
-            h = int.from_bytes(d[:8], "big")
+            h = sampling_hash(d)
             if h < threshold:
                 out.append((h, i))
-    return out
-
-
-def sampled_depths(digests: Sequence[bytes], threshold: int) -> list[int]:
-    """The depths (from the root) of the digests whose sampling hash is under ``threshold``,
-    root first (the same test as ``sampled_hashes``; the shadow fleets' sample)."""
-    top: int = (threshold - 1) >> 56
-    out: list[int] = []
-    for i in range(len(digests)):
-        d = digests[i]
-        if d[0] <= top and int.from_bytes(d[:8], "big") < threshold:
-            out.append(i)
     return out
 
 
@@ -190,7 +190,7 @@ class ShardsSampler:
             raise ValueError(f"rate must be in (0, 1], got {rate!r}")
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks!r}")
-        self.threshold = min(FULL, int(rate * FULL))
+        self.threshold = sampling_threshold(rate)
         self.max_blocks = min(max_blocks, MAX_BLOCKS)
         self.block_size = block_size
         self._last: dict[int, int] = {}  # sampled block's hash -> the time of its last reference

@@ -9,8 +9,10 @@ as blocks go), and nothing of the text can be read back. A prompt's partial last
 id of its own that no other request has (it is never cached). The replica a request went to and
 its tenant are not written either.
 
-``rate`` below 1 records a sample of requests chosen by their first block, so every request that
-starts with a sampled system prompt is kept and the sharing between them survives. The file is
+``rate`` below 1 records a sample of requests chosen by their first block (its sampling hash,
+``shards.sampling_hash``, under the rate's threshold), so every request that starts with a
+sampled system prompt is kept and the sharing between them survives. The ids are blocks of one
+size, so the replicas must share one block size (``ConfigError`` otherwise). The file is
 rotated by size: past ``max_mib`` it becomes ``PATH.1`` (the older ones ``PATH.2`` ...; ``keep``
 of them). Lines are buffered and flushed at least every second and when the service stops.
 """
@@ -20,12 +22,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
-FULL = 1 << 64
+from prefixcache.errors import ConfigError
+from prefixcache.fleet.whatif.shards import FULL, sampling_hash, sampling_threshold
+
 _UNIQUE = 1 << 63  # ids at or above this are partial blocks' (a counter), never a digest's
 
 
@@ -42,13 +46,19 @@ class TraceRecordConfig:
 class TraceRecorder:
     """Writes routed requests as Mooncake trace lines (``record``; thread-safe)."""
 
-    def __init__(self, config: TraceRecordConfig) -> None:
+    def __init__(self, config: TraceRecordConfig, block_sizes: Collection[int] = ()) -> None:
         if config.path is None:
             raise ValueError("a trace recorder needs a path")
+        if len(set(block_sizes)) > 1:
+            raise ConfigError(
+                "record_trace needs replicas of one block size (got "
+                f"{', '.join(map(str, sorted(set(block_sizes))))}): a trace's ids are blocks of "
+                "one size"
+            )
         self.config = config
         self.path = Path(config.path)
         self._lock = threading.Lock()
-        self._threshold = min(FULL, int(config.rate * FULL))
+        self._threshold = sampling_threshold(config.rate)
         self._file: IO[str] = self._open()
         self._start: float | None = None
         self._partials = _UNIQUE
@@ -63,10 +73,9 @@ class TraceRecorder:
         """One routed prompt: its full blocks' digests (root first) and its length."""
         if not digests and prompt_tokens <= 0:
             return
-        sampled_out = digests and int.from_bytes(digests[0][:8], "big") >= self._threshold
-        if self._threshold < FULL and sampled_out:
+        if self._threshold < FULL and digests and sampling_hash(digests[0]) >= self._threshold:
             return
-        ids = [int.from_bytes(d[:8], "big") & (_UNIQUE - 1) for d in digests]
+        ids = [sampling_hash(d) & (_UNIQUE - 1) for d in digests]
         now = time.monotonic()
         with self._lock:
             if block_size > 0 and prompt_tokens % block_size:  # the partial last block
@@ -102,6 +111,25 @@ class TraceRecorder:
         else:
             self.path.unlink()
         self._file = self._open()
+
+    def window(self) -> list[tuple[BinaryIO, int]]:
+        """The recorded window, oldest file first (``PATH.<keep>`` .. ``PATH.1``, ``PATH``),
+        flushed, each open for reading with its size now: whole lines, which later writes and
+        rotations (an open file survives them) leave as they are. The caller closes them."""
+        paths = [Path(f"{self.path}.{i}") for i in range(self.config.keep, 0, -1)]
+        files: list[tuple[BinaryIO, int]] = []
+        with self._lock:
+            self._file.flush()
+            try:
+                for path in [*paths, self.path]:
+                    if path.exists():
+                        f: BinaryIO = open(path, "rb")  # noqa: SIM115 (the caller closes it)
+                        files.append((f, os.fstat(f.fileno()).st_size))
+            except OSError:
+                for f, _ in files:
+                    f.close()
+                raise
+            return files
 
     def close(self) -> None:
         """Flush and close the file (the service stops)."""

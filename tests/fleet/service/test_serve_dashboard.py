@@ -14,6 +14,7 @@ import numpy as np
 from matplotlib.image import imread
 
 from tests.fleet.service.serve_harness import BLOCK, MODEL, make_app, make_config, serving
+from tests.fleet_support import wait_until
 from tests.headless_browser import browser
 
 CURVE_BLUE = (0x1F / 255, 0x77 / 255, 0xB4 / 255)  # the first replica's curve
@@ -46,12 +47,24 @@ def test_the_dashboard_draws_the_fleet_and_refreshes_in_place(tmp_path: Path) ->
         {"name": n, "model": MODEL, "block_size": BLOCK, "capacity_blocks": 20}
         for n in ("r1", "r2")
     ]
-    whatif = {"rate": 1.0, "counterfactual_rate": 1.0}
-    extra = {"whatif": whatif, "replicas": replicas, "routing": {"policy": "prefix"}}
+    extra = {
+        "whatif": {"rate": 1.0},
+        "replicas": replicas,
+        "routing": {"policy": "prefix"},
+        "record_trace": {"path": "routed.jsonl"},
+    }
     config = make_config(tmp_path, keys=False, extra=extra)
     app, _ = make_app(config)
     with serving(app, config) as base:
         _route_some(base, {})
+        # the other fleets: a replay of the recorded trace, started as the page's button does
+        with httpx.Client(base_url=base) as client:
+            assert client.post("/v1/whatif/counterfactuals").status_code == 202
+            wait_until(
+                lambda: client.get("/v1/whatif/counterfactuals").json()["state"] == "done",
+                "the counterfactual replay",
+                300,
+            )
         page = f"{base}/dashboard?every=1"
         dom = unescape(_chromium(tmp_path, page, "--dump-dom").stdout)
         shot = tmp_path / "dashboard.png"
@@ -68,14 +81,11 @@ def test_the_dashboard_draws_the_fleet_and_refreshes_in_place(tmp_path: Path) ->
     rates = [float(x) for x in re.findall(r"([\d.]+)%", fleet.group(1))]
     assert len(rates) == 6 and rates == sorted(rates) and rates[-1] > 50
     assert re.search(r"<td>\(none\)</td><td>m</td><td>160</td>", dom)  # attribution row
-    shadows = dict(
-        re.findall(r"<tr><td>([^<]+)</td><td>\d+</td><td>[a-z_]+</td><td>([\d.]+)%", dom)
-    )
-    assert {"as configured", "N-1 replicas", "2N replicas", "policy round_robin"} <= set(shadows)
-    assert float(shadows["as configured"]) > float(shadows["policy round_robin"])
-    note = re.search(r'id="shadows-note">([^<]*)<', dom)
-    assert note and note.group(1).startswith("shadow fleets on 100.0% of blocks"), dom[-3000:]
-    assert "raise the rate" not in note.group(1)  # at full rate the shadows are the real size
+    fleets = dict(re.findall(r"<tr><td>([^<]+)</td><td>\d+</td><td>[a-z_]+</td><td>([\d.]+)%", dom))
+    assert {"as configured", "N-1 replicas", "2N replicas", "policy round_robin"} <= set(fleets)
+    assert float(fleets["as configured"]) > float(fleets["policy round_robin"])
+    note = re.search(r'class="muted" id="counterfactuals-note">([^<]*)<', dom)
+    assert note and note.group(1).startswith("replay over 160 recorded requests"), dom[-3000:]
     assert shot.is_file(), result.stderr[-2000:]
     image = imread(shot)[..., :3]
     blue = (np.abs(image - np.array(CURVE_BLUE)).max(axis=2) < 0.08).sum()

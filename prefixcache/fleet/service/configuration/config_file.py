@@ -425,6 +425,12 @@ def _delivery(r: ConfigReader, raw: Any) -> DeliveryConfig:
 def _whatif(r: ConfigReader, raw: Any) -> WhatIfConfig:
     """``whatif``: the live curves' sampling rate and memory bound."""
     wc = r.mapping(raw, "whatif", _WHATIF)
+    if wc.get("counterfactual_rate", 0) != 0:  # once the shadow fleets' rate; 0 was off
+        raise r.fail(
+            "whatif.counterfactual_rate",
+            "no longer a setting: counterfactual fleets come from a replay of the recorded "
+            "trace (record_trace.path, then POST /v1/whatif/counterfactuals; docs/service.md)",
+        )
     w = WhatIfConfig()
     enabled = wc.get("enabled", w.enabled)
     if not isinstance(enabled, bool):
@@ -433,12 +439,7 @@ def _whatif(r: ConfigReader, raw: Any) -> WhatIfConfig:
     if rate > 1:
         raise r.fail("whatif.rate", f"expected a share in (0, 1], got {rate!r}")
     memory = r.number(wc.get("max_memory_mib", w.max_memory_mib), "whatif.max_memory_mib")
-    shadows = wc.get("counterfactual_rate", w.counterfactual_rate)
-    if shadows != 0:
-        shadows = r.number(shadows, "whatif.counterfactual_rate")
-        if shadows > 1:
-            raise r.fail("whatif.counterfactual_rate", f"expected a share in [0, 1], got {shadows}")
-    return WhatIfConfig(enabled, rate, memory, float(shadows))
+    return WhatIfConfig(enabled, rate, memory)
 
 
 def _record_trace(r: ConfigReader, raw: Any, base_dir: Path | None) -> TraceRecordConfig:

@@ -5,7 +5,8 @@ A request names its key as ``Authorization: Bearer <key>``, as vLLM's ``--api-ke
 API take it. The presented key is hashed with SHA-256 and looked up among the digests of the
 configured keys, so the time taken does not depend on how much of a stored key it matches.
 ``/healthz``, ``/health`` and ``/dashboard`` (a page without data) are open; ``/metrics``,
-``/v1/whatif`` and ``/v1/replicas`` (and what is below it) need an operator key (403 for a
+``/v1/whatif`` (with ``/v1/whatif/counterfactuals``) and ``/v1/replicas`` (and what is below it)
+need an operator key (403 for a
 tenant key); everything else needs a key (401 without one, with ``WWW-Authenticate: Bearer``).
 
 A key's tenant fixes the namespace of its requests: the salt of every lookup, route and proxied
@@ -33,7 +34,7 @@ from prefixcache.fleet.service.http_errors import error_response
 from prefixcache.fleet.service.metrics import ServiceMetrics
 
 OPEN_PATHS = frozenset(("/healthz", "/health", "/dashboard"))  # the page holds no data
-OPERATOR_PATHS = frozenset(("/metrics", "/v1/replicas", "/v1/whatif"))
+OPERATOR_PATHS = frozenset(("/metrics", "/v1/replicas", "/v1/whatif", "/v1/whatif/counterfactuals"))
 CALLER = "prefixcache.caller"  # the scope entry the gate leaves for the handlers
 
 
