@@ -31,6 +31,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import xxhash
 
+from prefixcache.text.tokenizers import SpecialTokenWrap
+
 DISAGREEMENTS_TO_STOP = 8
 
 
@@ -38,9 +40,10 @@ class BatchTokenizer(Protocol):
     """What ``PrefixTokenizer`` needs of a tokenizer (``HFTokenizer`` has it)."""
 
     name: str
+    special_wrap: SpecialTokenWrap | None  # what it adds around every text; None: not fixed
 
-    def encode(self, text: str) -> np.ndarray:
-        """The token ids of ``text``, no special tokens added."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """The token ids of ``text`` (with its special tokens when ``add_special_tokens``)."""
         ...
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
@@ -59,12 +62,16 @@ class PrefixTokenizerStats(NamedTuple):
 
 
 def _cuts(text: str, every: int) -> list[int]:
-    """Where ``text`` is cut: the first space at or after each multiple of ``every``."""
+    """Where ``text`` is cut: before the first lone space (between two characters that are not
+    whitespace, where pre-tokenizers split) at or after each multiple of ``every``."""
     cuts = []
     at = every
-    while at < len(text):
+    end = len(text) - 1
+    while at < end:
         c = text.find(" ", at)
-        if c < 0:
+        while 0 < c < end and (text[c - 1].isspace() or text[c + 1].isspace()):
+            c = text.find(" ", c + 1)  # in a run of whitespace: on to the next space
+        if c < 0 or c >= end:
             break
         cuts.append(c)
         at = c + every
@@ -103,8 +110,21 @@ class PrefixTokenizer:
             self._texts, self._reused, self._tokenized, self._whole, self._enabled
         )
 
-    def encode(self, text: str) -> np.ndarray:
-        """The token ids of ``text``, as the tokenizer gives them."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """The token ids of ``text``, as the tokenizer gives them (with the special tokens it
+        adds to a prompt when ``add_special_tokens``: its fixed wrap around the reused ids, or,
+        for a tokenizer without one, the whole text through it)."""
+        if not add_special_tokens:
+            return self._plain(text)
+        wrap = self.tokenizer.special_wrap
+        if wrap is None:
+            self._texts += 1
+            self._tokenized += len(text)
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        return wrap.around(self._plain(text))
+
+    def _plain(self, text: str) -> np.ndarray:
+        """The token ids of ``text`` without special tokens."""
         self._texts += 1
         cuts = _cuts(text, self.segment_chars) if self._enabled else []
         if not cuts:

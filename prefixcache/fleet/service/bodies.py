@@ -31,6 +31,8 @@ class PromptBody(msgspec.Struct, forbid_unknown_fields=True):
     adapter_version: str | None = None
     salt: str | None = None
     extra: list[str] = msgspec.field(default_factory=list)
+    # a text's special tokens, as the engine's text completion takes it (None: added)
+    add_special_tokens: bool | None = None
 
     def namespace(self) -> Namespace:
         """The namespace the body names."""

@@ -185,15 +185,42 @@ class FleetService:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def tokens_of(self, tokens: Sequence[int] | None, text: str | None) -> TokenIds:
-        """The prompt's token ids: given ones, else ``text`` through the tokenizer (the router
-        checks the prompt-token limit, once, for every way in)."""
+    def tokens_of(
+        self, tokens: Sequence[int] | None, text: str | None, *, add_special_tokens: bool = False
+    ) -> TokenIds:
+        """The prompt's token ids: given ones, else ``text`` through the tokenizer, with the
+        special tokens it adds to a prompt when ``add_special_tokens`` (the router checks the
+        prompt-token limit, once, for every way in)."""
         if (tokens is None) == (text is None):
             raise InvalidArgumentError(
                 "give exactly one of 'tokens' (token ids), 'text' or 'messages'"
             )
-        ids: TokenIds = tokens if tokens is not None else self.tokenizer.encode(text or "")
+        if tokens is not None:
+            return tokens
+        ids: TokenIds = self.tokenizer.encode(text or "", add_special_tokens)
         return ids
+
+    def special_tokens(self, namespace: Namespace, requested: Any, *, chat: bool) -> bool:
+        """Whether the engine adds the tokenizer's special tokens (a BOS, for most models) to
+        the text it tokenizes for a prompt of ``namespace``, a chat's rendered template when
+        ``chat``, given the request's ``add_special_tokens`` (``requested``; None when absent).
+        vLLM takes the request's value, true by default for ``/v1/completions`` and false for
+        ``/v1/chat/completions`` (where true adds a BOS on top of the template's). SGLang has
+        no such field: a text completion always gets them, a chat never (the rule when the
+        model has replicas and every one is configured with an SGLang ``engine_hash``).
+        InvalidArgumentError when ``requested`` is neither a bool nor None."""
+        if requested is not None and not isinstance(requested, bool):
+            raise InvalidArgumentError(
+                f"'add_special_tokens' must be true or false, got {requested!r}"
+            )
+        engines = [
+            r.engine_hash.engine if r.engine_hash is not None else "vllm"
+            for r in self.config.replicas
+            if r.namespace.model == namespace.model
+        ]
+        if engines and all(engine == "sglang" for engine in engines):
+            return not chat
+        return not chat if requested is None else requested
 
     def chat_tokens(
         self,
@@ -204,9 +231,11 @@ class FleetService:
         tools: list[Any] | None = None,
         documents: list[Any] | None = None,
         extra: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> TokenIds:
         """The token ids of a conversation: the chat template's text (a neutral rendering
-        without one) through the tokenizer."""
+        without one) through the tokenizer, with the tokenizer's special tokens only when
+        ``add_special_tokens`` (the template writes its own; see ``special_tokens``)."""
         template = self.chat_template
         flat = chat_messages(messages, template.content_format if template else "string")
         if template is None:
@@ -220,7 +249,7 @@ class FleetService:
                 documents=documents,
                 extra=extra,
             )
-        return self.tokens_of(None, text)
+        return self.tokens_of(None, text, add_special_tokens=add_special_tokens)
 
     def prompt(self, body: PromptBody, caller: Caller = ANONYMOUS) -> Prompt:
         """Namespace (under the caller's tenant salt) and token ids of a lookup or route body."""
@@ -233,8 +262,12 @@ class FleetService:
                 raise InvalidArgumentError(
                     "give exactly one of 'tokens' (token ids), 'text' or 'messages'"
                 )
-            return Prompt(ns, self.chat_tokens(body.messages))
-        return Prompt(ns, self.tokens_of(body.tokens, body.text))
+            special = self.special_tokens(ns, body.add_special_tokens, chat=True)
+            return Prompt(ns, self.chat_tokens(body.messages, add_special_tokens=special))
+        special = body.text is not None and self.special_tokens(
+            ns, body.add_special_tokens, chat=False
+        )
+        return Prompt(ns, self.tokens_of(body.tokens, body.text, add_special_tokens=special))
 
     def _lookup_body(self, body: PromptBody, caller: Caller = ANONYMOUS) -> PromptScores:
         """A lookup body's per-replica scores (and its namespace)."""

@@ -1,12 +1,15 @@
 """Proxy mode: OpenAI-compatible requests forwarded to the replica the router chooses.
 
 ``POST /v1/completions`` routes on the prompt (token ids when given, else the text through the
-service's tokenizer; with several prompts, the first); ``POST /v1/chat/completions`` routes on
-the messages rendered with the model's chat template (``chat_template`` in the config; the
-request's ``add_generation_prompt``, ``continue_final_message``, ``tools``, ``documents`` and
-``chat_template_kwargs`` apply as in vLLM) and tokenized without added special tokens: the token
-ids the engine computes. Without a template the messages are rendered neutrally, which matches
-other routed conversations but not what the replicas cache.
+service's tokenizer with the special tokens it adds to a prompt, a BOS for most models, unless
+the request's ``add_special_tokens`` is false, as vLLM tokenizes it; with several prompts, the
+first); ``POST /v1/chat/completions`` routes on the messages rendered with the model's chat
+template (``chat_template`` in the config; the request's ``add_generation_prompt``,
+``continue_final_message``, ``tools``, ``documents`` and ``chat_template_kwargs`` apply as in
+vLLM) and tokenized without added special tokens (the template writes them) unless the request
+says ``add_special_tokens: true``: the token ids the engine computes (each engine's rule:
+``FleetService.special_tokens``). Without a template the messages are rendered neutrally,
+which matches other routed conversations but not what the replicas cache.
 
 The body is forwarded as it came (re-encoded only to put a tenant's salt in), over a pooled
 keep-alive connection (``replica_client``), and the answer passed back (``answer_relay``): an
@@ -98,19 +101,30 @@ def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
     )
 
 
-def _completion_tokens(service: FleetService, payload: dict[str, Any]) -> TokenIds:
+def _completion_tokens(
+    service: FleetService, payload: dict[str, Any], namespace: Namespace
+) -> TokenIds:
+    """A completion's prompt as the engine tokenizes it: a text with the tokenizer's special
+    tokens unless the request says ``add_special_tokens: false`` (vLLM's rule; SGLang always
+    adds them); token ids as given."""
     prompt = payload.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # several prompts: route on the first
+    special = service.special_tokens(namespace, payload.get("add_special_tokens"), chat=False)
     if isinstance(prompt, str):
-        return service.tokens_of(None, prompt)
+        return service.tokens_of(None, prompt, add_special_tokens=special)
     if isinstance(prompt, list):
         return service.tokens_of(prompt, None)
     raise InvalidArgumentError("'prompt' must be a string, a list of token ids, or a list of those")
 
 
-def _chat_tokens(service: FleetService, payload: dict[str, Any]) -> TokenIds:
-    options: dict[str, Any] = {}
+def _chat_tokens(service: FleetService, payload: dict[str, Any], namespace: Namespace) -> TokenIds:
+    """A chat's prompt as the engine tokenizes it: the template's text, with no special tokens
+    added unless the request says ``add_special_tokens: true`` (vLLM renders the template to
+    text, then tokenizes it with the request's value, false by default; SGLang has no such
+    field and adds none)."""
+    special = service.special_tokens(namespace, payload.get("add_special_tokens"), chat=True)
+    options: dict[str, Any] = {"add_special_tokens": special}
     for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
         value = payload.get(name, default)
         if not isinstance(value, bool):
@@ -131,7 +145,7 @@ async def _forward(
     service: FleetService,
     request: Request,
     path: str,
-    tokens_of: Callable[[FleetService, dict[str, Any]], TokenIds],
+    tokens_of: Callable[[FleetService, dict[str, Any], Namespace], TokenIds],
 ) -> Response:
     caller = caller_of(request)
     service.limits.take(caller)
@@ -145,7 +159,7 @@ async def _forward(
         raw = msgspec.json.encode({**payload, "cache_salt": salt})
     namespace = namespace_for(service, payload.get("model"), salt)
     inline = service.inline and _token_prompt(payload)
-    tokens: TokenIds | None = tokens_of(service, payload) if inline else None
+    tokens: TokenIds | None = tokens_of(service, payload, namespace) if inline else None
     # one prompt, one answer: the engine's cached tokens are this prompt's
     model = namespace.adapter or namespace.model
     checked = service.delivery.config.enabled and _one_prompt(payload)
@@ -226,11 +240,11 @@ def _tokenize_and_route(
     caller: Caller,
     payload: dict[str, Any],
     namespace: Namespace,
-    tokens_of: Callable[[FleetService, dict[str, Any]], TokenIds],
+    tokens_of: Callable[[FleetService, dict[str, Any], Namespace], TokenIds],
     request_id: str,
 ) -> tuple[TokenIds, RouteDecision]:
     """The prompt's token ids and its route (in the thread pool: the tokenizer)."""
-    tokens = tokens_of(service, payload)
+    tokens = tokens_of(service, payload, namespace)
     return tokens, _route(service, caller, namespace, tokens, request_id)
 
 

@@ -231,12 +231,13 @@ class Service:
     def connect_events(self, server: VLLMServer) -> None:
         """Return once the service receives ``server``'s KV events. vLLM's PUB socket connects to
         the port the service binds, retrying every 100 ms, and what it publishes before the
-        connection and the subscription are up is lost (PUB/SUB): a one-block prompt is sent
-        straight to it until a batch arrives."""
+        connection and the subscription are up is lost (PUB/SUB): a prompt of one new block (of
+        the server's size) is sent straight to it until a batch arrives."""
         before = self.ingested(server.name)
         deadline = time.monotonic() + INDEX_DEADLINE_S
         while time.monotonic() < deadline:
-            complete(server.url, random_tokens(BLOCK + 1)).raise_for_status()
+            fresh = random_tokens(server.spec.block_size + 1)  # a full block: an event
+            complete(server.url, fresh).raise_for_status()
             end = time.monotonic() + 1.0
             while time.monotonic() < end:
                 if self.ingested(server.name) > before:
