@@ -3,7 +3,8 @@ replicas, or under another routing policy, answered by ``prefixcache replay`` ru
 the service records (``record_trace``), as a job of its own off the route path.
 
 A job (``start``) copies the recorded window (the rotated files, oldest first, then the current
-one, each up to what was flushed when it started) into a file of its own, then replays it once
+one, each up to what was flushed when it started) into a file of its own next to the trace
+(removed when the job ends), then replays it once
 per scenario, one ``python -m prefixcache replay`` process after another at a lower CPU
 priority: the fleet mode with the scenario's replica count and policy, each replica of the
 configured ``capacity_blocks`` (their mean when they differ; times ``record_trace.rate`` when
@@ -166,7 +167,9 @@ class CounterfactualReplay:
             assert self._recorder is not None  # fleet() said so
             window = self._recorder.window()
             try:
-                work = Path(tempfile.mkdtemp(prefix="prefixcache-counterfactual-"))
+                # next to the trace: on the disk sized for it, not a small /tmp
+                where = self._recorder.path.parent
+                work = Path(tempfile.mkdtemp(prefix=".counterfactual-", dir=where))
             except OSError:
                 for f, _ in window:
                     f.close()
