@@ -42,13 +42,15 @@ from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, ReplicaSpec
 from prefixcache.fleet.router import Router
 from prefixcache.manager.cache_manager import CacheManager
-from prefixcache.manager.stats import BlockCounts, CacheStats
+from prefixcache.manager.stats import CacheStats
 from prefixcache.replay.progress import Progress
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
-from prefixcache.replay.sim.serving import LiveRequest, Simulator
+from prefixcache.replay.sim.serving import LiveRequest, Simulator, advance_replicas
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
+from prefixcache.replay.sim.step_tally import StepTally
+from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
 from prefixcache.replay.workload.request import Request
 from prefixcache.run_format import nearest_rank, rate
@@ -126,48 +128,47 @@ def _percentile(values: list[float], q: int) -> float:
     return nearest_rank(served, q) if served else 0.0
 
 
-class _Replica(Simulator):
-    """A serving simulation that publishes its manager's events and reports finished requests."""
+class _Replica:
+    """One replica: a serving simulation whose manager's events are published to the fleet's
+    index after each step, and whose finished requests the router releases."""
 
     def __init__(
-        self, fleet: FleetSimulator, name: str, mgr: CacheManager, cfg: ResolvedConfig
+        self,
+        fleet: FleetSimulator,
+        name: str,
+        mgr: CacheManager | UncachedBlocks,
+        cfg: ResolvedConfig,
     ) -> None:
-        super().__init__(mgr, cfg, fleet.acc)
         self.fleet, self.name = fleet, name
-        self.times = fleet.times  # indexed by the fleet's request index
+        sim = self.sim = Simulator(mgr, cfg, fleet.acc)
+        sim.times = fleet.times  # indexed by the fleet's request index
+        sim.after_step = self.after_step
         self.pending: list[WireEvent] = []
         self.seq = 0
         self.live: dict[int, LiveRequest] = {}
-        self.routed = self.prompt_tokens = self.hit_tokens = 0
-        mgr.add_listener(lambda event: self.pending.append(to_wire(event)))
+        self.routed = 0
+        if isinstance(mgr, CacheManager):
+            mgr.add_listener(lambda event: self.pending.append(to_wire(event)))
 
     @property
-    def busy_now(self) -> bool:
-        """Something is waiting or running."""
-        return bool(self.running or self.waiting)
+    def mgr(self) -> CacheManager:
+        """The replica's cache manager (the no-cache fleet's replicas have none)."""
+        return self.sim.mgr
 
     def take(self, live: LiveRequest) -> None:
         """Queue a request routed here."""
-        if not self.busy_now and self.clock < live.req.arrival_s:
-            self.clock = live.req.arrival_s
-        self.waiting.append(live)
+        self.sim.take(live)
         self.live[live.idx] = live
         self.routed += 1
 
-    def step(self) -> None:
-        """One step; then publish its events and release the requests that left."""
-        acc = self.acc
-        prompt, hit = 0, 0
-        if acc is not None:
-            prompt, hit = acc.totals.prompt_tokens, acc.totals.hit_tokens
-        self._step()  # counts its time in self.busy
-        if acc is not None:
-            self.prompt_tokens += acc.totals.prompt_tokens - prompt
-            self.hit_tokens += acc.totals.hit_tokens - hit
+    def after_step(self) -> None:
+        """After a step that did something: publish its events, release the requests that
+        left."""
         self.publish()
-        if len(self.running) + len(self.waiting) < len(self.live):
-            here = {r.idx for r in self.running}
-            here.update(r.idx for r in self.waiting)
+        sim = self.sim
+        if len(sim.running) + len(sim.waiting) < len(self.live):
+            here = {r.idx for r in sim.running}
+            here.update(r.idx for r in sim.waiting)
             for idx in [i for i in self.live if i not in here]:
                 del self.live[idx]
                 self.fleet.finished(idx)
@@ -177,12 +178,9 @@ class _Replica(Simulator):
         if not self.pending:
             return
         events, self.pending = self.pending, []
-        payload = encode_batch(KVEventBatch(self.clock, events, 0))
+        payload = encode_batch(KVEventBatch(self.sim.clock, events, 0))
         self.fleet.subscriber.ingest(self.name, self.seq, payload)
         self.seq += 1
-
-    def _measure(self, final: bool = False) -> None:
-        """The fleet measures usage over all replicas instead."""
 
 
 _NO_BLOCK = bytes(16)  # a digest no block has: what the no-cache fleet routes by
@@ -229,23 +227,37 @@ class FleetSimulator:
             o.routing_policy,
             hash_algo=o.hash_algo,
         )
-        self.replicas = [
-            _Replica(self, name, cfg.cache_manager(caching=caching), cfg) for name in names
-        ]
-        for k, rep in enumerate(self.replicas):
-            rep.elsewhere = self._elsewhere_of(k)
-            rep.on_finish = on_finish
-        # host tiers per replica, one pool shared by all of them
         self.caching = caching
+        self.replicas = [_Replica(self, name, self._cache(cfg), cfg) for name in names]
+        for k, rep in enumerate(self.replicas):
+            if caching:
+                rep.sim.elsewhere = self._elsewhere_of(k)
+            rep.sim.on_finish = on_finish
+        # host tiers per replica, one pool shared by all of them
         self.tiers = build_tiers(cfg, [r.mgr for r in self.replicas]) if caching else None
         if self.tiers is not None:
             for rep, admitter in zip(self.replicas, self.tiers.admitters, strict=True):
-                rep.tiers = admitter
+                rep.sim.tiers = admitter
         self.assignment: list[int] = []
         self.rules: dict[str, int] = {}
-        self.steps = 0
         self.truncated = 0
-        self._usage = [(0, 0, 0)] * len(self.replicas)
+        # usage and timeline over the replicas together (none without an accountant)
+        self.sims = [r.sim for r in self.replicas]
+        self.tally = StepTally(acc, self.sims, fleet=True) if acc is not None else None
+
+    def _cache(self, cfg: ResolvedConfig) -> CacheManager | UncachedBlocks:
+        """A replica's cache: its manager, or block counts alone for the no-cache fleet."""
+        if self.caching:
+            return cfg.cache_manager()
+        return UncachedBlocks(cfg.capacity_blocks, cfg.options.block_size)
+
+    @property
+    def steps(self) -> int:
+        """Steps taken, every replica's together (with an accountant, those that found nothing
+        to run too)."""
+        if self.tally is not None:
+            return self.tally.steps
+        return sum(r.sim.steps for r in self.replicas)
 
     def _elsewhere_of(self, k: int) -> Callable[[LiveRequest], int]:
         rep = self.replicas[k]
@@ -273,8 +285,8 @@ class FleetSimulator:
 
     def run(self, requests: Iterable[Request]) -> None:
         """Route and serve every request, then run the fleet until all have finished."""
-        hasher = self.replicas[0].mgr.hasher  # the router's algorithm and block size
-        p = hasher.block_size
+        hasher = self.replicas[0].mgr.hasher if self.caching else None  # the router's
+        p = self.block_size
         for idx, req in enumerate(requests):
             if req.namespace.model != self.model:
                 raise ConfigError(
@@ -286,7 +298,7 @@ class FleetSimulator:
             ns = req.namespace
             if ns.adapter is not None and ns.adapter_version is not None:
                 self._name_version(ns.model, ns.adapter, ns.adapter_version)
-            if self.caching:  # hashed once: the route, the pool and the report read them
+            if hasher is not None:  # hashed once: the route, the pool and the report read them
                 digests: list[bytes] | None = hasher.hash_prompt(req.tokens, req.namespace)
                 route_digests = digests
             else:  # the no-cache fleet's index stays empty: no digest matches, none is computed
@@ -300,54 +312,22 @@ class FleetSimulator:
             live.digests = digests
             self.replicas[k].take(live)
         self._advance(math.inf)
-        self._measure(final=True)
-        self.truncated = sum(r.truncated for r in self.replicas)
+        if self.tally is not None:
+            self.tally.finish()
+        self.truncated = sum(r.sim.truncated for r in self.replicas)
 
     def _advance(self, until: float) -> None:
-        """Step the replica with the earliest clock while any busy one is before ``until``."""
-        reps = self.replicas
-        while True:
-            best = None
-            for rep in reps:
-                if rep.busy_now and rep.clock < until and (best is None or rep.clock < best.clock):
-                    best = rep
-            if best is None:
-                return
-            best.step()
-            self.steps += 1
-            k = reps.index(best)
-            logical, frag = best.usage()
-            self._usage[k] = (best.mgr.block_counts().active, logical, frag)
-            self._measure()
+        """Step the replicas, earliest clock first, while any busy one is before ``until``."""
+        advance_replicas(self.sims, until)
 
     def finished(self, idx: int) -> None:
         """A request left its replica: its load goes."""
         self.router.release(str(idx))
 
-    def _measure(self, final: bool = False) -> None:
-        acc = self.acc
-        if acc is None:
-            return
-        physical = sum(u[0] for u in self._usage)
-        acc.note_usage(physical, sum(u[1] for u in self._usage), sum(u[2] for u in self._usage))
-        if acc.timeline is None or not (final or acc.timeline.due(self.steps)):
-            return
-        counts = [r.mgr.block_counts() for r in self.replicas]
-        total = BlockCounts(
-            sum(c.free for c in counts),
-            sum(c.active for c in counts),
-            sum(c.cached for c in counts),
-        )
-        evicted = sum(r.mgr.stats.evicted_blocks for r in self.replicas)
-        # the fleet's now: the earliest clock of a busy replica (replicas step in that order, so
-        # it never goes back); with all idle, when the last one finished
-        busy = [r.clock for r in self.replicas if r.busy_now]
-        acc.sample_timeline(self.steps, min(busy) if busy else self.clock, total, evicted, final)
-
     @property
     def busy(self) -> float:
         """GPU seconds in steps, summed over the replicas."""
-        return sum(r.busy for r in self.replicas)
+        return sum(r.sim.busy for r in self.replicas)
 
     def figures(self) -> BenchmarkFigures:
         """The fleet's throughput and latency, as a serving benchmark against it reports."""
@@ -356,7 +336,7 @@ class FleetSimulator:
     @property
     def clock(self) -> float:
         """The latest replica clock: when the last request finished."""
-        return max((r.clock for r in self.replicas), default=0.0)
+        return max((r.sim.clock for r in self.replicas), default=0.0)
 
     def replica_stats(self) -> list[ReplicaStats]:
         """Per-replica figures (TTFTs from the fleet's per-request list)."""
@@ -367,11 +347,11 @@ class FleetSimulator:
             ReplicaStats(
                 r.name,
                 r.routed,
-                r.prompt_tokens,
-                r.hit_tokens,
-                rate(r.hit_tokens, r.prompt_tokens),
-                r.busy,
-                r.steps,
+                r.sim.prompt_tokens,
+                r.sim.hit_tokens,
+                rate(r.sim.hit_tokens, r.sim.prompt_tokens),
+                r.sim.busy,
+                r.sim.steps,
                 r.mgr.stats.evicted_blocks,
                 _percentile(ttfts[k], 50),
                 _percentile(ttfts[k], 99),
@@ -500,7 +480,7 @@ def run_fleet(
     serving = ServingStats(
         times.ttft,
         plain.times.ttft,
-        sum(r.preemptions for r in sim.replicas),
+        sum(r.sim.preemptions for r in sim.replicas),
         sim.steps,
         sim.clock - min(times.arrival, default=sim.clock),  # first arrival to last finish
         sim.truncated,
@@ -512,10 +492,10 @@ def run_fleet(
             plain.busy,
             o.rate_scale / o.time_scale,
             len(sim.replicas),
-            max(r.busy for r in sim.replicas),
+            max(r.sim.busy for r in sim.replicas),
             times.ttft_growth(),
         ),
-        assumptions=sim.replicas[0].roof.assumptions(),
+        assumptions=sim.replicas[0].sim.roof.assumptions(),
     )
     fleet = FleetStats(
         cfg.options.routing_policy,

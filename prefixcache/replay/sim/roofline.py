@@ -70,6 +70,30 @@ class Roofline:
         memory = traffic / (self.gpu.hbm_bytes_per_s * self.tp * self.memory_efficiency)
         return max(compute, memory) + self.step_overhead_s
 
+    def timer(self) -> StepTimer:
+        """``step_seconds`` with the model's and GPU's figures read once (bit for bit the same
+        seconds), for loops that time one step after another."""
+        m = self.model
+        peak = self.gpu.peak_flops * self.tp
+        split = not (
+            self.attention_efficiency is None and self.context_attention_efficiency is None
+        )
+        fresh_eff = self.attention_efficiency or self.compute_efficiency
+        context_eff = self.context_attention_efficiency or fresh_eff
+        return StepTimer(
+            2.0 * m.layer_flops_params,
+            m.lm_head_flops,
+            m.attention_flops_per_pair,
+            split,
+            peak * self.compute_efficiency,
+            peak * fresh_eff,
+            peak * context_eff,
+            m.weight_bytes,
+            m.kv_bytes_per_token,
+            self.gpu.hbm_bytes_per_s * self.tp * self.memory_efficiency,
+            self.step_overhead_s,
+        )
+
     def assumptions(self) -> dict[str, Any]:
         """What the step times rest on, for the report."""
         out: dict[str, Any] = {
@@ -122,3 +146,66 @@ class StepWork:
         self.kv_tokens_read += kv_tokens_read
         self.logits += logits
         self.context_pairs += context
+
+
+class StepTimer:
+    """``Roofline.step_seconds`` with its constants computed once: the same operations on the
+    same values in the same order, so the same float for every step."""
+
+    __slots__ = (
+        "context_peak",
+        "dense_coefficient",
+        "fresh_peak",
+        "kv_bytes_per_token",
+        "lm_head_flops",
+        "memory_rate",
+        "overhead",
+        "pair_flops",
+        "peak",
+        "split",
+        "weight_bytes",
+    )
+
+    def __init__(
+        self,
+        dense_coefficient: float,
+        lm_head_flops: int,
+        pair_flops: int,
+        split: bool,
+        peak: float,
+        fresh_peak: float,
+        context_peak: float,
+        weight_bytes: int,
+        kv_bytes_per_token: int,
+        memory_rate: float,
+        overhead: float,
+    ) -> None:
+        self.dense_coefficient = dense_coefficient  # 2.0 x layer parameters
+        self.lm_head_flops = lm_head_flops
+        self.pair_flops = pair_flops
+        self.split = split  # attention timed at its own efficiencies
+        self.peak = peak  # achieved FLOPs of the dense layers (all of compute unless split)
+        self.fresh_peak = fresh_peak  # ... of attention among the step's new tokens
+        self.context_peak = context_peak  # ... of attention over cached K/V
+        self.weight_bytes = weight_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.memory_rate = memory_rate  # achieved bytes per second
+        self.overhead = overhead
+
+    def seconds(
+        self, tokens: int, attention_pairs: int, kv_tokens_read: int, logits: int, context: int
+    ) -> float:
+        """What ``Roofline.step_seconds`` returns for the same arguments."""
+        dense = self.dense_coefficient * tokens + self.lm_head_flops * logits
+        if self.split:
+            pair = self.pair_flops
+            compute = (
+                dense / self.peak
+                + pair * (attention_pairs - context) / self.fresh_peak
+                + pair * context / self.context_peak
+            )
+        else:
+            compute = (dense + self.pair_flops * attention_pairs) / self.peak
+        traffic = self.weight_bytes + self.kv_bytes_per_token * kv_tokens_read
+        memory = traffic / self.memory_rate
+        return max(compute, memory) + self.overhead

@@ -1,109 +1,105 @@
-"""Serving replay: a continuous-batching simulation over the real cache manager.
+"""Serving replay: a continuous-batching simulation over the real cache manager, event by event.
 
-Each step has a token budget. Running requests go first, in admission order: a prefilling one
-takes a chunk of its uncached prompt, a decoding sequence one token. Waiting requests are then
-admitted first come, first served while budget and blocks last (admission allocates the whole
-prompt). A step lasts as long as the roofline says (``roofline``). Decode allocates a block when
-a sequence crosses into a new one; when none is left, the latest admitted request is preempted
-(released, requeued at the front and later recomputed, as vLLM does). Finished requests are
-released.
+The model. Each step has a token budget. Running requests go first, in admission order: a
+prefilling one takes a chunk of its uncached prompt, a decoding sequence one token. Waiting
+requests are then admitted first come, first served while budget and blocks last (admission
+allocates the whole prompt). A step lasts as long as the roofline says (``roofline``). Decode
+allocates a block when a sequence crosses into a new one; when none is left, the latest admitted
+request is preempted (released, requeued at the front and later recomputed, as vLLM does).
+Finished requests are released. Decoded tokens reach the manager in runs: when a token starts
+or completes a block, or is the first write after a fork, so block allocation, commits and
+copies happen exactly when they would with one call per token.
 
-Decoded tokens reach the manager in runs: only when a token starts or completes a block, or is
-the first write after a fork, so block allocation, commits and copies happen exactly when they
-would with one call per token.
+The loop. Most steps change nothing but counters: every running sequence decodes one token and
+the clock moves on. The simulation visits only the steps where something happens, and advances
+the rest in closed form:
+
+- an *event* is a sequence's next write (a block boundary, or its first write after a fork),
+  its last token, an arrival, an admission that may succeed, a prefill chunk, or anything a
+  preemption or a release sets off. Sequences sit in a queue keyed by the step of their next
+  event (``_schedule``); between events their token counts are lazy (``live_requests``).
+- a *quiet* step (no event due, nothing prefilling, every sequence within the budget) costs
+  O(1): the step's work is a function of the number of sequences D and the sum of their K/V
+  lengths K (D tokens and logits, D + K query-key pairs and K/V tokens read, K of them cached),
+  and K grows by D a step. Time is the sum of each step's roofline time taken in order
+  (``StepTimer``, the same floats as one step at a time), so every clock reading is the one a
+  step-by-step simulation reads.
+- an admission that failed stays failed until blocks come back or the index grows: a failed
+  admission short of d blocks is not tried again until a release, an admission, a fork or a
+  first write (which lets a copy source go), or until running sequences have committed d new
+  blocks (a committed block can add at most one hit; allocations only take blocks away).
+- steps with a prompt being prefilled in chunks, or with more sequences than the budget, are
+  simulated in full (``_full_step``): every request in the batch is visited, as the budget
+  decides who runs.
+
+The no-cache pass runs the same loop over ``UncachedBlocks``, which answers as a manager with
+caching off does, from block counts alone.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import math
+import re
 from collections.abc import Callable, Iterable, Iterator
-
-import numpy as np
 
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
+from prefixcache.replay.sim.live_requests import DecodingSample, LiveRequest
+from prefixcache.replay.sim.replica_batch import ReplicaBatch
 from prefixcache.replay.sim.roofline import Roofline, StepWork, context_pairs, prefill_pairs
-from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
+from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad
+from prefixcache.replay.sim.step_tally import StepTally
+from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 from prefixcache.replay.tiers.admission import TierAdmitter
 from prefixcache.replay.workload.request import Request
-from prefixcache.replay.workload.synth import TokenTape, stream_key
+
+__all__ = ["DecodingSample", "LiveRequest", "Simulator", "advance_replicas", "run_serving"]
+
+# how the manager words a refused admission: the shortfall gates the next try
+_SHORT = re.compile(r"needs (\d+) new blocks but only (-?\d+) are")
+
+Event = tuple[int, int, int, int, DecodingSample]  # (step, rank, sample, version, sample)
 
 
-class _DecodingSample:
-    """One sample of a request after its prefill: its K/V length and sampled output."""
+class Simulator(ReplicaBatch):
+    """One replica's continuous batching over its cache, on a simulated clock. ``mgr``: the
+    cache manager, or ``UncachedBlocks`` for a replica that caches nothing."""
 
-    __slots__ = ("flushed", "generated", "kv_len", "must_flush", "out", "rid")
-
-    def __init__(self, rid: object, kv_len: int, generated: int, out: np.ndarray) -> None:
-        self.rid = rid
-        self.kv_len = kv_len  # tokens whose K/V are written (some maybe not yet flushed)
-        self.flushed = kv_len  # tokens the manager holds
-        self.generated = generated  # output tokens sampled so far
-        self.out = out
-        self.must_flush = True  # the first write may copy a block shared with a fork
-
-
-class LiveRequest:
-    """A request between arrival and finish: waiting, prefilling or decoding its samples."""
-
-    __slots__ = (
-        "digests",
-        "first_done",
-        "idx",
-        "kv",
-        "out0",
-        "prefill_left",
-        "prompt_bytes",
-        "recorded",
-        "req",
-        "resume",
-        "seqs",
-        "tokens",
-    )
-
-    def __init__(self, idx: int, req: Request) -> None:
-        self.idx, self.req = idx, req
-        self.tokens = req.tokens  # what the next admission prefills
-        self.resume = 0  # output tokens sampled before a preemption
-        self.prefill_left = 0
-        self.kv = 0  # tokens with K/V in place (cached or computed)
-        self.seqs: list[_DecodingSample] = []
-        self.first_done = False
-        self.recorded = False
-        self.prompt_bytes = b""  # the prompt's token bytes, once accounted
-        self.out0: np.ndarray | None = None
-        self.digests: list[bytes] | None = None  # the prompt's block digests, when known
-
-
-class Simulator:
-    """One replica's continuous batching over its cache manager, on a simulated clock."""
-
-    def __init__(self, mgr: CacheManager, cfg: ResolvedConfig, acc: Accountant | None) -> None:
+    def __init__(
+        self, mgr: CacheManager | UncachedBlocks, cfg: ResolvedConfig, acc: Accountant | None
+    ) -> None:
         o = cfg.options
         assert cfg.model is not None and cfg.gpu is not None, "resolve a serving-mode config"
-        self.mgr, self.acc, self.block_size = mgr, acc, o.block_size
+        super().__init__(mgr, o.block_size, acc)
         self.roof = Roofline.for_gpu(cfg.model, cfg.gpu, o.tp)
+        self.timer = self.roof.timer()
         self.budget, self.max_seqs = o.token_budget, o.max_seqs
-        self.tape = TokenTape(stream_key("serving-samples"))
-        self.clock = 0.0
-        self.steps = self.preemptions = self.truncated = 0
-        self.times = RequestTimes()
         self.busy = 0.0  # seconds spent in steps
-        self.running: list[LiveRequest] = []
-        self.waiting: deque[LiveRequest] = deque()
-        self.live_seqs = 0
         # a fleet's hook: leading full prompt blocks another replica holds (routing misses)
         self.elsewhere: Callable[[LiveRequest], int] | None = None
-        # told how many requests finished in each step (a progress bar)
-        self.on_finish: Callable[[int], None] | None = None
+        # a fleet's hook, called after every step that may have changed blocks or requests
+        self.after_step: Callable[[], None] | None = None
         self.tiers: TierAdmitter | None = None  # host tier and pool, when the replay has them
+        self.tally: StepTally | None = None  # usage and timeline (run() makes one if needed)
+        self.tally_slot = 0
+        # prompt and hit tokens of the requests accounted here (a fleet's per-replica figures)
+        self.prompt_tokens = self.hit_tokens = 0
+        self.queue: list[Event] = []  # the samples, by the step of their next event
+        self.next_rank = 0  # admission order
+        self.blocked: LiveRequest | None = None  # the head whose admission failed last
+        self.blocked_epoch = 0
+        self.blocked_committed = 0
+        self.blocked_short = 0  # blocks it lacked
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self, requests: Iterable[Request]) -> None:
         """Simulate ``requests`` (in arrival order) until every one has finished."""
+        if self.acc is not None and self.tally is None:
+            StepTally(self.acc, [self], fleet=False)
         it: Iterator[Request] = iter(requests)
         nxt = next(it, None)
         idx = 0
@@ -118,13 +114,160 @@ class Simulator:
                     break
                 self.clock = nxt.arrival_s
                 continue
-            self._step()
-        self._measure(final=True)
+            self.run_steps(nxt.arrival_s if nxt is not None else math.inf, False)
+        if self.tally is not None:
+            self.tally.finish()
 
-    def _step(self) -> None:
+    def take(self, live: LiveRequest) -> None:
+        """Queue a request routed here (a fleet's replica)."""
+        if not (self.running or self.waiting) and self.clock < live.req.arrival_s:
+            self.clock = live.req.arrival_s
+        self.waiting.append(live)
+
+    def run_steps(self, limit: float, inclusive: bool) -> None:
+        """Step while something is in flight and the clock is before ``limit`` (or at it, when
+        ``inclusive``)."""
+        while self.running or self.waiting:
+            clock = self.clock
+            if clock > limit or (clock == limit and not inclusive):
+                return
+            if self._quiet():
+                self._quiet_steps(limit, inclusive)
+            else:
+                self._event_step()
+
+    def _quiet(self) -> bool:
+        """Whether the next step only decodes, with no event due."""
+        n = self.n_dec
+        if not n or self.prefilling or n > self.budget:
+            return False
+        queue = self.queue
+        if queue and queue[0][0] <= self.steps:
+            return False
+        return not (self.waiting and self.budget > n and self._would_try(self.waiting[0]))
+
+    def _would_try(self, head: LiveRequest) -> bool:
+        """Whether the admission of ``head`` would be tried now (``_admit``'s checks)."""
+        if self.live_seqs + head.req.n > self.max_seqs and self.running:
+            return False
+        return not self._known_short(head)
+
+    def _known_short(self, head: LiveRequest) -> bool:
+        """``head`` failed to be admitted and nothing since could have made room for it."""
+        return (
+            head is self.blocked
+            and self.epoch == self.blocked_epoch
+            and self.committed - self.blocked_committed < self.blocked_short
+        )
+
+    def _quiet_steps(self, limit: float, inclusive: bool) -> None:
+        """Decode-only steps until an event is due or the clock reaches ``limit``."""
+        timer, tally = self.timer, self.tally
+        n = self.n_dec
+        kv = self.kv_base + n * (self.steps - self.kv_step)
+        queue = self.queue
+        stop = queue[0][0] if queue else -1
+        while True:
+            pairs = kv + n
+            seconds = timer.seconds(n, pairs, pairs, n, kv)
+            self.clock += seconds
+            self.busy += seconds
+            self.steps += 1
+            kv = pairs
+            if tally is not None:
+                tally.after_quiet(self)
+            if self.steps == stop:
+                break
+            clock = self.clock
+            if clock > limit or (clock == limit and not inclusive):
+                break
+        self.kv_base, self.kv_step = kv, self.steps
+
+    # ---- one step with events ----------------------------------------------------------------
+    def _event_step(self) -> None:
+        if self.prefilling or self.n_dec > self.budget:
+            timed = self._full_step()
+        else:
+            timed = self._decode_step()
+        if self.after_step is not None:
+            self.after_step()
+        if self.tally is not None:
+            self.tally.after_event(self, timed)
+
+    def _decode_step(self) -> bool:
+        """A step in which every running sequence decodes: only the sequences with an event due
+        are visited. Returns whether time passed."""
+        now = self.steps
+        due: list[DecodingSample] = []
+        queue = self.queue
+        while queue and queue[0][0] <= now:
+            event = heapq.heappop(queue)
+            s = event[4]
+            if s.alive and s.version == event[3]:
+                due.append(s)
+        spent = 0  # budget the samples of a request that had to go took before it went
+        for s in due:
+            if not s.alive:
+                continue  # preempted by a write before it in this step
+            s.sync(now)
+            if self._write_due(s):
+                r = s.owner
+                before = r.seqs.index(s) if len(r.seqs) > 1 else 0
+                if not self._make_room(r, s):
+                    spent += before
+        n = self.n_dec
+        kv = self._kv_now()
+        work = StepWork(n, kv + n, kv + n, n, 0.0, kv)
+        prefills: list[tuple[LiveRequest, int]] = []
+        self._admit(self.budget - n - spent, prefills, work)
+        if not n and not prefills:
+            return False  # everything in flight was preempted; admit again next round
+        self._advance_clock(work)
+        after = self.steps
+        for s in due:
+            if s.alive:
+                s.kv_len += 1
+                s.generated += 1
+                s.synced = after
+        self._kv_add(0)  # the decoders' tokens of this step, at the new step count
+        ending = [s for s in due if s.alive and s.generated >= s.limit]
+        for r, k in prefills:
+            r.prefill_left -= k
+            r.kv += k
+            if r.prefill_left:
+                self.prefilling += 1
+                continue
+            for s in self._start_decode(r):
+                if s.generated >= s.limit:
+                    ending.append(s)
+                else:
+                    self._schedule(s)
+        for s in due:
+            if s.alive and s.generated < s.limit:
+                self._schedule(s)
+        if ending:
+            self._finish(ending)
+        return True
+
+    def _advance_clock(self, work: StepWork) -> None:
+        seconds = self.timer.seconds(
+            work.tokens, work.attention_pairs, work.kv_tokens_read, work.logits, work.context_pairs
+        )
+        seconds += work.transfer_s  # loads finish before the forward pass reads them
+        self.clock += seconds
+        self.busy += seconds
+        self.steps += 1
+
+    def _full_step(self) -> bool:
+        """A step that visits every running request, as the budget decides who runs (a prompt
+        prefilled in chunks, or more sequences than the budget). Returns whether time passed."""
+        now = self.steps
+        for r in self.running:
+            for s in r.seqs:
+                s.sync(now)
         budget = self.budget
         prefills: list[tuple[LiveRequest, int]] = []
-        decodes: list[_DecodingSample] = []
+        decodes: list[DecodingSample] = []
         work = StepWork()
         i = 0
         while i < len(self.running):
@@ -134,28 +277,20 @@ class Simulator:
                     k = min(r.prefill_left, budget)
                     budget -= k
                     prefills.append((r, k))
-                    work.add(
-                        k,
-                        prefill_pairs(r.kv, k),
-                        r.kv + k,
-                        int(k == r.prefill_left),
-                        context_pairs(r.kv, k),
-                    )
+                    last = int(k == r.prefill_left)
+                    work.add(k, prefill_pairs(r.kv, k), r.kv + k, last, context_pairs(r.kv, k))
                 i += 1
                 continue
-            mine: list[_DecodingSample] = []
+            mine: list[DecodingSample] = []
             gone = False
-            bs = self.block_size
             for s in r.seqs:
                 if not budget:
                     break
                 pos = s.kv_len
-                if s.must_flush or pos % bs == 0 or (pos + 1) % bs == 0:
-                    if not self._make_room(r, s):
-                        gone = True
-                        break
-                else:  # the token lands in a block the sequence already owns
-                    s.kv_len = pos + 1
+                if self._write_due(s) and not self._make_room(r, s):
+                    gone = True
+                    break
+                s.kv_len = pos + 1
                 mine.append(s)
                 budget -= 1
             if gone:
@@ -165,35 +300,79 @@ class Simulator:
                 work.add(1, s.kv_len, s.kv_len, 1, s.kv_len - 1)
             i += 1
         self._admit(budget, prefills, work)
-        if not prefills and not decodes:
-            return  # everything in flight was preempted; admit again next round
-        seconds = self.roof.step_seconds(
-            work.tokens, work.attention_pairs, work.kv_tokens_read, work.logits, work.context_pairs
-        )
-        seconds += work.transfer_s  # loads finish before the forward pass reads them
-        self.clock += seconds
-        self.busy += seconds
-        self.steps += 1
-        for r, k in prefills:
-            r.prefill_left -= k
-            r.kv += k
-            if not r.prefill_left:
-                self._start_decode(r)
-        for s in decodes:
-            s.generated += 1
-        self._finish_done()
-        self._measure()
+        timed = bool(prefills or decodes)
+        if timed:
+            self._advance_clock(work)
+            for r, k in prefills:
+                r.prefill_left -= k
+                r.kv += k
+                if not r.prefill_left:
+                    self._start_decode(r)
+            for s in decodes:
+                s.generated += 1
+            ending = [s for r in self.running for s in r.seqs if s.generated >= s.limit]
+            for r in self.running:  # every sample is exact now, at the new step count
+                for s in r.seqs:
+                    s.synced = self.steps
+            if ending:
+                self._finish(ending)
+        self._recount()
+        return timed
 
+    def _recount(self) -> None:
+        """Every counter and the event queue, from the running requests (after a full step)."""
+        now = self.steps
+        self.queue = []
+        n = kv = prefilling = 0
+        for r in self.running:
+            prefilling += bool(r.prefill_left)
+            for s in r.seqs:
+                s.synced = now
+                n += 1
+                kv += s.kv_len
+                self._schedule(s)
+        self.n_dec, self.kv_base, self.kv_step, self.prefilling = n, kv, now, prefilling
+        self.logical = self.usage()[0]
+
+    def _schedule(self, s: DecodingSample) -> None:
+        """Queue ``s`` (exact at the current step count) at the step of its next write, or of
+        its last token if that comes first."""
+        bs = self.block_size
+        pos = s.kv_len
+        rest = pos % bs
+        if s.must_flush or rest == 0:
+            write = 0
+        elif self.commit_writes:
+            write = 0 if rest == bs - 1 else bs - 1 - rest
+        else:  # caching nothing, only a new block matters
+            write = bs - rest
+        last = s.limit - s.generated - 1
+        s.version += 1
+        step = self.steps + (write if write < last else last)
+        heapq.heappush(self.queue, (step, s.owner.rank, s.index, s.version, s))
+
+    # ---- admission ---------------------------------------------------------------------------
     def _admit(self, budget: int, prefills: list[tuple[LiveRequest, int]], work: StepWork) -> None:
-        mgr, acc, tiers = self.mgr, self.acc, self.tiers
-        admit = mgr.admit if tiers is None else tiers.admit
+        acc, tiers, cache, counts = self.acc, self.tiers, self.cache, self.counts
         while self.waiting and budget:
             r = self.waiting[0]
             if self.live_seqs + r.req.n > self.max_seqs and self.running:
                 break
+            if self._known_short(r):
+                if tiers is not None and tiers.feed is not None:
+                    tiers.feed.flush()  # what a refused admission would have pooled first
+                break
+            adm = None
             try:
-                adm = admit(r.idx, r.tokens, r.req.namespace)
-            except OutOfBlocksError:
+                if cache is None:
+                    assert counts is not None
+                    counts.admit(r.idx, len(r.tokens))
+                elif tiers is None:
+                    adm = cache.admit(r.idx, r.tokens, r.req.namespace)
+                else:
+                    adm = tiers.admit(r.idx, r.tokens, r.req.namespace)
+            except OutOfBlocksError as exc:
+                self._note_short(r, exc)
                 break
             except RequestTooLargeError:
                 self.waiting.popleft()
@@ -203,149 +382,67 @@ class Simulator:
                     r.recorded = True
                     if acc is not None:
                         acc.record(r.idx, r.req, r.tokens.tobytes(), 0, False, 0, rejected=True)
+                        self.prompt_tokens += len(r.req.tokens)
                 continue
             self.waiting.popleft()
-            cached_len, partial, host_tokens, pool_tokens = adm.cached_len, adm.partial_tokens, 0, 0
-            if tiers is not None:
-                hit = tiers.split(
-                    bytes(mgr.internals.states[r.idx].tokens), r.req.namespace, adm, r.digests
-                )
-                cached_len, partial = hit.cached_len, hit.partial_tokens
-                host_tokens, pool_tokens = hit.host_tokens, hit.pool_tokens
-                work.transfer_s += tiers.settings.load_seconds(hit.host_blocks, hit.pool_blocks)
+            self.epoch += 1
+            cached_len = partial = host_tokens = pool_tokens = 0
+            cow = False
+            if adm is not None:
+                assert cache is not None
+                cached_len, partial, cow = adm.cached_len, adm.partial_tokens, adm.cow
+                if tiers is not None:
+                    hit = tiers.split(
+                        bytes(cache.internals.states[r.idx].tokens), r.req.namespace, adm, r.digests
+                    )
+                    cached_len, partial = hit.cached_len, hit.partial_tokens
+                    host_tokens, pool_tokens = hit.host_tokens, hit.pool_tokens
+                    work.transfer_s += tiers.settings.load_seconds(hit.host_blocks, hit.pool_blocks)
             if not r.recorded:
                 r.recorded = True
-                if acc is not None:
-                    r.prompt_bytes = bytes(mgr.internals.states[r.idx].tokens)  # no second copy
+                if acc is not None and cache is not None:
+                    r.prompt_bytes = bytes(cache.internals.states[r.idx].tokens)  # no 2nd copy
                     acc.record(
                         r.idx,
                         r.req,
                         r.prompt_bytes,
                         cached_len,
-                        adm.cow,
+                        cow,
                         partial,
                         elsewhere=self.elsewhere(r) if self.elsewhere is not None else 0,
                         host_tokens=host_tokens,
                         pool_tokens=pool_tokens,
                     )
+                    self.prompt_tokens += len(r.req.tokens)
+                    self.hit_tokens += cached_len
             r.kv = cached_len
             r.prefill_left = len(r.tokens) - cached_len
+            r.rank = self.next_rank
+            self.next_rank += 1
             self.running.append(r)
             self.live_seqs += r.req.n
+            self.logical += -(-len(r.tokens) // self.block_size)
             k = min(r.prefill_left, budget)
             budget -= k
             prefills.append((r, k))
             last = int(k == r.prefill_left)
             work.add(k, prefill_pairs(r.kv, k), r.kv + k, last, context_pairs(r.kv, k))
 
-    # ---- sequences --------------------------------------------------------------------------
-    def _start_decode(self, r: LiveRequest) -> None:
-        if not r.first_done:
-            r.first_done = True
-            self.times.ttft[r.idx] = self.clock - r.req.arrival_s
-        req, kv = r.req, len(r.tokens)
-        if r.out0 is None:
-            given = req.output_tokens
-            r.out0 = given if given is not None else self.tape.take(req.output_len)
-        first = _DecodingSample(r.idx, kv, r.resume + 1, r.out0)
-        r.seqs = [first]
-        for j in range(1, req.n):
-            self.mgr.fork(r.idx, (r.idx, j))
-            r.seqs.append(_DecodingSample((r.idx, j), kv, 1, self.tape.take(req.output_len)))
-
-    def _write(self, s: _DecodingSample) -> bool:
-        """Hand the manager the tokens written since the last call, up to the last sampled one
-        (it starts or fills a block, or follows a fork). False when no block is free for it."""
-        pos = s.kv_len
-        base = pos - s.generated + 1  # position of out[0]
-        pending = s.out[s.flushed - base : pos - base + 1]
-        try:
-            self.mgr.append(s.rid, int(pending[0]) if len(pending) == 1 else pending)
-        except OutOfBlocksError:
-            return False
-        s.flushed = s.kv_len = pos + 1
-        s.must_flush = False
-        return True
-
-    def _make_room(self, r: LiveRequest, s: _DecodingSample) -> bool:
-        """Write ``s``'s token, preempting the latest admitted requests while no block is free.
-        False when ``r`` itself had to go."""
-        while not self._write(s):
-            victim = self.running[-1]
-            if victim is r and len(self.running) == 1:
-                self._drop(r)  # alone and still out of blocks: it can never grow in this cache
-                self.truncated += 1
-                return False
-            self._preempt(victim)
-            if victim is r:
-                return False
-        return True
-
-    def _release_all(self, r: LiveRequest) -> None:
-        for s in r.seqs:
-            self.mgr.release(s.rid)
-        if not r.seqs:  # still prefilling
-            self.mgr.release(r.idx)
-        self.live_seqs -= len(r.seqs) or r.req.n
-        self.running.remove(r)
-
-    def _drop(self, r: LiveRequest) -> None:
-        self._release_all(r)
-        r.seqs = []
-
-    def _preempt(self, r: LiveRequest) -> None:
-        """Release ``r`` and queue it first, to be recomputed (by preemption, as in vLLM)."""
-        self.preemptions += 1
-        self._release_all(r)
-        if r.seqs and r.req.n == 1:  # recompute the prompt and the output so far, then go on
-            assert r.out0 is not None
-            r.resume = r.seqs[0].generated
-            r.tokens = np.concatenate([r.req.tokens, r.out0[: r.resume]])
-        elif r.seqs:  # parallel samples restart from the prompt
-            r.resume = 0
-            r.tokens = r.req.tokens
-        r.seqs = []
-        r.prefill_left = 0
-        self.waiting.appendleft(r)
-
-    def _finish_done(self) -> None:
-        keep: list[LiveRequest] = []
-        done = 0
-        for r in self.running:
-            if r.prefill_left or not r.seqs:
-                keep.append(r)
-                continue
-            live = []
-            for s in r.seqs:
-                if s.generated >= r.req.output_len:
-                    if s is r.seqs[0] and r.req.output_tokens is not None and self.acc:
-                        written = r.prompt_bytes + s.out[: s.kv_len - len(r.req.tokens)].tobytes()
-                        self.acc.note_output(r.req, written)
-                    self.mgr.release(s.rid)
-                    self.live_seqs -= 1
-                else:
-                    live.append(s)
-            r.seqs = live
-            if live:
-                keep.append(r)
-                continue
-            done += 1
-            self.times.finish[r.idx] = self.clock
-        self.running = keep
-        if done and self.on_finish is not None:
-            self.on_finish(done)
+    def _note_short(self, r: LiveRequest, exc: OutOfBlocksError) -> None:
+        """Remember the refused head and the blocks it lacked (1 when the error does not say)."""
+        short = 1
+        if self.counts is not None:
+            short = self.counts.deficit
+        else:
+            found = _SHORT.search(str(exc))
+            if found is not None:
+                short = max(1, int(found.group(1)) - int(found.group(2)))
+        self.blocked = r
+        self.blocked_epoch = self.epoch
+        self.blocked_committed = self.committed
+        self.blocked_short = short
 
     # ---- measurements -----------------------------------------------------------------------
-    def _measure(self, final: bool = False) -> None:
-        """Peak usage every step; a timeline row when due."""
-        acc = self.acc
-        if acc is None:
-            return
-        used = self.mgr.block_counts()
-        logical, frag = self.usage()
-        acc.note_usage(used.active, logical, frag)
-        acc.sample_timeline(self.steps, self.clock, used, self.mgr.stats.evicted_blocks, final)
-
     @property
     def ttft(self) -> list[float]:
         """Seconds to the first token, per request (NaN: not served yet)."""
@@ -355,27 +452,30 @@ class Simulator:
         """Throughput and latency of the requests simulated so far."""
         return self.times.figures(self.busy)
 
-    def usage(self) -> tuple[int, int]:
-        """Logical blocks of the running requests and the unused slots of their last blocks."""
-        p = self.block_size
-        logical = frag = 0
-        for r in self.running:
-            if not r.seqs:  # prefilling: the whole prompt is allocated
-                blocks = -(-len(r.tokens) // p)
-                logical += blocks
-                frag += blocks * p - len(r.tokens)
+
+def advance_replicas(sims: list[Simulator], until: float) -> None:
+    """Step a fleet's replicas, the one with the earliest clock first, while any busy one is
+    before ``until``: the earliest runs on while it stays the earliest (a tie goes to the lower
+    replica), so the replicas' steps interleave as they would one step at a time."""
+    while True:
+        best = second = -1
+        best_clock = second_clock = 0.0
+        for k in range(len(sims)):
+            sim = sims[k]
+            clock = sim.clock
+            if not (sim.running or sim.waiting) or clock >= until:
                 continue
-            shared_tail = False
-            for s in r.seqs:
-                blocks = -(-s.flushed // p)
-                logical += blocks
-                if s.must_flush:  # still shares the prompt's last block
-                    shared_tail = True
-                else:
-                    frag += blocks * p - s.kv_len
-            if shared_tail:
-                frag += -(-len(r.tokens) // p) * p - len(r.tokens)
-        return logical, frag
+            if best < 0 or clock < best_clock:
+                second, second_clock = best, best_clock
+                best, best_clock = k, clock
+            elif second < 0 or clock < second_clock:
+                second, second_clock = k, clock
+        if best < 0:
+            return
+        if second < 0:
+            sims[best].run_steps(until, False)
+        else:  # on while before the runner-up, or level with it and first in line
+            sims[best].run_steps(second_clock, best < second)
 
 
 def run_serving(
@@ -395,8 +495,7 @@ def run_serving(
     sim.on_finish = on_finish
     sim.tiers = tiers
     sim.run(requests)
-    plain = cfg.cache_manager(caching=False)
-    base = Simulator(plain, cfg, None)
+    base = Simulator(UncachedBlocks(cfg.capacity_blocks, cfg.options.block_size), cfg, None)
     base.on_finish = on_finish
     base.run(again)
     times = sim.times
