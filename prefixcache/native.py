@@ -59,8 +59,14 @@ COMPILED_MODULES = (
     "prefixcache.manager.tenant_shares",
     "prefixcache.replay.sim.accounting",
     "prefixcache.replay.sim.keyset",
+    "prefixcache.replay.sim.live_requests",
+    "prefixcache.replay.sim.replica_batch",
     "prefixcache.replay.sim.request_rows",
+    "prefixcache.replay.sim.roofline",
     "prefixcache.replay.sim.sequential",
+    "prefixcache.replay.sim.serving",
+    "prefixcache.replay.sim.step_tally",
+    "prefixcache.replay.sim.uncached_blocks",
 )
 # C extension modules built with them: a C source each, callers import them or fall back
 C_HELPERS = ("prefixcache.blocks._token_pack",)
