@@ -101,6 +101,30 @@ class Progress:
             sys.stderr.write("\n")
 
 
+class SweepProgress(Progress):
+    """One bar for a whole sweep: points replayed in this process count into it directly, those
+    in worker processes into ``shared`` (a ``multiprocessing.Value``), which ``poll`` reads."""
+
+    def __init__(self, total: int | None, label: str, shared: Any) -> None:
+        super().__init__(total, label)
+        self.shared = shared
+        self._seen = 0
+
+    def poll(self) -> None:
+        """Take in what the workers counted since the last poll."""
+        seen = self.shared.value
+        if seen > self._seen:
+            self.update(seen - self._seen)
+            self._seen = seen
+
+    def stage(self, name: str) -> None:
+        """The passes of the points are not named: they run side by side."""
+
+    def close(self, finished: bool = True) -> None:
+        self.poll()
+        super().close(finished)
+
+
 def _clock(seconds: float) -> str:
     s = round(seconds)
     return (

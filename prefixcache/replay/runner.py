@@ -3,12 +3,14 @@
 A sweep runs several cache configurations over one workload, in parallel processes or Ray tasks
 (``sweep_executors``). The first configuration is the primary run (full per-request rows); the
 others report one line each. Workers re-open the source themselves, so nothing large crosses
-process boundaries.
+process boundaries. This process replays the primary point, then takes the points no worker has
+started yet.
 
 Long replays show a progress bar on stderr when it is a terminal: tqdm when installed, otherwise
 a single self-rewriting line; either way redrawn about twice a second (``progress``), so it costs
 nothing per request. A serving replay's bar counts completed requests over every pass of the run
 (with and without cache; a fleet's pooled cache too), so it reaches its total when the run ends.
+A sweep shows one bar for all its points, wherever they run.
 """
 
 from __future__ import annotations
@@ -24,13 +26,27 @@ from typing import Any, TypeVar
 
 from prefixcache.errors import MissingDependencyError
 from prefixcache.manager.cache_manager import CacheManager
-from prefixcache.replay.progress import LINE_TRACE_KINDS, Progress, count_lines, counted
+from prefixcache.replay.progress import (
+    LINE_TRACE_KINDS,
+    Progress,
+    SweepProgress,
+    count_lines,
+    counted,
+)
 from prefixcache.replay.progress import enabled as progress_enabled
 from prefixcache.replay.run_config import ReplayConfig, ResolvedConfig
 from prefixcache.replay.run_result import ReplayResult
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.sequential import run_sequential
-from prefixcache.replay.sweep_executors import check_executor, open_executor
+from prefixcache.replay.sweep_executors import (
+    PointProgress,
+    check_executor,
+    count_points_into,
+    open_executor,
+    point_done,
+    point_progress,
+    shared_counter,
+)
 from prefixcache.replay.tenant_report import tenants_report, with_comparison
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
 from prefixcache.replay.tiers.summary import tiers_report
@@ -49,7 +65,13 @@ def replay_source(
     return _replay(source, config.resolve(), progress)
 
 
-def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> ReplayResult:
+def _replay(
+    source: Source,
+    resolved: ResolvedConfig,
+    progress: bool | None,
+    shared: PointProgress | None = None,
+) -> ReplayResult:
+    """``shared``: a sweep's bar to count into (left open) instead of a bar of its own."""
     config = resolved.options
     mgr = resolved.cache_manager()
     acc = Accountant(
@@ -60,9 +82,13 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
         upper_bound=config.upper_bound,
     )
     arrivals = ScaledArrivals(source, config.arrival_factor)
-    bar = _serving_progress(source, resolved, progress)
+    bar: PointProgress | None = shared
+    if shared is None:
+        bar = _serving_progress(source, resolved, progress)
     requests: Iterable[Request] = arrivals
-    if bar is None:
+    if config.mode != "serving" and shared is not None:
+        requests = _counted_into(arrivals, shared)
+    elif bar is None:
         requests = with_progress(
             arrivals, _total(source, progress), f"replay {source.name}", progress
         )
@@ -80,7 +106,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
                 fleet = run_fleet(requests, lambda: iter(arrivals), acc, resolved, bar)
                 finished = True
             finally:
-                if bar is not None:
+                if bar is not None and shared is None:
                     bar.close(finished)
             serving, stats, tiers = fleet.serving, fleet.stats, fleet.tiers
             managers = fleet.managers
@@ -116,7 +142,7 @@ def _replay(source: Source, resolved: ResolvedConfig, progress: bool | None) -> 
                 )
                 finished = True
             finally:
-                if bar is not None:
+                if bar is not None and shared is None:
                     bar.close(finished)
             truncated = serving.truncated
     elapsed = time.perf_counter() - start
@@ -194,8 +220,13 @@ def replay_path(
 
 
 def _summary_row(path: str, resolved: ResolvedConfig) -> dict[str, Any]:
-    """A sweep point replayed in a worker process, which opens the source itself."""
-    return _replay(open_source(path, resolved.options), resolved, False).summary_row()
+    """A sweep point replayed in a worker process (or in this one, once its own point is
+    done), which opens the source itself and counts into the sweep's bar, if any."""
+    source = open_source(path, resolved.options)
+    try:
+        return _replay(source, resolved, False, point_progress()).summary_row()
+    finally:
+        point_done()
 
 
 def replay_sweep(
@@ -222,13 +253,63 @@ def replay_sweep(
         return _replay(sources[0], resolved[0], progress)
     rest = resolved[1:]
     rows: list[dict[str, Any]] = [{} for _ in rest]
-    with open_executor(executor, min(jobs - 1, len(rest)), ray_address) as workers:
-        finished = workers.start(_summary_row, str(path), rest)
-        primary = _replay(sources[0], resolved[0], progress)
-        for i, row in finished:
-            rows[i] = row
+    sizes = [_point_size(source, r, progress) for source, r in zip(sources, resolved, strict=True)]
+    bar = _sweep_progress(path, sizes, progress)
+    counter = bar.shared if bar is not None else None
+    before = count_points_into(bar)
+    finished = False
+    try:
+        with open_executor(executor, min(jobs - 1, len(rest)), ray_address, counter) as workers:
+            tick = bar.poll if bar is not None else None
+            done = workers.start(_summary_row, str(path), rest, tick)
+            primary = _replay(sources[0], resolved[0], progress, bar)
+            for i, row in workers.run_waiting():  # what no worker took yet runs here
+                rows[i] = row
+            for i, row in done:
+                rows[i] = row
+                if bar is not None and executor == "ray":  # Ray tasks count when they end
+                    bar.update(sizes[i + 1] or 0)
+        finished = True
+    finally:
+        count_points_into(before)
+        if bar is not None:
+            bar.close(finished)
     primary.sweep = [primary.summary_row(), *rows]
     return primary
+
+
+def _point_size(source: Source, resolved: ResolvedConfig, progress: bool | None) -> int | None:
+    """Request completions a point counts: its requests once per pass (None: unknown)."""
+    total = _total(source, progress)
+    if total is None:
+        return None
+    options = resolved.options
+    if options.mode != "serving":
+        return total
+    if options.is_fleet:
+        from prefixcache.replay.sim.fleet_replay import FLEET_PASSES
+
+        return total * len(FLEET_PASSES)
+    return 2 * total
+
+
+def _sweep_progress(
+    path: str | Path, sizes: list[int | None], progress: bool | None
+) -> SweepProgress | None:
+    """One bar for every point of a sweep, wherever it runs."""
+    if not progress_enabled(progress):
+        return None
+    total = None if any(n is None for n in sizes) else sum(n or 0 for n in sizes)
+    label = f"sweep {Path(path).name} ({len(sizes)} points)"
+    return SweepProgress(total, label, shared_counter())
+
+
+def _counted_into(items: Iterable[T], bar: PointProgress) -> Iterator[T]:
+    """``items``, each counted on a sweep's bar as it is taken (the bar stays open)."""
+    update = bar.update
+    for item in items:
+        yield item
+        update()
 
 
 # ---- progress ----------------------------------------------------------------------------------

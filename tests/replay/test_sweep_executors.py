@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from prefixcache.cli import main
-from prefixcache.replay import ReplayConfig
+from prefixcache.replay import ReplayConfig, runner
+from prefixcache.replay.progress import SweepProgress
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.sweep_executors import ProcessExecutor, SweepExecutor, open_executor
 
@@ -56,3 +59,79 @@ def test_local_points_run_in_other_processes_as_soon_as_there_is_one_job_to_spar
         rows = dict(executor.start(_where, str(CHAT), configs))
     assert [rows[i]["blocks"] for i in range(3)] == [10, 20, 30]
     assert all(row["pid"] != os.getpid() for row in rows.values())
+
+
+# made before any worker forks, so every worker shares them
+_FORK = (
+    multiprocessing.get_context("fork")
+    if "fork" in multiprocessing.get_all_start_methods()
+    else None
+)
+_STARTED = _FORK.Event() if _FORK is not None else None
+_GATE = _FORK.Event() if _FORK is not None else None
+
+
+def _held_in_workers(path: str, config: ResolvedConfig) -> dict:
+    """In a worker: say so, then hold on until the test lets go, so the points behind it wait
+    for this process to take them. Here: run at once."""
+    if os.getpid() != MAIN_PID and _STARTED is not None and _GATE is not None:
+        _STARTED.set()
+        _GATE.wait(60)
+    return {"pid": os.getpid(), "blocks": config.capacity_blocks}
+
+
+MAIN_PID = os.getpid()
+
+
+@pytest.mark.skipif(_FORK is None, reason="needs the fork start method")
+def test_this_process_takes_the_points_no_worker_started() -> None:
+    """Once its own point is done, the sweep's process runs the points still waiting for a
+    worker, instead of idling until the workers get to them."""
+    assert _STARTED is not None and _GATE is not None
+    configs = [ReplayConfig(capacity_blocks=b).resolve() for b in (10, 20, 30, 40, 50)]
+    rows: dict[int, dict] = {}
+    with open_executor("local", 1) as executor:
+        done = executor.start(_held_in_workers, str(CHAT), configs)
+        assert _STARTED.wait(60)  # the worker holds the first point
+        here = dict(executor.run_waiting())
+        _GATE.set()
+        rows = {**dict(done), **here}
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    assert [rows[i]["blocks"] for i in range(5)] == [10, 20, 30, 40, 50]
+    assert rows[0]["pid"] != MAIN_PID  # the worker's
+    # a worker queues at most one point ahead; the rest ran here
+    assert {2, 3, 4} <= set(here) and all(rows[i]["pid"] == MAIN_PID for i in here)
+
+
+class SweepRecorder(SweepProgress):
+    """The sweep's bar, counting instead of drawing."""
+
+    made: ClassVar[list[SweepRecorder]] = []
+
+    def __init__(self, total: int | None, label: str, shared: object) -> None:
+        self.total, self.label, self.shared, self._seen = total, label, shared, 0
+        self.counted = 0
+        self.closed: bool | None = None
+        SweepRecorder.made.append(self)
+
+    def update(self, n: int = 1) -> None:
+        self.counted += n
+
+    def close(self, finished: bool = True) -> None:
+        self.poll()
+        self.closed = finished
+
+
+@pytest.mark.parametrize(("mode", "passes"), [("sequential", 1), ("serving", 2)])
+def test_one_bar_counts_every_point_wherever_it_ran(
+    monkeypatch: pytest.MonkeyPatch, mode: str, passes: int
+) -> None:
+    SweepRecorder.made = []
+    monkeypatch.setattr(runner, "SweepProgress", SweepRecorder)
+    configs = [ReplayConfig(capacity_blocks=b, mode=mode) for b in (100, 200, 400)]
+    result = runner.replay_sweep(CHAT, configs, jobs=2, progress=True)
+    (bar,) = SweepRecorder.made
+    n = result.acc.totals.requests
+    assert len(result.sweep) == 3
+    assert bar.total == 3 * passes * n and "3 points" in bar.label
+    assert bar.counted == bar.total and bar.closed is True
