@@ -1,21 +1,36 @@
-"""Sequential replay speed: the Mooncake synthetic trace and a generated 1,000,000-request scenario.
+"""Replay speed: sequential layers on the Mooncake trace and a 1,000,000-request scenario, and
+the serving and fleet replays a planner runs, against the sequential replay of the same workload.
 
-    python bench/replay_speed.py [--requests 1000000] [--trace PATH] [--repeats 1]
+    python bench/replay_speed.py [--only sequential|planner] [--requests 1000000] [--trace PATH]
+                                 [--repeats 1] [--baseline TREE]
 
-For each workload, three layers, so the cost of each is visible:
+Sequential: for each workload, three layers, so the cost of each is visible:
   source   reading / generating the requests alone (token arrays included)
   manager  source + CacheManager.admit/release, nothing else (the floor for any replay)
   replay   the full sequential replay: source, manager and hit accounting (shadow upper bound,
            miss causes, per-request rows)
 Prints requests/s, requests/min, microseconds per request and per prompt block.
+
+Planner: the multi-turn chat scenario (20,000 requests, llama-3.1-8b, 4 GiB of KV) replayed
+sequentially, in serving mode on one replica and on four (each with 4 GiB), and the Mooncake
+trace (512-token blocks, 400 blocks a replica) in serving mode on one and four replicas. Prints
+each replay's wall seconds (the best of ``--repeats``) and its ratio to the sequential replay of
+the same workload, run alongside. ``--baseline TREE`` times the same replays, in a child process
+each, with the ``prefixcache`` package found in ``TREE`` (an older checkout, built): the figures
+before a change, measured on the same machine in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from prefixcache import CORE_BUILD, CacheManager
 from prefixcache.replay import ReplayConfig, Source, open_source
@@ -24,6 +39,35 @@ from prefixcache.replay.runner import replay_source
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 SCENARIO = ROOT / "scenarios" / "short_prompts_1m.yaml"
+CHAT = ROOT / "scenarios" / "multi_turn_chat.yaml"
+GIB = 1024**3
+# (label, source, options): each planner workload's sequential replay comes first
+PLANNER: list[tuple[str, Path, dict[str, Any]]] = [
+    ("chat, sequential", CHAT, {"kv_memory": 4 * GIB, "model": "llama-3.1-8b"}),
+    ("chat, serving", CHAT, {"kv_memory": 4 * GIB, "model": "llama-3.1-8b", "mode": "serving"}),
+    (
+        "chat, serving, 4 replicas",
+        CHAT,
+        {"kv_memory": 4 * GIB, "model": "llama-3.1-8b", "mode": "serving", "replicas": 4},
+    ),
+    ("Mooncake, sequential", TRACE, {"capacity_blocks": 400, "block_size": 512}),
+    (
+        "Mooncake, serving",
+        TRACE,
+        {"capacity_blocks": 400, "block_size": 512, "mode": "serving", "model": "llama-3.1-8b"},
+    ),
+    (
+        "Mooncake, serving, 4 replicas",
+        TRACE,
+        {
+            "capacity_blocks": 400,
+            "block_size": 512,
+            "mode": "serving",
+            "model": "llama-3.1-8b",
+            "replicas": 4,
+        },
+    ),
+]
 
 
 def layer_source(source: Source) -> tuple[float, int, int]:
@@ -73,13 +117,93 @@ def bench(label: str, path: Path, cfg: ReplayConfig, n: int | None, repeats: int
         )
 
 
+def time_replay(path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """One replay of ``path`` in this process: wall seconds and the figures that must not
+    change between builds."""
+    cfg = ReplayConfig(**options)
+    gc.collect()
+    start = time.perf_counter()
+    result = replay_source(open_source(path, cfg), cfg)
+    seconds = time.perf_counter() - start
+    report = result.to_report_dict()
+    serving = report.get("serving") or {}
+    return {
+        "seconds": seconds,
+        "requests": report["requests"],
+        "token_hit_rate": report["token_hit_rate"],
+        "ttft_p50_s": serving.get("ttft_p50_s"),
+        "steps": serving.get("steps"),
+        "core": CORE_BUILD.reason,
+    }
+
+
+def time_in(tree: Path, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """``time_replay`` in a child process that imports ``prefixcache`` from ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import replay_speed as b; "
+        "print(json.dumps(b.time_replay(__import__('pathlib').Path(sys.argv[2]), "
+        "json.loads(sys.argv[3]))))"
+    )
+    args = [sys.executable, "-c", code, str(Path(__file__).parent), str(path), json.dumps(options)]
+    # run from the tree: ``python -c`` puts the working directory first on the path
+    out = subprocess.run(args, env=env, cwd=tree, check=True, capture_output=True, text=True).stdout
+    return dict(json.loads(out.splitlines()[-1]))
+
+
+def planner(repeats: int, baseline: Path | None) -> None:
+    """The serving and fleet replays against the sequential replay of the same workload."""
+    print("planner workloads (wall seconds, best of the repeats; x: against sequential)")
+    if baseline is not None:
+        print(f"  baseline: prefixcache from {baseline}")
+    reference: dict[str, float] = {}
+    core = None
+    for label, path, options in PLANNER:
+        if not path.is_file():
+            print(f"  {label}: (no {path}; skipped)")
+            continue
+        workload = label.split(",")[0]
+        runs = [time_replay(path, options) for _ in range(repeats)]
+        best = min(runs, key=lambda r: r["seconds"])
+        secs = best["seconds"]
+        reference.setdefault(workload, secs)
+        line = (
+            f"  {label:32} {secs:8.2f} s  {best['requests'] / secs:>8,.0f} req/s  "
+            f"x{secs / reference[workload]:5.2f}  hit {best['token_hit_rate']:.4f}"
+        )
+        if best["ttft_p50_s"] is not None:
+            line += f"  TTFT p50 {best['ttft_p50_s']:.4g} s  {best['steps']:,} steps"
+        if baseline is not None:
+            before = min(
+                (time_in(baseline, path, options) for _ in range(repeats)),
+                key=lambda r: r["seconds"],
+            )
+            if core is None:
+                core = before["core"]
+                print(f"  baseline core: {core}")
+            same = before["token_hit_rate"] == best["token_hit_rate"] and (
+                before["ttft_p50_s"] == best["ttft_p50_s"]
+            )
+            line += (
+                f"  | baseline {before['seconds']:8.2f} s ({before['seconds'] / secs:5.1f}x this)"
+                f"{'' if same else '  FIGURES DIFFER'}"
+            )
+        print(line, flush=True)
+
+
 def main() -> None:
     print(f"core: {CORE_BUILD.reason}")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("sequential", "planner"), help="one part of the bench")
     ap.add_argument("--requests", type=int, default=1_000_000, help="scenario requests")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--baseline", type=Path, help="a checkout whose prefixcache to time too")
     args = ap.parse_args()
+    if args.only != "sequential":
+        planner(args.repeats, args.baseline)
+    if args.only == "planner":
+        return
     if args.trace.is_file():
         for capacity in (1000, 10000):
             bench(
