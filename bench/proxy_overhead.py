@@ -18,11 +18,12 @@ Each prompt is ``--prompt-tokens`` random words, sent once straight to vLLM firs
 measured request is a prefix-cache hit (the engine's part is short and steady, and what differs
 between the paths is the hop). Then, ``--repeats`` times over the prompts and for each kind
 (``tokens``: the prompt as token ids, ``text``: as text, which the service tokenizes, ``chat``: as
-one user message, which the service renders with the chat template and tokenizes), each one
-streamed and not, the same request goes straight to vLLM and through each service, one at a
-time, in an order that alternates. The time to first token is measured at the client, on one
-keep-alive connection per target: not streamed, until the answer's first byte (``max_tokens`` 1);
-streamed, until the first event carrying a token.
+one user message, which the service renders with the chat template and tokenizes, ``grown``: as
+text followed by ``GROWN_WORDS`` words drawn anew for each request, a prompt that continues one
+seen before, as a conversation's next turn does), each one streamed and not, the same request goes
+straight to vLLM and through each service, one at a time, in an order that alternates. The time to
+first token is measured at the client, on one keep-alive connection per target: not streamed, until
+the answer's first byte (``max_tokens`` 1); streamed, until the first event carrying a token.
 
 It prints, per kind and mode, the samples, the p50 and p99 of each path, and what the proxy adds
 (its p50 minus vLLM's, its p99 minus vLLM's; and the median of the paired differences).
@@ -64,7 +65,8 @@ MODEL = "tiny-llama"
 BLOCK = 128  # vLLM's default on CPU
 VOCAB = 32000
 FIRST_WORD = 3  # the tiny tokenizer's word w{i} is the token id i + 3
-KINDS = ("tokens", "text", "chat")
+KINDS = ("tokens", "text", "chat", "grown")
+GROWN_WORDS = 24  # the words a "grown" prompt adds to a prompt seen before
 
 
 class Target(NamedTuple):
@@ -88,11 +90,13 @@ def _words(n: int) -> list[int]:
 
 
 def _body(kind: str, tokens: list[int], stream: bool) -> dict[str, Any]:
+    if kind == "grown":  # a text that continues one seen before with words never seen
+        tokens = tokens + _words(GROWN_WORDS)
     text = " ".join(f"w{t - FIRST_WORD}" for t in tokens)
     body: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 2 if stream else 1}
     if kind == "tokens":
         body["prompt"] = tokens
-    elif kind == "text":
+    elif kind in ("text", "grown"):
         body["prompt"] = text
     else:
         body["messages"] = [{"role": "user", "content": text}]

@@ -4,19 +4,26 @@ are taken from a cache, and only the rest goes through the tokenizer.
 Prompts share their beginnings (a system prompt, a document, the earlier turns of a
 conversation, which the chat template renders as a prefix of the next turn's text), and the
 tokenizer's time grows with the text: 2,000 words take 1-2 ms, on the path of every request a
-router forwards. ``PrefixTokenizer`` cuts a text into segments at fixed places (the first space at
-or after every ``segment_chars`` characters), keys each segment by a chained hash of the text up
-to its end, and keeps each segment's token ids; a later text with the same beginning reuses the
-segments it shares, and tokenizes the rest in one batch call.
+router forwards. ``PrefixTokenizer`` cuts a text into segments at fixed places (before the first
+lone space at or after every ``segment_chars`` characters), keys each segment by a chained hash
+of the text up to its end, and keeps each segment's token ids; a later text with the same
+beginning reuses the segments it shares, and tokenizes the rest in one batch call.
 
-Joining segments' token ids is exact only where no token spans the cut: true of tokenizers that
-split words at spaces before their model runs (WordLevel, WordPiece, BPE with a ByteLevel or a
+The text after the last cut (its tail) is kept too, keyed the same way, with its length noted
+where it begins: a later text that continues it (the next turn of a conversation, an agent's
+prompt grown by a tool's answer) reuses it and tokenizes only what follows, and a text seen
+before in full (a retry, the same prompt for several samples) is not tokenized at all.
+
+Joining token ids is exact only where no token spans the join: true of tokenizers that split
+words at spaces before their model runs (WordLevel, WordPiece, BPE with a ByteLevel or a
 splitting Metaspace pre-tokenizer, Llama 3's and GPT-4's split patterns), not of every tokenizer
 (a normalizer that prepends or strips, a model that merges across spaces). So nothing is
-assumed: at each cut used, the text around it (``window_chars`` each side) is tokenized whole and
-in its two halves, and the cut is used only when both agree. A text whose cuts do not agree is
-tokenized whole; after ``DISAGREEMENTS_TO_STOP`` such texts in a row the cache turns itself off
-(the tokenizer merges across spaces), and every text is tokenized whole, as before.
+assumed: at each join made anew, the text around it (``window_chars`` each side) is tokenized
+whole and in its two halves, and the join is used only when both agree. A kept tail that does
+not join (it ended inside what is now a longer word) is left out and the text read again
+without it. A text whose cuts do not agree is tokenized whole; after ``DISAGREEMENTS_TO_STOP``
+such texts in a row the cache turns itself off (the tokenizer merges across spaces), and every
+text is tokenized whole, as before.
 
 The cache holds at most ``max_tokens`` token ids (least recently used segments go first) and is
 safe to call from several threads.
@@ -34,6 +41,8 @@ import xxhash
 from prefixcache.text.tokenizers import SpecialTokenWrap
 
 DISAGREEMENTS_TO_STOP = 8
+TAILS_PER_PLACE = 4  # the tail lengths noted where tails begin, the least recently used go first
+TAIL_PLACES = 1 << 15  # the most places noted (least recently used go first)
 
 
 class BatchTokenizer(Protocol):
@@ -61,6 +70,13 @@ class PrefixTokenizerStats(NamedTuple):
     enabled: bool
 
 
+class _Tail(NamedTuple):
+    """A kept tail that the text continues: its length in characters and its ids."""
+
+    chars: int
+    ids: np.ndarray
+
+
 def _cuts(text: str, every: int) -> list[int]:
     """Where ``text`` is cut: before the first lone space (between two characters that are not
     whitespace, where pre-tokenizers split) at or after each multiple of ``every``."""
@@ -76,6 +92,11 @@ def _cuts(text: str, every: int) -> list[int]:
         cuts.append(c)
         at = c + every
     return cuts
+
+
+def _key(place: bytes, piece: str) -> bytes:
+    """The key of ``piece`` following the text whose key is ``place`` (b"": the start)."""
+    return xxhash.xxh3_128_digest(place + piece.encode())
 
 
 class PrefixTokenizer:
@@ -97,6 +118,7 @@ class PrefixTokenizer:
         self.window_chars = window_chars
         self.max_tokens = max_tokens
         self._segments: OrderedDict[bytes, np.ndarray] = OrderedDict()  # key -> its token ids
+        self._tails: OrderedDict[bytes, list[int]] = OrderedDict()  # place -> tail lengths
         self._held = 0  # token ids held
         self._lock = threading.Lock()
         self._disagreed = 0  # texts in a row whose cuts did not agree
@@ -123,46 +145,135 @@ class PrefixTokenizer:
             return self.tokenizer.encode(text, add_special_tokens=True)
         return wrap.around(self._plain(text))
 
+    def held(self, text: str, add_special_tokens: bool = False) -> np.ndarray | None:
+        """``encode(text, add_special_tokens)`` when every one of its ids is in the cache (the
+        text was seen before in full), without calling the tokenizer; else None."""
+        if not self._enabled:
+            return None
+        wrap = self.tokenizer.special_wrap if add_special_tokens else None
+        if add_special_tokens and wrap is None:
+            return None
+        cuts = _cuts(text, self.segment_chars)
+        bounds = [0, *cuts, len(text)]
+        keys = self._keys(text, bounds)
+        with self._lock:
+            found = self._found(text, bounds, keys)
+        cached, tail = found
+        start = bounds[len(cached)] + (tail.chars if tail is not None else 0)
+        if start != len(text):
+            return None
+        self._texts += 1
+        self._reused += len(text)
+        ids = self._joined(cached, [tail.ids] if tail is not None else [])
+        return ids if wrap is None else wrap.around(ids)
+
     def _plain(self, text: str) -> np.ndarray:
         """The token ids of ``text`` without special tokens."""
         self._texts += 1
-        cuts = _cuts(text, self.segment_chars) if self._enabled else []
-        if not cuts:
+        if not self._enabled:
             self._tokenized += len(text)
             return self.tokenizer.encode(text)
+        cuts = _cuts(text, self.segment_chars)
         bounds = [0, *cuts, len(text)]
+        keys = self._keys(text, bounds)
+        with self._lock:
+            cached, tail = self._found(text, bounds, keys)
+        ids = self._read(text, bounds, keys, cached, tail)
+        if ids is None and tail is not None:  # the tail ended inside a longer word: without it
+            ids = self._read(text, bounds, keys, cached, None)
+        if ids is None:
+            return self._whole_text(text)
+        self._disagreed = 0
+        return ids
+
+    @staticmethod
+    def _keys(text: str, bounds: list[int]) -> list[bytes]:
+        """The chained key of the text up to each cut."""
         keys = []
         key = b""
-        for i in range(len(cuts)):  # the text up to each cut, chained
-            key = xxhash.xxh3_128_digest(key + text[bounds[i] : bounds[i + 1]].encode())
+        for i in range(len(bounds) - 2):
+            key = _key(key, text[bounds[i] : bounds[i + 1]])
             keys.append(key)
-        with self._lock:
-            cached: list[np.ndarray] = []
-            for key in keys:  # the leading segments held
-                ids = self._segments.get(key)
-                if ids is None:
-                    break
+        return keys
+
+    def _found(
+        self, text: str, bounds: list[int], keys: list[bytes]
+    ) -> tuple[list[np.ndarray], _Tail | None]:
+        """The leading segments held, and the longest kept tail the text continues after them
+        (not past its next cut). Called with the lock held."""
+        cached: list[np.ndarray] = []
+        for key in keys:
+            ids = self._segments.get(key)
+            if ids is None:
+                break
+            self._segments.move_to_end(key)
+            cached.append(ids)
+        place = keys[len(cached) - 1] if cached else b""
+        start = bounds[len(cached)]
+        room = bounds[len(cached) + 1] - start
+        tried = [room] if start + room == len(text) else []  # the rest as a kept tail: a repeat
+        tried += sorted((n for n in self._tails.get(place, ()) if n < room), reverse=True)
+        for chars in tried:
+            if chars == 0:
+                continue
+            key = _key(place, text[start : start + chars])
+            ids = self._segments.get(key)
+            if ids is not None:
                 self._segments.move_to_end(key)
-                cached.append(ids)
-        reused = len(cached)  # segments 0 .. reused-1 come from the cache
-        pieces = [text[bounds[i] : bounds[i + 1]] for i in range(reused, len(bounds) - 1)]
-        checked = cuts[max(0, reused - 1) :] if reused else cuts  # cuts joining ids anew
+                lengths = self._tails.get(place)
+                if lengths is not None and chars in lengths:  # used: the last to go
+                    lengths.remove(chars)
+                    lengths.append(chars)
+                    self._tails.move_to_end(place)
+                return cached, _Tail(chars, ids)
+        return cached, None
+
+    def _read(
+        self,
+        text: str,
+        bounds: list[int],
+        keys: list[bytes],
+        cached: list[np.ndarray],
+        tail: _Tail | None,
+    ) -> np.ndarray | None:
+        """The ids of ``text``: ``cached`` segments, then ``tail``, then the rest through the
+        tokenizer, each new join checked; None when a join does not agree."""
+        reused = len(cached)
+        at = bounds[reused] + (tail.chars if tail is not None else 0)  # tokenized from here
+        before = [tail.ids] if tail is not None else []
+        if at == len(text):  # seen before in full
+            self._reused += len(text)
+            return self._joined(cached, before)
+        pieces = [text[at : bounds[reused + 1]]]
+        pieces += [text[bounds[i] : bounds[i + 1]] for i in range(reused + 1, len(bounds) - 1)]
+        joins = ([at] if at > 0 else []) + bounds[reused + 1 : -1]  # where new ids meet others
         w = self.window_chars
         windows = []
-        for c in checked:
+        for c in joins:
             left, right = text[max(0, c - w) : c], text[c : c + w]
             windows += [left, right, left + right]
         got = self.tokenizer.encode_many(pieces + windows)
         fresh, window_ids = got[: len(pieces)], got[len(pieces) :]
         for i in range(0, len(window_ids), 3):
             if window_ids[i] + window_ids[i + 1] != window_ids[i + 2]:
-                return self._whole_text(text)
-        self._disagreed = 0
-        self._reused += bounds[reused]
-        self._tokenized += len(text) - bounds[reused]
+                return None
+        self._reused += at
+        self._tokenized += len(text) - at
         new = [np.asarray(ids, dtype="<i4") for ids in fresh]
-        self._keep(keys[reused:], new[: len(keys) - reused])
-        return np.concatenate([*cached, *new]) if len(cached) + len(new) > 1 else new[0]
+        if before:  # the segment (or tail) the kept tail begins is the tail and what follows
+            new[0] = np.concatenate([*before, new[0]])
+        # new[k] is the text from bounds[reused + k]: segments up to the last cut, then the tail
+        place = keys[-1] if keys else b""
+        tail_text = text[bounds[-2] :]
+        self._keep(keys[reused:], new[:-1], place, _key(place, tail_text), len(tail_text), new[-1])
+        return self._joined(cached, new)
+
+    @staticmethod
+    def _joined(cached: list[np.ndarray], rest: list[np.ndarray]) -> np.ndarray:
+        parts = [*cached, *rest]
+        if len(parts) > 1:
+            return np.concatenate(parts)
+        return parts[0] if parts else np.empty(0, dtype="<i4")
 
     def _whole_text(self, text: str) -> np.ndarray:
         """A text one of whose cuts splits a token: tokenized whole."""
@@ -173,16 +284,42 @@ class PrefixTokenizer:
             self._enabled = False  # the tokenizer merges across spaces
             with self._lock:
                 self._segments.clear()
+                self._tails.clear()
                 self._held = 0
         return self.tokenizer.encode(text)
 
-    def _keep(self, keys: list[bytes], segments: list[np.ndarray]) -> None:
+    def _keep(
+        self,
+        keys: list[bytes],
+        segments: list[np.ndarray],
+        place: bytes,
+        tail_key: bytes,
+        tail_chars: int,
+        tail_ids: np.ndarray,
+    ) -> None:
+        """Keep new segments, and the text's tail (``tail_chars`` long, after ``place``, where
+        its last segment ends) with its length noted there."""
         with self._lock:
             for key, ids in zip(keys, segments, strict=True):
-                if key in self._segments:
-                    continue
-                self._segments[key] = ids
-                self._held += len(ids)
+                self._put(key, ids)
+            if tail_chars > 0:
+                self._put(tail_key, tail_ids)
+                lengths = self._tails.get(place)
+                if lengths is None:
+                    lengths = self._tails[place] = []
+                    if len(self._tails) > TAIL_PLACES:
+                        self._tails.popitem(last=False)
+                else:
+                    self._tails.move_to_end(place)
+                if tail_chars in lengths:
+                    lengths.remove(tail_chars)
+                lengths.append(tail_chars)
+                del lengths[:-TAILS_PER_PLACE]
             while self._held > self.max_tokens and self._segments:
                 _, gone = self._segments.popitem(last=False)
                 self._held -= len(gone)
+
+    def _put(self, key: bytes, ids: np.ndarray) -> None:
+        if key not in self._segments:
+            self._segments[key] = ids
+            self._held += len(ids)

@@ -1,6 +1,7 @@
-"""PrefixTokenizer gives the ids its tokenizer gives, reusing the leading segments of texts it saw:
-real Hugging Face tokenizers built here (a word-level one, a byte-level BPE, a WordPiece), and
-one whose model merges across spaces, where the cache turns itself off."""
+"""PrefixTokenizer gives the ids its tokenizer gives, reusing the leading segments of texts it saw
+and the tails of texts a later one continues or repeats: real Hugging Face tokenizers built here
+(a word-level one, a byte-level BPE, a WordPiece), and one whose model merges across spaces,
+where the cache turns itself off."""
 
 from __future__ import annotations
 
@@ -78,8 +79,88 @@ def test_the_ids_are_the_tokenizers_and_shared_beginnings_are_reused(
     stats = cached.stats()
     assert stats.enabled and stats.whole == 0
     assert stats.reused_chars > 2 * stats.tokenized_chars  # most of each prompt was reused
-    short = _text(rng, 3)  # under a segment: tokenized whole, nothing kept
+    short = _text(rng, 3)  # under a segment: one tail
     assert np.array_equal(cached.encode(short), tokenizer.encode(short))
+
+
+class Counting:
+    """A tokenizer that counts the characters it is given."""
+
+    def __init__(self, inner: HFTokenizer) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.special_wrap = inner.special_wrap
+        self.chars = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        self.chars += len(text)
+        return self.inner.encode(text, add_special_tokens)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        self.chars += sum(len(t) for t in texts)
+        return self.inner.encode_many(texts)
+
+
+def test_a_text_seen_in_full_is_not_tokenized_again(tokenizer: HFTokenizer) -> None:
+    counted = Counting(tokenizer)
+    cached = PrefixTokenizer(counted, segment_chars=600, window_chars=100)
+    rng = random.Random(3)
+    texts = [_text(rng, n) for n in (2, 40, 400, 1500)]  # within a segment, and several
+    for text in texts:
+        assert cached.held(text) is None  # never seen
+        first = cached.encode(text)
+        assert np.array_equal(first, tokenizer.encode(text))
+        before = counted.chars
+        again = cached.encode(text)
+        held = cached.held(text)
+        assert counted.chars == before  # the tokenizer was not called
+        assert held is not None and np.array_equal(again, first) and np.array_equal(held, first)
+    assert cached.held(texts[-1][:-1]) is None  # a part of a text seen is not held whole
+
+
+def test_a_text_that_continues_another_tokenizes_only_what_follows(
+    tokenizer: HFTokenizer,
+) -> None:
+    counted = Counting(tokenizer)
+    cached = PrefixTokenizer(counted, segment_chars=600, window_chars=100)
+    rng = random.Random(4)
+    text = _text(rng, 300)
+    cached.encode(text)
+    for _ in range(10):  # an agent's prompt, grown turn by turn
+        more = " " + _text(rng, rng.randrange(2, 30))
+        stats = cached.stats()
+        got = cached.encode(text + more)
+        text += more
+        assert np.array_equal(got, tokenizer.encode(text)), text[-80:]
+        assert cached.stats().tokenized_chars - stats.tokenized_chars == len(more)
+    assert cached.stats().whole == 0
+
+
+def test_a_text_continued_many_ways_stays_reused(tokenizer: HFTokenizer) -> None:
+    """Many prompts continue one text (users asking after the same document): each tokenizes
+    only its own continuation, however many came before."""
+    cached = PrefixTokenizer(tokenizer, segment_chars=600, window_chars=100)
+    rng = random.Random(6)
+    text = _text(rng, 300)
+    cached.encode(text)
+    for _ in range(20):
+        more = " " + _text(rng, rng.randrange(2, 30))
+        stats = cached.stats()
+        assert np.array_equal(cached.encode(text + more), tokenizer.encode(text + more))
+        assert cached.stats().tokenized_chars - stats.tokenized_chars == len(more)
+
+
+def test_a_tail_that_ended_inside_a_longer_word_is_left_out(tokenizer: HFTokenizer) -> None:
+    """A text cut off mid-word, then the whole word: the kept tail does not join, the text is read
+    without it (the right ids), and the cache neither counts a disagreement nor turns off."""
+    cached = PrefixTokenizer(tokenizer, segment_chars=600, window_chars=100)
+    rng = random.Random(5)
+    for _ in range(DISAGREEMENTS_TO_STOP + 2):
+        text = _text(rng, 150) + " routes"
+        cached.encode(text[:-3])  # "... rou"
+        assert np.array_equal(cached.encode(text), tokenizer.encode(text))
+    stats = cached.stats()
+    assert stats.enabled and stats.whole == 0
 
 
 def test_the_cache_stays_within_its_bound(tokenizer: HFTokenizer) -> None:

@@ -112,6 +112,8 @@ def test_text_prompts_get_the_special_tokens_the_engine_adds(kind: str, tmp_path
             assert plain.encode(text, add_special_tokens=add).tolist() == want, (kind, text)
             got = cached.encode(text, add_special_tokens=add)
             assert got.dtype == np.dtype("<i4") and got.tolist() == want, (kind, add, text[:60])
+            held = cached.held(text, add_special_tokens=add)  # seen in full: no tokenizer
+            assert held is not None and held.tolist() == want, (kind, add, text[:60])
     assert cached.stats().reused_chars > 0  # the long texts' beginnings came from the cache
     assert plain.encode("the").tolist() == engine.encode("the", add_special_tokens=False).ids
 

@@ -7,9 +7,10 @@ salt, and its request id is the caller's own (scoped per key).
 
 Where the router's work runs: with the index in this process (``memory``, ``memory+compact``), a
 prompt of token ids up to ``INLINE_MAX_TOKENS`` is routed on the event loop itself, since handing
-it to a worker thread (and the GIL back) costs more than the route; text and chat prompts (the
-tokenizer), longer prompts and a remote index (Redis round trips) run in the thread pool, so they
-never hold up the loop.
+it to a worker thread (and the GIL back) costs more than the route, and so is a proxied text or
+chat whose token ids the tokenizer holds in full (``held_tokens``: no tokenizer runs); other text
+and chat prompts (the tokenizer), longer prompts and a remote index (Redis round trips) run in
+the thread pool, so they never hold up the loop.
 """
 
 from __future__ import annotations
@@ -200,6 +201,14 @@ class FleetService:
         ids: TokenIds = self.tokenizer.encode(text or "", add_special_tokens)
         return ids
 
+    def held_tokens(self, text: str, add_special_tokens: bool) -> TokenIds | None:
+        """``text``'s token ids (as ``tokens_of``) when the tokenizer holds them all, a text
+        seen before in full, so that no tokenizer runs: cheap enough for the event loop. None
+        otherwise."""
+        if isinstance(self.tokenizer, PrefixTokenizer):
+            return self.tokenizer.held(text, add_special_tokens)
+        return None
+
     def special_tokens(self, namespace: Namespace, requested: Any, *, chat: bool) -> bool:
         """Whether the engine adds the tokenizer's special tokens (a BOS, for most models) to
         the text it tokenizes for a prompt of ``namespace``, a chat's rendered template when
@@ -222,7 +231,7 @@ class FleetService:
             return not chat
         return not chat if requested is None else requested
 
-    def chat_tokens(
+    def chat_text(
         self,
         messages: Any,
         *,
@@ -231,24 +240,28 @@ class FleetService:
         tools: list[Any] | None = None,
         documents: list[Any] | None = None,
         extra: dict[str, Any] | None = None,
-        add_special_tokens: bool = False,
-    ) -> TokenIds:
-        """The token ids of a conversation: the chat template's text (a neutral rendering
-        without one) through the tokenizer, with the tokenizer's special tokens only when
-        ``add_special_tokens`` (the template writes its own; see ``special_tokens``)."""
+    ) -> str:
+        """A conversation as the chat template renders it (a neutral rendering without one)."""
         template = self.chat_template
         flat = chat_messages(messages, template.content_format if template else "string")
         if template is None:
-            text = render_chat(flat)
-        else:
-            text = template.render(
-                flat,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                documents=documents,
-                extra=extra,
-            )
+            return render_chat(flat)
+        return template.render(
+            flat,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            extra=extra,
+        )
+
+    def chat_tokens(
+        self, messages: Any, *, add_special_tokens: bool = False, **options: Any
+    ) -> TokenIds:
+        """The token ids of a conversation: its ``chat_text`` (with ``options``) through the
+        tokenizer, with the tokenizer's special tokens only when ``add_special_tokens`` (the
+        template writes its own; see ``special_tokens``)."""
+        text = self.chat_text(messages, **options)
         return self.tokens_of(None, text, add_special_tokens=add_special_tokens)
 
     def prompt(self, body: PromptBody, caller: Caller = ANONYMOUS) -> Prompt:

@@ -14,13 +14,14 @@ which matches other routed conversations but not what the replicas cache.
 The body is forwarded as it came (re-encoded only to put a tenant's salt in), over a pooled
 keep-alive connection (``replica_client``), and the answer passed back (``answer_relay``): an
 event stream relayed as it arrives, a JSON answer once it is whole. A prompt of token ids is
-routed on the event loop (the index in this process, ``FleetService.inline``); text and chat are
-tokenized and routed in one trip to the thread pool. The request counts as load on its replica
-from the route until the answer ends, the client goes away, or the replica fails. A replica
-that refuses the connection (or does not accept it in time) received nothing: it is marked down
-at once and the request is routed again among the others, up to ``proxy.connect_retries`` times;
-a request whose bytes may have reached a replica is never sent again. A failed request gives a
-502 JSON error.
+routed on the event loop (the index in this process, ``FleetService.inline``), and so is a text
+or chat whose token ids the tokenizer holds in full (seen before: ``FleetService.held_tokens``);
+other text and chat are tokenized and routed in one trip to the thread pool. The request counts
+as load on its replica from the route until the answer ends, the client goes away, or the
+replica fails. A replica that refuses the connection (or does not accept it in time) received
+nothing: it is marked down at once and the request is routed again among the others, up to
+``proxy.connect_retries`` times; a request whose bytes may have reached a replica is never sent
+again. A failed request gives a 502 JSON error.
 The model name selects the namespace: the base model of a replica whose model it is, or a
 LoRA adapter (how vLLM names LoRA modules) that a replica has as its own or lists in
 ``adapters``; vLLM's ``cache_salt`` becomes the salt. Which replicas may take the request is the
@@ -101,30 +102,49 @@ def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
     )
 
 
-def _completion_tokens(
+def _completion_text(
     service: FleetService, payload: dict[str, Any], namespace: Namespace
-) -> TokenIds:
-    """A completion's prompt as the engine tokenizes it: a text with the tokenizer's special
-    tokens unless the request says ``add_special_tokens: false`` (vLLM's rule; SGLang always
-    adds them); token ids as given."""
+) -> tuple[str | list[Any], bool]:
+    """A completion's prompt (the first of several) and whether the engine adds the
+    tokenizer's special tokens to it, as text (vLLM's rule: unless the request says
+    ``add_special_tokens: false``; SGLang always adds them)."""
     prompt = payload.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # several prompts: route on the first
     special = service.special_tokens(namespace, payload.get("add_special_tokens"), chat=False)
-    if isinstance(prompt, str):
-        return service.tokens_of(None, prompt, add_special_tokens=special)
-    if isinstance(prompt, list):
-        return service.tokens_of(prompt, None)
+    if isinstance(prompt, str | list):
+        return prompt, special
     raise InvalidArgumentError("'prompt' must be a string, a list of token ids, or a list of those")
 
 
-def _chat_tokens(service: FleetService, payload: dict[str, Any], namespace: Namespace) -> TokenIds:
-    """A chat's prompt as the engine tokenizes it: the template's text, with no special tokens
-    added unless the request says ``add_special_tokens: true`` (vLLM renders the template to
-    text, then tokenizes it with the request's value, false by default; SGLang has no such
-    field and adds none)."""
+def _completion_tokens(
+    service: FleetService, payload: dict[str, Any], namespace: Namespace
+) -> TokenIds:
+    """A completion's prompt as the engine tokenizes it: a text with the tokenizer's special
+    tokens unless the request says otherwise (``_completion_text``); token ids as given."""
+    prompt, special = _completion_text(service, payload, namespace)
+    if isinstance(prompt, str):
+        return service.tokens_of(None, prompt, add_special_tokens=special)
+    return service.tokens_of(prompt, None)
+
+
+def _completion_held(
+    service: FleetService, payload: dict[str, Any], namespace: Namespace
+) -> TokenIds | None:
+    """``_completion_tokens`` of a text prompt whose ids the tokenizer holds, else None."""
+    prompt, special = _completion_text(service, payload, namespace)
+    return service.held_tokens(prompt, special) if isinstance(prompt, str) else None
+
+
+def _chat_options(
+    service: FleetService, payload: dict[str, Any], namespace: Namespace
+) -> tuple[bool, dict[str, Any]]:
+    """Whether the engine adds the tokenizer's special tokens to a chat's rendered template
+    (vLLM: only when the request says ``add_special_tokens: true``, as it renders the template
+    to text, then tokenizes it with the request's value; SGLang has no such field and adds
+    none), and the request's options for the template."""
     special = service.special_tokens(namespace, payload.get("add_special_tokens"), chat=True)
-    options: dict[str, Any] = {"add_special_tokens": special}
+    options: dict[str, Any] = {}
     for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
         value = payload.get(name, default)
         if not isinstance(value, bool):
@@ -138,7 +158,26 @@ def _chat_tokens(service: FleetService, payload: dict[str, Any], namespace: Name
     extra = payload.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise InvalidArgumentError("'chat_template_kwargs' must be an object")
-    return service.chat_tokens(payload.get("messages"), extra=extra, **options)
+    options["extra"] = extra
+    return special, options
+
+
+def _chat_tokens(service: FleetService, payload: dict[str, Any], namespace: Namespace) -> TokenIds:
+    """A chat's prompt as the engine tokenizes it: the template's text, with the special tokens
+    ``_chat_options`` says."""
+    special, options = _chat_options(service, payload, namespace)
+    return service.chat_tokens(payload.get("messages"), add_special_tokens=special, **options)
+
+
+def _chat_held(
+    service: FleetService, payload: dict[str, Any], namespace: Namespace
+) -> TokenIds | None:
+    """``_chat_tokens`` when the tokenizer holds the ids of the rendered text, else None; None
+    too for a request with tools or documents (their rendering is left off the event loop)."""
+    special, options = _chat_options(service, payload, namespace)
+    if options["tools"] or options["documents"]:
+        return None
+    return service.held_tokens(service.chat_text(payload.get("messages"), **options), special)
 
 
 async def _forward(
@@ -146,6 +185,7 @@ async def _forward(
     request: Request,
     path: str,
     tokens_of: Callable[[FleetService, dict[str, Any], Namespace], TokenIds],
+    held_of: Callable[[FleetService, dict[str, Any], Namespace], TokenIds | None],
 ) -> Response:
     caller = caller_of(request)
     service.limits.take(caller)
@@ -160,6 +200,9 @@ async def _forward(
     namespace = namespace_for(service, payload.get("model"), salt)
     inline = service.inline and _token_prompt(payload)
     tokens: TokenIds | None = tokens_of(service, payload, namespace) if inline else None
+    if tokens is None and service.inline:  # a text seen in full: its ids held, no tokenizer
+        tokens = held_of(service, payload, namespace)
+        inline = tokens is not None
     # one prompt, one answer: the engine's cached tokens are this prompt's
     model = namespace.adapter or namespace.model
     checked = service.delivery.config.enabled and _one_prompt(payload)
@@ -306,13 +349,13 @@ def _one_prompt(payload: dict[str, Any]) -> bool:
 async def completions(request: Request) -> Response:
     """Forward a completion request to the chosen replica."""
     service: FleetService = request.app.state.service
-    return await _forward(service, request, "/v1/completions", _completion_tokens)
+    return await _forward(service, request, "/v1/completions", _completion_tokens, _completion_held)
 
 
 async def chat_completions(request: Request) -> Response:
     """Forward a chat completion request to the chosen replica."""
     service: FleetService = request.app.state.service
-    return await _forward(service, request, "/v1/chat/completions", _chat_tokens)
+    return await _forward(service, request, "/v1/chat/completions", _chat_tokens, _chat_held)
 
 
 def add_proxy_routes(app: FastAPI) -> None:

@@ -226,9 +226,10 @@ ALL_CASES = [
 def test_the_proxy_routes_on_the_engines_token_ids(fleet: tuple[httpx.Client, dict], name: str):
     client, cases = fleet
     case = cases[name]
-    answer = client.post(case.path, json=case.body)
-    assert answer.status_code == 200, answer.text
-    assert answer.headers["x-prefixcache-replica"] == case.held, name
+    for _ in range(2):  # the second time, the text's ids are held: routed on the event loop
+        answer = client.post(case.path, json=case.body)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-prefixcache-replica"] == case.held, name
 
 
 @pytest.mark.parametrize(
