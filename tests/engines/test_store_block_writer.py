@@ -133,3 +133,37 @@ def test_past_the_bound_blocks_are_dropped_and_counted(store, tmp_path):
     assert tally.totals()["written_blocks"] == 256
     assert tally.totals()["dropped_blocks"] == 72
     writer.close()
+
+
+def test_the_buffers_are_bounded_in_bytes_too(store, tmp_path):
+    import logging
+
+    tally = StoreTally()
+    gate = StoreGate(2.0, "worker", logging.getLogger(LOGGER))
+    bound = 100 * LAYOUT.record_bytes  # fewer than queue_blocks of these records
+    writer = BlockWriter(store, LAYOUT, tally, gate, queue_blocks=1024, queue_bytes=bound)
+    held = Held(tmp_path / "kv")
+    try:
+        for start in range(0, 150, 5):
+            writer.take(blocks(5, start), fill)
+        totals = tally.totals()
+        assert totals["queued_blocks"] == 100 and totals["dropped_blocks"] == 50
+    finally:
+        held.release()
+    writer.flush()
+    assert tally.totals()["written_blocks"] == 100
+    writer.close()
+
+
+def test_the_connector_settings_take_the_byte_bound():
+    from prefixcache.engines.vllm.connector_settings import parse_settings
+    from prefixcache.errors import ConfigError
+
+    given = {"store": "lmdb:///dev/shm/kv"}
+    assert parse_settings(given).queue_bytes == 1 << 30
+    assert parse_settings({**given, "queue_bytes": "256MiB"}).queue_bytes == 256 << 20
+    assert parse_settings({**given, "queue_bytes": 1 << 20}).queue_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="queue_bytes"):
+        parse_settings({**given, "queue_bytes": "lots"})
+    with pytest.raises(ConfigError, match="queue_bytes"):
+        parse_settings({**given, "queue_bytes": 0})

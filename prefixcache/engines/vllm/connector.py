@@ -90,7 +90,11 @@ class PrefixcacheStoreConnector(KVConnectorBase_V1):
             )
         else:
             self._worker = StoreWorker(
-                store, self.tally, self.settings.retry_after, self.settings.queue_blocks
+                store,
+                self.tally,
+                self.settings.retry_after,
+                self.settings.queue_blocks,
+                self.settings.queue_bytes,
             )
         log.info(
             "prefixcache store connector (%s): store %s, model %r, weights %r, blocks of %d tokens",

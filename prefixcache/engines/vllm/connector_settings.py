@@ -12,8 +12,9 @@ model name by default, as the service's replica ``model``), ``weights`` (the exa
 behind that name, ``Namespace.weights``: a revision or a weights fingerprint; vLLM's
 ``--revision`` by default, when given), ``extra`` (the replica's ``extra`` namespace keys),
 ``hash_algo`` (the service's ``hash_algo``, ``xxh3_128`` by default), ``queue_blocks`` (blocks
-waiting to be written; past it they are dropped, 1024) and ``retry_after`` (seconds the store
-is left alone after it failed, 2).
+waiting to be written; past it they are dropped, 1024), ``queue_bytes`` (the buffers of the
+blocks waiting, at most: fewer blocks wait when they are large, ``1GiB``) and ``retry_after``
+(seconds the store is left alone after it failed, 2).
 """
 
 from __future__ import annotations
@@ -23,10 +24,19 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from prefixcache.blocks.hashing import HASH_FUNCTIONS
-from prefixcache.engines.store_access import check_store_url
+from prefixcache.engines.store_access import check_store_url, parse_size
 from prefixcache.errors import ConfigError
 
-_KEYS = ("store", "model", "weights", "extra", "hash_algo", "queue_blocks", "retry_after")
+_KEYS = (
+    "store",
+    "model",
+    "weights",
+    "extra",
+    "hash_algo",
+    "queue_blocks",
+    "queue_bytes",
+    "retry_after",
+)
 
 
 class StoreSettings(NamedTuple):
@@ -38,6 +48,7 @@ class StoreSettings(NamedTuple):
     extra: tuple[str, ...]  # further namespace keys, as the replica's ``extra``
     hash_algo: str  # prefixcache's block digest (the service's ``hash_algo``)
     queue_blocks: int  # blocks waiting to be written before more are dropped
+    queue_bytes: int  # bytes of the waiting blocks' buffers, at most
     retry_after: float  # seconds the store is left alone after it failed
 
 
@@ -70,6 +81,15 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> StoreSettings:
     queue_blocks = given.get("queue_blocks", 1024)
     if isinstance(queue_blocks, bool) or not isinstance(queue_blocks, int) or queue_blocks < 1:
         raise ConfigError(f"'queue_blocks' must be a positive int, got {queue_blocks!r}")
+    try:
+        queue_bytes = parse_size(given.get("queue_bytes", "1GiB"))
+    except ConfigError:
+        queue_bytes = 0
+    if queue_bytes < 1:
+        raise ConfigError(
+            f"'queue_bytes' must be a positive size (bytes, or 512MiB, 1GiB), got "
+            f"{given.get('queue_bytes')!r}"
+        )
     retry_after = given.get("retry_after", 2.0)
     if (
         isinstance(retry_after, bool)
@@ -79,13 +99,14 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> StoreSettings:
         raise ConfigError(f"'retry_after' must be seconds >= 0, got {retry_after!r}")
     check_store_url(store)
     return StoreSettings(
-        store, model, weights, tuple(extra), algo, queue_blocks, float(retry_after)
+        store, model, weights, tuple(extra), algo, queue_blocks, queue_bytes, float(retry_after)
     )
 
 
 def transfer_config(store: str, **settings: Any) -> str:
     """vLLM's ``--kv-transfer-config`` JSON for this connector on ``store`` (more settings by
-    name: ``model``, ``weights``, ``extra``, ``hash_algo``, ``queue_blocks``, ``retry_after``)."""
+    name: ``model``, ``weights``, ``extra``, ``hash_algo``, ``queue_blocks``, ``queue_bytes``,
+    ``retry_after``)."""
     parse_settings({"store": store, **settings})
     return json.dumps(
         {

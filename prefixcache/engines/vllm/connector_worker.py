@@ -42,12 +42,18 @@ class StoreWorker:
     """Moves blocks between one worker's vLLM cache and the store."""
 
     def __init__(
-        self, store: KVBlockStore, tally: StoreTally, retry_after: float, queue_blocks: int
+        self,
+        store: KVBlockStore,
+        tally: StoreTally,
+        retry_after: float,
+        queue_blocks: int,
+        queue_bytes: int = 1 << 30,
     ) -> None:
         self.store = store
         self.tally = tally
         self.gate = StoreGate(retry_after, "worker", log)
         self.queue_blocks = queue_blocks
+        self.queue_bytes = queue_bytes
         self.kv: PagedKV | None = None
         self.writer: BlockWriter | None = None
         self._staging = np.empty((0, 0), np.uint8)
@@ -70,7 +76,9 @@ class StoreWorker:
         layout = self.kv.layout
         rows = max(1, STAGING_BYTES // layout.record_bytes)
         self._staging = np.empty((rows, layout.record_bytes), np.uint8)
-        self.writer = BlockWriter(self.store, layout, self.tally, self.gate, self.queue_blocks)
+        self.writer = BlockWriter(
+            self.store, layout, self.tally, self.gate, self.queue_blocks, self.queue_bytes
+        )
 
     # ---- loads -----------------------------------------------------------------------------
     def load(self, plan: StoreStepPlan) -> None:

@@ -7,7 +7,8 @@ reused: a fresh buffer per step would cost a page fault per 4 KiB, more than the
 fills the rows the last one left, so steps of a few blocks each use the whole bound), and one
 background thread checksums each payload, writes its header and puts the records in batches.
 At most ``queue_blocks`` records wait at once: past it, blocks are dropped and counted, and the
-step never waits. Each write says where the block sits in its chain (a store that evicts by use
+step never waits (and at most ``queue_bytes`` of record buffers exist: the bound for large
+records). Each write says where the block sits in its chain (a store that evicts by use
 keeps chains whole, tails first) and whether a held record of it is to be replaced (one refused
 or never checked after a refusal); the blocks a step loaded are reported as used (``touch``)
 the same way. While the store is left alone after a failure (``StoreGate``), queued blocks are
@@ -22,7 +23,6 @@ import contextlib
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
@@ -85,16 +85,18 @@ class BlockWriter:
         tally: StoreTally,
         gate: StoreGate,
         queue_blocks: int = 1024,
+        queue_bytes: int = 1 << 30,
     ) -> None:
         self.store = store
         self.layout = layout
         self.tally = tally
         self.gate = gate
-        self.rows = max(1, min(64, SLAB_BYTES // layout.record_bytes))
-        self.max_slabs = max(1, -(-queue_blocks // self.rows))
+        # records waiting at most: queue_blocks, and no more than queue_bytes of buffers
+        self.bound = max(1, min(queue_blocks, queue_bytes // layout.record_bytes))
+        self.rows = max(1, min(64, SLAB_BYTES // layout.record_bytes, self.bound))
         self._free: list[_Slab] = []
         self._filling: _Slab | None = None  # the slab whose next rows are handed out
-        self._slabs = 0  # made so far (at most max_slabs)
+        self._made = 0  # rows of the slabs made so far (at most bound)
         self._queue: queue.Queue[_Item | _Touch | None] = queue.Queue()
         self._lock = threading.Lock()
         self._stored: list[bytes] = []
@@ -133,17 +135,18 @@ class BlockWriter:
         caller to fill; None when every row the bound allows is taken."""
         with self._lock:
             slab = self._filling
-            if slab is None or slab.used == self.rows:
+            if slab is None or slab.used == len(slab.records):
                 if self._free:
                     slab = self._free.pop()
-                elif self._slabs < self.max_slabs:
-                    self._slabs += 1
-                    slab = _Slab(self.rows, self.layout.record_bytes)
+                elif self._made < self.bound:
+                    rows = min(self.rows, self.bound - self._made)
+                    self._made += rows
+                    slab = _Slab(rows, self.layout.record_bytes)
                 else:
                     return None
                 self._filling = slab
             first = slab.used
-            n = min(wanted, self.rows - first)
+            n = min(wanted, len(slab.records) - first)
             slab.used += n
             slab.pending += n
         return slab, first, n
@@ -190,7 +193,7 @@ class BlockWriter:
                 self._done(items)
             for _ in batch:
                 self._queue.task_done()
-            time.sleep(0)  # hand the interpreter back at once (else up to its switch interval)
+            os.sched_yield()  # hand the interpreter back at once (else up to its switch interval)
             if None in batch:
                 return
 
@@ -202,7 +205,7 @@ class BlockWriter:
         puts = []
         for item in items:
             record = item.slab.records[item.row]
-            time.sleep(0)  # between records too: a step waiting on the interpreter goes first
+            os.sched_yield()  # between records too: a step waiting on the interpreter goes first
             checksum = payload_checksum(record[header:])
             head = encode_header(item.digest, item.fingerprint, self.layout, checksum)
             record[:header] = np.frombuffer(head, np.uint8)
