@@ -32,7 +32,21 @@ class DuplicateRequestError(PrefixCacheError, ValueError):
 
 
 class OutOfBlocksError(PrefixCacheError, RuntimeError):
-    """Not enough free or evictable blocks right now; retry after other requests release."""
+    """Not enough free or evictable blocks right now; retry after other requests release.
+    ``needed`` and ``available`` say by how much (the blocks the call needs, those it found;
+    -1 where the raiser does not say)."""
+
+    def __init__(self, message: str, *, needed: int = -1, available: int = -1) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+    @property
+    def shortfall(self) -> int:
+        """Blocks missing (at least 1), or 0 when the raiser did not say."""
+        if self.needed < 0 or self.available < 0:
+            return 0
+        return max(1, self.needed - self.available)
 
 
 class RequestTooLargeError(PrefixCacheError, ValueError):

@@ -264,7 +264,9 @@ class CacheManager:
         if plan.need > available:
             raise OutOfBlocksError(
                 f"request {request_id!r} needs {plan.need} new blocks but only {available} are "
-                "free or evictable; release requests first"
+                "free or evictable; release requests first",
+                needed=plan.need,
+                available=available,
             )
         return self._requests.admit(request_id, namespace, buf, plan, priority, retention)
 

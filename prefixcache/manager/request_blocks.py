@@ -173,7 +173,9 @@ class RequestBlocks:
         if need > available:
             raise OutOfBlocksError(
                 f"appending {k} tokens to {seq.request_id!r} needs {need} blocks but only "
-                f"{available} are free or evictable"
+                f"{available} are free or evictable",
+                needed=need,
+                available=available,
             )
         if seq.copy_source is not None:  # the prefill that ran the partial copy is planned
             self.ledger.let_go_copy_source(seq)

@@ -275,11 +275,21 @@ def test_uncached_blocks_answer_as_a_manager_with_caching_off() -> None:
 
 
 def test_a_refused_admission_says_how_many_blocks_it_lacks() -> None:
-    """The loop reads the shortfall from the manager's refusal to know when to try again; a
-    refusal worded otherwise would only make it try every step."""
+    """The loop reads the shortfall from the manager's refusal to know when to try again (a
+    refusal that did not say would only make it try every step); so do the decode path and the
+    no-cache pass."""
     mgr = CacheManager(4, 4)
     mgr.admit("a", np.arange(12, dtype=np.int32))
     with pytest.raises(OutOfBlocksError) as refused:
         mgr.admit("b", np.arange(100, 110, dtype=np.int32))
-    found = serving._SHORT.search(str(refused.value))
-    assert found is not None and (int(found.group(1)), int(found.group(2))) == (3, 1)
+    err = refused.value
+    assert (err.needed, err.available, err.shortfall) == (3, 1, 2)
+    mgr.append("a", np.arange(4, dtype=np.int32))  # the last free block
+    with pytest.raises(OutOfBlocksError) as refused:
+        mgr.append("a", np.arange(8, dtype=np.int32))
+    assert (refused.value.needed, refused.value.available) == (2, 0)
+    uncached = UncachedBlocks(4, 4)
+    uncached.admit("a", 12)
+    with pytest.raises(OutOfBlocksError) as refused:
+        uncached.admit("b", 10)
+    assert refused.value.shortfall == 2

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator
 
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
@@ -58,9 +57,6 @@ from prefixcache.replay.tiers.admission import TierAdmitter
 from prefixcache.replay.workload.request import Request
 
 __all__ = ["DecodingSample", "LiveRequest", "Simulator", "advance_replicas", "run_serving"]
-
-# how the manager words a refused admission: the shortfall gates the next try
-_SHORT = re.compile(r"needs (\d+) new blocks but only (-?\d+) are")
 
 Event = tuple[int, int, int, int, DecodingSample]  # (step, rank, sample, version, sample)
 
@@ -433,10 +429,8 @@ class Simulator(ReplicaBatch):
         short = 1
         if self.counts is not None:
             short = self.counts.deficit
-        else:
-            found = _SHORT.search(str(exc))
-            if found is not None:
-                short = max(1, int(found.group(1)) - int(found.group(2)))
+        elif exc.shortfall:
+            short = exc.shortfall
         self.blocked = r
         self.blocked_epoch = self.epoch
         self.blocked_committed = self.committed

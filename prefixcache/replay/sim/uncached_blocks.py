@@ -65,7 +65,9 @@ class UncachedBlocks:
         if need > self.free:
             self.deficit = need - self.free
             raise OutOfBlocksError(
-                f"request {request_id!r} needs {need} new blocks but only {self.free} are free"
+                f"request {request_id!r} needs {need} new blocks but only {self.free} are free",
+                needed=need,
+                available=self.free,
             )
         self.free -= need
         full = SharedRun(num_tokens // p)
