@@ -8,7 +8,8 @@ layers, 2 KV heads of 64, fp32: 64 KiB), and 1 MiB and 4 MiB blocks (32 tokens, 
 layers, 8 KV heads of 128, fp16, as an 8B-class model). Per block, median over ``--repeats``
 passes of ``--blocks`` blocks:
 
-- ``memcpy``: numpy copy of one record's bytes into a preallocated buffer;
+- ``memcpy``: numpy copy of each of the pass's records' bytes, one block at a time, from one
+  array into another (both touched beforehand), as many distinct bytes as the store moves;
 - ``get``: ``StoreWorker.load`` (``get_into`` a staging buffer, the record's header and
   checksum checked, every layer's K and V scattered into vLLM's paged tensors);
 - ``put, step``: what the step waits for in ``StoreWorker.save``: every layer's K and V
@@ -76,11 +77,12 @@ def one_pass(worker, plan_type, moves, blocks: int, layout) -> dict[str, float]:
     worker.load(plan_type(loads=[RequestBlocks("r", moves)]))
     t["get"] = (time.perf_counter() - start) / blocks
     assert worker.take_load_errors() == set()
-    src = np.ones(layout.record_bytes, np.uint8)
-    out = np.empty_like(src)
+    src = np.ones((blocks, layout.record_bytes), np.uint8)
+    out = np.zeros_like(src)
+    out[:] = 2  # touched: no page faults in the timed copies
     start = time.perf_counter()
-    for _ in range(blocks):
-        np.copyto(out, src)
+    for i in range(blocks):
+        np.copyto(out[i], src[i])
     t["memcpy"] = (time.perf_counter() - start) / blocks
     return t
 

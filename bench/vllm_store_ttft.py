@@ -3,7 +3,7 @@ time to first token of a prompt loaded from the store against computing it, and 
 connector costs a server when the store has nothing.
 
     python bench/vllm_store_ttft.py [--repeats 5] [--prefixes 2048,8192] [--requests 24]
-                                    [--only ttft|cost]
+                                    [--only ttft|cost] [--store new|emptied]
 
 Run it alone (it starts real servers: `flock /tmp/prefixcache-heavy.lock python bench/...`).
 
@@ -18,7 +18,13 @@ Run it alone (it starts real servers: `flock /tmp/prefixcache-heavy.lock python 
    64 tokens and 128 answered: the decode steps) in alternation, never at once; then they swap
    cores and do it again, so the cores' difference cancels. Reported: the median ratio of their
    times with and without the connector (target: <= 1.02), and the same ratio between two
-   servers without it (the method's own spread between two server processes).
+   servers without it (the method's own spread between two server processes); and the CPU
+   seconds the server with the connector spent over those requests (every process and thread
+   of it, the writes of the last ones included) against the one without: on a shared machine
+   the times swing with other jobs, the CPU a request costs much less. The store is a
+   new one (``--store new``: every write takes fresh pages of /dev/shm, a page fault each 4
+   KiB), or one filled and emptied first (``--store emptied``: its pages held, as a store's
+   are once it has been full; its writes reuse them).
 
 The tiny model holds 4,096 positions; for 8,192-token prompts the bench serves a copy of it
 whose config allows 16,384 (Llama's positions are rotary: the weights are the same).
@@ -137,29 +143,79 @@ def ttft(install: VLLMInstall, store: str, path: Path, logs: Path, args) -> None
             )
 
 
+def group_cpu_seconds(group: int) -> float:
+    """CPU seconds (user and system, every thread) of the live processes of process group
+    ``group``: a server's API process, engine core and workers."""
+    ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) "
+        if len(fields) > 12 and int(fields[2]) == group:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def cost(install: VLLMInstall, store: str, path: Path, logs: Path, args) -> None:
     shapes = {"prefill 2000+1": (2000, 1), "decode 64+128": (64, 128)}
     # the connector against none; then, as the method's own noise, none against none
     pairs = {"with/without": store, "control none/none": None}
     ratios: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], dict[str, float]] = {}
     for label, first in pairs.items():
         for placement in (0, 1):
             specs = [server("x", placement, first, path), server("y", 1 - placement, None, path)]
             where = logs / f"cost-{len(ratios)}-{placement}"
             with VLLMFleet(specs, log_dir=where, install=install) as fleet:
                 urls = {"x": fleet["x"].url, "y": fleet["y"].url}
+                groups = {"x": fleet["x"].process.pid, "y": fleet["y"].process.pid}
                 for url in urls.values():
                     complete(url, tokens(64), 8)  # warm-up
                 for name, (prompt_len, answer) in shapes.items():
+                    start = {who: group_cpu_seconds(g) for who, g in groups.items()}
+                    base = written(urls["x"]) if first is not None else 0.0
                     for i in range(args.requests):
                         prompt = tokens(prompt_len)
                         order = ("x", "y") if i % 2 == 0 else ("y", "x")
                         took = {who: complete(urls[who], prompt, answer)[0] for who in order}
                         ratios.setdefault((label, name), []).append(took["x"] / took["y"])
-    print(f"{'pair':>18} {'workload':>16} {'ratio (median)':>15} {'p25':>6} {'p75':>6}")
+                    if first is not None:  # the writes of the last requests, counted too
+                        wait_written(urls["x"], base + args.requests * (prompt_len // 32))
+                    spent = cpu.setdefault((label, name), {"x": 0.0, "y": 0.0})
+                    for who, g in groups.items():
+                        spent[who] += group_cpu_seconds(g) - start[who]
+    print("time of a request, the median of x/y; CPU seconds of x's processes over y's")
+    print(
+        f"{'pair':>18} {'workload':>16} {'time x/y':>9} {'p25':>6} {'p75':>6} {'CPU x/y':>8} "
+        f"{'CPU x s':>8}"
+    )
     for (label, name), values in ratios.items():
         q = statistics.quantiles(values, n=4)
-        print(f"{label:>18} {name:>16} {statistics.median(values):15.4f} {q[0]:6.3f} {q[2]:6.3f}")
+        spent = cpu[(label, name)]
+        print(
+            f"{label:>18} {name:>16} {statistics.median(values):9.4f} {q[0]:6.3f} {q[2]:6.3f} "
+            f"{spent['x'] / spent['y']:8.4f} {spent['x']:8.2f}"
+        )
+
+
+def empty_after_filling(path: Path, capacity: int) -> None:
+    """Fill an LMDB store at ``path`` to ``capacity`` with records, then drop them all: the
+    file keeps its pages (memory on /dev/shm), as a store's does once it has been full."""
+    from prefixcache.store.lmdb_backend import LMDBBlockStore
+
+    store = LMDBBlockStore(path, capacity_bytes=capacity)
+    try:
+        record = secrets.token_bytes(65536 + 128)
+        for _ in range(capacity // (16 * len(record))):
+            store.put_many([(secrets.token_bytes(16), record) for _ in range(16)])
+        store.clear()
+    finally:
+        store.close()
 
 
 def main() -> int:
@@ -168,6 +224,13 @@ def main() -> int:
     ap.add_argument("--prefixes", default="2048,8192")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--only", choices=("ttft", "cost"), default=None, help="one part only")
+    ap.add_argument(
+        "--store",
+        choices=("new", "emptied"),
+        default="new",
+        help="the cost part's store: a new one, or one filled and emptied (its pages held, as "
+        "any store's after its first fill)",
+    )
     args = ap.parse_args()
     args.prefixes = [int(x) for x in args.prefixes.split(",")]
     base = find_vllm()
@@ -185,6 +248,9 @@ def main() -> int:
             ttft(install, store, path, work / "logs", args)
         if args.only in (None, "cost"):
             shutil.rmtree(shm, ignore_errors=True)
+            if args.store == "emptied":
+                empty_after_filling(shm, 1 << 30)
+            print(f"cost with nothing in the store: a {args.store} store")
             cost(install, store, path, work / "logs", args)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
