@@ -14,12 +14,17 @@ its tenant are not written either.
 sampled system prompt is kept and the sharing between them survives. The ids are blocks of one
 size, so the replicas must share one block size (``ConfigError`` otherwise). The file is
 rotated by size: past ``max_mib`` it becomes ``PATH.1`` (the older ones ``PATH.2`` ...; ``keep``
-of them). Lines are buffered and flushed at least every second and when the service stops.
+of them). Lines are buffered and flushed at least every second and when the service stops. A
+service restarted onto a trace it wrote goes on with it: timestamps continue after the newest
+line's, and partial blocks' ids start from a random point of their range, so no two runs share
+one.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -61,13 +66,34 @@ class TraceRecorder:
         self._threshold = sampling_threshold(config.rate)
         self._file: IO[str] = self._open()
         self._start: float | None = None
-        self._partials = _UNIQUE
+        self._base_ms = self._resumed_ms()
+        self._partials = _UNIQUE + secrets.randbelow(1 << 62)
         self._flushed = time.monotonic()
         self.written = 0  # lines written since the service started
 
     def _open(self) -> IO[str]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         return open(self.path, "a", encoding="utf-8", buffering=1 << 16)
+
+    def _resumed_ms(self) -> int:
+        """Where this run's timestamps start: after the newest line of the trace already on disk
+        (``PATH``, else ``PATH.1``), 0 for a new trace."""
+        for path in (self.path, Path(f"{self.path}.1")):
+            try:
+                with open(path, "rb") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(max(0, size - (1 << 16)))
+                    tail = f.read().splitlines()
+            except OSError:
+                continue
+            for line in reversed(tail):
+                try:
+                    stamp = json.loads(line).get("timestamp")
+                except (ValueError, AttributeError):
+                    continue  # a line cut short by a crash, or the read's first partial line
+                if isinstance(stamp, int | float) and not isinstance(stamp, bool):
+                    return int(stamp) + 1
+        return 0
 
     def record(self, digests: Sequence[bytes], prompt_tokens: int, block_size: int) -> None:
         """One routed prompt: its full blocks' digests (root first) and its length."""
@@ -83,7 +109,7 @@ class TraceRecorder:
                 self._partials += 1
             if self._start is None:
                 self._start = now
-            ms = round((now - self._start) * 1000)
+            ms = self._base_ms + round((now - self._start) * 1000)
             self._file.write(
                 f'{{"timestamp": {ms}, "input_length": {prompt_tokens}, '
                 f'"hash_ids": [{", ".join(map(str, ids))}]}}\n'
