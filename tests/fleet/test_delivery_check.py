@@ -16,7 +16,7 @@ from prefixcache.fleet.delivery_check import (
     Prediction,
     engine_cap,
 )
-from prefixcache.fleet.service.usage_reader import UsageReader, cached_tokens_of
+from prefixcache.fleet.service.openai_proxy.usage_reader import UsageReader, cached_tokens_of
 
 B = 16
 CFG = DeliveryConfig(window=40, min_requests=20, tolerance=0.5)

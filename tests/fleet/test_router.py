@@ -539,7 +539,7 @@ def test_the_proxy_names_an_adapter_served_by_any_adapter_replicas() -> None:
     # "*" in adapters serves every adapter; the proxy's model -> namespace step ignored it
     from types import SimpleNamespace
 
-    from prefixcache.fleet.service.proxy import namespace_for
+    from prefixcache.fleet.service.openai_proxy.proxy import namespace_for
 
     router = Router(MemoryFleetIndex(), [ReplicaSpec("a", NS, 16, adapters=("*",))])
     service = SimpleNamespace(router=router)
@@ -553,7 +553,7 @@ def test_the_proxy_does_not_read_a_base_model_name_as_an_adapter() -> None:
     # the name of one of its adapters
     from types import SimpleNamespace
 
-    from prefixcache.fleet.service.proxy import namespace_for
+    from prefixcache.fleet.service.openai_proxy.proxy import namespace_for
 
     router = Router(
         MemoryFleetIndex(),

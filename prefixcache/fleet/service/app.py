@@ -90,7 +90,7 @@ def create_app(
     app.exception_handler(Exception)(unexpected_error)
     add_api_routes(app)
     if proxying:
-        from prefixcache.fleet.service.proxy import add_proxy_routes
+        from prefixcache.fleet.service.openai_proxy.proxy import add_proxy_routes
 
         add_proxy_routes(app)
     if config.access.enabled:  # a plain ASGI middleware: a check per request, nothing more

@@ -49,8 +49,8 @@ from prefixcache.fleet.events.engine_keys import (
 from prefixcache.fleet.events.replica_stream import StreamView
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.service.dispatch import FleetService
-from prefixcache.fleet.service.replica_client import UpstreamError
-from prefixcache.fleet.service.usage_reader import cached_tokens_of
+from prefixcache.fleet.service.openai_proxy.replica_client import UpstreamError
+from prefixcache.fleet.service.openai_proxy.usage_reader import cached_tokens_of
 
 log = logging.getLogger("prefixcache.fleet")
 

@@ -46,7 +46,7 @@ from prefixcache.fleet.service.guards.access import ANONYMOUS, Caller
 from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.metrics import ServiceMetrics
-from prefixcache.fleet.service.replica_client import ReplicaClient
+from prefixcache.fleet.service.openai_proxy.replica_client import ReplicaClient
 from prefixcache.fleet.whatif.counterfactual_replay import CounterfactualReplay
 from prefixcache.fleet.whatif.live_curves import LiveCurves
 from prefixcache.fleet.whatif.trace_recorder import TraceRecorder

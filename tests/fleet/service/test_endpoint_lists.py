@@ -9,7 +9,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from prefixcache.fleet.service import proxy, routes
+from prefixcache.fleet.service import routes
+from prefixcache.fleet.service.openai_proxy import proxy
 from prefixcache.fleet.service.routes import API_ROUTES, add_api_routes
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -22,8 +22,8 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from prefixcache.fleet.service.replica_client import UpstreamAnswer, UpstreamError
-from prefixcache.fleet.service.usage_reader import UsageReader
+from prefixcache.fleet.service.openai_proxy.replica_client import UpstreamAnswer, UpstreamError
+from prefixcache.fleet.service.openai_proxy.usage_reader import UsageReader
 
 _DROPPED_HEADERS = frozenset(
     (b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"host", b"date",

@@ -60,13 +60,13 @@ from prefixcache.errors import (
 from prefixcache.fleet.delivery_check import Prediction
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, pinned_adapter_versions, served_label
 from prefixcache.fleet.router import RouteDecision
-from prefixcache.fleet.service.answer_relay import StreamRelay, whole_answer
 from prefixcache.fleet.service.bodies import decode_body
 from prefixcache.fleet.service.dispatch import INLINE_MAX_TOKENS, FleetService
 from prefixcache.fleet.service.guards.access import Caller, caller_of
 from prefixcache.fleet.service.http_errors import error_response
-from prefixcache.fleet.service.replica_client import NotSentError, UpstreamError
-from prefixcache.fleet.service.usage_reader import UsageReader
+from prefixcache.fleet.service.openai_proxy.answer_relay import StreamRelay, whole_answer
+from prefixcache.fleet.service.openai_proxy.replica_client import NotSentError, UpstreamError
+from prefixcache.fleet.service.openai_proxy.usage_reader import UsageReader
 
 _FORWARDED_REQUEST_HEADERS = ("content-type", "authorization", "accept", "x-request-id")
 
