@@ -32,7 +32,7 @@ def fetch_batches(
     context: zmq.Context[Any],
     endpoint: str,
     start: int,
-    end: int,
+    end: int | None,
     *,
     timeout_s: float,
     replica: str,
@@ -43,8 +43,10 @@ def fetch_batches(
     """Batches ``start .. end-1`` as (seq, payload) pairs in order, from the replay endpoint
     at ``endpoint``; None when it cannot provide them all (no answer within ``timeout_s``, a
     bad answer, batches it no longer has, not all of them within ``deadline_s`` or within
-    ``max_frames`` answer frames). ``replica`` names the replica in the log; an answer with a
-    frame over ``max_message_bytes`` (-1: no limit) is dropped by ZMQ, and times out."""
+    ``max_frames`` answer frames); ``end`` None asks for every batch it buffers from ``start``
+    on, up to its end marker (an empty list when there is none). ``replica`` names the replica
+    in the log; an answer with a frame over ``max_message_bytes`` (-1: no limit) is dropped by
+    ZMQ, and times out."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -54,7 +56,7 @@ def fetch_batches(
     try:
         sock.connect(endpoint)
         sock.send_multipart((b"", encode_seq(start)))
-        while len(got) < end - start:
+        while end is None or len(got) < end - start:
             left = until - time.monotonic()
             if left <= 0:
                 log.warning("replica %s: replay past its %.3g s deadline", replica, deadline_s)
@@ -80,13 +82,13 @@ def fetch_batches(
             if seq_frame == END_SEQ:
                 break
             s = decode_seq(seq_frame)
-            if start <= s < end:
+            if start <= s and (end is None or s < end):
                 got[s] = payload
     except (zmq.ZMQError, WireFormatError) as exc:
         log.warning("replica %s: replay failed: %s", replica, exc)
         return None
     finally:
         sock.close(linger=0)
-    if len(got) != end - start:
+    if end is not None and len(got) != end - start:
         return None
     return sorted(got.items())

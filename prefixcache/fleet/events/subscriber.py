@@ -88,7 +88,7 @@ from prefixcache.fleet.events.replica_stream import (
 from prefixcache.fleet.events.restart_check import same_engine, stream_mark
 from prefixcache.fleet.events.tenant_tally import TenantBlocks
 from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
-from prefixcache.fleet.events.wire import BatchDecoder, decode_seq
+from prefixcache.fleet.events.wire import BatchDecoder, decode_seq, encode_seq
 from prefixcache.fleet.index.interface import AppliedBatch, FleetIndex, SharedEngineMap
 from prefixcache.fleet.replica_spec import pinned_adapter_versions
 
@@ -280,6 +280,36 @@ class KVEventSubscriber:
             mark.last_seq,
         )
         return True
+
+    def catch_up(self, name: str) -> int:
+        """Ask replica ``name``'s replay endpoint for every batch after the last one applied
+        here and queue them, in order, as if they had come on the stream; the number queued
+        (0 without a replay endpoint, or when it has none or does not answer). For a stream
+        that went quiet after batches the SUB socket never saw: a PUB socket drops what it
+        publishes before a subscriber's connection is up (a replica restarted on the same
+        ports answers HTTP before the subscriber's reconnect comes round), and without a later
+        batch no gap shows. Batches applied meanwhile are skipped as late."""
+        with self._lock:
+            rep = self._replicas.get(name)
+            if rep is None or rep.ep.replay_endpoint is None:
+                return 0
+            endpoint, start, topic = rep.ep.replay_endpoint, rep.last_seq + 1, rep.ep.topic
+        got = fetch_batches(
+            self._ctx,
+            endpoint,
+            start,
+            None,
+            timeout_s=self.replay_timeout,
+            replica=name,
+            max_message_bytes=self.max_message_bytes,
+            deadline_s=self.replay_deadline,
+            max_frames=self.max_replay_frames,
+        )
+        for seq, payload in got or ():
+            self._inbox.put(name, [topic.encode("utf-8"), encode_seq(seq), payload])
+        if got:
+            log.info("replica %s: caught up on batches %d..%d", name, got[0][0], got[-1][0])
+        return len(got or ())
 
     def tenant_counts(self) -> dict[str, dict[str, TenantBlocks]]:
         """Replica -> tenant -> its GPU blocks there and evictions (own, by others), as the

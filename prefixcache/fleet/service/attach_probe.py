@@ -56,6 +56,7 @@ log = logging.getLogger("prefixcache.fleet")
 
 PROBE_BLOCKS = 5
 EVENTS_DEADLINE_S = 5.0  # for the probe's blocks to reach the index
+CATCH_UP_AFTER_S = 0.5  # with no batch by then, the replay endpoint is asked for them
 # the probe's own salts: no tenant's ("tenant:<name>..."), never one a request is keyed under
 PROBE_SALT = "prefixcache-probe:"
 _BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256, 512)
@@ -145,7 +146,7 @@ async def _run(service: FleetService, spec: ReplicaSpec, url: str) -> list[Probe
     if view_before is None:
         findings.append(ProbeFinding("events", True, "not followed (no events endpoint): skipped"))
         return findings
-    held = await _wait_held(service, spec, ns, tokens)
+    held = await _wait_held(service, spec, ns, tokens, view_before.counters.batches)
     view = _view(service, name)
     assert view is not None
     unsalted = False
@@ -221,16 +222,28 @@ async def _holds(
 
 
 async def _wait_held(
-    service: FleetService, spec: ReplicaSpec, ns: Namespace, tokens: list[int]
+    service: FleetService, spec: ReplicaSpec, ns: Namespace, tokens: list[int], batches: int
 ) -> bool:
     """Whether the index holds every full block of the probe for ``spec``'s replica under
-    ``ns`` within the deadline."""
-    deadline = time.monotonic() + EVENTS_DEADLINE_S
+    ``ns`` within the deadline. When no batch came past ``batches`` (the count before the
+    probe) after ``CATCH_UP_AFTER_S``, the replica's replay endpoint is asked for what the
+    stream missed: a replica that restarted on its ports may answer the probe before the
+    subscriber's SUB socket is connected again, and the batches published meanwhile are lost
+    to it, with no later batch to show the gap."""
+    now = time.monotonic()
+    deadline, catch_up_at = now + EVENTS_DEADLINE_S, now + CATCH_UP_AFTER_S
     while True:
         if await _holds(service, spec, ns, tokens):
             return True
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             return False
+        if now > catch_up_at:
+            catch_up_at = deadline + 1.0  # once
+            view = _view(service, spec.name)
+            catch_up = getattr(service.ingest, "catch_up", None)
+            if view is not None and view.counters.batches == batches and callable(catch_up):
+                await asyncio.to_thread(catch_up, spec.name)
         await asyncio.sleep(0.05)
 
 

@@ -755,3 +755,35 @@ def test_removals_of_blocks_skipped_by_rule_need_no_lookup(redis_server):
     assert lookups == []  # 11 was read on joining; the skipped ones need no lookup
     assert index.holdings("pod") == {}
     index.client.close()
+
+
+def test_catch_up_brings_in_what_the_sub_socket_never_saw(fleet):
+    """A replica publishes while the subscriber's SUB socket is not connected (a restarted
+    replica answers before the reconnect comes round): PUB drops those batches, and with no later
+    batch no gap shows. ``catch_up`` asks the replay endpoint for them."""
+    index, sub, replicas = fleet
+    r = replicas[0]
+    wait_until(lambda: _in_sync(index, sub, replicas), what="in sync")
+    real_send = r.pub._pub.send_multipart
+    r.pub._pub.send_multipart = lambda frames: None  # nobody listening: PUB drops them
+    try:
+        r.step(3)
+    finally:
+        r.pub._pub.send_multipart = real_send
+    assert sub.counters()["pod-0"].last_seq < r.pub.next_seq - 1  # quiet: nothing to see
+    assert sub.catch_up("pod-0") == 3
+    wait_until(lambda: _in_sync(index, sub, replicas), what="caught up")
+    c = sub.counters()["pod-0"]
+    assert c.gaps == 0 and c.resets == 0 and c.late == 0
+    assert sub.catch_up("pod-0") == 0  # nothing after the last batch applied
+    assert sub.catch_up("not-followed") == 0
+
+
+def test_catch_up_without_a_replay_endpoint_queues_nothing():
+    index = MemoryFleetIndex()
+    r = Replica("solo", 5, replay=False)
+    sub = KVEventSubscriber(index, [ReplicaEndpoint("solo", r.pub.endpoint, None, NS, P)])
+    try:
+        assert sub.catch_up("solo") == 0
+    finally:
+        r.pub.close()
