@@ -125,7 +125,7 @@ def mooncake_on_loopback(segment_mib: int) -> Iterator[str]:
 def open_store(spec: str, capacity: int, where: str) -> Iterator[KVBlockStore]:
     """The store to measure, closed (and an LMDB store's directory deleted) on the way out."""
     if spec.startswith("mooncake://"):
-        from prefixcache.store.mooncake_backend import MooncakeBlockStore
+        from prefixcache.store.mooncake import MooncakeBlockStore
 
         store: KVBlockStore = MooncakeBlockStore.from_url(spec)
         try:
@@ -135,7 +135,7 @@ def open_store(spec: str, capacity: int, where: str) -> Iterator[KVBlockStore]:
         return
     if spec != "lmdb":
         raise SystemExit(f"unknown store {spec!r}: lmdb or mooncake")
-    from prefixcache.store.lmdb_backend import LMDBBlockStore
+    from prefixcache.store.lmdb import LMDBBlockStore
 
     path = tempfile.mkdtemp(prefix="store-bandwidth-", dir=where)
     try:

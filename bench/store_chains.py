@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from prefixcache import CacheManager, Namespace, PagedKVCache
-from prefixcache.store.lmdb_backend import LMDBBlockStore
-from prefixcache.store.store_connector import KVStoreConnector
+from prefixcache.store.connector import KVStoreConnector
+from prefixcache.store.lmdb import LMDBBlockStore
 
 NS = Namespace(model="bench")
 BLOCK = 16

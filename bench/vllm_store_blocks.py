@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> None:
     from prefixcache.engines.vllm.connector_plan import BlockMove, StoreStepPlan
     from prefixcache.engines.vllm.connector_worker import StoreWorker
     from prefixcache.store.block_record import namespace_fingerprint
-    from prefixcache.store.lmdb_backend import LMDBBlockStore
+    from prefixcache.store.lmdb import LMDBBlockStore
 
     torch.set_num_threads(1)
     fp = namespace_fingerprint(Namespace(model="bench"))

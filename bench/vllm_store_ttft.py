@@ -206,7 +206,7 @@ def cost(install: VLLMInstall, store: str, path: Path, logs: Path, args) -> None
 def empty_after_filling(path: Path, capacity: int) -> None:
     """Fill an LMDB store at ``path`` to ``capacity`` with records, then drop them all: the
     file keeps its pages (memory on /dev/shm), as a store's does once it has been full."""
-    from prefixcache.store.lmdb_backend import LMDBBlockStore
+    from prefixcache.store.lmdb import LMDBBlockStore
 
     store = LMDBBlockStore(path, capacity_bytes=capacity)
     try:

@@ -33,8 +33,8 @@ import torch
 from prefixcache import CacheManager, Copy, Namespace, PagedKVCache
 from prefixcache.kernels import Backend, paged_attention, store_kv
 from prefixcache.store.backend import KVBlockStore
-from prefixcache.store.lmdb_backend import LMDBBlockStore
-from prefixcache.store.store_connector import KVStoreConnector
+from prefixcache.store.connector import KVStoreConnector
+from prefixcache.store.lmdb import LMDBBlockStore
 
 LOGIT_TOL = 1e-4
 
@@ -402,7 +402,7 @@ def open_store(spec: str) -> KVBlockStore:
     """A store from ``--store``: a directory for the one-host LMDB store, or
     ``mooncake://MASTER:PORT?metadata=URL`` for Mooncake Store."""
     if spec.startswith("mooncake://"):
-        from prefixcache.store.mooncake_backend import MooncakeBlockStore
+        from prefixcache.store.mooncake import MooncakeBlockStore
 
         return MooncakeBlockStore.from_url(spec)
     return LMDBBlockStore(spec, capacity_bytes=64 << 20)

@@ -66,10 +66,10 @@ def open_store(url: str) -> KVBlockStore:
     check_store_url(url)
     parts = urlsplit(url)
     if parts.scheme == "mooncake":
-        from prefixcache.store.mooncake_backend import MooncakeBlockStore
+        from prefixcache.store.mooncake import MooncakeBlockStore
 
         return MooncakeBlockStore.from_url(url)
-    from prefixcache.store.lmdb_backend import LMDBBlockStore
+    from prefixcache.store.lmdb import LMDBBlockStore
 
     path = unquote(parts.path) if parts.scheme == "lmdb" else url
     capacity = parse_qs(parts.query).get("capacity") if parts.scheme == "lmdb" else None

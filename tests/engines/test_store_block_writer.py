@@ -23,7 +23,7 @@ from prefixcache.engines.store_tally import StoreGate, StoreTally
 from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.engines.vllm.connector_writer import BlockWriter
 from prefixcache.store.block_record import BlockLayout, check_record, namespace_fingerprint
-from prefixcache.store.lmdb_backend import LMDBBlockStore
+from prefixcache.store.lmdb import LMDBBlockStore
 
 LAYOUT = BlockLayout(32, 2, "float32", 4, (32, 2, 64))  # the tiny model's: 64 KiB a block
 FP = namespace_fingerprint(Namespace("tiny-llama"))

@@ -20,8 +20,8 @@ from prefixcache.fleet.events.wire import KVEventBatch, encode_batch
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.router import Router
-from prefixcache.store.lmdb_backend import LMDBBlockStore
-from prefixcache.store.store_connector import KVStoreConnector
+from prefixcache.store.connector import KVStoreConnector
+from prefixcache.store.lmdb import LMDBBlockStore
 
 NS = Namespace(model="m")
 P = 16

@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("lmdb", reason="the one-host store needs lmdb (pip install '.[store]')")
 
 from prefixcache.errors import ConfigError
-from prefixcache.store import lmdb_backend
-from prefixcache.store.lmdb_backend import LMDBBlockStore
+from prefixcache.store import lmdb as lmdb_store
+from prefixcache.store.lmdb import LMDBBlockStore
 
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def small_tmpfs(tmp_path):
 
 FILL = """
 import sys
-from prefixcache.store.lmdb_backend import LMDBBlockStore
+from prefixcache.store.lmdb import LMDBBlockStore
 from prefixcache.errors import ConfigError
 capacity = None if sys.argv[2] == "default" else int(sys.argv[2])
 try:
@@ -157,7 +157,7 @@ def test_the_default_capacity_fits_the_tmpfs_and_fills_without_a_crash(small_tmp
 
 def test_the_free_space_check_without_a_tmpfs(tmp_path, monkeypatch):
     """The same decision through the free-space reading, where no tmpfs can be mounted."""
-    monkeypatch.setattr(lmdb_backend, "free_bytes", lambda path: 48 * MIB)
+    monkeypatch.setattr(lmdb_store, "free_bytes", lambda path: 48 * MIB)
     with pytest.raises(ConfigError, match=r"48\.0 MiB free"):
         LMDBBlockStore(tmp_path / "kv", capacity_bytes=1 << 30)
     store = LMDBBlockStore(tmp_path / "kv2")

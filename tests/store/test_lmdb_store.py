@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("lmdb", reason="the one-host store needs lmdb (pip install '.[store]')")
 
 from prefixcache.errors import ConfigError
-from prefixcache.store.lmdb_backend import LMDBBlockStore
+from prefixcache.store.lmdb import LMDBBlockStore
 
 MIB = 1 << 20
 

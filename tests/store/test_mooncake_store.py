@@ -39,7 +39,7 @@ def _runtime():
 
 
 def test_put_exists_get_remove(master):
-    from prefixcache.store.mooncake_backend import MooncakeBlockStore
+    from prefixcache.store.mooncake import MooncakeBlockStore
 
     store = MooncakeBlockStore.from_url(master.url)
     try:
@@ -67,7 +67,7 @@ def _serve(url: str, wrote, done, results) -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
     os.environ["MC_LOG_LEVEL"] = "ERROR"
     rt = _runtime()
-    from prefixcache.store.mooncake_backend import MooncakeBlockStore
+    from prefixcache.store.mooncake import MooncakeBlockStore
 
     store = MooncakeBlockStore.from_url(url)
     out = rt.compare_store(store)
@@ -103,7 +103,7 @@ def test_two_runtime_processes_share_prefixes_through_mooncake(master):
 
 def test_a_killed_master_keeps_the_runtime_serving(master):
     rt = _runtime()
-    from prefixcache.store.mooncake_backend import MooncakeBlockStore
+    from prefixcache.store.mooncake import MooncakeBlockStore
 
     store = MooncakeBlockStore.from_url(master.url)
     try:
@@ -134,7 +134,7 @@ def _host(url: str, address: str, role: str, wrote, done, results) -> None:
     os.environ.pop("MC_TCP_BIND_ADDRESS", None)
     os.environ["MC_LOG_LEVEL"] = "ERROR"
     rt = _runtime()
-    from prefixcache.store.mooncake_backend import MooncakeBlockStore
+    from prefixcache.store.mooncake import MooncakeBlockStore
 
     store = MooncakeBlockStore.from_url(f"{url}&local_hostname={address}")
     results.put((role, rt.compare_store(store)))
@@ -177,7 +177,7 @@ def test_a_runtime_on_another_host_loads_what_the_first_wrote(master):
 
 def test_the_segment_address_is_the_hosts_own():
     from prefixcache.errors import ConfigError
-    from prefixcache.store.mooncake_backend import MooncakeBlockStore, segment_address
+    from prefixcache.store.mooncake import MooncakeBlockStore, segment_address
 
     assert segment_address("127.0.0.1:50051", None) == "127.0.0.1"  # a master on this host
     assert segment_address("localhost:50051", None) == "127.0.0.1"

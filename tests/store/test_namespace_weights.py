@@ -19,8 +19,8 @@ from prefixcache import CacheManager, Namespace
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.store.block_record import namespace_fingerprint
-from prefixcache.store.lmdb_backend import LMDBBlockStore
-from prefixcache.store.store_connector import KVStoreConnector
+from prefixcache.store.connector import KVStoreConnector
+from prefixcache.store.lmdb import LMDBBlockStore
 from prefixcache.store.weights_fingerprint import weights_fingerprint
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "tiny_runtime.py"

@@ -13,8 +13,8 @@ from prefixcache import Namespace, PagedKVCache
 from prefixcache.manager.lower_tiers.transfers import StoreLoad, StoreWrite
 
 pytest.importorskip("lmdb")
-from prefixcache.store.lmdb_backend import LMDBBlockStore
-from prefixcache.store.store_connector import KVStoreConnector
+from prefixcache.store.connector import KVStoreConnector
+from prefixcache.store.lmdb import LMDBBlockStore
 
 NS = Namespace(model="m")
 LAYERS, BLOCKS, P, H, D = 3, 32, 4, 2, 8

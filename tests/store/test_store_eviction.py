@@ -12,8 +12,8 @@ pytest.importorskip("lmdb", reason="the one-host store needs lmdb (pip install '
 
 from prefixcache import CacheManager, Namespace, PagedKVCache
 from prefixcache.manager.lower_tiers.transfers import StoreLoad, StoreWrite
-from prefixcache.store.lmdb_backend import LMDBBlockStore
-from prefixcache.store.store_connector import KVStoreConnector
+from prefixcache.store.connector import KVStoreConnector
+from prefixcache.store.lmdb import LMDBBlockStore
 
 MIB = 1 << 20
 NS = Namespace(model="m")

@@ -21,7 +21,7 @@ pytest.importorskip("lmdb", reason="the one-host store needs lmdb (pip install '
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import BlockLayout, encode_header
-from prefixcache.store.lmdb_backend import LMDBBlockStore
+from prefixcache.store.lmdb import LMDBBlockStore
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "tiny_runtime.py"
 MIB = 1 << 20

@@ -15,7 +15,7 @@ from store_support import ROOT, checkout_import_path, vllm_install
 from prefixcache.engines.vllm.install import engine_environment
 
 
-def test_store_connector_units_in_vllms_scheduler(tmp_path):
+def test_connector_units_in_vllms_scheduler(tmp_path):
     install = vllm_install()
     path = checkout_import_path(tmp_path / "path")
     env = engine_environment(

@@ -27,7 +27,7 @@ from store_support import (
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.engines.vllm.connector_keys import PromptKeyMaker
 from prefixcache.engines.vllm.launcher import VLLMFleet
-from prefixcache.store.lmdb_backend import LMDBBlockStore
+from prefixcache.store.lmdb import LMDBBlockStore
 
 BLOCK = 32
 PROMPT = 2000  # 62 full blocks: 1,984 tokens a second server can load
