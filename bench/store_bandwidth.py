@@ -55,6 +55,7 @@ from prefixcache.store.block_record import (
     namespace_fingerprint,
     payload_checksum,
 )
+from prefixcache.store.from_url import open_store
 
 MIB = 1 << 20
 NS = namespace_fingerprint(Namespace(model="bench"))
@@ -122,12 +123,10 @@ def mooncake_on_loopback(segment_mib: int) -> Iterator[str]:
 
 
 @contextmanager
-def open_store(spec: str, capacity: int, where: str) -> Iterator[KVBlockStore]:
+def store_to_measure(spec: str, capacity: int, where: str) -> Iterator[KVBlockStore]:
     """The store to measure, closed (and an LMDB store's directory deleted) on the way out."""
     if spec.startswith("mooncake://"):
-        from prefixcache.store.mooncake import MooncakeBlockStore
-
-        store: KVBlockStore = MooncakeBlockStore.from_url(spec)
+        store: KVBlockStore = open_store(spec)
         try:
             yield store
         finally:
@@ -267,7 +266,7 @@ def run(args: argparse.Namespace) -> None:
     for size in (256 << 10, 512 << 10, 2 * MIB):
         layout = layout_for(size)
         capacity = 4 * args.blocks * layout.record_bytes
-        with open_store(args.store, capacity, args.dir) as store:
+        with store_to_measure(args.store, capacity, args.dir) as store:
             cold = one_pass(store, layout, args.blocks, 99)  # first touch of the store's pages
             passes = [one_pass(store, layout, args.blocks, seed) for seed in range(args.repeats)]
         med = {k: statistics.median(p[k] for p in passes) for k in passes[0]}

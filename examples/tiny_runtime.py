@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from prefixcache import CacheManager, Copy, Namespace, PagedKVCache
+from prefixcache import CacheManager, ConfigError, Copy, Namespace, PagedKVCache
 from prefixcache.kernels import Backend, paged_attention, store_kv
 from prefixcache.store.backend import KVBlockStore
 from prefixcache.store.connector import KVStoreConnector
-from prefixcache.store.lmdb import LMDBBlockStore
+from prefixcache.store.from_url import open_store
 
 LOGIT_TOL = 1e-4
 
@@ -398,16 +398,6 @@ def compare(
     return runs[0], runs[1], diff
 
 
-def open_store(spec: str) -> KVBlockStore:
-    """A store from ``--store``: a directory for the one-host LMDB store, or
-    ``mooncake://MASTER:PORT?metadata=URL`` for Mooncake Store."""
-    if spec.startswith("mooncake://"):
-        from prefixcache.store.mooncake import MooncakeBlockStore
-
-        return MooncakeBlockStore.from_url(spec)
-    return LMDBBlockStore(spec, capacity_bytes=64 << 20)
-
-
 _REFERENCE_RUNS: dict[tuple[object, ...], tuple[RunResult, ...]] = {}
 
 
@@ -434,7 +424,7 @@ def compare_store(
 
     mgr, kv = new_cache(model.cfg, num_blocks=64, stepped=True, device=device)
     opened = isinstance(spec, str)  # a store given stays open: its owner closes it
-    kv_store = open_store(spec) if isinstance(spec, str) else spec
+    kv_store = open_store(spec, default_capacity_bytes=64 << 20) if isinstance(spec, str) else spec
     connector = KVStoreConnector(kv_store, kv, owns_backend=opened)
     try:
         mgr = CacheManager(64, mgr.block_size, stepped=True, store=connector)
@@ -498,8 +488,9 @@ def main() -> None:
     parser.add_argument(
         "--store",
         metavar="PATH|URL",
-        help="share computed blocks through a K/V store: a directory (LMDB, one host) or "
-        "mooncake://MASTER:PORT?metadata=URL; run it twice to see the second process load them",
+        help="share computed blocks through a K/V store: a directory or lmdb:///PATH?capacity=SIZE "
+        "(LMDB, one host; 64 MiB by default) or mooncake://MASTER:PORT?metadata=URL; run it "
+        "twice to see the second process load them",
     )
     parser.add_argument("--json", action="store_true", help="with --store: print one JSON line")
     args = parser.parse_args()
@@ -507,7 +498,10 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels first import triton
     device = "cuda" if torch.cuda.is_available() and not args.interpret else "cpu"
     if args.store:
-        out = compare_store(args.store, backend=args.backend, device=device)
+        try:
+            out = compare_store(args.store, backend=args.backend, device=device)
+        except ConfigError as exc:  # a store that cannot be opened, said without a traceback
+            raise SystemExit(f"--store {args.store}: {exc}") from None
         if args.json:
             print(json.dumps(out))
         else:

@@ -1,4 +1,5 @@
-"""What a K/V block store must do for the connector: four operations over opaque keys.
+"""What a K/V block store must do for the connector: four operations over opaque keys; and how
+a backend imports the client library it wraps.
 
 Keys are block digests (16 bytes; the namespace is already in the digest, so tenants, models
 and adapters never share a key) and values are whole records (block_record.py). A backend
@@ -7,13 +8,46 @@ checks nothing: the connector checks every record it reads.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
+
+from prefixcache.errors import ConfigError
 
 
 class StoreUnavailableError(RuntimeError):
     """The store cannot be reached or refused the operation; the caller recomputes."""
+
+
+def import_client(name: str, install: str) -> ModuleType:
+    """The client library ``name`` (``lmdb``, ``mooncake.store``) a backend module wraps, imported
+    when the backend opens. The backend modules share the libraries' names (``lmdb.py``,
+    ``mooncake.py``); imports are absolute, so the library is what they find, except where
+    Python runs with this folder on its path (started from inside it) and the module hides the
+    library: ConfigError says so. ConfigError too when the library is missing (``install``: how
+    to install it)."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        _refuse_hidden(name.partition(".")[0])
+        raise ConfigError(f"{install} ({exc})") from None
+    _refuse_hidden(name.partition(".")[0])
+    return module
+
+
+def _refuse_hidden(library: str) -> None:
+    """ConfigError when the module imported as ``library`` is one of this folder's."""
+    found = getattr(sys.modules.get(library), "__file__", None)
+    if found and Path(found).resolve().parent == Path(__file__).resolve().parent:
+        raise ConfigError(
+            f"the {library} library is hidden by {found}: Python runs with "
+            f"{Path(found).parent} on its path (started from inside that folder); start it "
+            "from another folder"
+        )
 
 
 class BlockPlace(NamedTuple):

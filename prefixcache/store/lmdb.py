@@ -42,7 +42,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prefixcache.errors import ConfigError
-from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
+from prefixcache.store.backend import (
+    BlockPlace,
+    KVBlockStore,
+    StoreUnavailableError,
+    import_client,
+)
 from prefixcache.store.lmdb_use_order import EPOCHS, UseOrder
 from prefixcache.store.map_gate import MapGate
 
@@ -100,12 +105,9 @@ class LMDBBlockStore(KVBlockStore):
     def __init__(
         self, path: str | os.PathLike[str] = DEFAULT_PATH, capacity_bytes: int | None = None
     ):
-        try:
-            import lmdb
-        except ImportError:
-            raise ConfigError(
-                "the one-host K/V store needs lmdb: pip install 'prefixcache[store]'"
-            ) from None
+        lmdb = import_client(
+            "lmdb", "the one-host K/V store needs lmdb: pip install 'prefixcache[store]'"
+        )
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
                 raise ConfigError(f"capacity_bytes must be an int, got {capacity_bytes!r}")

@@ -10,7 +10,7 @@ libnuma1``) and start a master, e.g. on one host::
         --http_metadata_server_port=8080
 
 then ``MooncakeBlockStore("MASTER:50051", "http://MASTER:8080/metadata")`` in each runtime, or
-``--store mooncake://MASTER:50051?metadata=http://MASTER:8080/metadata`` for the tiny runtime.
+``open_store("mooncake://MASTER:50051?metadata=http://MASTER:8080/metadata")`` (from_url.py).
 
 **Where the segment is.** A client registers its segment under ``local_hostname``, and every
 other client reads it there: it must be this host's address as the other hosts reach it.
@@ -42,12 +42,16 @@ import threading
 import urllib.request
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
 from prefixcache.errors import ConfigError
-from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
+from prefixcache.store.backend import (
+    BlockPlace,
+    KVBlockStore,
+    StoreUnavailableError,
+    import_client,
+)
 
 NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
@@ -101,14 +105,12 @@ def segment_address(master: str, local_hostname: str | None) -> str:
 
 
 def _mooncake() -> Any:
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as exc:
-        raise ConfigError(
-            "Mooncake Store needs its client: pip install 'prefixcache[mooncake]' (and "
-            f"apt-get install -y libibverbs1 librdmacm1 libnuma1): {exc}"
-        ) from None
-    return MooncakeDistributedStore
+    client = import_client(
+        "mooncake.store",
+        "Mooncake Store needs its client: pip install 'prefixcache[mooncake]' (and "
+        "apt-get install -y libibverbs1 librdmacm1 libnuma1)",
+    )
+    return client.MooncakeDistributedStore
 
 
 class MooncakeBlockStore(KVBlockStore):
@@ -163,30 +165,6 @@ class MooncakeBlockStore(KVBlockStore):
         # the client serves the step's reads and the writer thread's puts at once; the caller
         # closes it only once both have stopped (the connector's close does)
         self._registered: set[tuple[int, int]] = set()
-
-    @classmethod
-    def from_url(cls, url: str) -> MooncakeBlockStore:
-        """``mooncake://MASTER:PORT?metadata=URL[&metrics=URL][&segment=MiB][&buffer=MiB]
-        [&local_hostname=ADDRESS]``."""
-        parts = urlsplit(url)
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        if parts.scheme != "mooncake" or not parts.netloc or "metadata" not in query:
-            raise ConfigError(
-                f"a Mooncake Store URL is mooncake://MASTER:PORT?metadata=URL, got {url!r}"
-            )
-        try:
-            segment = int(query.get("segment", "256")) * MIB
-            buffer = int(query.get("buffer", "64")) * MIB
-        except ValueError:
-            raise ConfigError(f"segment and buffer are MiB counts in {url!r}") from None
-        return cls(
-            parts.netloc,
-            query["metadata"],
-            segment_bytes=segment,
-            buffer_bytes=buffer,
-            metrics_url=query.get("metrics"),
-            local_hostname=query.get("local_hostname"),
-        )
 
     def _key(self, digest: bytes) -> str:
         return self.prefix + digest.hex()

@@ -39,9 +39,9 @@ def _runtime():
 
 
 def test_put_exists_get_remove(master):
-    from prefixcache.store.mooncake import MooncakeBlockStore
+    from prefixcache.store.from_url import open_store
 
-    store = MooncakeBlockStore.from_url(master.url)
+    store = open_store(master.url)
     try:
         a, b = bytes(range(16)), bytes(16)
         assert store.put_many([(a, b"x" * 4096)]) == 1
@@ -67,9 +67,9 @@ def _serve(url: str, wrote, done, results) -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
     os.environ["MC_LOG_LEVEL"] = "ERROR"
     rt = _runtime()
-    from prefixcache.store.mooncake import MooncakeBlockStore
+    from prefixcache.store.from_url import open_store
 
-    store = MooncakeBlockStore.from_url(url)
+    store = open_store(url)
     out = rt.compare_store(store)
     results.put(out)
     wrote.set()
@@ -103,9 +103,9 @@ def test_two_runtime_processes_share_prefixes_through_mooncake(master):
 
 def test_a_killed_master_keeps_the_runtime_serving(master):
     rt = _runtime()
-    from prefixcache.store.mooncake import MooncakeBlockStore
+    from prefixcache.store.from_url import open_store
 
-    store = MooncakeBlockStore.from_url(master.url)
+    store = open_store(master.url)
     try:
         first = rt.compare_store(store)
         assert first["written_blocks"] > 0
@@ -134,9 +134,9 @@ def _host(url: str, address: str, role: str, wrote, done, results) -> None:
     os.environ.pop("MC_TCP_BIND_ADDRESS", None)
     os.environ["MC_LOG_LEVEL"] = "ERROR"
     rt = _runtime()
-    from prefixcache.store.mooncake import MooncakeBlockStore
+    from prefixcache.store.from_url import open_store
 
-    store = MooncakeBlockStore.from_url(f"{url}&local_hostname={address}")
+    store = open_store(f"{url}&local_hostname={address}")
     results.put((role, rt.compare_store(store)))
     wrote.set()
     done.wait(120)

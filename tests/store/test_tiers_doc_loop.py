@@ -33,11 +33,11 @@ def test_the_documented_step_survives_two_dependent_failed_loads(tmp_path):
     setup, step = documented_loop()
     # the store on this test's directory, at a size any machine has
     setup, n = re.subn(
-        r"LMDBBlockStore\([^)]*\)",
-        f"LMDBBlockStore({str(tmp_path / 'kv')!r}, capacity_bytes=64 << 20)",
+        r'open_store\("lmdb://[^"?]*\?capacity=[^"]*"\)',
+        f"open_store({'lmdb://' + str(tmp_path / 'kv') + '?capacity=64MiB'!r})",
         setup,
     )
-    assert n == 1, "the snippet opens no LMDBBlockStore"
+    assert n == 1, "the snippet opens no LMDB store by URL"
     requeued: list[object] = []
     env: dict[str, object] = {
         "num_layers": 1,

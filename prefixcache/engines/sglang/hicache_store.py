@@ -44,7 +44,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.engines.sglang.hicache_pages import HostPages
-from prefixcache.engines.store_access import acquire_store, check_store_url, release_store
+from prefixcache.engines.store_access import acquire_store, release_store
 from prefixcache.engines.store_tally import StoreGate, StoreTally
 from prefixcache.errors import ConfigError
 from prefixcache.store.backend import BlockPlace, StoreUnavailableError
@@ -55,6 +55,7 @@ from prefixcache.store.block_record import (
     namespace_fingerprint,
     payload_checksum,
 )
+from prefixcache.store.from_url import check_store_url
 
 log = logging.getLogger("prefixcache.engines.sglang")
 _OURS = ("store", "model", "weights", "extra", "retry_after")
@@ -82,7 +83,7 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
         url = extra.get("store")
         if not isinstance(url, str) or not url:
             raise ConfigError(
-                "prefixcache HiCache store: the extra config needs 'store': lmdb://PATH or "
+                "prefixcache HiCache store: the extra config needs 'store': lmdb:///PATH or "
                 "mooncake://MASTER:PORT?metadata=URL"
             )
         check_store_url(url)

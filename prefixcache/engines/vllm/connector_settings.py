@@ -5,8 +5,8 @@
       "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"store": "lmdb:///dev/shm/prefixcache-kv?capacity=4GiB"}}'
 
-``store`` names the store (engines/store_access.py): ``lmdb://PATH[?capacity=SIZE]`` for the
-one-host LMDB store, ``mooncake://MASTER:PORT?metadata=URL[&local_hostname=HOST]...`` for
+``store`` names the store (the forms: store/from_url.py): ``lmdb:///PATH[?capacity=SIZE]`` for
+the one-host LMDB store, ``mooncake://MASTER:PORT?metadata=URL[&local_hostname=HOST]...`` for
 Mooncake Store. The other keys, all optional: ``model`` (the namespace's model; the served
 model name by default, as the service's replica ``model``), ``weights`` (the exact weights
 behind that name, ``Namespace.weights``: a revision or a weights fingerprint; vLLM's
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from prefixcache.blocks.hashing import HASH_FUNCTIONS
-from prefixcache.engines.store_access import check_store_url, parse_size
 from prefixcache.errors import ConfigError
+from prefixcache.store.from_url import check_store_url, parse_size
 
 _KEYS = (
     "store",
@@ -64,7 +64,7 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> StoreSettings:
     if not isinstance(store, str) or not store.strip():
         raise ConfigError(
             "prefixcache store connector: kv_connector_extra_config needs 'store': "
-            "lmdb://PATH or mooncake://MASTER:PORT?metadata=URL"
+            "lmdb:///PATH or mooncake://MASTER:PORT?metadata=URL"
         )
     model = given.get("model")
     if model is not None and (not isinstance(model, str) or not model):
