@@ -174,16 +174,16 @@ def _tenants(
 
 
 def _fleet_replay() -> Callable[..., Any]:
-    """The fleet simulation, which runs the service's own event path (ZMQ's and msgpack's
-    libraries, from the service extra)."""
+    """The fleet simulation, which runs the service's own router (msgspec's library, from the
+    service extra)."""
     try:
         from prefixcache.replay.sim.fleet_replay import run_fleet
     except ModuleNotFoundError as exc:
-        if exc.name is None or exc.name.split(".")[0] not in ("zmq", "msgspec"):
+        if exc.name is None or exc.name.split(".")[0] != "msgspec":
             raise
         raise MissingDependencyError(
-            f"a fleet replay (--replicas, --routing) runs the service's KV event path, which "
-            f"needs {exc.name}: pip install 'prefixcache[service]'"
+            f"a fleet replay (--replicas, --routing) runs the service's router, which needs "
+            f"{exc.name}: pip install 'prefixcache[service]'"
         ) from None
     return run_fleet
 

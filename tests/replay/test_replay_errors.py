@@ -364,7 +364,7 @@ def test_bad_numbers_of_analyze_and_export_name_their_option(
     assert f"argument {flag}:" in last and "Traceback" not in last
 
 
-@pytest.mark.parametrize("missing", ["zmq", "msgspec"])
+@pytest.mark.parametrize("missing", ["msgspec"])
 def test_a_fleet_replay_without_the_service_extra_names_it(tmp_path: Path, missing: str) -> None:
     # a library-only install (no [service]): one error line naming the extra, no traceback
     code = (
@@ -381,7 +381,25 @@ def test_a_fleet_replay_without_the_service_extra_names_it(tmp_path: Path, missi
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (
-        "prefixcache replay: error: a fleet replay (--replicas, --routing) runs the service's KV "
-        f"event path, which needs {missing}: pip install 'prefixcache[service]'\n"
+        "prefixcache replay: error: a fleet replay (--replicas, --routing) runs the service's "
+        f"router, which needs {missing}: pip install 'prefixcache[service]'\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_fleet_replay_needs_no_zmq(tmp_path: Path) -> None:
+    # the replicas' events reach the fleet index in process: no socket, no ZMQ library
+    code = (
+        "import sys; sys.modules['zmq'] = None\n"
+        "from prefixcache.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = [SCENARIO, "--blocks", "64", "--mode", "serving", "--replicas", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "replay", *args, "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run" / "report.json").is_file()

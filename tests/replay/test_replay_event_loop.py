@@ -293,3 +293,31 @@ def test_a_refused_admission_says_how_many_blocks_it_lacks() -> None:
     with pytest.raises(OutOfBlocksError) as refused:
         uncached.admit("b", 10)
     assert refused.value.shortfall == 2
+
+
+def test_a_fleet_with_two_versions_of_an_adapter_replays_the_same(tmp_path: Path) -> None:
+    """KV events name an adapter, not its version: the index files every chain under the version
+    the fleet pins (the first a request named), so blocks of another version land under the
+    pinned one's digests, as the service would see them. Chains under either version, salted and
+    not, with host offloads, on a fleet whose index takes the replicas' events directly."""
+    rng = random.Random(5)
+    system = [rng.randrange(1, 30_000) for _ in range(700)]
+    lines = []
+    for k in range(160):
+        record: dict[str, Any] = {
+            "token_ids": system[: rng.choice((300, 500, 700))]
+            + [rng.randrange(1, 30_000) for _ in range(rng.randrange(8, 90))],
+            "arrival_s": k * 0.05,
+            "output_length": rng.randrange(1, 40),
+            "model": "llama-3.1-8b",
+        }
+        if k % 4:
+            record["adapter"] = "sql"
+            record["adapter_version"] = rng.choice(("v1", "v2"))
+        if k % 3 == 0:
+            record["salt"] = rng.choice(("a", "b"))
+        lines.append(json.dumps(record))
+    trace = tmp_path / "versions.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    options = {"capacity_blocks": 120, "host_memory": GIB, "replicas": 2}
+    assert_same_run(trace, None, options, tmp_path)

@@ -154,7 +154,6 @@ def test_index_equals_the_replicas_cached_blocks(small: Path) -> None:
         held = set(sim.index.holdings(rep.name))
         assert held == manager_digests(rep.mgr)
         assert held  # something was cached
-        assert sim.subscriber.counters()[rep.name].malformed == 0
 
 
 def test_accountant_routing_cause_is_carved_from_capacity() -> None:
@@ -283,8 +282,6 @@ def test_tenants_and_adapters_replay_on_a_fleet(name: str, tmp_path: Path) -> No
     sim.run(source)
     for rep in sim.replicas:
         assert set(sim.index.holdings(rep.name)) == manager_digests(rep.mgr)
-        counters = sim.subscriber.counters()[rep.name]
-        assert counters.malformed == 0 and counters.skipped == 0
     plain_cfg = ReplayConfig(capacity_blocks=BLOCKS, mode="serving", max_seqs=32)
     plain = replay_source(open_source(path, plain_cfg), plain_cfg).to_report_dict()
     one = replay_source(open_source(path, config(1, "prefix")), config(1, "prefix"))

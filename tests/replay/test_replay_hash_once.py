@@ -1,8 +1,7 @@
 """A fleet replay hashes each prompt once: the router's route, the pool's lookup and the report's
 "cached on another replica" figure all read the digests the replay computed for the request
 (before, a fleet-with-pool replay hashed a prompt's blocks up to four times). The managers hash
-only the blocks they index, and the router's subscriber the blocks its events store, as a real
-router does."""
+only the blocks they index, and the fleet index takes the digests their events carry."""
 
 from __future__ import annotations
 

@@ -2,11 +2,10 @@
 
 Every replica is a serving simulation (``serving.Simulator``) over its own ``CacheManager`` of the
 configured size: ``capacity_blocks`` is per replica. Requests are routed at arrival by the real
-``Router`` over a ``MemoryFleetIndex``, and the index is fed as the service feeds it, in process:
-each replica's manager events become wire events (``to_wire``), one ``KVEventBatch`` per replica
-per simulated step (``encode_batch``), handed to ``KVEventSubscriber.ingest`` with the replica's
-next sequence number. A request counts as load on its replica from its route until it finishes
-(or is dropped), then the router releases it.
+``Router`` over a ``MemoryFleetIndex``, which each replica's manager events reach as they happen,
+applied as the service's KV-event path would apply them (``index_feed``). A request counts as
+load on its replica from its route until it finishes (or is dropped), then the router releases
+it.
 
 Replicas run on their own clocks; the replica with the earliest clock steps next, and every
 replica has stepped up to a request's arrival time before the request is routed, so a route sees
@@ -35,9 +34,6 @@ from typing import Any, NamedTuple
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.pool import UNBOUNDED
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.events.publisher import to_wire
-from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.events.wire import KVEventBatch, WireEvent, encode_batch
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, ReplicaSpec
 from prefixcache.fleet.router import Router
@@ -47,6 +43,7 @@ from prefixcache.replay.progress import Progress
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
+from prefixcache.replay.sim.index_feed import ReplicaIndexFeed
 from prefixcache.replay.sim.serving import LiveRequest, Simulator, advance_replicas
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
 from prefixcache.replay.sim.step_tally import StepTally
@@ -129,8 +126,8 @@ def _percentile(values: list[float], q: int) -> float:
 
 
 class _Replica:
-    """One replica: a serving simulation whose manager's events are published to the fleet's
-    index after each step, and whose finished requests the router releases."""
+    """One replica: a serving simulation whose manager's events reach the fleet's index, and
+    whose finished requests the router releases."""
 
     def __init__(
         self,
@@ -143,12 +140,10 @@ class _Replica:
         sim = self.sim = Simulator(mgr, cfg, fleet.acc)
         sim.times = fleet.times  # indexed by the fleet's request index
         sim.after_step = self.after_step
-        self.pending: list[WireEvent] = []
-        self.seq = 0
         self.live: dict[int, LiveRequest] = {}
         self.routed = 0
         if isinstance(mgr, CacheManager):
-            mgr.add_listener(lambda event: self.pending.append(to_wire(event)))
+            mgr.add_listener(ReplicaIndexFeed(fleet.index, name, mgr.hasher, fleet.versions))
 
     @property
     def mgr(self) -> CacheManager:
@@ -162,9 +157,7 @@ class _Replica:
         self.routed += 1
 
     def after_step(self) -> None:
-        """After a step that did something: publish its events, release the requests that
-        left."""
-        self.publish()
+        """After a step that did something: release the requests that left."""
         sim = self.sim
         if len(sim.running) + len(sim.waiting) < len(self.live):
             here = {r.idx for r in sim.running}
@@ -172,15 +165,6 @@ class _Replica:
             for idx in [i for i in self.live if i not in here]:
                 del self.live[idx]
                 self.fleet.finished(idx)
-
-    def publish(self) -> None:
-        """The step's events as one wire batch, through the subscriber into the index."""
-        if not self.pending:
-            return
-        events, self.pending = self.pending, []
-        payload = encode_batch(KVEventBatch(self.sim.clock, events, 0))
-        self.fleet.subscriber.ingest(self.name, self.seq, payload)
-        self.seq += 1
 
 
 _NO_BLOCK = bytes(16)  # a digest no block has: what the no-cache fleet routes by
@@ -209,15 +193,6 @@ class FleetSimulator:
         self.index = MemoryFleetIndex()
         self.versions: dict[tuple[str, str], str] = {}  # adapter versions the requests name
         names = [f"replica-{k}" for k in range(o.replicas)]
-        self.subscriber = KVEventSubscriber(
-            self.index,
-            [
-                ReplicaEndpoint(
-                    name, namespace=namespace, block_size=self.block_size, hash_algo=o.hash_algo
-                )
-                for name in names
-            ],
-        )
         self.router = Router(
             self.index,
             [
@@ -281,7 +256,6 @@ class FleetSimulator:
         replicas serve any adapter, so none pins it; KV events carry no version)."""
         if (model, adapter) not in self.versions:
             self.versions[(model, adapter)] = version
-            self.subscriber.pin_adapter_versions(self.versions)
 
     def run(self, requests: Iterable[Request]) -> None:
         """Route and serve every request, then run the fleet until all have finished."""
