@@ -60,14 +60,29 @@ def make_index() -> tuple[Any, str]:
     return open_index("memory"), "MemoryFleetIndex"
 
 
+POLICY = "prefix_balanced"
+
+
 def build(tokens: int, replicas: int, salt: str | None = None) -> tuple[Any, str, list[np.ndarray]]:
     """A seeded router and the prompts to route (indexed under ``salt``)."""
-    from prefixcache.blocks.hashing import BlockHasher
     from prefixcache.blocks.namespace import Namespace
     from prefixcache.fleet.replica_spec import ReplicaSpec
     from prefixcache.fleet.router import Router
 
-    ns = Namespace(MODEL)
+    index, label, prompts = seeded_index(tokens, replicas, salt)
+    blocks = tokens // BLOCK
+    specs = [ReplicaSpec(f"r{i:02d}", Namespace(MODEL), BLOCK, 4 * blocks) for i in range(replicas)]
+    return Router(index, specs, POLICY), label, prompts
+
+
+def seeded_index(
+    tokens: int, replicas: int, salt: str | None = None
+) -> tuple[Any, str, list[np.ndarray]]:
+    """The index with every replica's depth of its prompt family (under ``salt``), its label,
+    and the prompts to route."""
+    from prefixcache.blocks.hashing import BlockHasher
+    from prefixcache.blocks.namespace import Namespace
+
     rng = np.random.default_rng(0)
     families = [rng.integers(0, 128_000, tokens).astype("<i4") for _ in range(4)]
     index, label = make_index()
@@ -78,14 +93,31 @@ def build(tokens: int, replicas: int, salt: str | None = None) -> tuple[Any, str
     for i in range(replicas):
         depth = blocks * (i + 1) // replicas
         index.store(f"r{i:02d}", chains[i % 4][:depth])
-    specs = [ReplicaSpec(f"r{i:02d}", ns, BLOCK, 4 * blocks) for i in range(replicas)]
-    router = Router(index, specs, "prefix_balanced")
     prompts = []
     for k in range(16):  # the family's prefix, then a private tail of a quarter of the prompt
         p = families[k % 4].copy()
         p[3 * tokens // 4 :] = rng.integers(0, 128_000, tokens - 3 * tokens // 4)
         prompts.append(p)
-    return router, label, prompts
+    return index, label, prompts
+
+
+def service_config(tokens: int, replicas: int, **sections: Any) -> Any:
+    """The config of the service over ``seeded_index``: its replicas (as ``build`` gives the
+    router), the policy, no in-flight timeout, the limits a route of ``tokens`` needs, and the
+    other ``sections``."""
+    from prefixcache.fleet.service.configuration.config_file import parse_config
+
+    capacity = 4 * (tokens // BLOCK)
+    data: dict[str, Any] = {
+        "replicas": [
+            {"name": f"r{i:02d}", "model": MODEL, "block_size": BLOCK, "capacity_blocks": capacity}
+            for i in range(replicas)
+        ],
+        "routing": {"policy": POLICY, "in_flight_timeout_s": None},
+        "limits": {"max_body_bytes": 64 * tokens, "max_prompt_tokens": 2 * tokens},
+        **sections,
+    }
+    return parse_config(data)
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -162,14 +194,10 @@ def _app(tokens: int, replicas: int, secure: bool) -> tuple[Any, Any]:
     and its config."""
     import os
 
-    from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.configuration.config_file import parse_config
+    from prefixcache.fleet.service.assembly import build_service
 
-    router, _, _ = build(tokens, replicas, "tenant:bench" if secure else None)
-    data: dict[str, Any] = {
-        "replicas": [{"name": s.name, "model": MODEL} for s in router.replicas()],
-        "limits": {"max_body_bytes": 64 * tokens, "max_prompt_tokens": 2 * tokens},
-    }
+    index, _, _ = seeded_index(tokens, replicas, "tenant:bench" if secure else None)
+    data: dict[str, Any] = {}
     if secure:
         os.environ[KEYS_ENV] = f"{{{BENCH_KEY}: bench}}"
         data["auth"] = {
@@ -179,8 +207,8 @@ def _app(tokens: int, replicas: int, secure: bool) -> tuple[Any, Any]:
             "burst": 1000000,
         }
         data["server"] = {"max_connections": 1000, "header_timeout_s": 10, "body_timeout_s": 30}
-    config = parse_config(data)
-    return create_app(router, config), config
+    config = service_config(tokens, replicas, **data)
+    return build_service(config, index=index, ingest=None), config
 
 
 def auth_overhead_asgi(args: argparse.Namespace, prompts: list[np.ndarray]) -> float:
@@ -237,8 +265,7 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
 
     import httpx
 
-    from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.configuration.config_file import parse_config
+    from prefixcache.fleet.service.assembly import build_service
 
     bodies = [
         json.dumps({"model": MODEL, "tokens": p.tolist(), "request_id": "h"}).encode()
@@ -246,15 +273,14 @@ def feature_overhead(args: argparse.Namespace, prompts: list[np.ndarray], sectio
     ]
 
     def app(enabled: bool) -> Any:
-        router, _, _ = build(args.tokens, args.replicas)
-        whatif: dict[str, Any] = {"enabled": enabled if section == "whatif" else False}
-        data: dict[str, Any] = {
-            "replicas": [{"name": s.name, "model": MODEL} for s in router.replicas()],
-            "limits": {"max_body_bytes": 64 * args.tokens, "max_prompt_tokens": 2 * args.tokens},
-            "delivery": {"enabled": enabled if section == "delivery" else False},
-            "whatif": whatif,
-        }
-        return create_app(router, parse_config(data))
+        index, _, _ = seeded_index(args.tokens, args.replicas)
+        config = service_config(
+            args.tokens,
+            args.replicas,
+            delivery={"enabled": enabled if section == "delivery" else False},
+            whatif={"enabled": enabled if section == "whatif" else False},
+        )
+        return build_service(config, index=index, ingest=None)
 
     async def run() -> tuple[dict[bool, list[tuple[float, float]]], dict[bool, float]]:
         samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}

@@ -29,9 +29,8 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.fleet.service.app import create_app
-from prefixcache.fleet.service.configuration.config_file import build_router, parse_config
+from prefixcache.fleet.service.assembly import build_service
+from prefixcache.fleet.service.configuration.config_file import parse_config
 from prefixcache.replay import ReplayConfig, open_source
 from prefixcache.replay.runner import replay_path, replay_source
 
@@ -57,7 +56,7 @@ def counterfactuals(
         "record_trace": {"path": str(record)},
     }
     config = parse_config(data)
-    app = create_app(build_router(config, MemoryFleetIndex()), config)
+    app = build_service(config, ingest=None)
     with TestClient(app) as client:
         start = time.perf_counter()
         for i, tokens in enumerate(prompts):

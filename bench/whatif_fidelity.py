@@ -24,9 +24,8 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.fleet.service.app import create_app
-from prefixcache.fleet.service.configuration.config_file import build_router, parse_config
+from prefixcache.fleet.service.assembly import build_service
+from prefixcache.fleet.service.configuration.config_file import parse_config
 from prefixcache.replay import ReplayConfig, open_source
 from prefixcache.replay.runner import replay_path
 
@@ -47,7 +46,7 @@ def live_curve(
     if record is not None:
         data["record_trace"] = {"path": str(record)}
     config = parse_config(data)
-    app = create_app(build_router(config, MemoryFleetIndex()), config)
+    app = build_service(config, ingest=None)
     with TestClient(app) as client:
         for tokens in prompts:
             r = client.post("/v1/route", json={"model": "m", "tokens": tokens})

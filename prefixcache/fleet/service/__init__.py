@@ -1,3 +1,3 @@
 """The HTTP service: the FastAPI app, its route handlers, the proxy, the YAML settings, metrics and
-the CLI.
+the CLI, all built from a config by one call (``assembly.build_service``).
 """

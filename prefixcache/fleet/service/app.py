@@ -1,4 +1,5 @@
-"""The HTTP service: a FastAPI app over a ``Router`` (``create_app``), run by ``prefixcache serve``.
+"""The HTTP service: the FastAPI app over a built ``FleetService`` (``serving_app``; the parts and
+the app are built by ``assembly.build_service``), run by ``prefixcache serve``.
 
 Endpoints (``routes``): ``POST /v1/lookup``, ``POST /v1/route``, ``POST /v1/release``,
 ``GET /v1/replicas``, ``GET /v1/models``, ``GET /healthz``, ``GET /health``, ``GET /metrics``;
@@ -22,10 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from prefixcache.errors import ConfigError, PrefixCacheError
-from prefixcache.fleet.events.ingest import IngestSource, IngestStats
-from prefixcache.fleet.router import Router
-from prefixcache.fleet.service.configuration.config_file import ServiceConfig
+from prefixcache.errors import PrefixCacheError
 from prefixcache.fleet.service.dispatch import FleetService
 from prefixcache.fleet.service.guards.access import AccessGate
 from prefixcache.fleet.service.guards.client_limits import ClientRequestLimit
@@ -39,48 +37,13 @@ from prefixcache.fleet.service.http_errors import (
     typed_error,
     unexpected_error,
 )
-from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.service.routes import add_api_routes
-from prefixcache.text.chat_template import ChatTemplate
-from prefixcache.text.tokenizers import Tokenizer, load_tokenizer
 
 
-def create_app(
-    router: Router,
-    config: ServiceConfig,
-    *,
-    tokenizer: Tokenizer | None = None,
-    chat_template: ChatTemplate | None = None,
-    ingest: IngestSource | None = None,
-    ingest_stats: IngestStats | None = None,
-    proxy: bool | None = None,
-) -> FastAPI:
-    """The service app over ``router``.
-
-    ``tokenizer`` encodes text prompts (default: ``config.tokenizer``, else UTF-8 bytes);
-    ``chat_template`` renders chat messages (default: ``config.chat_template``, if any).
-    ``ingest`` is started when the app starts and stopped when it stops; its counters are
-    exported when it (or ``ingest_stats``) implements ``IngestStats``. ``proxy`` overrides
-    ``config.proxy.enabled``. Raises ConfigError for an unusable combination.
-    """
-    if ingest_stats is None and isinstance(ingest, IngestStats):
-        ingest_stats = ingest
-    proxying = config.proxy.enabled if proxy is None else proxy
-    if proxying:
-        missing = [r.name for r in config.replicas if r.url is None]
-        if missing:
-            raise ConfigError(f"proxy mode needs a url for every replica; missing: {missing}")
-    service = FleetService(
-        router,
-        config,
-        tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer),
-        ServiceMetrics(router, ingest_stats),
-        chat_template
-        if chat_template is not None or config.chat_template is None
-        else ChatTemplate.load(config.chat_template),
-        ingest=ingest,
-        proxying=proxying,
-    )
+def serving_app(service: FleetService) -> FastAPI:
+    """The FastAPI app over a built ``service`` (``assembly.build_service`` builds both): its
+    error handlers, endpoints, guards and lifespan; the service is ``app.state.service``."""
+    config = service.config
     app = FastAPI(title="prefixcache fleet service", lifespan=_lifespan, openapi_url=None)
     app.state.service = service
     app.exception_handler(PrefixCacheError)(typed_error)
@@ -89,7 +52,7 @@ def create_app(
     app.exception_handler(ClientDisconnect)(aborted_request)
     app.exception_handler(Exception)(unexpected_error)
     add_api_routes(app)
-    if proxying:
+    if service.proxying:
         from prefixcache.fleet.service.openai_proxy.proxy import add_proxy_routes
 
         add_proxy_routes(app)
@@ -103,8 +66,9 @@ def create_app(
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """The service's lifetime: the replicas' HTTP client, the ingest and the health probes (of
-    the replicas with a url, in either mode) run from the app's start to its stop."""
+    """The service's lifetime: the replicas' HTTP client, the ingest, the health probes (of the
+    replicas with a url, in either mode) and the route observers run from the app's start to its
+    stop."""
     service: FleetService = app.state.service
     config, ingest = service.config, service.ingest
     if ingest is not None:
@@ -132,6 +96,4 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if ingest is not None:
             await run_in_threadpool(ingest.stop)
         await service.http_client.close()
-        await run_in_threadpool(service.counterfactuals.close)
-        if service.recorder is not None:
-            service.recorder.close()
+        await run_in_threadpool(service.observers.close)

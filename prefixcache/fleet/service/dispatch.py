@@ -1,6 +1,7 @@
 """What the service's handlers share (``FleetService``): the router, the config, the tokenizer and
-chat template that turn a request into token ids, the metrics, the per-key limits, the optional
-ingest, and the HTTP client the replicas are reached with.
+chat template that turn a request into token ids, the metrics, the per-key limits, the delivery
+check, the route observers, the optional ingest, and the HTTP client the replicas are reached
+with, each built by ``assembly.build_service`` and handed over ready.
 
 A request is served for its ``Caller`` (``access``): its prompt is keyed under the caller's tenant
 salt, and its request id is the caller's own (scoped per key).
@@ -36,7 +37,6 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.delivery_check import DeliveryCheck, Prediction
 from prefixcache.fleet.events.ingest import IngestSource
-from prefixcache.fleet.events.unplaced_lookup import UnplacedLookup
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_load import Released
 from prefixcache.fleet.router import PromptScores, RouteDecision, Router
@@ -47,12 +47,10 @@ from prefixcache.fleet.service.guards.key_limits import KeyLimits
 from prefixcache.fleet.service.http_errors import BodyTimeoutError
 from prefixcache.fleet.service.metrics import ServiceMetrics
 from prefixcache.fleet.service.openai_proxy.replica_client import ReplicaClient
-from prefixcache.fleet.whatif.counterfactual_replay import CounterfactualReplay
-from prefixcache.fleet.whatif.live_curves import LiveCurves
-from prefixcache.fleet.whatif.trace_recorder import TraceRecorder
+from prefixcache.fleet.service.route_observers import RouteObservers
 from prefixcache.text.chat_template import ChatTemplate, chat_messages
 from prefixcache.text.prefix_tokenizer import PrefixTokenizer
-from prefixcache.text.tokenizers import HFTokenizer, Tokenizer, render_chat
+from prefixcache.text.tokenizers import Tokenizer, render_chat
 
 # the most token ids of a prompt routed on the event loop when the index is in this process; a
 # longer prompt goes to the thread pool, so that its hashing does not stall every other request
@@ -67,71 +65,44 @@ class Prompt(NamedTuple):
 
 
 class FleetService:
-    """What the handlers share: router, config, tokenizer, chat template, metrics and the
-    optional ingest."""
+    """What the handlers share: router, config, tokenizer, chat template, metrics, per-key
+    limits, the delivery check, the route observers, the replicas' HTTP client and the optional
+    ingest. Built from ready parts (``assembly.build_service`` builds them); it builds none."""
 
     def __init__(
         self,
-        router: Router,
         config: ServiceConfig,
-        tokenizer: Tokenizer,
-        metrics: ServiceMetrics,
-        chat_template: ChatTemplate | None = None,
+        router: Router,
         *,
-        ingest: IngestSource | None = None,
-        proxying: bool = False,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate | None,
+        metrics: ServiceMetrics,
+        limits: KeyLimits,
+        delivery: DeliveryCheck,
+        observers: RouteObservers,
+        http_client: ReplicaClient,
+        ingest: IngestSource | None,
     ) -> None:
-        self.router = router
         self.config = config
-        # a text's leading segments tokenized once: prompts share their beginnings
-        self.tokenizer: Tokenizer = (
-            PrefixTokenizer(tokenizer) if isinstance(tokenizer, HFTokenizer) else tokenizer
-        )
+        self.router = router
+        self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.metrics = metrics
-        self.limits = KeyLimits(config.access, metrics, router.in_flight_among)
-        self.ingest = ingest  # started and stopped with the app
-        held = getattr(ingest, "unplaced", None)  # a KV-event subscriber's unplaced blocks
-        if isinstance(held, UnplacedLookup):
-            engines = {r.name: r.engine_hash for r in config.replicas if r.engine_hash}
-            held.use_engine_hashes(engines)
-            router.attach_held(held)
+        self.limits = limits
         # what the engines deliver against what routing predicted (a degraded replica keeps
         # its routes: the verdict is for the operator, see docs/service.md)
-        self.delivery = DeliveryCheck(config.delivery)
-        metrics.watch_delivery(self.delivery, router)
-        self.probes: dict[str, Any] = {}  # replica -> its last attach probe's ProbeResult
-        # what more memory would buy, from the prompts routed (sampled; the router feeds it)
-        self.whatif = LiveCurves(config.whatif, router.replicas)
-        metrics.watch_whatif(self.whatif)
-        # what was routed, for offline replay (closed when the app stops)
-        self.recorder: TraceRecorder | None = None
-        if config.record_trace.path is not None:
-            sizes = [r.block_size for r in config.replicas]
-            self.recorder = TraceRecorder(config.record_trace, sizes)
-        # N-1, N+1, 2N replicas and the other policies: the replay of the recorded trace, run
-        # on request off the route path (stopped with the app)
-        self.counterfactuals = CounterfactualReplay(self.recorder, router.replicas, router.policy)
-        if config.whatif.enabled or self.recorder is not None:
-            router.attach_observer(self._observe_route)
-        self._block_sizes = {r.name: r.block_size for r in config.replicas}
-        self.proxying = proxying  # the OpenAI-compatible endpoints forward to replicas
-        self.urls = {r.name: r.url for r in config.replicas}
+        self.delivery = delivery
+        self.observers = observers  # closed when the app stops
         # HTTP to the replicas (proxying, probes): opened at first use, closed with the app
-        proxy = config.proxy
-        self.http_client = ReplicaClient(proxy.timeout_s, min(10.0, proxy.timeout_s))
+        self.http_client = http_client
+        self.ingest = ingest  # started and stopped with the app
+        self.probes: dict[str, Any] = {}  # replica -> its last attach probe's ProbeResult
+        self._block_sizes = {r.name: r.block_size for r in config.replicas}
+        self.proxying = config.proxy.enabled  # the OpenAI-compatible endpoints forward
+        self.urls = {r.name: r.url for r in config.replicas}
         self.started_at = time.time()  # the "created" of the models it lists
         # an index in this process (CompactFleetIndex is one too) answers without blocking
         self.inline = isinstance(router.index, MemoryFleetIndex)
-
-    def _observe_route(
-        self, replica: str, digests: Sequence[bytes], prompt_tokens: int, block_size: int
-    ) -> None:
-        """Every route: the live curves' sample and the recorded trace."""
-        if self.config.whatif.enabled:
-            self.whatif.observe(replica, digests, prompt_tokens, block_size)
-        if self.recorder is not None:
-            self.recorder.record(digests, prompt_tokens, block_size)
 
     def runs_inline(self, body: PromptBody) -> bool:
         """Whether ``body`` is routed on the event loop: token ids (no tokenizer), at most

@@ -216,13 +216,7 @@ async def whatif(request: Request) -> Response:
     """The live what-if curves (operator keys only): per replica and for the fleet as one
     cache, the estimated hit rate with more or less KV memory."""
     service: FleetService = request.app.state.service
-
-    def read() -> dict[str, Any]:
-        body = service.whatif.snapshot()
-        body["counterfactuals"] = service.counterfactuals.report()
-        return body
-
-    return _json(await run_in_threadpool(read))
+    return _json(await run_in_threadpool(service.observers.report))
 
 
 async def start_counterfactuals(request: Request) -> Response:
@@ -233,14 +227,14 @@ async def start_counterfactuals(request: Request) -> Response:
     raw = await service.read_body(request, caller_of(request))
     body = decode_body(raw, CounterfactualBody) if raw.strip() else CounterfactualBody()
     limit = service.config.limits.max_replicas
-    state = await run_in_threadpool(service.counterfactuals.start, body, limit)
+    state = await run_in_threadpool(service.observers.counterfactuals.start, body, limit)
     return Response(msgspec.json.encode(state), 202, media_type="application/json")
 
 
 async def counterfactuals(request: Request) -> Response:
     """The last counterfactual job's state and answers (operator keys only)."""
     service: FleetService = request.app.state.service
-    return _json(service.counterfactuals.report())
+    return _json(service.observers.counterfactuals.report())
 
 
 async def models(request: Request) -> Response:

@@ -128,8 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (PrefixCacheError, OSError) as exc:
         print(f"prefixcache serve: error: {exc}", file=sys.stderr)
         return 2
-    proxying = config.proxy.enabled if args.proxy is None else args.proxy
-    if proxying and config.chat_template is None:
+    if config.proxy.enabled and config.chat_template is None:  # --proxy applied to config
         print(
             "prefixcache serve: note: no chat_template in the config; chat requests are routed "
             "on a neutral rendering, which matches other chats but not what replicas cache "

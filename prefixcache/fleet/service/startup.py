@@ -1,5 +1,7 @@
-"""The service of one process from a config file (``open_service``: index, router, KV-event
-subscriber, app), and what ``prefixcache serve --workers N`` runs in each worker process.
+"""The service of one process from a config file and the command's options (``open_service``:
+the config with ``--index``, ``--proxy`` and ``--record-trace`` applied, then
+``assembly.build_service``), and what ``prefixcache serve --workers N`` runs in each worker
+process.
 
 With workers, uvicorn starts N processes on one listening socket; each calls ``worker_app``
 (named by import string, as uvicorn needs), which reads the command's options from
@@ -22,16 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.errors import ConfigError
-from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
-from prefixcache.fleet.index.from_url import check_index_url, open_index
+from prefixcache.fleet.index.from_url import check_index_url
 from prefixcache.fleet.index.url_checks import IN_PROCESS
-from prefixcache.fleet.service.app import create_app
+from prefixcache.fleet.service.assembly import build_service
 from prefixcache.fleet.service.configuration.access_config import ServerConfig
-from prefixcache.fleet.service.configuration.config_file import (
-    ServiceConfig,
-    build_router,
-    load_config,
-)
+from prefixcache.fleet.service.configuration.config_file import ServiceConfig, load_config
 from prefixcache.fleet.service.guards.connection_budget import service_budget
 from prefixcache.fleet.service.guards.connection_shares import ConnectionShares
 from prefixcache.fleet.service.transport import (
@@ -70,46 +67,27 @@ def check_workers(workers: int, index_url: str) -> None:
         )
 
 
-def open_service(options: ServeOptions) -> tuple[Any, ServiceConfig]:
-    """The service app of ``options`` (its index, router and KV-event subscriber), and its
-    config. Raises PrefixCacheError or OSError for an unusable config or index."""
+def serve_config(options: ServeOptions) -> ServiceConfig:
+    """The config file of ``options`` with the command's overrides applied: ``--index``,
+    ``--proxy``/``--no-proxy`` and ``--record-trace``. Raises ConfigError for an unusable file
+    or override."""
     config = load_config(Path(options.config))
+    index = index_of(options, config)
+    proxy = config.proxy
+    if options.proxy is not None:
+        proxy = dataclasses.replace(proxy, enabled=options.proxy)
+    record = config.record_trace
     if options.record_trace is not None:
-        record = dataclasses.replace(config.record_trace, path=options.record_trace)
-        config = dataclasses.replace(config, record_trace=record)
-    index_url = index_of(options, config)
-    extra: dict[str, float] = {}
-    if index_url not in IN_PROCESS:
-        extra["read_timeout"] = config.limits.redis_read_timeout_s
-    index = open_index(index_url, prefix=config.index_prefix, **extra)
-    router = build_router(config, index)
-    # every replica with an event endpoint is followed from the app's start to its stop
-    subscriber = KVEventSubscriber(
-        index,
-        [
-            ReplicaEndpoint(
-                r.name,
-                r.events,
-                r.replay,
-                r.namespace,
-                r.block_size,
-                hash_algo=config.hash_algo,
-                engine_hash=r.engine_hash,
-                kv_store=r.kv_store,
-                bind=r.events_bind,
-            )
-            for r in config.replicas
-            if r.events is not None
-        ],
-        max_replicas=config.limits.max_replicas,
-        max_message_bytes=config.limits.max_event_message_bytes,
-        replay_deadline=config.limits.replay_deadline_s,
-        max_replay_frames=config.limits.max_replay_frames,
-        ingest_workers=config.limits.ingest_workers,
-    )
-    if config.routing.tenant_shares:  # room per tenant, from the replicas' events
-        router.attach_tenant_shares(config.routing.tenant_shares, subscriber.tenant_gpu_blocks)
-    return create_app(router, config, proxy=options.proxy, ingest=subscriber), config
+        record = dataclasses.replace(record, path=options.record_trace)
+    return dataclasses.replace(config, index=index, proxy=proxy, record_trace=record)
+
+
+def open_service(options: ServeOptions) -> tuple[Any, ServiceConfig]:
+    """The service app of ``options`` (``build_service``: its index, router, KV-event
+    subscriber, route observers ...), and its config with the command's overrides. Raises
+    PrefixCacheError or OSError for an unusable config or index."""
+    config = serve_config(options)
+    return build_service(config), config
 
 
 def no_delay(transport: asyncio.BaseTransport) -> None:

@@ -34,20 +34,18 @@ def _metric(text: str, name: str, replica: str) -> float:
 def test_metrics_export_the_unplaced_placed_late_and_late_counters() -> None:
     from fastapi.testclient import TestClient
 
-    from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.configuration.config_file import build_router
+    from prefixcache.fleet.service.assembly import build_service
 
     entry = {"name": "a", "model": "llama", "block_size": P, "engine_hash": "vllm-sha256_cbor"}
     config = parse_config({"replicas": [entry]})
     index = MemoryFleetIndex()
-    router = build_router(config, index)
     sub = KVEventSubscriber(index, [ReplicaEndpoint("a", namespace=NS, block_size=P)])
     tokens = list(range(10, 10 + 4 * P))
     hashes = EngineHasher(EngineHashSpec("vllm", "sha256_cbor"), P).block_hashes(tokens)
     # blocks 2..3 under a parent this router never saw: kept, then placed by a lookup
     stored = BlockStored(hashes[2:4], hashes[1], tokens[2 * P :], P, None, "GPU", None)
     payload = msgspec.msgpack.encode(KVEventBatch(1.0, [stored], 0))
-    with TestClient(create_app(router, config, ingest=sub)) as client:
+    with TestClient(build_service(config, index=index, ingest=sub)) as client:
         sub.ingest("a", 0, payload)
         sub.ingest("a", 0, payload)  # the same batch again: late, skipped
         before = client.get("/metrics").text

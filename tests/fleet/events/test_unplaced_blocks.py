@@ -475,13 +475,12 @@ def test_the_service_looks_up_unplaced_blocks_by_the_configured_engine_hash() ->
     count what the replica stored under a parent the service never saw."""
     from fastapi.testclient import TestClient
 
-    from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.configuration.config_file import build_router, parse_config
+    from prefixcache.fleet.service.assembly import build_service
+    from prefixcache.fleet.service.configuration.config_file import parse_config
 
     entry = {"name": "a", "model": "llama", "block_size": P, "engine_hash": "vllm-sha256_cbor"}
     config = parse_config({"replicas": [entry, {**entry, "name": "b", "engine_hash": None}]})
     index = MemoryFleetIndex()
-    router = build_router(config, index)
     sub = KVEventSubscriber(
         index, [ReplicaEndpoint(r.name, namespace=NS, block_size=P) for r in config.replicas]
     )
@@ -489,7 +488,7 @@ def test_the_service_looks_up_unplaced_blocks_by_the_configured_engine_hash() ->
     hashes = EngineHasher(EngineHashSpec("vllm", "sha256_cbor"), P).block_hashes(tokens)
     stored = BlockStored(hashes[2:4], hashes[1], tokens[2 * P : 4 * P], P, None, "GPU", None)
     payload = msgspec.msgpack.encode(KVEventBatch(1.0, [stored], 0))
-    with TestClient(create_app(router, config, ingest=sub)) as client:
+    with TestClient(build_service(config, index=index, ingest=sub)) as client:
         for name in ("a", "b"):
             sub.ingest(name, 0, payload)
         body = client.post("/v1/lookup", json={"model": "llama", "tokens": tokens}).json()

@@ -19,8 +19,8 @@ import uvicorn
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.fleet.events.ingest import CallableIngest, IngestCounts
 from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.fleet.service.app import create_app
-from prefixcache.fleet.service.configuration.config_file import build_router, load_config
+from prefixcache.fleet.service.assembly import build_service
+from prefixcache.fleet.service.configuration.config_file import load_config
 from prefixcache.text.tokenizers import load_tokenizer
 
 INGEST_COUNTS = {
@@ -48,7 +48,6 @@ def main() -> None:
     for replica in config.replicas:
         if replica.name not in index.replicas():
             index.store(replica.name, [])
-    router = build_router(config, index)
     markers = Path(args.markers) if args.markers else None
 
     def mark(name: str) -> None:
@@ -56,7 +55,7 @@ def main() -> None:
             (markers / name).write_text("1")
 
     ingest = CallableIngest(lambda: mark("started"), lambda: mark("stopped"), lambda: INGEST_COUNTS)
-    app = create_app(router, config, tokenizer=tokenizer, ingest=ingest)
+    app = build_service(config, index=index, ingest=ingest)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 

@@ -16,12 +16,8 @@ from fastapi import FastAPI
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.fleet.service.app import create_app
-from prefixcache.fleet.service.configuration.config_file import (
-    ServiceConfig,
-    build_router,
-    parse_config,
-)
+from prefixcache.fleet.service.assembly import build_service
+from prefixcache.fleet.service.configuration.config_file import ServiceConfig, parse_config
 from prefixcache.fleet.service.transport import BatchedAcceptServer, uvicorn_config
 from tests.fleet_support import free_port, wait_until
 
@@ -93,7 +89,7 @@ def make_app(config: ServiceConfig) -> tuple[FastAPI, MemoryFleetIndex]:
     index = MemoryFleetIndex()
     for replica in config.replicas:
         index.store(replica.name, [])
-    return create_app(build_router(config, index), config), index
+    return build_service(config, index=index, ingest=None), index
 
 
 def engine_stores(

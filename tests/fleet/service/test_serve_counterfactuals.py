@@ -193,7 +193,7 @@ def test_the_service_stop_ends_a_running_replay(tmp_path: Path) -> None:
     config = _config(tmp_path, record_trace={"path": "routed.jsonl"})
     app, _ = make_app(config)
     ops = {"authorization": f"Bearer {OPS}"}
-    jobs = app.state.service.counterfactuals
+    jobs = app.state.service.observers.counterfactuals
     pids: list[int] = []
     with serving(app, config) as base, httpx.Client(base_url=base, headers=ops) as client:
         _route_all(client, _prompts(40))

@@ -13,8 +13,7 @@ from prefixcache import Namespace
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.fleet.router import Router
-from prefixcache.fleet.service.app import create_app
+from prefixcache.fleet.service.assembly import build_service
 from prefixcache.fleet.service.configuration.config_file import parse_config
 
 MODEL = "m"
@@ -43,11 +42,7 @@ def _client(tmp_path: Path) -> TestClient:
     salted = Namespace(MODEL, salt="tenant:acme")  # the tenant's blocks, as its engine keys them
     index.store("a", BlockHasher(BLOCK).hash_prompt(PROMPT, salted))
     index.store("b", BlockHasher(BLOCK).hash_prompt(PROMPT[:16], salted))
-    return TestClient(create_app(create_router(index, config), config))
-
-
-def create_router(index: MemoryFleetIndex, config: object) -> Router:
-    return Router(index, [r.spec() for r in config.replicas])  # type: ignore[attr-defined]
+    return TestClient(build_service(config, index=index, ingest=None))
 
 
 def _auth(key: str) -> dict[str, str]:

@@ -94,8 +94,7 @@ def test_text_prompts_use_the_configured_tokenizer_file(tmp_path: Path) -> None:
 
     from prefixcache.blocks.hashing import BlockHasher
     from prefixcache.fleet.index.memory import MemoryFleetIndex
-    from prefixcache.fleet.router import Router
-    from prefixcache.fleet.service.app import create_app
+    from prefixcache.fleet.service.assembly import build_service
     from prefixcache.fleet.service.configuration.config_file import parse_config
 
     words = [f"w{i}" for i in range(40)]
@@ -114,8 +113,7 @@ def test_text_prompts_use_the_configured_tokenizer_file(tmp_path: Path) -> None:
     index = MemoryFleetIndex()
     text = " ".join(words[:10])  # ids 1..10: two full blocks of 4
     index.store("a", BlockHasher(BLOCK).hash_prompt(list(range(1, 11)), Namespace(MODEL)))
-    router = Router(index, [r.spec() for r in config.replicas])
-    with TestClient(create_app(router, config)) as client:
+    with TestClient(build_service(config, index=index, ingest=None)) as client:
         body = client.post("/v1/lookup", json={"model": MODEL, "text": text}).json()
     assert body["prompt_tokens"] == 10
     assert body["replicas"][0]["cached_tokens"] == 8

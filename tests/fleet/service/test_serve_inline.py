@@ -105,12 +105,11 @@ def test_long_prompts_leave_the_event_loop(tmp_path: Path) -> None:
 
 def test_redis_index_routes_in_the_thread_pool(tmp_path: Path, redis_server: Any) -> None:
     from prefixcache.fleet.index.from_url import open_index
-    from prefixcache.fleet.service.app import create_app
-    from prefixcache.fleet.service.configuration.config_file import build_router
+    from prefixcache.fleet.service.assembly import build_service
 
     config = make_config(tmp_path, keys=False)
     index = open_index(redis_server.url, prefix="inline-test")
-    app = create_app(build_router(config, index), config)
+    app = build_service(config, index=index, ingest=None)
     assert app.state.service.inline is False
 
 

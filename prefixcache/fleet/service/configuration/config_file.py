@@ -23,7 +23,6 @@ from prefixcache.fleet.events.replay_client import (
     DEFAULT_MAX_REPLAY_FRAMES,
     DEFAULT_REPLAY_DEADLINE_S,
 )
-from prefixcache.fleet.index.interface import FleetIndex
 from prefixcache.fleet.index.url_checks import (
     IN_PROCESS,
     check_index_prefix,
@@ -33,7 +32,6 @@ from prefixcache.fleet.index.url_checks import (
 )
 from prefixcache.fleet.policies import DEFAULT_POLICY, POLICIES, RoutingParams, check_params
 from prefixcache.fleet.replica_spec import ReplicaSpec
-from prefixcache.fleet.router import Router
 from prefixcache.fleet.service.configuration.access_config import (
     AccessConfig,
     ServerConfig,
@@ -518,19 +516,6 @@ def _hash_algo(r: ConfigReader, raw: Any) -> str:
             "hash_algo", f"unknown hash {raw!r}; choose one of {', '.join(HASH_FUNCTIONS)}"
         )
     return raw
-
-
-def build_router(config: ServiceConfig, index: FleetIndex) -> Router:
-    """The router ``config`` describes (replicas, policy, limits, timeout), over ``index``."""
-    return Router(
-        index,
-        [r.spec() for r in config.replicas],
-        config.routing.policy,
-        config.routing.params,
-        hash_algo=config.hash_algo,
-        max_prompt_tokens=config.limits.max_prompt_tokens,
-        in_flight_timeout=config.routing.in_flight_timeout_s,
-    )
 
 
 def load_config(path: str | Path) -> ServiceConfig:
