@@ -32,7 +32,7 @@ from prefixcache.errors import (
 )
 from prefixcache.fleet.events.store_blocks import store_holder
 from prefixcache.fleet.events.tenant_tally import tenant_of
-from prefixcache.fleet.index.interface import GPU, FleetIndex, ReplicaMatch
+from prefixcache.fleet.index.interface import FleetIndex, ReplicaMatch
 from prefixcache.fleet.policies import (
     DEFAULT_POLICY,
     Policy,
@@ -45,6 +45,7 @@ from prefixcache.fleet.policies import (
 from prefixcache.fleet.replica_health import HealthMarks, ReplicaHealth
 from prefixcache.fleet.replica_load import InFlightLoads, Released, ReplicaLoad
 from prefixcache.fleet.replica_spec import ReplicaSpec, served_label
+from prefixcache.medium import GPU
 
 MAX_REQUEST_ID_CHARS = 256
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixcache.blocks.namespace import Namespace
+from prefixcache.medium import GPU, Medium
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     namespace: Namespace
-    medium: str = "GPU"  # where the blocks now live: "GPU", or "CPU" for the host tier
+    medium: Medium = GPU  # where the blocks now live: GPU, CPU (the host tier) or STORE
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,7 @@ class BlockRemoved:
 
     block_hashes: list[bytes]
     namespace: Namespace
-    medium: str = "GPU"  # "GPU", or "CPU" for the host tier
+    medium: Medium = GPU  # GPU, CPU (the host tier) or STORE
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.kv_cache import PagedKVCache
 from prefixcache.manager.block_events import BlockRemoved, BlockStored, CacheEvent, EventListener
 from prefixcache.manager.lower_tiers.transfers import StoreLoad, StoreWrite
+from prefixcache.medium import STORE
 from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
 from prefixcache.store.block_record import (
     BlockLayout,
@@ -51,7 +52,6 @@ from prefixcache.store.block_record import (
 )
 
 log = logging.getLogger("prefixcache.store")
-STORE = "STORE"  # the medium of blocks in a shared store, in block events
 _BATCH = 64  # records a background put sends at once
 _SUSPECTS = 4096  # held records known or feared bad, kept to be replaced when written
 

@@ -22,7 +22,6 @@ from prefixcache.errors import (
     UnknownReplicaError,
     UnknownRequestError,
 )
-from prefixcache.fleet.index.interface import CPU
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.policies import (
     POLICIES,
@@ -40,6 +39,7 @@ from prefixcache.fleet.policies import (
 from prefixcache.fleet.replica_load import ReplicaLoad
 from prefixcache.fleet.replica_spec import ReplicaSpec
 from prefixcache.fleet.router import Router
+from prefixcache.medium import CPU
 
 NS = Namespace("m")
 

@@ -39,10 +39,10 @@ from prefixcache.engines.vllm.connector_plan import (
     StoreWorkerReport,
 )
 from prefixcache.engines.vllm.connector_tally import LOGGER
+from prefixcache.medium import STORE
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
 
 log = logging.getLogger(LOGGER)
-STORE = "STORE"  # the medium of a shared store's blocks in KV events
 KNOWN_HASHES = 1 << 16  # digests whose vLLM block hash is remembered for announcements
 
 

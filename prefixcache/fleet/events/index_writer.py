@@ -65,15 +65,15 @@ from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import as_token_array
 from prefixcache.errors import InvalidTokensError
 from prefixcache.fleet.events.replica_stream import ReplicaStream, block_hash_of_key, engine_key
-from prefixcache.fleet.events.store_blocks import STORE, SharedStoreBlocks
+from prefixcache.fleet.events.store_blocks import SharedStoreBlocks
 from prefixcache.fleet.events.tenant_tally import tenant_of
 from prefixcache.fleet.events.wire import BlockHash, RemovedBlocks, StoredBlocks
-from prefixcache.fleet.index.interface import CPU, GPU, FleetIndex, SharedEngineMap
+from prefixcache.fleet.index.interface import FleetIndex, SharedEngineMap
+from prefixcache.medium import CPU, GPU, STORAGE, STORE
 
 log = logging.getLogger(__name__)
 
 _ALIASES = {"CPU_PINNED": CPU}  # SGLang's host memory
-STORAGE = "STORAGE"
 _FIXED_BITS = {GPU: 1, CPU: 2, STORAGE: 4}  # GPU and CPU as the shared engine map keeps them
 _GPU = _FIXED_BITS[GPU]
 _MAX_MEDIA = 24  # media told apart per replica; further names share the last bit

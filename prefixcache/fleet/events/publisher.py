@@ -9,19 +9,19 @@ buffered batch from ``start`` on, then ``(identity, b"", b"", END_SEQ, b"")``; a
 it.
 
 How prefixcache's events map onto the wire, as vLLM 0.33 fills its fields: block hashes are the
-16-byte digests; ``medium`` is the event's (``"GPU"``, or ``"CPU"`` for the host tier);
-``lora_name`` is the namespace's adapter and ``lora_id`` a stable positive int derived from it
-(``adapter_id``); ``extra_keys`` is what vLLM's ``to_event_extra_keys`` makes of
-``generate_block_hash_extra_keys`` for a text prompt, one entry per block: the adapter name, then,
-on the block that starts at token 0 (the first of a chain, ``parent_block_hash`` None), the salt
-as vLLM's ``cache_salt`` (when not empty); a block with no keys has None, and an event none of
-whose blocks has keys has ``extra_keys`` None. Nothing else goes there: the rest of the
-namespace (``adapter_version``, ``extra``), which vLLM has no key for, is in the block hashes
-themselves (prefixcache's digests are seeded by the whole namespace), and a subscriber takes it
-from the replica's configuration (``ReplicaEndpoint.namespace``). Two differences remain, both
-read alike by vLLM's decoder and its consumers: a run none of whose blocks has keys sends
-``extra_keys`` None, where vLLM 0.33 sends None per block, and ``group_idx`` is left out (the
-main group), where vLLM 0.33 sends 0.
+16-byte digests; ``medium`` is the event's (``prefixcache.medium``: ``GPU``, ``CPU`` for the host
+tier, ``STORE`` for a shared store); ``lora_name`` is the namespace's adapter and ``lora_id`` a
+stable positive int derived from it (``adapter_id``); ``extra_keys`` is what vLLM's
+``to_event_extra_keys`` makes of ``generate_block_hash_extra_keys`` for a text prompt, one entry
+per block: the adapter name, then, on the block that starts at token 0 (the first of a chain,
+``parent_block_hash`` None), the salt as vLLM's ``cache_salt`` (when not empty); a block with no
+keys has None, and an event none of whose blocks has keys has ``extra_keys`` None. Nothing else
+goes there: the rest of the namespace (``adapter_version``, ``extra``), which vLLM has no key for,
+is in the block hashes themselves (prefixcache's digests are seeded by the whole namespace), and a
+subscriber takes it from the replica's configuration (``ReplicaEndpoint.namespace``). Two
+differences remain, both read alike by vLLM's decoder and its consumers: a run none of whose blocks
+has keys sends ``extra_keys`` None, where vLLM 0.33 sends None per block, and ``group_idx`` is left
+out (the main group), where vLLM 0.33 sends 0.
 
 The batch goes out in ``WireLayout.MAP_EVENTS``, the layout vLLM 0.33's decoder reads; the
 older layouts are read by the subscriber but never sent (``layout`` takes no other value).

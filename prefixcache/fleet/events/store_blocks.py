@@ -21,9 +21,8 @@ from collections.abc import Sequence
 
 from prefixcache.fleet.events.replica_stream import ReplicaStream
 from prefixcache.fleet.events.wire import BlockHash
-from prefixcache.fleet.index.interface import CPU, FleetIndex
-
-STORE = "STORE"  # the medium of blocks written to a shared K/V store
+from prefixcache.fleet.index.interface import FleetIndex
+from prefixcache.medium import CPU
 
 
 def store_holder(store: str) -> str:

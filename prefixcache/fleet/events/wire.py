@@ -49,8 +49,6 @@ import msgspec
 
 from prefixcache.errors import WireFormatError
 
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
 SEQ_BYTES = 8
 END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # replay: no more batches
 BlockHash = bytes | int

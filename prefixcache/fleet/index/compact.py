@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from prefixcache.fleet.index.digest_table import DigestTable, key_bytes
-from prefixcache.fleet.index.interface import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.index.interface import ReplicaMatch
 from prefixcache.fleet.index.memory import (
     DEFAULT_MAX_BLOCKS_PER_REPLICA,
     DEFAULT_MAX_REPLICAS,
@@ -32,6 +32,7 @@ from prefixcache.fleet.index.memory import (
     check_replica,
     match_masks,
 )
+from prefixcache.medium import CPU, GPU
 
 _FIRST_COLLECT = 1024  # mask ids in use before unused ones are first looked for
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
-GPU = "GPU"
-CPU = "CPU"
-MEDIA = (GPU, CPU)
+from prefixcache.medium import CPU, GPU
+
+MEDIA = (GPU, CPU)  # what the index tells apart: on the GPU, or anywhere else (CPU)
 
 
 class ReplicaMatch(NamedTuple):

@@ -23,7 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from prefixcache.blocks.hashing import DIGEST_SIZE
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
-from prefixcache.fleet.index.interface import CPU, GPU, MEDIA, ReplicaMatch
+from prefixcache.fleet.index.interface import MEDIA, ReplicaMatch
+from prefixcache.medium import CPU, GPU
 
 DEFAULT_MAX_REPLICAS = 1024
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 16_000_000

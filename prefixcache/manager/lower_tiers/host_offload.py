@@ -22,6 +22,7 @@ from prefixcache.manager.block_events import BlockRemoved, BlockStored
 from prefixcache.manager.listeners import Listeners
 from prefixcache.manager.lower_tiers.transfers import Load, Offload, TransferModel, Transfers
 from prefixcache.manager.stats import CacheStats
+from prefixcache.medium import CPU
 
 D: Final = DIGEST_SIZE
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
@@ -159,7 +160,7 @@ class HostOffload:
             tokens = np.frombuffer(run[: stored * bb], dtype="<i4").tolist()
             self.events.emit(
                 BlockStored(
-                    hashes, prev if position else None, tokens, self.block_size, namespace, "CPU"
+                    hashes, prev if position else None, tokens, self.block_size, namespace, CPU
                 )
             )
         return ids
@@ -171,7 +172,7 @@ class HostOffload:
         (free once the step's loads have run) and the holders of what hung below them."""
         slots, holders = self.tier.take_run(parent, digests)
         if self.events.callbacks:
-            self.events.emit(BlockRemoved(list(digests), namespace, "CPU"))
+            self.events.emit(BlockRemoved(list(digests), namespace, CPU))
         return slots, holders
 
     def plan_loads(self, slots: list[int], blocks: list[int], *, stepped: bool) -> None:
@@ -206,7 +207,7 @@ class HostOffload:
         if not self.events.callbacks:
             return
         for namespace, run in groupby(blocks, key=lambda block: block[1]):
-            self.events.emit(BlockRemoved([digest for digest, _ in run], namespace, "CPU"))
+            self.events.emit(BlockRemoved([digest for digest, _ in run], namespace, CPU))
 
     def end_step(self) -> None:
         """The step's loads have run: the slots they read are free."""

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from prefixcache.manager.block_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from prefixcache.medium import CPU
 
 
 class PoolTier:
@@ -80,9 +81,9 @@ class PoolFeed:
 
     def __call__(self, event: CacheEvent) -> None:
         if isinstance(event, BlockStored):
-            (self.host if event.medium == "CPU" else self.gpu).update(event.block_hashes)
+            (self.host if event.medium == CPU else self.gpu).update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            where = self.host if event.medium == "CPU" else self.gpu
+            where = self.host if event.medium == CPU else self.gpu
             where.difference_update(event.block_hashes)
             self._candidates += event.block_hashes
         elif isinstance(event, AllBlocksCleared):

@@ -15,9 +15,10 @@ from prefixcache.errors import ConfigError, FleetCapacityError, InvalidArgumentE
 from prefixcache.fleet.events import wire as kv_wire
 from prefixcache.fleet.index.compact import CompactFleetIndex
 from prefixcache.fleet.index.from_url import open_index
-from prefixcache.fleet.index.interface import CPU, GPU, AppliedBatch, EngineBlock, ReplicaMatch
+from prefixcache.fleet.index.interface import AppliedBatch, EngineBlock, ReplicaMatch
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
+from prefixcache.medium import CPU, GPU
 
 CHAIN = [bytes([k]) * 16 for k in range(12)]
 OPS = st.lists(

@@ -14,9 +14,10 @@ import redis
 
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.index.from_url import open_index
-from prefixcache.fleet.index.interface import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.index.interface import ReplicaMatch
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.shared_index import RedisFleetIndex
+from prefixcache.medium import CPU, GPU
 from tests.fleet_support import RedisClusterNodes, RedisServer, wait_until
 
 PROMPT = [os.urandom(16) for _ in range(48)]

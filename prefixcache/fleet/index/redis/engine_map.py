@@ -15,10 +15,11 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any, cast
 
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
-from prefixcache.fleet.index.interface import CPU, GPU, AppliedBatch, EngineBlock
+from prefixcache.fleet.index.interface import AppliedBatch, EngineBlock
 from prefixcache.fleet.index.redis.script_calls import EngineSource
 from prefixcache.fleet.index.redis.scripts import as_bytes, as_text, remember_args
 from prefixcache.fleet.index.redis.sync import RedisSync
+from prefixcache.medium import CPU, GPU
 
 if TYPE_CHECKING:
     import redis

@@ -11,7 +11,6 @@ from typing import Any
 
 import redis
 
-from prefixcache.fleet.index.interface import CPU, GPU
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.index.redis.scripts import (
     IndexScripts,
@@ -20,6 +19,7 @@ from prefixcache.fleet.index.redis.scripts import (
     remember_args,
     store_args,
 )
+from prefixcache.medium import CPU, GPU
 
 ScriptCall = tuple[Any, list[Any]]  # a registered script and its arguments
 EngineSource = Callable[[str], list[tuple[bytes, bytes, int]]]

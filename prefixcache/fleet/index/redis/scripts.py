@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from prefixcache.fleet.index.interface import CPU
+from prefixcache.medium import CPU
 
 if TYPE_CHECKING:
     import redis

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from prefixcache.errors import ConfigError, InvalidArgumentError
-from prefixcache.fleet.index.interface import CPU, GPU, ReplicaMatch
+from prefixcache.fleet.index.interface import ReplicaMatch
 from prefixcache.fleet.index.memory import (
     DEFAULT_MAX_BLOCKS_PER_REPLICA,
     DEFAULT_MAX_REPLICAS,
@@ -52,6 +52,7 @@ from prefixcache.fleet.index.url_checks import (
     redact,
     split_prefix,
 )
+from prefixcache.medium import CPU, GPU
 
 
 class RedisFleetIndex(RedisEngineMap):
