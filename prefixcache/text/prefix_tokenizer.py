@@ -17,13 +17,19 @@ before in full (a retry, the same prompt for several samples) is not tokenized a
 Joining token ids is exact only where no token spans the join: true of tokenizers that split
 words at spaces before their model runs (WordLevel, WordPiece, BPE with a ByteLevel or a
 splitting Metaspace pre-tokenizer, Llama 3's and GPT-4's split patterns), not of every tokenizer
-(a normalizer that prepends or strips, a model that merges across spaces). So nothing is
-assumed: at each join made anew, the text around it (``window_chars`` each side) is tokenized
-whole and in its two halves, and the join is used only when both agree. A kept tail that does
-not join (it ended inside what is now a longer word) is left out and the text read again
-without it. A text whose cuts do not agree is tokenized whole; after ``DISAGREEMENTS_TO_STOP``
-such texts in a row the cache turns itself off (the tokenizer merges across spaces), and every
-text is tokenized whole, as before.
+(a normalizer that prepends or strips, a model that merges across spaces). A tokenizer whose
+``tokenizer.json`` shows that its tokens never span a lone space (``splits_at_lone_spaces``, the
+rules in ``space_splits``) has its joins at lone spaces used as they are: every cut is one, and
+so is the end of a text that a later one continues with a space and a word. Every other join
+made anew is checked: the text around it (``window_chars`` each side) is tokenized whole and in
+its two halves, and the join is used only when both agree. A kept tail that does not join (it
+ended inside what is now a longer word) is left out and the text read again without it. A text
+whose cuts do not agree is tokenized whole; after ``DISAGREEMENTS_TO_STOP`` such texts in a row
+the cache turns itself off (the tokenizer merges across spaces), and every text is tokenized
+whole, as before.
+
+``encode_within`` encodes a text only when little of it is left to tokenize (a caller on an event
+loop hands the rest to a thread); ``held`` only when nothing is.
 
 The cache holds at most ``max_tokens`` token ids (least recently used segments go first) and is
 safe to call from several threads.
@@ -50,6 +56,7 @@ class BatchTokenizer(Protocol):
 
     name: str
     special_wrap: SpecialTokenWrap | None  # what it adds around every text; None: not fixed
+    splits_at_lone_spaces: bool  # its tokens never span a lone space (``space_splits``)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
         """The token ids of ``text`` (with its special tokens when ``add_special_tokens``)."""
@@ -94,6 +101,16 @@ def _cuts(text: str, every: int) -> list[int]:
     return cuts
 
 
+def _lone_space(text: str, at: int) -> bool:
+    """Whether ``text[at]`` is a space between two characters that are not whitespace."""
+    return (
+        0 < at < len(text) - 1
+        and text[at] == " "
+        and not text[at - 1].isspace()
+        and not text[at + 1].isspace()
+    )
+
+
 def _key(place: bytes, piece: str) -> bytes:
     """The key of ``piece`` following the text whose key is ``place`` (b"": the start)."""
     return xxhash.xxh3_128_digest(place + piece.encode())
@@ -136,41 +153,45 @@ class PrefixTokenizer:
         """The token ids of ``text``, as the tokenizer gives them (with the special tokens it
         adds to a prompt when ``add_special_tokens``: its fixed wrap around the reused ids, or,
         for a tokenizer without one, the whole text through it)."""
-        if not add_special_tokens:
-            return self._plain(text)
-        wrap = self.tokenizer.special_wrap
-        if wrap is None:
-            self._texts += 1
-            self._tokenized += len(text)
-            return self.tokenizer.encode(text, add_special_tokens=True)
-        return wrap.around(self._plain(text))
+        ids = self._encode(text, add_special_tokens, None)
+        assert ids is not None  # no limit: always encoded
+        return ids
+
+    def encode_within(
+        self, text: str, add_special_tokens: bool = False, max_chars: int = 0
+    ) -> np.ndarray | None:
+        """``encode(text, add_special_tokens)`` when at most ``max_chars`` characters of it go
+        through the tokenizer (the text around a join to check counted), else None, with nothing
+        tokenized: what is left when the ids of what was seen before are reused."""
+        return self._encode(text, add_special_tokens, max_chars)
 
     def held(self, text: str, add_special_tokens: bool = False) -> np.ndarray | None:
         """``encode(text, add_special_tokens)`` when every one of its ids is in the cache (the
         text was seen before in full), without calling the tokenizer; else None."""
-        if not self._enabled:
-            return None
-        wrap = self.tokenizer.special_wrap if add_special_tokens else None
-        if add_special_tokens and wrap is None:
-            return None
-        cuts = _cuts(text, self.segment_chars)
-        bounds = [0, *cuts, len(text)]
-        keys = self._keys(text, bounds)
-        with self._lock:
-            found = self._found(text, bounds, keys)
-        cached, tail = found
-        start = bounds[len(cached)] + (tail.chars if tail is not None else 0)
-        if start != len(text):
-            return None
-        self._texts += 1
-        self._reused += len(text)
-        ids = self._joined(cached, [tail.ids] if tail is not None else [])
-        return ids if wrap is None else wrap.around(ids)
+        return self._encode(text, add_special_tokens, 0)
 
-    def _plain(self, text: str) -> np.ndarray:
-        """The token ids of ``text`` without special tokens."""
-        self._texts += 1
+    def _encode(
+        self, text: str, add_special_tokens: bool, max_chars: int | None
+    ) -> np.ndarray | None:
+        if not add_special_tokens:
+            return self._plain(text, max_chars)
+        wrap = self.tokenizer.special_wrap
+        if wrap is None:  # the whole text through the tokenizer
+            if max_chars is not None and len(text) > max_chars:
+                return None
+            self._texts += 1
+            self._tokenized += len(text)
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        ids = self._plain(text, max_chars)
+        return None if ids is None else wrap.around(ids)
+
+    def _plain(self, text: str, max_chars: int | None) -> np.ndarray | None:
+        """The token ids of ``text`` without special tokens (None when more than ``max_chars``
+        would be tokenized)."""
         if not self._enabled:
+            if max_chars is not None and len(text) > max_chars:
+                return None
+            self._texts += 1
             self._tokenized += len(text)
             return self.tokenizer.encode(text)
         cuts = _cuts(text, self.segment_chars)
@@ -178,12 +199,20 @@ class PrefixTokenizer:
         keys = self._keys(text, bounds)
         with self._lock:
             cached, tail = self._found(text, bounds, keys)
+        if max_chars is not None and self._cost(text, bounds, cached, tail) > max_chars:
+            return None
         ids = self._read(text, bounds, keys, cached, tail)
         if ids is None and tail is not None:  # the tail ended inside a longer word: without it
+            if max_chars is not None and self._cost(text, bounds, cached, None) > max_chars:
+                return None
             ids = self._read(text, bounds, keys, cached, None)
         if ids is None:
-            return self._whole_text(text)
-        self._disagreed = 0
+            if max_chars is not None:
+                return None  # left to a caller without a limit, which tokenizes it whole
+            ids = self._whole_text(text)
+        else:
+            self._disagreed = 0
+        self._texts += 1
         return ids
 
     @staticmethod
@@ -246,10 +275,9 @@ class PrefixTokenizer:
             return self._joined(cached, before)
         pieces = [text[at : bounds[reused + 1]]]
         pieces += [text[bounds[i] : bounds[i + 1]] for i in range(reused + 1, len(bounds) - 1)]
-        joins = ([at] if at > 0 else []) + bounds[reused + 1 : -1]  # where new ids meet others
         w = self.window_chars
         windows = []
-        for c in joins:
+        for c in self._checked_joins(text, bounds, reused, at):
             left, right = text[max(0, c - w) : c], text[c : c + w]
             windows += [left, right, left + right]
         got = self.tokenizer.encode_many(pieces + windows)
@@ -267,6 +295,30 @@ class PrefixTokenizer:
         tail_text = text[bounds[-2] :]
         self._keep(keys[reused:], new[:-1], place, _key(place, tail_text), len(tail_text), new[-1])
         return self._joined(cached, new)
+
+    def _checked_joins(self, text: str, bounds: list[int], reused: int, at: int) -> list[int]:
+        """Where ids tokenized anew (from ``at`` on) meet others and the text around must be
+        checked: every such join, or, for a tokenizer whose tokens never span a lone space,
+        those not at one."""
+        joins = ([at] if at > 0 else []) + bounds[reused + 1 : -1]
+        if self.tokenizer.splits_at_lone_spaces:
+            return [c for c in joins if not _lone_space(text, c)]
+        return joins
+
+    def _cost(
+        self, text: str, bounds: list[int], cached: list[np.ndarray], tail: _Tail | None
+    ) -> int:
+        """The characters ``_read`` gives the tokenizer for ``text``: what follows the reused
+        ids, and the text around each join it checks."""
+        reused = len(cached)
+        at = bounds[reused] + (tail.chars if tail is not None else 0)
+        if at == len(text):
+            return 0
+        w = self.window_chars
+        cost = len(text) - at
+        for c in self._checked_joins(text, bounds, reused, at):
+            cost += 2 * (min(w, c) + min(w, len(text) - c))
+        return cost
 
     @staticmethod
     def _joined(cached: list[np.ndarray], rest: list[np.ndarray]) -> np.ndarray:

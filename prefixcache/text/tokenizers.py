@@ -8,12 +8,14 @@ same ones, so both see the same token ids for the same text.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from prefixcache.errors import ConfigError
+from prefixcache.text.space_splits import splits_at_lone_spaces
 
 
 class Tokenizer(Protocol):
@@ -67,7 +69,10 @@ class HFTokenizer:
     it), found by encoding probe texts with and without special tokens and kept only when
     every probe agrees: then a text's ids with special tokens are its plain ids wrapped, which
     lets the plain ids be reused (``PrefixTokenizer``). None when the additions are not the
-    same around every text: such texts are encoded with their special tokens, whole."""
+    same around every text: such texts are encoded with their special tokens, whole.
+
+    ``splits_at_lone_spaces``: whether its tokens never span a lone space, as its file shows
+    (``space_splits``), so that ids of a text's parts cut there join without a check."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -84,6 +89,7 @@ class HFTokenizer:
         self.name = Path(path).name
         self._fast = getattr(self._tok, "encode_batch_fast", None)
         self.special_wrap = _special_wrap(self)
+        self.splits_at_lone_spaces = splits_at_lone_spaces(json.loads(self._tok.to_str()))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
         """The token ids of ``text`` as an int32 array, with the special tokens the tokenizer

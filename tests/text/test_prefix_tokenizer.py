@@ -90,6 +90,7 @@ class Counting:
         self.inner = inner
         self.name = inner.name
         self.special_wrap = inner.special_wrap
+        self.splits_at_lone_spaces = inner.splits_at_lone_spaces
         self.chars = 0
 
     def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
