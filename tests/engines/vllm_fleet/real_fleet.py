@@ -17,6 +17,7 @@ marker.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -30,6 +31,7 @@ from typing import Any
 
 import httpx
 import yaml
+from tokenizers import Tokenizer, processors
 
 from prefixcache.engines.vllm import VLLMFleet, VLLMServer, free_port
 
@@ -357,6 +359,24 @@ def serving(
         yield service
     finally:
         service.stop()
+
+
+def bos_tokenizer(model: Path, folder: Path) -> Path:
+    """The model's tokenizer, adding ``<s>`` to every prompt; its chat template opens with the
+    BOS."""
+    folder.mkdir(parents=True)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])  # ids 0-2 already: now matched as such
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", 1)]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(add_bos_token=True, chat_template="{{ bos_token }}" + config["chat_template"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    for name in ("special_tokens_map.json",):
+        (folder / name).write_text((model / name).read_text())
+    return folder
 
 
 def reset_caches(fleet: VLLMFleet) -> None:

@@ -12,36 +12,25 @@ The model folder itself is left as it is."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from real_fleet import BLOCK, HTTP_TIMEOUT_S, MODEL, Service, as_text, random_tokens, serving
-from tokenizers import Tokenizer, processors
+from real_fleet import (
+    BLOCK,
+    HTTP_TIMEOUT_S,
+    MODEL,
+    Service,
+    as_text,
+    bos_tokenizer,
+    random_tokens,
+    serving,
+)
 
 from prefixcache.engines.vllm import VLLMInstall, VLLMServer, free_port
 
 HEAD_BLOCKS = 4
-
-
-def _bos_tokenizer(model: Path, folder: Path) -> Path:
-    """The model's tokenizer, adding ``<s>`` to every prompt; its chat template opens with the
-    BOS."""
-    folder.mkdir(parents=True)
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])  # ids 0-2 already: now matched as such
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", 1)]
-    )
-    tok.save(str(folder / "tokenizer.json"))
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config.update(add_bos_token=True, chat_template="{{ bos_token }}" + config["chat_template"])
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    for name in ("special_tokens_map.json",):
-        (folder / name).write_text((model / name).read_text())
-    return folder
 
 
 def _totals(service: Service) -> tuple[int, int, int, int]:
@@ -67,7 +56,7 @@ def _capped(prompt_tokens: int, cached: int) -> int:
 def test_text_and_chat_through_the_proxy_with_a_bos_adding_tokenizer(
     odd_server: Callable[..., VLLMServer], vllm_install: VLLMInstall, tmp_path: Path
 ) -> None:
-    variant = _bos_tokenizer(vllm_install.model, tmp_path / "bos-tokenizer")
+    variant = bos_tokenizer(vllm_install.model, tmp_path / "bos-tokenizer")
     server = odd_server(
         block_size=BLOCK,
         events=f"tcp://127.0.0.1:{free_port()}",

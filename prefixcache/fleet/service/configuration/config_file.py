@@ -111,6 +111,8 @@ class ProxyConfig:
     timeout_s: float = 600.0
     # other replicas a request goes to when its replica refuses the connection (nothing sent)
     connect_retries: int = 2
+    # a text completion forwarded as the token ids the service computed (the engine's tokenizer)
+    forward_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ _LIMITS = (
     "ingest_workers",
 )
 MAX_EVENT_MESSAGE_BYTES = 1 << 40  # ZMQ_MAXMSGSIZE is an int64; beyond this is no limit at all
-_PROXY = ("enabled", "timeout_s", "connect_retries")
+_PROXY = ("enabled", "timeout_s", "connect_retries", "forward_token_ids")
 
 
 def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
@@ -368,16 +370,20 @@ def _routing(r: ConfigReader, raw: Any) -> RoutingConfig:
 
 
 def _proxy(r: ConfigReader, raw: Any) -> ProxyConfig:
-    """``proxy``: whether the OpenAI-compatible endpoints forward, their timeout, and how many
-    other replicas a request whose replica refused the connection goes to."""
+    """``proxy``: whether the OpenAI-compatible endpoints forward, their timeout, how many
+    other replicas a request whose replica refused the connection goes to, and whether a text
+    completion goes on as token ids."""
     px = r.mapping(raw, "proxy", _PROXY)
-    enabled = px.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise r.fail("proxy.enabled", f"expected true or false, got {enabled!r}")
+    flags = {}
+    for name in ("enabled", "forward_token_ids"):
+        flags[name] = px.get(name, False)
+        if not isinstance(flags[name], bool):
+            raise r.fail(f"proxy.{name}", f"expected true or false, got {flags[name]!r}")
     return ProxyConfig(
-        enabled,
+        flags["enabled"],
         r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"),
         r.integer(px.get("connect_retries", 2), "proxy.connect_retries", 0),
+        flags["forward_token_ids"],
     )
 
 

@@ -11,12 +11,16 @@ says ``add_special_tokens: true``: the token ids the engine computes (each engin
 ``FleetService.special_tokens``). Without a template the messages are rendered neutrally,
 which matches other routed conversations but not what the replicas cache.
 
-The body is forwarded as it came (re-encoded only to put a tenant's salt in), over a pooled
-keep-alive connection (``replica_client``), and the answer passed back (``answer_relay``): an
-event stream relayed as it arrives, a JSON answer once it is whole. A prompt of token ids is
-routed on the event loop (the index in this process, ``FleetService.inline``), and so is a text
-or chat whose token ids the tokenizer holds in full (seen before: ``FleetService.held_tokens``);
-other text and chat are tokenized and routed in one trip to the thread pool. The request counts
+The body is forwarded as it came (re-encoded only to put a tenant's salt in, or the token ids
+below), over a pooled keep-alive connection (``replica_client``), and the answer passed back
+(``answer_relay``): an event stream relayed as it arrives, a JSON answer once it is whole. A
+prompt of token ids is routed on the event loop (the index in this process,
+``FleetService.inline``), and so is a text or chat whose token ids the tokenizer holds but for
+a few words (seen before, or continued: ``FleetService.held_tokens``); other text and chat are
+tokenized and routed in one trip to the thread pool. With ``proxy.forward_token_ids``, a text
+completion (one text prompt, none of ``TEXT_ONLY_FIELDS``) is forwarded with the token ids the
+service computed as its prompt, so the engine does not tokenize it again: the same answer, when
+the service's tokenizer is the engine's (docs/service.md says when). The request counts
 as load on its replica from the route until the answer ends, the client goes away, or the
 replica fails. A replica that refuses the connection (or does not accept it in time) received
 nothing: it is marked down at once and the request is routed again among the others, up to
@@ -45,6 +49,7 @@ from contextlib import suppress
 from typing import Any
 
 import msgspec
+import numpy as np
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
@@ -69,6 +74,15 @@ from prefixcache.fleet.service.openai_proxy.replica_client import NotSentError, 
 from prefixcache.fleet.service.openai_proxy.usage_reader import UsageReader
 
 _FORWARDED_REQUEST_HEADERS = ("content-type", "authorization", "accept", "x-request-id")
+# what a text completion asks of its text itself (vLLM: the prompt echoed, a suffix, truncated as
+# text, character offsets): such a request is forwarded as text
+TEXT_ONLY_FIELDS = (
+    "echo",
+    "suffix",
+    "truncate_prompt_tokens",
+    "prompt_embeds",
+    "return_token_offsets",
+)
 
 
 def namespace_for(service: FleetService, model: Any, salt: Any) -> Namespace:
@@ -200,7 +214,13 @@ async def _forward(
     namespace = namespace_for(service, payload.get("model"), salt)
     inline = service.inline and _token_prompt(payload)
     tokens: TokenIds | None = tokens_of(service, payload, namespace) if inline else None
-    if tokens is None and service.inline:  # a text seen in full: its ids held, no tokenizer
+    as_ids = (
+        not inline
+        and service.config.proxy.forward_token_ids
+        and path == "/v1/completions"
+        and _ids_forwardable(payload)
+    )
+    if tokens is None and service.inline:  # a text seen (all but a few words): on the loop
         tokens = held_of(service, payload, namespace)
         inline = tokens is not None
     # one prompt, one answer: the engine's cached tokens are this prompt's
@@ -232,6 +252,14 @@ async def _forward(
             if refused is None:
                 raise
             return refused  # no other replica to try: the last refusal
+        if as_ids:  # once: the engine takes the ids the service computed
+            as_ids = False
+            assert tokens is not None
+            ids = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+            forwarded = {**payload, "prompt": ids}
+            if salt is not None:
+                forwarded["cache_salt"] = salt
+            raw = msgspec.json.encode(forwarded)
         prediction = service.prediction(decision, model, caller) if checked else None
         release = _releaser(service, caller, request_id, prediction)
         url = f"{service.urls[decision.replica]}{path}"
@@ -275,6 +303,14 @@ def _token_prompt(payload: dict[str, Any]) -> bool:
         isinstance(prompt, list)
         and len(prompt) <= INLINE_MAX_TOKENS
         and (not prompt or isinstance(prompt[0], int))
+    )
+
+
+def _ids_forwardable(payload: dict[str, Any]) -> bool:
+    """Whether a completion's prompt can go on as token ids: one text, and nothing asked of
+    the text itself."""
+    return isinstance(payload.get("prompt"), str) and not any(
+        payload.get(name) not in (None, False) for name in TEXT_ONLY_FIELDS
     )
 
 
