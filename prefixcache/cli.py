@@ -9,10 +9,15 @@ import re
 import sys
 from collections.abc import Sequence
 
+from prefixcache.errors import PrefixCacheError
+
 _NEGATIVE_VALUE = re.compile(r"^-\.?\d")  # -1GiB, -1e-3, -.5: values, never option names
 EXIT_INTERRUPTED = 130  # as a shell reports a command that SIGINT (Ctrl-C) ended
+EXIT_ERROR = 2  # bad input or a failed run, said in one line
 
 # Modules that add subcommands: each has ``register(subparsers)`` and sets ``func`` on its parsers.
+# A ``PrefixCacheError`` out of ``func`` is reported here; a command catches only what it words
+# otherwise.
 COMMAND_MODULES = (
     "prefixcache.demo",
     "prefixcache.replay.run_cli",
@@ -60,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
         print(f"prefixcache {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except PrefixCacheError as exc:  # bad input or a failed run: one line, not a traceback
+        print(f"prefixcache {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     except BrokenPipeError:  # the reader stopped early (``| head``): not an error
         # what is still buffered for stdout goes nowhere, so exiting does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

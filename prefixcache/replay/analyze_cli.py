@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from prefixcache.errors import PrefixCacheError
 from prefixcache.replay import cli_args
 from prefixcache.replay.model_specs import get_model
 from prefixcache.replay.run_config import ReplayConfig
@@ -47,21 +45,17 @@ def _analyze(args: argparse.Namespace) -> int:
     from prefixcache.replay.analyze import analyze_source, format_analysis
     from prefixcache.replay.workload.sources import check_block_size, open_source
 
-    try:
-        config = ReplayConfig(seed=args.seed, **cli_args.trace_settings(args))
-        sizes = args.block_size
-        if sizes is None:
-            sizes = [16]
-        source = open_source(args.source, config.with_(block_size=min(sizes)))
-        if args.block_size is None and source.kind == "mooncake":
-            sizes = sorted({16, args.trace_block_size})
-        model = get_model(args.model) if args.model else None
-        for p in sizes:
-            check_block_size(source.kind, args.trace_block_size, p)
-        analysis = analyze_source(source, sizes, model)
-    except PrefixCacheError as exc:
-        print(f"prefixcache analyze: error: {exc}", file=sys.stderr)
-        return 2
+    config = ReplayConfig(seed=args.seed, **cli_args.trace_settings(args))
+    sizes = args.block_size
+    if sizes is None:
+        sizes = [16]
+    source = open_source(args.source, config.with_(block_size=min(sizes)))
+    if args.block_size is None and source.kind == "mooncake":
+        sizes = sorted({16, args.trace_block_size})
+    model = get_model(args.model) if args.model else None
+    for p in sizes:
+        check_block_size(source.kind, args.trace_block_size, p)
+    analysis = analyze_source(source, sizes, model)
     if args.format == "json":
         print(json.dumps(analysis, indent=2))
     else:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.errors import ConfigError
 from prefixcache.replay import cli_args
 from prefixcache.replay.run_config import ReplayConfig
 from prefixcache.replay.workload.export import FORMATS
@@ -77,9 +77,6 @@ def _export(args: argparse.Namespace) -> int:
                 for line in lines:
                     f.write(line + "\n")
             print(f"wrote {args.out}", file=sys.stderr)
-    except PrefixCacheError as exc:
-        print(f"prefixcache export: error: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:
         print(f"prefixcache export: error: {args.out}: {exc.strerror}", file=sys.stderr)
         return 2

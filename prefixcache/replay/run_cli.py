@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefixcache.errors import ConfigError, MissingDependencyError, PrefixCacheError
+from prefixcache.errors import ConfigError, MissingDependencyError
 from prefixcache.replay.run_options import add_replay_parser, sweep_configs
 
 EXIT_STRICT = 3  # --strict: the run finished but some requests were rejected, or it overloaded
@@ -45,9 +45,6 @@ def _replay(args: argparse.Namespace) -> int:
         report = result.to_report_dict()
         out = write_run(result, args.out or default_run_dir(result.name), report)
         _render_rich_report(out)
-    except PrefixCacheError as exc:
-        print(f"prefixcache replay: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("prefixcache replay: interrupted; no run written", file=sys.stderr)
         return EXIT_INTERRUPTED

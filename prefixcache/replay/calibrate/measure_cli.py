@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.errors import ConfigError
 from prefixcache.replay.calibrate.profile_fit import DEFAULT_STEP_OVERHEAD_S
 from prefixcache.replay.model_specs import GpuConfig, ModelConfig, get_gpu, get_model, model_names
-
-PROG = "prefixcache calibrate"
 
 
 def register(subparsers: Any) -> None:
@@ -61,11 +59,8 @@ def register(subparsers: Any) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except PrefixCacheError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"prefixcache calibrate: error: {exc}", file=sys.stderr)
         return 2
 
 
