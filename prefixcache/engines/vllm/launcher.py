@@ -462,10 +462,6 @@ class VLLMFleet:
             raise
         return server
 
-    def stop_server(self, name: str) -> None:
-        """Stop one server (it can be started again with ``start([name])``)."""
-        self._stop(name)
-
     def _stop(self, name: str) -> None:
         server = self.servers.pop(name, None)
         if server is not None:
