@@ -89,13 +89,7 @@ def capacity(run: Run) -> Figure:
                     color=RED,
                     gid="knee_label",
                 )
-    if not varying(points, "block_size") and run.report["upper_bound_token_hit_rate"] is not None:
-        ax.axhline(
-            run.report["upper_bound_token_hit_rate"],
-            color=GREY,
-            linestyle="--",
-            label="upper bound (infinite cache)",
-        )
+    _upper_bound_line(ax, run, points)
     if run.report["config"]["capacity_blocks"] < UNBOUNDED:
         ax.axvline(
             run.report["config"]["capacity_blocks"],
@@ -149,13 +143,7 @@ def _variant_bars(run: Run, points: list[dict[str, Any]], by: list[str]) -> Figu
             fontsize="small",
         )
     ax.set_xticks(x, names, rotation=30 if len(names) > 4 else 0)
-    if run.report["upper_bound_token_hit_rate"] is not None and not varying(points, "block_size"):
-        ax.axhline(
-            run.report["upper_bound_token_hit_rate"],
-            color=GREY,
-            linestyle="--",
-            label="upper bound (infinite cache)",
-        )
+    _upper_bound_line(ax, run, points)
     ax.set_ylim(0, 1.08)
     ax.yaxis.set_major_locator(FixedLocator([0, 0.2, 0.4, 0.6, 0.8, 1.0]))
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
@@ -164,6 +152,13 @@ def _variant_bars(run: Run, points: list[dict[str, Any]], by: list[str]) -> Figu
     ax.set_title(f"capacity {fmt.capacity_blocks(points[0]['capacity_blocks'])}", fontsize="medium")
     fig.legend(fontsize="small", loc="outside lower center", ncols=2, frameon=False)
     return fig
+
+
+def _upper_bound_line(ax: Axes, run: Run, points: list[dict[str, Any]]) -> None:
+    """The infinite cache's hit rate, dashed, where the points share one block size."""
+    bound = run.report["upper_bound_token_hit_rate"]
+    if bound is not None and not varying(points, "block_size"):
+        ax.axhline(bound, color=GREY, linestyle="--", label="upper bound (infinite cache)")
 
 
 def _unbounded_points(
