@@ -224,30 +224,22 @@ def _tier_args(p: argparse.ArgumentParser) -> None:
         "replicas; blocks are loaded back when copying them beats recomputing them. A comma "
         "list sweeps the tier's size (0: no such tier).",
     )
-    g.add_argument(
-        "--host-memory",
-        type=cli_args.size_list,
-        metavar="SIZE",
-        help="host memory for KV per replica, e.g. 64GiB or 0,64GiB,256GiB (none)",
-    )
-    g.add_argument(
-        "--host-bw",
-        type=cli_args.bandwidth,
-        metavar="BYTES_PER_S",
-        help="host <-> GPU bytes per second, per direction (55GB: PCIe Gen5 x16)",
-    )
-    g.add_argument(
-        "--pool-memory",
-        type=cli_args.size_list,
-        metavar="SIZE",
-        help="one KV pool shared by all replicas (a disaggregated store), e.g. 1TiB (none)",
-    )
-    g.add_argument(
-        "--pool-bw",
-        type=cli_args.bandwidth,
-        metavar="BYTES_PER_S",
-        help="pool <-> GPU bytes per second (25GB: one 200 Gb/s RDMA NIC)",
-    )
+    for tier, memory, bandwidth in (
+        (
+            "host",
+            "host memory for KV per replica, e.g. 64GiB or 0,64GiB,256GiB (none)",
+            "host <-> GPU bytes per second, per direction (55GB: PCIe Gen5 x16)",
+        ),
+        (
+            "pool",
+            "one KV pool shared by all replicas (a disaggregated store), e.g. 1TiB (none)",
+            "pool <-> GPU bytes per second (25GB: one 200 Gb/s RDMA NIC)",
+        ),
+    ):
+        g.add_argument(f"--{tier}-memory", type=cli_args.size_list, metavar="SIZE", help=memory)
+        g.add_argument(
+            f"--{tier}-bw", type=cli_args.bandwidth, metavar="BYTES_PER_S", help=bandwidth
+        )
     g.add_argument(
         "--pool-write",
         choices=POOL_WRITE_POLICIES,
