@@ -5,7 +5,8 @@ integrations.
 (what an engine's per-interval stats want) and in total. ``StoreGate`` remembers a failure: for
 ``retry_after`` seconds the store is not asked (queries find nothing, loads are computed
 instead, writes are dropped), so a store that is down or stalled costs the engine's steps
-nothing; the first failure of a spell is logged once, on the logger given.
+nothing; the first failure of a spell is logged once, on the logger given. ``read_checked`` reads
+one record through the gate and checks it, as both engines' loads do.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import logging
 import threading
 import time
 from collections import Counter
+
+import numpy as np
+
+from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
+from prefixcache.store.block_record import BlockLayout, Refusal, check_record
 
 
 class StoreTally:
@@ -71,3 +77,22 @@ class StoreGate:
             exc,
             self.retry_after,
         )
+
+    def read_checked(
+        self, store: KVBlockStore, digest: bytes, out: np.ndarray, fp: bytes, layout: BlockLayout
+    ) -> Refusal | None:
+        """Read the record of ``digest`` into ``out`` and check it (None: usable): ERROR while
+        the store is left alone or when it fails (which leaves it alone), MISSING when it does
+        not hold the key, LAYOUT when the record is longer than ``out``."""
+        if not self.is_open():
+            return Refusal.ERROR
+        try:
+            n = store.get_into(digest, out.data)
+        except StoreUnavailableError as exc:
+            self.failed(exc)
+            return Refusal.ERROR
+        if n is None:
+            return Refusal.MISSING
+        if n > len(out):
+            return Refusal.LAYOUT
+        return check_record(out.data[:n], digest, fp, layout)

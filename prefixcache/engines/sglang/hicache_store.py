@@ -50,7 +50,6 @@ from prefixcache.errors import ConfigError
 from prefixcache.store.backend import BlockPlace, StoreUnavailableError
 from prefixcache.store.block_record import (
     Refusal,
-    check_record,
     encode_header,
     namespace_fingerprint,
     payload_checksum,
@@ -138,22 +137,7 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
         """The payload of page ``key``, checked (a view of this thread's buffer), or None."""
         pages, buf = self._pages(), self._buffer()
         digest = self.store_key(key)
-        reason: Refusal | None
-        if not self.gate.is_open():
-            reason = Refusal.ERROR
-        else:
-            try:
-                n = self.store.get_into(digest, buf.data)
-            except StoreUnavailableError as exc:
-                self.gate.failed(exc)
-                n, reason = None, Refusal.ERROR
-            else:
-                if n is None:
-                    reason = Refusal.MISSING
-                elif n > len(buf):
-                    reason = Refusal.LAYOUT
-                else:
-                    reason = check_record(buf.data[:n], digest, self.fingerprint, pages.layout)
+        reason = self.gate.read_checked(self.store, digest, buf, self.fingerprint, pages.layout)
         if reason is None:
             self.tally.add("loaded_pages")
             header = pages.layout.header_bytes

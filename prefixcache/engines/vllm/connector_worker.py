@@ -31,7 +31,7 @@ from prefixcache.engines.vllm.connector_plan import (
 from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.engines.vllm.connector_writer import BlockWriter
 from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
-from prefixcache.store.block_record import Refusal, check_record
+from prefixcache.store.block_record import Refusal
 
 log = logging.getLogger(LOGGER)
 STAGING_BYTES = 64 << 20  # records read per batch at most (one record at least)
@@ -138,22 +138,7 @@ class StoreWorker:
         removed from the store."""
         assert self.kv is not None
         layout = self.kv.layout
-        reason: Refusal | None
-        if not self.gate.is_open():
-            reason = Refusal.ERROR
-        else:
-            try:
-                n = self.store.get_into(block.digest, row.data)
-            except StoreUnavailableError as exc:
-                self.gate.failed(exc)
-                n, reason = None, Refusal.ERROR
-            else:
-                if n is None:
-                    reason = Refusal.MISSING
-                elif n > len(row):
-                    reason = Refusal.LAYOUT
-                else:
-                    reason = check_record(row.data[:n], block.digest, block.fingerprint, layout)
+        reason = self.gate.read_checked(self.store, block.digest, row, block.fingerprint, layout)
         if reason is None:
             return None
         self.tally.add(f"refused_{reason.value}")
