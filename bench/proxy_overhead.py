@@ -1,8 +1,9 @@
 """What the proxy adds to a request's time to first token, against going straight to vLLM.
 
     python bench/proxy_overhead.py [--prompts 16] [--prompt-tokens 2000] [--repeats 10]
-                                   [--kinds tokens,text,chat] [--engine-cpu 0] [--service-cpu 1]
-                                   [--baseline-root DIR] [--log-dir DIR]
+                                   [--kinds tokens,text,chat,grown,fresh] [--engine-cpu 0]
+                                   [--service-cpu 1] [--forward-token-ids] [--baseline-root DIR]
+                                   [--log-dir DIR]
 
 One real vLLM server (vLLM's own virtualenv and the tiny word-level Llama of
 ``prefixcache.engines.vllm``; ``make vllm-env`` builds them) runs pinned to ``--engine-cpu``
@@ -12,7 +13,9 @@ front of it (its tokenizer and chat template, KV events bound by the service) pi
 second service from another checkout fronts the same server, so that a change is measured
 against its baseline in one run; vLLM publishes its KV events to one endpoint only, which the
 first service binds, so the baseline follows an endpoint nothing publishes on (its index stays
-empty: its routes hash as many blocks and find none).
+empty: its routes hash as many blocks and find none). With ``--forward-token-ids`` one more
+service of this checkout (``proxy-ids``, following no events either) forwards text completions
+as the token ids it computed (``proxy.forward_token_ids``), so vLLM does not tokenize them.
 
 Each prompt is ``--prompt-tokens`` random words, sent once straight to vLLM first, so that every
 measured request is a prefix-cache hit (the engine's part is short and steady, and what differs
@@ -20,7 +23,9 @@ between the paths is the hop). Then, ``--repeats`` times over the prompts and fo
 (``tokens``: the prompt as token ids, ``text``: as text, which the service tokenizes, ``chat``: as
 one user message, which the service renders with the chat template and tokenizes, ``grown``: as
 text followed by ``GROWN_WORDS`` words drawn anew for each request, a prompt that continues one
-seen before, as a conversation's next turn does), each one streamed and not, the same request goes
+seen before, as a conversation's next turn does; ``fresh``: as text never seen by the services,
+a prompt of its own for each request, sent first straight to vLLM as token ids, unmeasured, so
+that vLLM has it cached as it has the others), each one streamed and not, the same request goes
 straight to vLLM and through each service, one at a time, in an order that alternates. The time to
 first token is measured at the client, on one keep-alive connection per target: not streamed, until
 the answer's first byte (``max_tokens`` 1); streamed, until the first event carrying a token.
@@ -65,7 +70,7 @@ MODEL = "tiny-llama"
 BLOCK = 128  # vLLM's default on CPU
 VOCAB = 32000
 FIRST_WORD = 3  # the tiny tokenizer's word w{i} is the token id i + 3
-KINDS = ("tokens", "text", "chat", "grown")
+KINDS = ("tokens", "text", "chat", "grown", "fresh")
 GROWN_WORDS = 24  # the words a "grown" prompt adds to a prompt seen before
 
 
@@ -96,7 +101,7 @@ def _body(kind: str, tokens: list[int], stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 2 if stream else 1}
     if kind == "tokens":
         body["prompt"] = tokens
-    elif kind in ("text", "grown"):
+    elif kind in ("text", "grown", "fresh"):
         body["prompt"] = text
     else:
         body["messages"] = [{"role": "user", "content": text}]
@@ -198,15 +203,21 @@ def _service(
         log.close()
 
 
-def _config(server: VLLMServer, model: Path, events: bool = True) -> dict[str, Any]:
+def _config(
+    server: VLLMServer, model: Path, events: bool = True, forward_token_ids: bool = False
+) -> dict[str, Any]:
     """The service's config: the server as its one replica, its KV events bound by the service
-    (``events``), else an endpoint nothing publishes on."""
+    (``events``), else an endpoint nothing publishes on; text completions forwarded as token
+    ids with ``forward_token_ids``."""
     followed = {"events": server.spec.events, "events_bind": True, "replay": server.replay}
     if not events:
         followed = {"events": f"tcp://127.0.0.1:{free_port()}"}
+    proxy: dict[str, Any] = {"enabled": True}
+    if forward_token_ids:
+        proxy["forward_token_ids"] = True
     return {
         "index": "memory",
-        "proxy": {"enabled": True},
+        "proxy": proxy,
         "tokenizer": str(model / "tokenizer.json"),
         "chat_template": str(model / "tokenizer_config.json"),
         "replicas": [
@@ -224,7 +235,8 @@ def _config(server: VLLMServer, model: Path, events: bool = True) -> dict[str, A
 def measure(
     targets: Sequence[Target], prompts: list[list[int]], kinds: Sequence[str], repeats: int
 ) -> list[Sample]:
-    """Every (prompt, kind, mode) request on every target, in alternating orders."""
+    """Every (prompt, kind, mode) request on every target, in alternating orders (a ``fresh``
+    prompt sent first to the first target, vLLM, as token ids, unmeasured)."""
     clients = [KeepAliveClient(t) for t in targets]
     samples: list[Sample] = []
     pair = 0
@@ -233,6 +245,9 @@ def measure(
             for i, tokens in enumerate(prompts):
                 for kind in kinds:
                     for stream in (False, True):
+                        if kind == "fresh":  # never seen by the services, cached by vLLM
+                            tokens = _words(len(tokens))
+                            clients[0].ttft("/v1/completions", _body("tokens", tokens, False))
                         body = _body(kind, tokens, stream)
                         shift = (r + i + pair) % len(clients)
                         for client in clients[shift:] + clients[:shift]:
@@ -289,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default="tokens,text", help=f"of {', '.join(KINDS)}")
     parser.add_argument("--engine-cpu", type=int, default=0, help="vLLM's core")
     parser.add_argument("--service-cpu", type=int, default=1, help="the services' and ours")
+    parser.add_argument(
+        "--forward-token-ids", action="store_true", help="also a service forwarding token ids"
+    )
     parser.add_argument("--baseline-root", type=Path, help="a checkout to compare against")
     parser.add_argument("--log-dir", type=Path, help="keep the logs there")
     args = parser.parse_args(argv)
@@ -321,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(
                 stack.enter_context(_service(ROOT, "proxy", config, workdir, args.service_cpu))
             )
+            if args.forward_token_ids:
+                ids = _config(server, install.model, events=False, forward_token_ids=True)
+                service = _service(ROOT, "proxy-ids", ids, workdir, args.service_cpu)
+                targets.append(stack.enter_context(service))
             if args.baseline_root is not None:
                 unfollowed = _config(server, install.model, events=False)
                 cpu = args.service_cpu
