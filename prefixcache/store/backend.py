@@ -50,6 +50,15 @@ def _refuse_hidden(library: str) -> None:
         )
 
 
+def leading_held(held: Sequence[bool]) -> int:
+    """How many of ``held`` (an ``exists`` answer), from the first, are held: what a prefix
+    can load."""
+    for i, present in enumerate(held):
+        if not present:
+            return i
+    return len(held)
+
+
 class BlockPlace(NamedTuple):
     """Where a block sits in its chain: the key of the block before it (None: the chain's first
     block) and its index in the chain (0 for the first). A store that knows it keeps whole

@@ -41,7 +41,12 @@ from prefixcache.kv_cache import PagedKVCache
 from prefixcache.manager.block_events import BlockRemoved, BlockStored, CacheEvent, EventListener
 from prefixcache.manager.lower_tiers.transfers import StoreLoad, StoreWrite
 from prefixcache.medium import STORE
-from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
+from prefixcache.store.backend import (
+    BlockPlace,
+    KVBlockStore,
+    StoreUnavailableError,
+    leading_held,
+)
 from prefixcache.store.block_record import (
     BlockLayout,
     Refusal,
@@ -155,11 +160,7 @@ class KVStoreConnector:
                 self._queries += 1
                 self._query_errors += 1
             return 0
-        n = 0
-        for present in held:
-            if not present:
-                break
-            n += 1
+        n = leading_held(held)
         with self._lock:
             self._queries += 1
             self._found += n

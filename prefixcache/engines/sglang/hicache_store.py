@@ -47,7 +47,7 @@ from prefixcache.engines.sglang.hicache_pages import HostPages
 from prefixcache.engines.store_access import acquire_store, release_store
 from prefixcache.engines.store_tally import StoreGate, StoreTally
 from prefixcache.errors import ConfigError
-from prefixcache.store.backend import BlockPlace, StoreUnavailableError
+from prefixcache.store.backend import BlockPlace, StoreUnavailableError, leading_held
 from prefixcache.store.block_record import (
     Refusal,
     encode_header,
@@ -213,11 +213,7 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
             self.gate.failed(exc)
             self.tally.add("query_errors")
             return 0
-        n = 0
-        for present in held:
-            if not present:
-                break
-            n += 1
+        n = leading_held(held)
         self.tally.add("found_pages", n)
         return n
 

@@ -40,7 +40,7 @@ from prefixcache.engines.vllm.connector_plan import (
 )
 from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.medium import STORE
-from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
+from prefixcache.store.backend import KVBlockStore, StoreUnavailableError, leading_held
 
 log = logging.getLogger(LOGGER)
 KNOWN_HASHES = 1 << 16  # digests whose vLLM block hash is remembered for announcements
@@ -136,12 +136,7 @@ class StoreScheduler:
             self.gate.failed(exc)
             self.tally.add("query_errors")
             return [False] * len(digests)
-        found = 0
-        for present in held:
-            if not present:
-                break
-            found += 1
-        self.tally.add("found_blocks", found)
+        self.tally.add("found_blocks", leading_held(held))
         return list(held)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
