@@ -387,3 +387,20 @@ def test_get_gives_up_within_its_time() -> None:
             await client.close()
 
     run(go())
+
+
+def test_the_client_runs_on_uvloop() -> None:
+    """uvicorn runs the service on uvloop where it is installed (``uvicorn[standard]``), whose
+    transports are not ``asyncio.Transport`` subclasses."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def go() -> None:
+        async with upstream(keep_answering) as up:
+            client = ReplicaClient(5.0, 5.0)
+            for _ in range(3):
+                answer = await client.post(f"{up.url}/v1/completions", b"{}", {})
+                assert (answer.status, answer.body) == (200, b'{"ok": 1}')
+            assert up.connections == 1
+            await client.close()
+
+    uvloop.run(asyncio.wait_for(go(), 30))

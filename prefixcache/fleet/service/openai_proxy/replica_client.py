@@ -30,7 +30,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -121,8 +121,8 @@ class _Connection(asyncio.Protocol):
 
     # asyncio's side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a stream transport (uvloop's are not asyncio.Transport subclasses: no isinstance)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if not self.busy:  # bytes nobody asked for: the connection cannot be trusted
