@@ -394,7 +394,8 @@ def test_a_fleet_replay_needs_no_zmq(tmp_path: Path) -> None:
         "from prefixcache.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    args = [SCENARIO, "--blocks", "64", "--mode", "serving", "--replicas", "2"]
+    small = "tests/golden/chat_small.yaml"  # 240 requests
+    args = [small, "--blocks", "64", "--mode", "serving", "--replicas", "2"]
     proc = subprocess.run(
         [sys.executable, "-c", code, "replay", *args, "--out", str(tmp_path / "run")],
         capture_output=True,
