@@ -364,21 +364,29 @@ def test_bad_numbers_of_analyze_and_export_name_their_option(
     assert f"argument {flag}:" in last and "Traceback" not in last
 
 
-@pytest.mark.parametrize("missing", ["msgspec"])
-def test_a_fleet_replay_without_the_service_extra_names_it(tmp_path: Path, missing: str) -> None:
-    # a library-only install (no [service]): one error line naming the extra, no traceback
+def _fleet_replay_without(
+    module: str, workload: str, out: Path
+) -> subprocess.CompletedProcess[str]:
+    """A two-replica serving replay of ``workload`` in a process where ``module`` cannot be
+    imported (as on an install without the extra that brings it)."""
     code = (
-        f"import sys; sys.modules[{missing!r}] = None\n"
+        f"import sys; sys.modules[{module!r}] = None\n"
         "from prefixcache.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    args = [SCENARIO, "--blocks", "64", "--mode", "serving", "--replicas", "2"]
-    proc = subprocess.run(
-        [sys.executable, "-c", code, "replay", *args, "--out", str(tmp_path / "run")],
+    args = [workload, "--blocks", "64", "--mode", "serving", "--replicas", "2", "--out", str(out)]
+    return subprocess.run(
+        [sys.executable, "-c", code, "replay", *args],
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[2],
     )
+
+
+@pytest.mark.parametrize("missing", ["msgspec"])
+def test_a_fleet_replay_without_the_service_extra_names_it(tmp_path: Path, missing: str) -> None:
+    # a library-only install (no [service]): one error line naming the extra, no traceback
+    proc = _fleet_replay_without(missing, SCENARIO, tmp_path / "run")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (
         "prefixcache replay: error: a fleet replay (--replicas, --routing) runs the service's "
@@ -389,18 +397,6 @@ def test_a_fleet_replay_without_the_service_extra_names_it(tmp_path: Path, missi
 
 def test_a_fleet_replay_needs_no_zmq(tmp_path: Path) -> None:
     # the replicas' events reach the fleet index in process: no socket, no ZMQ library
-    code = (
-        "import sys; sys.modules['zmq'] = None\n"
-        "from prefixcache.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
-    )
-    small = "tests/golden/chat_small.yaml"  # 240 requests
-    args = [small, "--blocks", "64", "--mode", "serving", "--replicas", "2"]
-    proc = subprocess.run(
-        [sys.executable, "-c", code, "replay", *args, "--out", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    proc = _fleet_replay_without("zmq", "tests/golden/chat_small.yaml", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run" / "report.json").is_file()

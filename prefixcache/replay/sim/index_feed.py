@@ -31,9 +31,10 @@ from __future__ import annotations
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import as_token_array
-from prefixcache.fleet.index.interface import CPU, GPU
+from prefixcache.fleet.events.index_writer import canonical_medium, index_medium
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.manager.block_events import BlockRemoved, BlockStored, CacheEvent
+from prefixcache.medium import CPU, GPU
 
 _GPU_BIT = 1
 _MAX_MEDIA = 24  # as the applier: media told apart per replica, further names share the last
@@ -87,7 +88,7 @@ class ReplicaIndexFeed:
         return Namespace(ns.model, ns.adapter, version, ns.salt, ns.extra)
 
     def _stored(self, ev: BlockStored) -> None:
-        medium = ev.medium.upper()
+        medium = canonical_medium(ev.medium)
         bit = self._bit(medium)
         hashes = ev.block_hashes
         media = self.media
@@ -115,10 +116,10 @@ class ReplicaIndexFeed:
         for h in hashes:
             media[h] = media.get(h, 0) | bit
         if digests:
-            self.index.store(self.replica, digests, GPU if medium == GPU else CPU)
+            self.index.store(self.replica, digests, index_medium(medium))
 
     def _removed(self, ev: BlockRemoved) -> None:
-        medium = ev.medium.upper()
+        medium = canonical_medium(ev.medium)
         bits = self._bit(medium)
         off_gpu = medium != GPU
         media = self.media
@@ -139,4 +140,4 @@ class ReplicaIndexFeed:
                 continue
             digests.append(digest)
         if digests:
-            self.index.remove(self.replica, digests, GPU if medium == GPU else CPU)
+            self.index.remove(self.replica, digests, index_medium(medium))
