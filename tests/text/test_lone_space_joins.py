@@ -14,7 +14,6 @@ import json
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 from tokenizers import (
     AddedToken,
@@ -30,6 +29,7 @@ from tokenizers import (
 from prefixcache.text.prefix_tokenizer import PrefixTokenizer
 from prefixcache.text.space_splits import KNOWN_SPLIT_PATTERNS, splits_at_lone_spaces
 from prefixcache.text.tokenizers import HFTokenizer
+from tests.text.counting_tokenizer import Counting
 
 LLAMA3 = next(p for p in KNOWN_SPLIT_PATTERNS if r"\p{N}{1,3}" in p)  # and GPT-4's
 QWEN2 = next(p for p in KNOWN_SPLIT_PATTERNS if r"|\p{N}|" in p)
@@ -167,25 +167,6 @@ REFUSED = {
 def _load(tok: Tokenizer, path: Path) -> HFTokenizer:
     tok.save(str(path))
     return HFTokenizer(path)
-
-
-class Counting:
-    """A tokenizer that counts the characters it is given."""
-
-    def __init__(self, inner: HFTokenizer) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.special_wrap = inner.special_wrap
-        self.splits_at_lone_spaces = inner.splits_at_lone_spaces
-        self.chars = 0
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
-        self.chars += len(text)
-        return self.inner.encode(text, add_special_tokens)
-
-    def encode_many(self, texts: list[str]) -> list[list[int]]:
-        self.chars += sum(len(t) for t in texts)
-        return self.inner.encode_many(texts)
 
 
 def _exact_everywhere(raw: Tokenizer, path: Path, seed: int) -> PrefixTokenizer:

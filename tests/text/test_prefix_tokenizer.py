@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from prefixcache.text.prefix_tokenizer import DISAGREEMENTS_TO_STOP, PrefixTokenizer
 from prefixcache.text.tokenizers import HFTokenizer
+from tests.text.counting_tokenizer import Counting
 
 WORDS = ["the", "fleet", "routes", "w1", "w22", "cache", "block", "é", "naïve", "1234", "(x)", "\n"]
 
@@ -81,25 +82,6 @@ def test_the_ids_are_the_tokenizers_and_shared_beginnings_are_reused(
     assert stats.reused_chars > 2 * stats.tokenized_chars  # most of each prompt was reused
     short = _text(rng, 3)  # under a segment: one tail
     assert np.array_equal(cached.encode(short), tokenizer.encode(short))
-
-
-class Counting:
-    """A tokenizer that counts the characters it is given."""
-
-    def __init__(self, inner: HFTokenizer) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.special_wrap = inner.special_wrap
-        self.splits_at_lone_spaces = inner.splits_at_lone_spaces
-        self.chars = 0
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
-        self.chars += len(text)
-        return self.inner.encode(text, add_special_tokens)
-
-    def encode_many(self, texts: list[str]) -> list[list[int]]:
-        self.chars += sum(len(t) for t in texts)
-        return self.inner.encode_many(texts)
 
 
 def test_a_text_seen_in_full_is_not_tokenized_again(tokenizer: HFTokenizer) -> None:
