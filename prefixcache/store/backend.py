@@ -1,5 +1,7 @@
-"""What a K/V block store must do for the connector: four operations over opaque keys; and how
-a backend imports the client library it wraps.
+"""What a K/V block store must do for the connector: four operations over opaque keys; how a
+backend imports the client library it wraps; and when to leave a failing store alone
+(``StoreGate``: for ``retry_after`` seconds the store is not asked, so a store that is down or
+stalled costs the steps nothing; ``read_checked`` reads one record through it and checks it).
 
 Keys are block digests (16 bytes; the namespace is already in the digest, so tenants, models
 and adapters never share a key) and values are whole records (block_record.py). A backend
@@ -9,14 +11,22 @@ checks nothing: the connector checks every record it reads.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
+import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
+
+import numpy as np
 
 from prefixcache.errors import ConfigError
+from prefixcache.store.block_record import BlockLayout, Refusal, check_record
+
+_T = TypeVar("_T")
 
 
 class StoreUnavailableError(RuntimeError):
@@ -116,3 +126,63 @@ class KVBlockStore(ABC):
 
     def close(self) -> None:  # noqa: B027  # optional: backends without resources skip it
         """Let go of the store's resources."""
+
+
+class StoreGate:
+    """Whether the store may be asked now; a failure closes it for ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: float, what: str, log: logging.Logger) -> None:
+        self.retry_after = retry_after
+        self.what = what
+        self.log = log
+        self._until = 0.0
+        self._lock = threading.Lock()
+
+    def is_open(self) -> bool:
+        """False while the store is left alone after a failure."""
+        return not self._until or time.monotonic() >= self._until
+
+    def failed(self, exc: Exception) -> None:
+        """The store failed: leave it alone for ``retry_after`` seconds (logged once a spell;
+        failures while it is left alone do not extend the spell)."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._until:
+                return
+            self._until = now + self.retry_after
+        self.log.warning(
+            "prefixcache store unavailable to the %s (%s): computing instead for %.1f s",
+            self.what,
+            exc,
+            self.retry_after,
+        )
+
+    def ask(self, operation: Callable[[], _T]) -> _T | None:
+        """``operation()``'s answer from the store, or None while the store is left alone or
+        when it fails now (which leaves it alone)."""
+        if not self.is_open():
+            return None
+        try:
+            return operation()
+        except StoreUnavailableError as exc:
+            self.failed(exc)
+            return None
+
+    def read_checked(
+        self, store: KVBlockStore, digest: bytes, out: np.ndarray, fp: bytes, layout: BlockLayout
+    ) -> Refusal | None:
+        """Read the record of ``digest`` into ``out`` and check it (None: usable): ERROR while
+        the store is left alone or when it fails (which leaves it alone), MISSING when it does
+        not hold the key, LAYOUT when the record is longer than ``out``."""
+        if not self.is_open():
+            return Refusal.ERROR
+        try:
+            n = store.get_into(digest, out.data)
+        except StoreUnavailableError as exc:
+            self.failed(exc)
+            return Refusal.ERROR
+        if n is None:
+            return Refusal.MISSING
+        if n > len(out):
+            return Refusal.LAYOUT
+        return check_record(out.data[:n], digest, fp, layout)

@@ -27,9 +27,9 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,13 +44,13 @@ from prefixcache.medium import STORE
 from prefixcache.store.backend import (
     BlockPlace,
     KVBlockStore,
+    StoreGate,
     StoreUnavailableError,
     leading_held,
 )
 from prefixcache.store.block_record import (
     BlockLayout,
     Refusal,
-    check_record,
     encode_header,
     namespace_fingerprint,
     payload_checksum,
@@ -129,7 +129,7 @@ class KVStoreConnector:
         self.kv = kv
         self.retry_after = float(retry_after)
         self.owns_backend = bool(owns_backend)
-        self._down_until = 0.0  # monotonic time before which the store is not asked
+        self._gate = StoreGate(self.retry_after, "connector", log)
         self.layout = layout_of(kv).check()
         self._fps: dict[Namespace, bytes] = {}
         self._lock = threading.Lock()  # the counters, shared with the writer thread
@@ -151,18 +151,11 @@ class KVStoreConnector:
     def leading_present(self, digests: Sequence[bytes]) -> int:
         """How many of ``digests``, from the first, the store holds (one query; 0 when the
         store fails to answer)."""
-        try:
-            self._check_up()
-            held = self.backend.exists(digests)
-        except StoreUnavailableError as exc:
-            self._failed(exc)
-            with self._lock:
-                self._queries += 1
-                self._query_errors += 1
-            return 0
-        n = leading_held(held)
+        held = self._gate.ask(partial(self.backend.exists, digests))
+        n = 0 if held is None else leading_held(held)
         with self._lock:
             self._queries += 1
+            self._query_errors += held is None
             self._found += n
         return n
 
@@ -187,7 +180,7 @@ class KVStoreConnector:
                 if why not in (Refusal.MISSING, Refusal.ERROR):
                     self._suspect(digest)  # after a bad record: never checked
                 continue
-            reason = self._fetch(digest, namespace, buf[len(blocks)].data)
+            reason = self._fetch(digest, namespace, buf[len(blocks)])
             if reason is not None:
                 failed[request_id] = reason
                 with self._lock:
@@ -211,44 +204,21 @@ class KVStoreConnector:
             if len(self._suspects) > _SUSPECTS:
                 del self._suspects[next(iter(self._suspects))]
 
-    def _fetch(self, digest: bytes, namespace: Namespace, view: memoryview) -> Refusal | None:
-        """The record of ``digest`` into ``view``, checked; a refused one is removed."""
-        try:
-            self._check_up()
-            n = self.backend.get_into(digest, view)
-        except StoreUnavailableError as exc:
-            self._failed(exc)
-            return Refusal.ERROR
-        if n is None:
-            return Refusal.MISSING
-        if n > len(view):
-            reason = Refusal.LAYOUT
-        else:
-            found = check_record(view[:n], digest, self._fp(namespace), self.layout)
-            if found is None:
-                return None
-            reason = found
-        if reason is not None:
-            log.warning("store record %s refused (%s): recomputed", digest.hex(), reason.value)
-            self._suspect(digest)  # if the removal fails (or races a rewrite), still replaced
-            with contextlib.suppress(StoreUnavailableError):
-                self.backend.remove(digest)
-                if self._listeners:
-                    with self._lock:
-                        self._announce.append(BlockRemoved([digest], namespace, STORE))
+    def _fetch(self, digest: bytes, namespace: Namespace, out: np.ndarray) -> Refusal | None:
+        """The record of ``digest`` into ``out``, checked; a refused one is removed."""
+        reason = self._gate.read_checked(
+            self.backend, digest, out, self._fp(namespace), self.layout
+        )
+        if reason in (None, Refusal.MISSING, Refusal.ERROR):
+            return reason
+        log.warning("store record %s refused (%s): recomputed", digest.hex(), reason.value)
+        self._suspect(digest)  # if the removal fails (or races a rewrite), still replaced
+        with contextlib.suppress(StoreUnavailableError):
+            self.backend.remove(digest)
+            if self._listeners:
+                with self._lock:
+                    self._announce.append(BlockRemoved([digest], namespace, STORE))
         return reason
-
-    def _check_up(self) -> None:
-        """StoreUnavailableError while the store is left alone after a failure."""
-        if self._down_until and time.monotonic() < self._down_until:
-            raise StoreUnavailableError("the store failed recently; retried shortly")
-
-    def _failed(self, exc: StoreUnavailableError) -> None:
-        """The store failed: leave it alone for ``retry_after`` seconds (logged once)."""
-        now = time.monotonic()
-        if now >= self._down_until:
-            log.warning("K/V store unavailable (%s): recomputing for %.1f s", exc, self.retry_after)
-            self._down_until = now + self.retry_after
 
     def _fp(self, namespace: Namespace) -> bytes:
         fp = self._fps.get(namespace)
@@ -311,22 +281,14 @@ class KVStoreConnector:
                 items.append((digest, record.data))
                 spaces[digest] = namespace
                 places[digest] = place
-            if touched:
-                self._touch(touched)
+            if touched:  # the loaded blocks are in use (a failure only costs that)
+                self._gate.ask(partial(self.backend.touch, touched))
             if items:
                 self._put(items, spaces, places)
             for _ in batch:
                 self._queue.task_done()
             if None in batch:
                 return
-
-    def _touch(self, digests: list[bytes]) -> None:
-        """Tell the store the loaded blocks are in use (a failure only costs that)."""
-        try:
-            self._check_up()
-            self.backend.touch(digests)
-        except StoreUnavailableError as exc:
-            self._failed(exc)
 
     def _put(
         self,
@@ -337,15 +299,18 @@ class KVStoreConnector:
         """One batch to the store: suspect records among them are replaced."""
         with self._lock:
             replace = [d for d, _ in items if d in self._suspects]
-        try:
-            self._check_up()
-            stored = self.backend.put_many(items, places=places, replace=replace)
-            evicted = self.backend.take_evicted_keys()
-        except StoreUnavailableError as exc:
-            self._failed(exc)
+        backend = self.backend
+        done = self._gate.ask(
+            lambda: (
+                backend.put_many(items, places=places, replace=replace),
+                backend.take_evicted_keys(),
+            )
+        )
+        if done is None:
             with self._lock:
                 self._write_errors += len(items)
             return
+        stored, evicted = done
         with self._lock:
             for digest in replace:
                 self._suspects.pop(digest, None)

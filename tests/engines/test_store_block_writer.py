@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from prefixcache.blocks.namespace import Namespace
-from prefixcache.engines.store_tally import StoreGate, StoreTally
+from prefixcache.engines.store_tally import StoreTally
 from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.engines.vllm.connector_writer import BlockWriter
+from prefixcache.store.backend import StoreGate
 from prefixcache.store.block_record import BlockLayout, check_record, namespace_fingerprint
 from prefixcache.store.lmdb import LMDBBlockStore
 

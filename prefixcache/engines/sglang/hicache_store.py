@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -45,9 +46,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.engines.sglang.hicache_pages import HostPages
 from prefixcache.engines.store_access import acquire_store, release_store
-from prefixcache.engines.store_tally import StoreGate, StoreTally
+from prefixcache.engines.store_tally import StoreTally
 from prefixcache.errors import ConfigError
-from prefixcache.store.backend import BlockPlace, StoreUnavailableError, leading_held
+from prefixcache.store.backend import BlockPlace, StoreGate, StoreUnavailableError, leading_held
 from prefixcache.store.block_record import (
     Refusal,
     encode_header,
@@ -204,13 +205,8 @@ class PrefixcacheHiCacheStorage(HiCacheStorage):
         self.tally.add("queries")
         if not keys:
             return 0
-        if not self.gate.is_open():
-            self.tally.add("query_errors")
-            return 0
-        try:
-            held = self.store.exists([self.store_key(k) for k in keys])
-        except StoreUnavailableError as exc:
-            self.gate.failed(exc)
+        held = self.gate.ask(partial(self.store.exists, [self.store_key(k) for k in keys]))
+        if held is None:
             self.tally.add("query_errors")
             return 0
         n = leading_held(held)

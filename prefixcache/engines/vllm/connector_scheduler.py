@@ -25,12 +25,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from prefixcache.engines.store_tally import StoreGate, StoreTally
+from prefixcache.engines.store_tally import StoreTally
 from prefixcache.engines.vllm.connector_keys import PromptKeyMaker, PromptKeys, request_namespace
 from prefixcache.engines.vllm.connector_plan import (
     BlockMove,
@@ -40,7 +41,7 @@ from prefixcache.engines.vllm.connector_plan import (
 )
 from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.medium import STORE
-from prefixcache.store.backend import KVBlockStore, StoreUnavailableError, leading_held
+from prefixcache.store.backend import KVBlockStore, StoreGate, leading_held
 
 log = logging.getLogger(LOGGER)
 KNOWN_HASHES = 1 << 16  # digests whose vLLM block hash is remembered for announcements
@@ -127,13 +128,8 @@ class StoreScheduler:
         """Which of ``digests`` the store holds (none, when it fails or is left alone)."""
         self.tally.add("queries")
         self.tally.add("queried_blocks", len(digests))
-        if not self.gate.is_open():
-            self.tally.add("query_errors")
-            return [False] * len(digests)
-        try:
-            held = self.store.exists(digests)
-        except StoreUnavailableError as exc:
-            self.gate.failed(exc)
+        held = self.gate.ask(partial(self.store.exists, digests))
+        if held is None:
             self.tally.add("query_errors")
             return [False] * len(digests)
         self.tally.add("found_blocks", leading_held(held))

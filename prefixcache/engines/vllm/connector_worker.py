@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from prefixcache.engines.store_tally import StoreGate, StoreTally
+from prefixcache.engines.store_tally import StoreTally
 from prefixcache.engines.vllm.connector_layout import PagedKV
 from prefixcache.engines.vllm.connector_plan import (
     BlockMove,
@@ -30,7 +30,7 @@ from prefixcache.engines.vllm.connector_plan import (
 )
 from prefixcache.engines.vllm.connector_tally import LOGGER
 from prefixcache.engines.vllm.connector_writer import BlockWriter
-from prefixcache.store.backend import KVBlockStore, StoreUnavailableError
+from prefixcache.store.backend import KVBlockStore, StoreGate, StoreUnavailableError
 from prefixcache.store.block_record import Refusal
 
 log = logging.getLogger(LOGGER)

@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prefixcache.engines.store_tally import StoreGate, StoreTally
-from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreUnavailableError
+from prefixcache.engines.store_tally import StoreTally
+from prefixcache.store.backend import BlockPlace, KVBlockStore, StoreGate, StoreUnavailableError
 from prefixcache.store.block_record import BlockLayout, encode_header, payload_checksum
 
 _BATCH = 16  # records one put sends at once (the thread lets the step run between puts)
