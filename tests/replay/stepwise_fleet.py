@@ -273,7 +273,8 @@ class FleetSimulator:
         replicas serve any adapter, so none pins it; KV events carry no version)."""
         if (model, adapter) not in self.versions:
             self.versions[(model, adapter)] = version
-            self.subscriber.pin_adapter_versions(self.versions)
+            # the index files the adapter's blocks under it (no replica pins one)
+            self.subscriber._events.versions = dict(self.versions)
 
     def run(self, requests: Iterable[Request]) -> None:
         """Route and serve every request, then run the fleet until all have finished."""

@@ -147,8 +147,6 @@ class KVEventSubscriber:
         self._decoder = BatchDecoder()
         self._lock = threading.RLock()
         self._replicas: dict[str, ReplicaStream] = {}
-        # versions of adapters no followed replica pins, as the fleet's clients name them
-        self._named_versions: dict[tuple[str, str], str] = {}
         self._engine_map = index if isinstance(index, SharedEngineMap) else None
         self._events = EventApplier(
             index,
@@ -197,18 +195,11 @@ class KVEventSubscriber:
             self._pin_versions()
             self.index.drop_replica(name)
 
-    def pin_adapter_versions(self, versions: dict[tuple[str, str], str]) -> None:
-        """``(model, adapter) -> version`` of adapters that replicas serve without pinning one
-        (KV events name an adapter, never its version: vLLM's carry none), beside the versions
-        the followed replicas pin, which win."""
-        with self._lock:
-            self._named_versions = dict(versions)
-            self._pin_versions()
-
     def _pin_versions(self) -> None:
-        versions = dict(self._named_versions)
-        versions.update(pinned_adapter_versions(r.ep.namespace for r in self._replicas.values()))
-        self._events.versions = versions
+        """Blocks of replicas serving an adapter without pinning its version (KV events name an
+        adapter, never its version) take the version the followed replicas pin."""
+        replicas = self._replicas.values()
+        self._events.versions = pinned_adapter_versions(r.ep.namespace for r in replicas)
 
     def counters(self) -> dict[str, ReplicaCounters]:
         """Per-replica counters, a snapshot (taken without waiting for the ingestion)."""
