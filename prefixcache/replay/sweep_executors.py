@@ -23,7 +23,6 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from types import TracebackType
 from typing import Any, Protocol
 
 from prefixcache.errors import ConfigError
@@ -117,12 +116,7 @@ class SweepExecutor:
     def __enter__(self) -> SweepExecutor:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def start(

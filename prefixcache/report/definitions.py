@@ -308,7 +308,3 @@ _ALL = (
 )
 
 DEFINITIONS: dict[str, Definition] = {d.key: d for d in _ALL}
-
-
-def definition(key: str) -> Definition:
-    return DEFINITIONS[key]

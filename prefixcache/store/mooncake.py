@@ -54,7 +54,6 @@ from prefixcache.store.backend import (
 )
 
 NOT_FOUND = -704
-OBJECT_HAS_LEASE = -706
 BUFFER_TOO_SMALL = -600
 STORE_FULL = -200
 MIB = 1 << 20
