@@ -5,13 +5,11 @@ lifespan). ``start`` must return promptly, running its work on its own threads o
 ``stop`` must return once that work has ended. A source that also counts what it ingests
 implements ``IngestStats``; the service exports those counters on ``/metrics`` at every scrape,
 so the source only keeps plain running totals.
-
-Plain functions fit too: ``CallableIngest(start=..., stop=..., counts=...)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import NamedTuple, Protocol, runtime_checkable
 
 
@@ -47,27 +45,3 @@ class IngestStats(Protocol):
 
     def ingest_counts(self) -> Mapping[str, IngestCounts]:
         """Replica name -> its running totals (a snapshot; called at each metrics scrape)."""
-
-
-class CallableIngest:
-    """An ``IngestSource`` (and ``IngestStats``) made of plain callables."""
-
-    def __init__(
-        self,
-        start: Callable[[], None],
-        stop: Callable[[], None],
-        counts: Callable[[], Mapping[str, IngestCounts]] | None = None,
-    ) -> None:
-        self._start, self._stop, self._counts = start, stop, counts
-
-    def start(self) -> None:
-        """Call the start callable."""
-        self._start()
-
-    def stop(self) -> None:
-        """Call the stop callable."""
-        self._stop()
-
-    def ingest_counts(self) -> Mapping[str, IngestCounts]:
-        """The counts callable's answer, or nothing when there is none."""
-        return self._counts() if self._counts is not None else {}

@@ -17,7 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from prefixcache.blocks.hashing import BlockHasher
-from prefixcache.fleet.events.ingest import CallableIngest, IngestCounts
+from prefixcache.fleet.events.ingest import IngestCounts
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.service.assembly import build_service
 from prefixcache.fleet.service.configuration.config_file import load_config
@@ -27,6 +27,26 @@ INGEST_COUNTS = {
     "replica-a": IngestCounts(5, 40, 2, 1, 0),
     "replica-b": IngestCounts(3, 8, 0, 0, 2),
 }
+
+
+class MarkerIngest:
+    """An ingest source (and its counts) that leaves a marker file when started and stopped."""
+
+    def __init__(self, markers: Path | None) -> None:
+        self.markers = markers
+
+    def _mark(self, name: str) -> None:
+        if self.markers is not None:
+            (self.markers / name).write_text("1")
+
+    def start(self) -> None:
+        self._mark("started")
+
+    def stop(self) -> None:
+        self._mark("stopped")
+
+    def ingest_counts(self) -> dict[str, IngestCounts]:
+        return INGEST_COUNTS
 
 
 def main() -> None:
@@ -48,13 +68,7 @@ def main() -> None:
     for replica in config.replicas:
         if replica.name not in index.replicas():
             index.store(replica.name, [])
-    markers = Path(args.markers) if args.markers else None
-
-    def mark(name: str) -> None:
-        if markers is not None:
-            (markers / name).write_text("1")
-
-    ingest = CallableIngest(lambda: mark("started"), lambda: mark("stopped"), lambda: INGEST_COUNTS)
+    ingest = MarkerIngest(Path(args.markers) if args.markers else None)
     app = build_service(config, index=index, ingest=ingest)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
