@@ -206,29 +206,14 @@ class FleetService:
             return not chat
         return not chat if requested is None else requested
 
-    def chat_text(
-        self,
-        messages: Any,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        tools: list[Any] | None = None,
-        documents: list[Any] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> str:
-        """A conversation as the chat template renders it (a neutral rendering without one)."""
+    def chat_text(self, messages: Any, **options: Any) -> str:
+        """A conversation as the chat template renders it, with ``ChatTemplate.render``'s
+        ``options`` (a neutral rendering without a template)."""
         template = self.chat_template
         flat = chat_messages(messages, template.content_format if template else "string")
         if template is None:
             return render_chat(flat)
-        return template.render(
-            flat,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=tools,
-            documents=documents,
-            extra=extra,
-        )
+        return template.render(flat, **options)
 
     def chat_tokens(
         self, messages: Any, *, add_special_tokens: bool = False, **options: Any
