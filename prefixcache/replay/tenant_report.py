@@ -21,8 +21,7 @@ import numpy as np
 from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.manager.tenant_shares import TenantShare, TenantStats
 from prefixcache.replay.sim.accounting import Accountant
-
-MISS_CAUSES = ("cold", "capacity", "isolation", "tail", "routing")
+from prefixcache.run_format import MISS_CAUSES
 
 
 def tenants_report(
