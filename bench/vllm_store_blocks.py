@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> None:
 
     from prefixcache.blocks.namespace import Namespace
     from prefixcache.engines.store_tally import StoreTally
+    from prefixcache.engines.vllm.connector_layout import PagedKV
     from prefixcache.engines.vllm.connector_plan import BlockMove, StoreStepPlan
     from prefixcache.engines.vllm.connector_worker import StoreWorker
     from prefixcache.store.block_record import namespace_fingerprint
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
         folder = tempfile.mkdtemp(dir="/dev/shm", prefix="vllm-store-bench-")
         store = LMDBBlockStore(folder, capacity_bytes=max(4 << 20, 2 * args.blocks * record))
         worker = StoreWorker(store, StoreTally(), retry_after=2.0, queue_blocks=4 * args.blocks)
-        worker.register(kv, BLOCK, heads, dim)
+        worker.register(PagedKV(kv, BLOCK, heads, dim))
         passes = []
         for repeat in range(args.repeats + 1):
             moves = [

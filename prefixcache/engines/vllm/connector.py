@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from prefixcache.engines.store_access import acquire_store, release_store
 from prefixcache.engines.store_tally import StoreTally
+from prefixcache.engines.vllm.connector_layout import PagedKV
 from prefixcache.engines.vllm.connector_plan import StoreStepPlan, StoreWorkerReport
 from prefixcache.engines.vllm.connector_scheduler import StoreScheduler
 from prefixcache.engines.vllm.connector_settings import StoreSettings, parse_settings
@@ -157,7 +158,7 @@ class PrefixcacheStoreConnector(KVConnectorBase_V1):
         """Take vLLM's cache tensors; a layout this connector cannot read is refused."""
         assert self._worker is not None
         num_kv_heads, head_size = self._spec
-        self._worker.register(kv_caches, self.block_size, num_kv_heads, head_size)
+        self._worker.register(PagedKV(kv_caches, self.block_size, num_kv_heads, head_size))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load the step's blocks, checked, before the forward pass."""

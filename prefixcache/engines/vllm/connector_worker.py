@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -64,16 +64,10 @@ class StoreWorker:
         self._suspects: dict[bytes, None] = {}  # held records to replace when written
         self._dropped = 0  # blocks settled before reaching the writer, not yet reported
 
-    def register(
-        self,
-        kv_caches: Mapping[str, torch.Tensor],
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-    ) -> None:
-        """Take vLLM's cache tensors (their layout is checked) and start the writer."""
-        self.kv = PagedKV(kv_caches, block_size, num_kv_heads, head_size)
-        layout = self.kv.layout
+    def register(self, kv: PagedKV) -> None:
+        """Take vLLM's cache tensors (``PagedKV`` checked their layout) and start the writer."""
+        self.kv = kv
+        layout = kv.layout
         rows = max(1, STAGING_BYTES // layout.record_bytes)
         self._staging = np.empty((rows, layout.record_bytes), np.uint8)
         self.writer = BlockWriter(
