@@ -16,8 +16,8 @@ EXIT_INTERRUPTED = 130  # as a shell reports a command that SIGINT (Ctrl-C) ende
 EXIT_ERROR = 2  # bad input or a failed run, said in one line
 
 # Modules that add subcommands: each has ``register(subparsers)`` and sets ``func`` on its parsers.
-# A ``PrefixCacheError`` out of ``func`` is reported here; a command catches only what it words
-# otherwise.
+# A ``PrefixCacheError`` or ``OSError`` out of ``func`` is reported here; a command catches only
+# what it words otherwise.
 COMMAND_MODULES = (
     "prefixcache.demo",
     "prefixcache.replay.run_cli",
@@ -65,10 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
         print(f"prefixcache {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except PrefixCacheError as exc:  # bad input or a failed run: one line, not a traceback
-        print(f"prefixcache {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
     except BrokenPipeError:  # the reader stopped early (``| head``): not an error
         # what is still buffered for stdout goes nowhere, so exiting does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (PrefixCacheError, OSError) as exc:  # bad input, a file, a failed run: one line
+        print(f"prefixcache {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR

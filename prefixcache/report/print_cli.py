@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.atomic_files import write_text_atomic
-from prefixcache.errors import PrefixCacheError
 from prefixcache.report.checks import consistency_checks
 from prefixcache.report.compare import compare_document
 from prefixcache.report.render.html import render_html
@@ -18,7 +17,7 @@ from prefixcache.report.run_dir import load_run
 from prefixcache.report.sections import build_document
 
 EXIT_INCONSISTENT = 1  # the report was printed, but report.json disagrees with its CSV files
-EXIT_BAD_INPUT = 2  # no report: the run directory is missing, unreadable or not a valid run
+# no report (the run directory is missing, unreadable or not a valid run): cli.main says why, 2
 
 
 def _write(path: Path, text: str) -> None:
@@ -27,27 +26,17 @@ def _write(path: Path, text: str) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def _fail(command: str, exc: Exception) -> int:
-    print(f"prefixcache {command}: error: {exc}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
 def report_command(args: argparse.Namespace) -> int:
-    try:
-        run = load_run(args.run_dir)
-        doc = build_document(run)
-        if args.json:
-            print(json.dumps(run.report, indent=2, sort_keys=True))
-        elif not args.quiet:
-            print(render_terminal(doc, definitions=not args.no_definitions))
-        if args.md is not None:
-            _write(args.md, render_markdown(doc))
-        if args.html is not None:
-            _write(args.html, render_html(doc, run))
-    except BrokenPipeError:
-        raise  # the reader of stdout left; the command line ends quietly
-    except (PrefixCacheError, OSError) as exc:
-        return _fail("report", exc)
+    run = load_run(args.run_dir)
+    doc = build_document(run)
+    if args.json:
+        print(json.dumps(run.report, indent=2, sort_keys=True))
+    elif not args.quiet:
+        print(render_terminal(doc, definitions=not args.no_definitions))
+    if args.md is not None:
+        _write(args.md, render_markdown(doc))
+    if args.html is not None:
+        _write(args.html, render_html(doc, run))
     failed = [c for c in consistency_checks(run) if not c.ok]
     if failed:
         print(
@@ -60,15 +49,10 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def compare_command(args: argparse.Namespace) -> int:
-    try:
-        doc = compare_document(load_run(args.run_a), load_run(args.run_b))
-        print(render_terminal(doc, definitions=not args.no_definitions))
-        if args.md is not None:
-            _write(args.md, render_markdown(doc))
-    except BrokenPipeError:
-        raise  # the reader of stdout left; the command line ends quietly
-    except (PrefixCacheError, OSError) as exc:
-        return _fail("compare", exc)
+    doc = compare_document(load_run(args.run_a), load_run(args.run_b))
+    print(render_terminal(doc, definitions=not args.no_definitions))
+    if args.md is not None:
+        _write(args.md, render_markdown(doc))
     return 0
 
 

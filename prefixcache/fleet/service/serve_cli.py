@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefixcache.errors import ConfigError, PrefixCacheError
+from prefixcache.errors import ConfigError
 
 STARTUP_FAILURE = 3  # the exit status when the app's startup fails (uvicorn's)
 
@@ -109,25 +109,21 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        if not 0 < args.port < 65536:
-            raise ConfigError(f"--port must be in 1..65535, got {args.port}")
-        record = str(args.record_trace.resolve()) if args.record_trace is not None else None
-        options = ServeOptions(str(args.config.resolve()), args.index, args.proxy, record)
-        config = load_config(args.config)
-        if args.workers > 1 and (record is not None or config.record_trace.path is not None):
-            raise ConfigError(
-                "a recorded trace is written by one process: run --workers 1 with "
-                "--record-trace (or record_trace in the config)"
-            )
-        check_workers(args.workers, index_of(options, config))
-        raised = raise_descriptor_limit(config.server, followed_replicas(config))
-        budget = service_budget(config)  # ConfigError when the limit leaves too few
-        # opened here in either case, so that a bad config or index fails before any worker
-        app, config = open_service(options)
-    except (PrefixCacheError, OSError) as exc:
-        print(f"prefixcache serve: error: {exc}", file=sys.stderr)
-        return 2
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    record = str(args.record_trace.resolve()) if args.record_trace is not None else None
+    options = ServeOptions(str(args.config.resolve()), args.index, args.proxy, record)
+    config = load_config(args.config)
+    if args.workers > 1 and (record is not None or config.record_trace.path is not None):
+        raise ConfigError(
+            "a recorded trace is written by one process: run --workers 1 with "
+            "--record-trace (or record_trace in the config)"
+        )
+    check_workers(args.workers, index_of(options, config))
+    raised = raise_descriptor_limit(config.server, followed_replicas(config))
+    budget = service_budget(config)  # ConfigError when the limit leaves too few
+    # opened here in either case, so that a bad config or index fails before any worker
+    app, config = open_service(options)
     if config.proxy.enabled and config.chat_template is None:  # --proxy applied to config
         print(
             "prefixcache serve: note: no chat_template in the config; chat requests are routed "

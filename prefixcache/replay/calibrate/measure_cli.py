@@ -57,14 +57,6 @@ def register(subparsers: Any) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except OSError as exc:
-        print(f"prefixcache calibrate: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
     import torch
 
     from prefixcache.replay.calibrate.decoder_timing import (
