@@ -20,6 +20,7 @@ walks a map walks a copy taken in one step, so a concurrent write never breaks i
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
 
 from prefixcache.blocks.hashing import DIGEST_SIZE
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
@@ -28,6 +29,8 @@ from prefixcache.medium import CPU, GPU
 
 DEFAULT_MAX_REPLICAS = 1024
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 16_000_000
+_ONLY_BYTES = frozenset((bytes,))
+_DIGEST_LEN = frozenset((DIGEST_SIZE,))
 
 
 def check_replica(replica: object) -> str:
@@ -41,10 +44,14 @@ def check_replica(replica: object) -> str:
 
 def check_digests(digests: object) -> Sequence[bytes]:
     """``digests`` if it is a sequence of 16-byte digests, else ``InvalidArgumentError``."""
-    if isinstance(digests, (bytes, str)) or not isinstance(digests, Sequence):
+    if type(digests) is not list and (
+        isinstance(digests, (bytes, str)) or not isinstance(digests, Sequence)
+    ):
         raise InvalidArgumentError(
             f"digests must be a sequence of {DIGEST_SIZE}-byte digests, got {type(digests)}"
         )
+    if _ONLY_BYTES.issuperset(map(type, digests)) and _DIGEST_LEN.issuperset(map(len, digests)):
+        return digests  # the common case, checked in two passes in C
     for d in digests:
         if type(d) is not bytes or len(d) != DIGEST_SIZE:
             raise InvalidArgumentError(f"a digest must be {DIGEST_SIZE} bytes, got {d!r}")
@@ -92,8 +99,16 @@ class MemoryFleetIndex:
 
         Blocks beyond the replica's cap are refused and counted in ``overflow``."""
         check_digests(digests)
-        check_medium(medium)
-        r = self._register(check_replica(replica))
+        where = str(check_medium(medium))
+        self.store_unchecked(check_replica(replica), digests, where)
+
+    def store_unchecked(self, replica: str, digests: Sequence[bytes], medium: str) -> None:
+        """``store`` for a caller whose arguments are known good (a replica name as
+        ``check_replica`` takes, 16-byte digests, one of ``MEDIA``): the same outcome, without
+        the checks (an in-process feed that applies a manager's events)."""
+        r = self._slot.get(replica)
+        if r is None:
+            r = self._register(replica)
         bit = 1 << (2 * r + (medium == CPU))
         both = 3 << (2 * r)
         masks = self._masks
@@ -122,7 +137,13 @@ class MemoryFleetIndex:
         """``replica`` dropped ``digests`` from ``medium`` (from every medium when None)."""
         check_digests(digests)
         check_medium(medium, allow_none=True)
-        r = self._slot.get(check_replica(replica))
+        self.remove_unchecked(check_replica(replica), digests, medium)
+
+    def remove_unchecked(
+        self, replica: str, digests: Sequence[bytes], medium: str | None = None
+    ) -> None:
+        """``remove`` for a caller whose arguments are known good (as ``store_unchecked``)."""
+        r = self._slot.get(replica)
         if r is None:
             return
         both = 3 << (2 * r)
@@ -171,10 +192,10 @@ class MemoryFleetIndex:
     def match(self, digests: Sequence[bytes]) -> list[ReplicaMatch]:
         """Leading blocks of ``digests`` each known replica holds, one entry per replica."""
         check_digests(digests)
-        get = self._masks.get
         # a copy of the slots (taken in one C call): the ingestion thread may add a replica
         # while this iterates them
-        return match_masks((get(d, 0) for d in digests), len(digests), self._slot.copy())
+        masks = map(self._masks.get, digests, repeat(0))
+        return match_masks(masks, len(digests), self._slot.copy())
 
     def replicas(self) -> list[str]:
         """Every replica the index knows, sorted."""

@@ -28,6 +28,8 @@ well formed, and a run's parent is always held when it is stored.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import as_token_array
@@ -38,6 +40,17 @@ from prefixcache.medium import CPU, GPU
 
 _GPU_BIT = 1
 _MAX_MEDIA = 24  # as the applier: media told apart per replica, further names share the last
+
+
+class _Medium(NamedTuple):
+    """How the feed files one of the manager's media."""
+
+    bit: int  # in the feed's mask of the media holding a block
+    index_medium: str  # the index's medium: GPU, or CPU for anything off the GPU
+    off_gpu: bool
+
+
+_ON_GPU = _Medium(_GPU_BIT, GPU, False)
 
 
 class ReplicaIndexFeed:
@@ -51,31 +64,80 @@ class ReplicaIndexFeed:
         replica: str,
         hasher: BlockHasher,
         versions: dict[tuple[str, str], str],
+        *,
+        lean: bool = False,
     ) -> None:
+        """``lean``: the replica never holds more blocks on its GPU than the index takes for it
+        (``max_blocks_per_replica``), so the index's GPU bits can stand for ``media`` until
+        an event names another medium or a chain is filed under another digest."""
         self.index, self.replica, self.hasher, self.versions = index, replica, hasher, versions
+        self.lean = lean
         self.media: dict[bytes, int] = {}  # block digest -> mask of the media holding it
         # blocks filed under another digest than their own (another adapter version): own
         # digest -> (the index's digest, position in the sequence)
         self.renamed: dict[bytes, tuple[bytes, int]] = {}
         self._bits: dict[str, int] = {GPU: _GPU_BIT, CPU: 2}
+        self._media_of: dict[str | None, _Medium] = {None: _ON_GPU, GPU: _ON_GPU}  # by name
+        # the index's writes, without the checks of arguments the manager's events satisfy
+        self._store = index.store_unchecked
+        self._remove = index.remove_unchecked
 
     def __call__(self, event: CacheEvent) -> None:
-        if type(event) is BlockStored:
-            self._stored(event)
-        elif type(event) is BlockRemoved:
-            self._removed(event)
+        kind = type(event)
+        if self.lean and self._lean_applied(event, kind):
+            return
+        if kind is BlockStored:
+            self._stored(event)  # type: ignore[arg-type]
+        elif kind is BlockRemoved:
+            self._removed(event)  # type: ignore[arg-type]
         else:  # AllBlocksCleared
             self.media.clear()
             self.renamed.clear()
             self.index.clear(self.replica)
 
-    def _bit(self, medium: str) -> int:
+    def _lean_applied(self, ev: CacheEvent, kind: type) -> bool:
+        """Apply ``ev`` without ``media`` when it is a GPU event filed under its own digests;
+        else leave the lean mode (``media`` rebuilt from the index) and return False."""
+        if kind is BlockStored:
+            stored: BlockStored = ev  # type: ignore[assignment]
+            if (
+                stored.token_ids
+                and self._media_of.get(stored.medium) is _ON_GPU
+                and (
+                    stored.parent_block_hash is not None
+                    or stored.namespace.adapter is None
+                    or self._filed_under(stored.namespace) is stored.namespace
+                )
+            ):
+                self._store(self.replica, stored.block_hashes, GPU)
+                return True
+        elif kind is BlockRemoved:
+            removed: BlockRemoved = ev  # type: ignore[assignment]
+            if self._media_of.get(removed.medium) is _ON_GPU:
+                # the index passes over the blocks it does not hold on the GPU, as media would
+                self._remove(self.replica, removed.block_hashes, GPU)
+                return True
+        else:
+            return False  # a reset: as in full mode
+        # the GPU bits of the index are exactly the blocks this replica holds: no other medium
+        # so far, no block refused (``lean``), every digest its own
+        self.lean = False
+        held = self.index.holdings(self.replica)
+        self.media = {d: _GPU_BIT for d, where in held.items() if GPU in where}
+        return False
+
+    def _medium(self, name: str | None) -> _Medium:
+        """How an event's medium is filed: its bit named once, in order of appearance (the
+        names past the last bit share it)."""
+        medium = canonical_medium(name)
         bit = self._bits.get(medium)
         if bit is None:
             bit = 1 << min(len(self._bits), _MAX_MEDIA - 1)
             if len(self._bits) < _MAX_MEDIA:
                 self._bits[medium] = bit
-        return bit
+        out = _ON_GPU if bit == _GPU_BIT else _Medium(bit, index_medium(medium), True)
+        self._media_of[name] = out
+        return out
 
     def _filed_under(self, ns: Namespace) -> Namespace:
         """The namespace the service files a chain of ``ns`` under: the pinned version of its
@@ -88,8 +150,8 @@ class ReplicaIndexFeed:
         return Namespace(ns.model, ns.adapter, version, ns.salt, ns.extra)
 
     def _stored(self, ev: BlockStored) -> None:
-        medium = canonical_medium(ev.medium)
-        bit = self._bit(medium)
+        where = self._media_of.get(ev.medium) or self._medium(ev.medium)
+        bit = where.bit
         hashes = ev.block_hashes
         media = self.media
         renamed = self.renamed
@@ -99,13 +161,16 @@ class ReplicaIndexFeed:
         else:
             parent = ev.parent_block_hash
             if parent is None:
-                filed = self._filed_under(ev.namespace)
-                rehash = filed is not ev.namespace
+                ns = ev.namespace
+                filed = self._filed_under(ns) if ns.adapter is not None else ns
+                rehash = filed is not ns
                 prev, pos = (self.hasher.seed(filed), 0) if rehash else (b"", 0)
-            else:
+            elif renamed:
                 at = renamed.get(parent)
                 rehash = at is not None
                 prev, pos = (at[0], at[1] + 1) if at is not None else (b"", 0)
+            else:
+                rehash = False
             if rehash:
                 body = as_token_array(ev.token_ids).tobytes()
                 digests = self.hasher.hash_run(body, prev, pos)
@@ -113,15 +178,16 @@ class ReplicaIndexFeed:
                     renamed[h] = (d, pos + k)
             else:
                 digests = hashes
+        get = media.get
         for h in hashes:
-            media[h] = media.get(h, 0) | bit
+            media[h] = get(h, 0) | bit
         if digests:
-            self.index.store(self.replica, digests, index_medium(medium))
+            self._store(self.replica, digests, where.index_medium)
 
     def _removed(self, ev: BlockRemoved) -> None:
-        medium = canonical_medium(ev.medium)
-        bits = self._bit(medium)
-        off_gpu = medium != GPU
+        where = self._media_of.get(ev.medium) or self._medium(ev.medium)
+        bits = where.bit
+        off_gpu = where.off_gpu
         media = self.media
         renamed = self.renamed
         digests = []
@@ -130,14 +196,15 @@ class ReplicaIndexFeed:
             if not held & bits:
                 continue
             held &= ~bits
-            digest = renamed[h][0] if h in renamed else h
+            digest = renamed[h][0] if renamed and h in renamed else h
             if held:
                 media[h] = held
             else:
                 del media[h]
-                renamed.pop(h, None)
+                if renamed:
+                    renamed.pop(h, None)
             if off_gpu and held & ~_GPU_BIT:  # another medium off the GPU still holds it
                 continue
             digests.append(digest)
         if digests:
-            self.index.remove(self.replica, digests, index_medium(medium))
+            self._remove(self.replica, digests, where.index_medium)
