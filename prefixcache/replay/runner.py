@@ -70,8 +70,11 @@ def _replay(
     resolved: ResolvedConfig,
     progress: bool | None,
     shared: PointProgress | None = None,
+    *,
+    alone: bool = True,
 ) -> ReplayResult:
-    """``shared``: a sweep's bar to count into (left open) instead of a bar of its own."""
+    """``shared``: a sweep's bar to count into (left open) instead of a bar of its own.
+    ``alone``: not a point of a sweep (only then may a fleet replay take a second core)."""
     config = resolved.options
     mgr = resolved.cache_manager()
     acc = Accountant(
@@ -103,7 +106,14 @@ def _replay(
             run_fleet = _fleet_replay()
             finished = False
             try:
-                fleet = run_fleet(requests, lambda: iter(arrivals), acc, resolved, bar)
+                fleet = run_fleet(
+                    requests,
+                    lambda: iter(arrivals),
+                    acc,
+                    resolved,
+                    bar,
+                    side_process=None if alone else False,
+                )
                 finished = True
             finally:
                 if bar is not None and shared is None:
@@ -224,7 +234,7 @@ def _summary_row(path: str, resolved: ResolvedConfig) -> dict[str, Any]:
     done), which opens the source itself and counts into the sweep's bar, if any."""
     source = open_source(path, resolved.options)
     try:
-        return _replay(source, resolved, False, point_progress()).summary_row()
+        return _replay(source, resolved, False, point_progress(), alone=False).summary_row()
     finally:
         point_done()
 
@@ -262,7 +272,7 @@ def replay_sweep(
         with open_executor(executor, min(jobs - 1, len(rest)), ray_address, counter) as workers:
             tick = bar.poll if bar is not None else None
             done = workers.start(_summary_row, str(path), rest, tick)
-            primary = _replay(sources[0], resolved[0], progress, bar)
+            primary = _replay(sources[0], resolved[0], progress, bar, alone=False)
             for i, row in workers.run_waiting():  # what no worker took yet runs here
                 rows[i] = row
             for i, row in done:

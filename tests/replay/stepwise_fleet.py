@@ -476,6 +476,8 @@ def run_fleet(
     acc: Accountant,
     cfg: ResolvedConfig,
     progress: Progress | None = None,
+    *,
+    side_process: bool | None = None,  # the reference runs every pass here, one after another
 ) -> FleetRun:
     """Replay through the fleet, then a no-cache fleet (same routing) for the no-cache TTFTs and
     the pooled cache for the upper bound. ``reopen()`` yields the requests again. Every replica

@@ -117,6 +117,7 @@ def test_fleet_progress_covers_every_pass(
         return run_pooled(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fleet_replay, "run_pooled", pooled)
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: False)  # one by one
     config = ReplayConfig(
         capacity_blocks=300, mode="serving", model="llama-3.1-8b", replicas=2, max_seqs=16
     )
@@ -161,3 +162,29 @@ def test_stage_names_the_pass_on_the_line(monkeypatch: pytest.MonkeyPatch) -> No
         line = bar.line()
         bar.close()
     assert line.startswith("replay x (2 passes) [pooled cache]: 0/10")
+
+
+def test_fleet_progress_with_the_side_passes_beside_the_fleet(
+    recorder: type[Recorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the no-cache and pooled passes in a second process, the bar counts every request of
+    the three passes once, names the passes running together, and closes finished."""
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
+    config = ReplayConfig(
+        capacity_blocks=300, mode="serving", model="llama-3.1-8b", replicas=2, max_seqs=16
+    )
+    result = runner.replay_path(CHAT, config, progress=True)
+    (bar,) = recorder.made
+    n = result.acc.totals.requests
+    assert bar.total == 3 * n and sum(bar.updates) == 3 * n and bar.closed is True
+    assert all(u > 0 for u in bar.updates)
+    names = [name for name, _ in bar.stages]
+    assert names[0] == "fleet + fleet without cache"
+    assert set(names) <= {
+        "fleet + fleet without cache",
+        "fleet + pooled cache",
+        "fleet",
+        "fleet without cache",
+        "pooled cache",
+    }
+    assert bar.events[-1] == "close" and bar.events.count("close") == 1

@@ -46,6 +46,7 @@ from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.index_feed import ReplicaIndexFeed
 from prefixcache.replay.sim.serving import LiveRequest, Simulator, advance_replicas
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
+from prefixcache.replay.sim.side_process import SideRun, side_process_available
 from prefixcache.replay.sim.step_tally import StepTally
 from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
@@ -143,7 +144,10 @@ class _Replica:
         self.live: dict[int, LiveRequest] = {}
         self.routed = 0
         if isinstance(mgr, CacheManager):
-            mgr.add_listener(ReplicaIndexFeed(fleet.index, name, mgr.hasher, fleet.versions))
+            # the index takes every block a replica can hold on its GPU: media from its bits
+            lean = cfg.capacity_blocks <= fleet.index.max_blocks_per_replica
+            feed = ReplicaIndexFeed(fleet.index, name, mgr.hasher, fleet.versions, lean=lean)
+            mgr.add_listener(feed)
 
     @property
     def mgr(self) -> CacheManager:
@@ -419,17 +423,49 @@ class FleetRun(NamedTuple):
     managers: tuple[CacheManager, ...] = ()  # the replicas' caches, in replica order
 
 
+class _SideLines(NamedTuple):
+    """What the fleet's figures need of its no-cache and pooled passes."""
+
+    ttft: list[float]  # the no-cache fleet's, by request index
+    figures: BenchmarkFigures  # the no-cache fleet's
+    busy: float  # the no-cache fleet's GPU seconds
+    pooled: PooledLine
+
+
+def _side_passes(
+    reopen: Callable[[], Iterable[Request]],
+    cfg: ResolvedConfig,
+    namespace: Namespace,
+    on_finish: Callable[[int], None] | None,
+    stage: Callable[[int], None],
+) -> _SideLines:
+    """The no-cache fleet and the pooled cache, each over ``reopen()``: they read nothing of the
+    fleet pass. ``stage(k)``: pass ``k`` of ``FLEET_PASSES`` begins."""
+    stage(1)
+    plain = FleetSimulator(cfg, None, namespace, caching=False, on_finish=on_finish)
+    plain.run(reopen())
+    stage(2)
+    pooled = run_pooled(reopen(), cfg, on_finish)
+    return _SideLines(plain.times.ttft, plain.figures(), plain.busy, pooled)
+
+
 def run_fleet(
     requests: Iterable[Request],
     reopen: Callable[[], Iterable[Request]],
     acc: Accountant,
     cfg: ResolvedConfig,
     progress: Progress | None = None,
+    *,
+    side_process: bool | None = None,
 ) -> FleetRun:
     """Replay through the fleet, then a no-cache fleet (same routing) for the no-cache TTFTs and
     the pooled cache for the upper bound. ``reopen()`` yields the requests again. Every replica
     serves the model of the first request, with any adapter and salt (tenants). ``progress``
-    counts the requests completed in each of the ``FLEET_PASSES`` passes, named as it goes."""
+    counts the requests completed in each of the ``FLEET_PASSES`` passes, named as it goes.
+
+    ``side_process``: run the no-cache and pooled passes in a second process while the fleet
+    pass runs here (``side_process.SideRun``; same figures, less wall time); None: where a
+    second core is usable (a point of a parallel sweep passes False: its cores are taken)."""
     it = iter(requests)
     first = next(it, None)
     namespace = first.namespace if first is not None else Namespace("default")
@@ -439,31 +475,47 @@ def run_fleet(
             yield first
         yield from it
 
-    on_finish = progress.update if progress is not None else None
-    stage = progress.stage if progress is not None else lambda name: None
-    stage(FLEET_PASSES[0])
-    sim = FleetSimulator(cfg, acc, namespace, on_finish=on_finish)
-    sim.run(chain())
-    stage(FLEET_PASSES[1])
-    plain = FleetSimulator(cfg, None, namespace, caching=False, on_finish=on_finish)
-    plain.run(reopen())
-    stage(FLEET_PASSES[2])
-    pooled = run_pooled(reopen(), cfg, on_finish)
+    update = progress.update if progress is not None else None
+    name = progress.stage if progress is not None else lambda name: None
+    if side_process is None:
+        side_process = side_process_available()
+    side: SideRun[_SideLines] | None = None
+    if side_process and first is not None:
+        side = SideRun(
+            lambda count, stage: _side_passes(reopen, cfg, namespace, count, stage), first_stage=1
+        )
+    lines: _SideLines | None = None
+    try:
+        sim = FleetSimulator(cfg, acc, namespace, on_finish=_with_side(update, name, side))
+        sim.run(chain())
+        if side is not None:
+            tick = _with_side(update, name, side, fleet_done=True)
+            lines = side.result((lambda: tick(0)) if tick is not None else None)
+            if tick is not None:
+                tick(0)  # the last of the side's counts
+    finally:
+        if side is not None:
+            side.stop()
+    if lines is None:  # no second process, or it ended without its figures: run them here
+        counted = side.taken if side is not None else 0  # on the bar already
+        lines = _side_passes(
+            reopen, cfg, namespace, _skipping(update, counted), lambda k: name(FLEET_PASSES[k])
+        )
     times = sim.times
     o = cfg.options
     serving = ServingStats(
         times.ttft,
-        plain.times.ttft,
+        lines.ttft,
         sum(r.sim.preemptions for r in sim.replicas),
         sim.steps,
         sim.clock - min(times.arrival, default=sim.clock),  # first arrival to last finish
         sim.truncated,
         with_cache=sim.figures(),
-        without_cache=plain.figures(),
+        without_cache=lines.figures,
         load=OfferedLoad(
             times.span,
             sim.busy,
-            plain.busy,
+            lines.busy,
             o.rate_scale / o.time_scale,
             len(sim.replicas),
             max(r.sim.busy for r in sim.replicas),
@@ -475,8 +527,62 @@ def run_fleet(
         cfg.options.routing_policy,
         sim.replica_stats(),
         sim.rules,
-        pooled,
+        lines.pooled,
         sum(sim.index.num_blocks(r.name) for r in sim.replicas),
     )
     managers = tuple(r.mgr for r in sim.replicas)
     return FleetRun(serving, fleet, sim.cache_stats(), sim.tiers, managers)
+
+
+def _with_side(
+    update: Callable[[int], None] | None,
+    name: Callable[[str], None],
+    side: SideRun[_SideLines] | None,
+    *,
+    fleet_done: bool = False,
+) -> Callable[[int], None] | None:
+    """The fleet pass's ``on_finish``: counts ``n`` on the bar, with what the side process
+    completed meanwhile, and names the passes running (``fleet_done``: the side's alone)."""
+    shown = -1
+
+    def label(k: int) -> None:  # k < 0: the side's passes are done
+        nonlocal shown
+        shown = k
+        if k < 0 or fleet_done:
+            name(FLEET_PASSES[0] if k < 0 else FLEET_PASSES[k])
+        else:
+            name(f"{FLEET_PASSES[0]} + {FLEET_PASSES[k]}")
+
+    if side is None:
+        name(FLEET_PASSES[0])
+        return update
+    label(side.stage)
+    if update is None:
+        return None
+
+    def on_finish(n: int) -> None:
+        if side.stage != shown:
+            label(side.stage)
+        n += side.counted()
+        if n:
+            update(n)
+
+    return on_finish
+
+
+def _skipping(update: Callable[[int], None] | None, skip: int) -> Callable[[int], None] | None:
+    """``update``, less the first ``skip`` requests counted (counted once already)."""
+    if update is None or not skip:
+        return update
+    left = skip
+
+    def on_finish(n: int) -> None:
+        nonlocal left
+        if left:
+            taken = min(left, n)
+            left -= taken
+            n -= taken
+        if n:
+            update(n)
+
+    return on_finish

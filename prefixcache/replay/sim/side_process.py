@@ -1,0 +1,141 @@
+"""Work that needs nothing from this process's next steps, run in a forked second process.
+
+A fleet replay's no-cache and pooled passes read only the workload and the configuration, so
+they can run on a spare core while the fleet pass runs here (``fleet_replay.run_fleet``).
+``SideRun`` forks a child that runs ``work``, hands back its result through a pipe, and passes
+on, about five times a second, the requests it completed and the pass it is in, for the
+progress bar here. Only where ``fork`` is available (the child starts with the workload already
+open, nothing is pickled on the way in) and at least two cores are usable.
+
+The child never outlives this process's interest in it: it ignores Ctrl-C (this process gets
+it, and ``stop`` ends the child), ends itself when this process is gone, and leaves by
+``os._exit``, so no exit handler, buffered output or traceback of this process's runs twice.
+Whatever goes wrong in the child (an exception, a signal, a result that cannot be pickled)
+closes its end of the pipe with nothing sent: the caller runs the work itself, where the same
+error, if any, is raised as it would have been without the child.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+SEND_EVERY_S = 0.2  # seconds between the child's reports of its progress, at the least
+
+# work(count, stage): count(n) says n more requests completed, stage(k) that pass k began
+Work = Callable[[Callable[[int], None], Callable[[int], None]], T]
+
+
+def side_process_available() -> bool:
+    """Whether a second process can run beside this one: ``fork`` exists and at least two cores
+    are usable here."""
+    if "fork" not in mp.get_all_start_methods():
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return cores >= 2
+
+
+class SideRun(Generic[T]):
+    """``work`` running in a forked child; ``result`` waits for what it returns."""
+
+    def __init__(self, work: Work[T], first_stage: int = 0) -> None:
+        ctx = mp.get_context("fork")
+        self._count = ctx.RawValue("q", 0)  # requests the child completed, as last reported
+        self._stage = ctx.RawValue("i", first_stage)
+        self._seen = 0
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_child,
+            args=(work, send, self._count, self._stage, os.getpid()),
+            daemon=True,  # ended by multiprocessing's exit handler, should stop be missed
+        )
+        # Ctrl-C held back while the child starts: it ignores it from its first instruction,
+        # and this process takes it once the child runs
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            send.close()
+
+    def counted(self) -> int:
+        """Requests the child completed since the last call (as it last reported)."""
+        now = self._count.value
+        new, self._seen = now - self._seen, now
+        return new
+
+    @property
+    def taken(self) -> int:
+        """Requests the child completed, as taken by ``counted`` so far."""
+        return self._seen
+
+    @property
+    def stage(self) -> int:
+        """The stage the child is in, as it last reported (-1: its work is done)."""
+        return int(self._stage.value)
+
+    def result(self, tick: Callable[[], None] | None = None) -> T | None:
+        """Wait for the child's result, calling ``tick`` every ``SEND_EVERY_S`` seconds or so;
+        None when the child ended without one (its pipe closed unsent)."""
+        try:
+            while not self._recv.poll(SEND_EVERY_S):
+                if tick is not None:
+                    tick()
+            status, value = self._recv.recv()
+        except (EOFError, OSError):
+            return None
+        finally:
+            self.stop()
+        return value if status == "ok" else None
+
+    def stop(self) -> None:
+        """End the child (when it still runs) and collect it."""
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join()
+        self._recv.close()
+
+
+def _child(work: Work[Any], send: Any, count: Any, stage: Any, parent: int) -> None:
+    """The child's body: run ``work`` and send ``("ok", result)``; nothing when it fails."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    pending = 0
+    sent_at = time.monotonic()
+
+    def send_count() -> None:
+        nonlocal pending, sent_at
+        count.value += pending
+        pending = 0
+        sent_at = time.monotonic()
+        if os.getppid() != parent:  # the parent is gone: nobody waits for the result
+            os._exit(1)
+
+    def on_finish(n: int) -> None:
+        nonlocal pending
+        pending += n
+        if time.monotonic() - sent_at >= SEND_EVERY_S:
+            send_count()
+
+    def on_stage(k: int) -> None:
+        send_count()
+        stage.value = k
+
+    code = 0
+    try:
+        result = work(on_finish, on_stage)
+        send_count()
+        stage.value = -1
+        send.send(("ok", result))
+    except BaseException:  # no result: the parent runs the work itself
+        code = 1
+    finally:
+        os._exit(code)

@@ -1,0 +1,189 @@
+"""The fleet replay's no-cache and pooled passes in a second process: the same run as one pass
+after another, no second process left behind (Ctrl-C, a child that dies), none in a sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixcache.replay import ReplayConfig, open_source
+from prefixcache.replay.runner import _replay, replay_sweep
+from prefixcache.replay.sim import fleet_replay
+from prefixcache.replay.sim.side_process import SideRun
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = ROOT / "tests" / "golden" / "chat_small.yaml"
+SAMPLE = ROOT / "scenarios" / "traces" / "mooncake_sample.jsonl"
+BIG_CHAT = ROOT / "scenarios" / "multi_turn_chat.yaml"
+GIB = 1 << 30
+
+pytestmark = pytest.mark.skipif(
+    sys.platform == "win32" or not hasattr(os, "fork"), reason="the second process is forked"
+)
+
+
+class CountedSideRun(SideRun[Any]):
+    """A ``SideRun`` that counts the ones made in this process."""
+
+    made = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        CountedSideRun.made += 1
+        super().__init__(*args, **kwargs)
+
+
+def report(path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """The report of a fleet replay (serving, llama-3.1-8b), timings left out."""
+    config = ReplayConfig(mode="serving", model="llama-3.1-8b", **options)
+    result = _replay(open_source(path, config), config.resolve(), False)
+    out = result.to_report_dict()
+    out["replay_seconds"] = out["requests_per_second"] = None
+    return out
+
+
+CASES = {
+    "chat": (CHAT, {"capacity_blocks": 300, "replicas": 3}),
+    "chat-pool": (CHAT, {"capacity_blocks": 100, "pool_memory": GIB, "replicas": 2}),
+    "trace-host-and-pool": (
+        SAMPLE,
+        {
+            "capacity_blocks": 100,
+            "block_size": 512,
+            "host_memory": 16 * GIB,
+            "pool_memory": 64 * GIB,
+            "replicas": 2,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_side_process_reports_what_one_process_does(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, options = CASES[case]
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: False)
+    alone = report(path, options)
+    CountedSideRun.made = 0
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
+    monkeypatch.setattr(fleet_replay, "SideRun", CountedSideRun)
+    beside = report(path, options)
+    assert CountedSideRun.made == 1
+    assert json.dumps(beside, sort_keys=True) == json.dumps(alone, sort_keys=True)
+
+
+def test_a_side_process_that_dies_leaves_its_passes_to_this_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child that ends without its figures (here: killed in the pooled pass) costs time, not
+    figures: this process runs the two passes itself."""
+    path, options = CASES["chat"]
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: False)
+    alone = report(path, options)
+    here = os.getpid()
+    run_pooled = fleet_replay.run_pooled
+
+    def pooled(*args: Any, **kwargs: Any) -> Any:
+        if os.getpid() != here:  # the child
+            os.kill(os.getpid(), signal.SIGKILL)
+        return run_pooled(*args, **kwargs)
+
+    monkeypatch.setattr(fleet_replay, "run_pooled", pooled)
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
+    CountedSideRun.made = 0
+    monkeypatch.setattr(fleet_replay, "SideRun", CountedSideRun)
+    beside = report(path, options)
+    assert CountedSideRun.made == 1
+    assert json.dumps(beside, sort_keys=True) == json.dumps(alone, sort_keys=True)
+
+
+def test_no_point_of_a_sweep_starts_a_second_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's points already take the cores (worker processes forked from this one inherit
+    the patch below, so any point that made a ``SideRun`` would fail the sweep)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a sweep point started a second process")
+
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
+    monkeypatch.setattr(fleet_replay, "SideRun", refuse)
+    configs = [
+        ReplayConfig(mode="serving", model="llama-3.1-8b", capacity_blocks=c, replicas=2)
+        for c in (200, 300, 400)
+    ]
+    result = replay_sweep(CHAT, configs, jobs=2)
+    assert result.sweep is not None and len(result.sweep) == 3
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_ends_both_processes_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C reaches the whole foreground process group: the replay says it was interrupted,
+    writes no run, and its second process ends with it."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefixcache",
+        "replay",
+        str(BIG_CHAT),
+        "--mode",
+        "serving",
+        "--model",
+        "llama-3.1-8b",
+        "--kv-memory",
+        "4GiB",
+        "--replicas",
+        "4",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        children: list[int] = []
+        while not children and proc.poll() is None and time.monotonic() < deadline:
+            children = _children(proc.pid)
+            time.sleep(0.05)
+        assert children, "the replay started no second process"
+        os.killpg(proc.pid, signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "interrupted; no run written" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert not (tmp_path / "run").exists()
+    assert not any(_running(c) for c in children)
