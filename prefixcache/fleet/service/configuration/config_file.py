@@ -215,9 +215,7 @@ def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
         engine_hash = parse_engine_hash(m.get("engine_hash"), f"{where}.engine_hash")
     except ConfigError as exc:
         raise r.fail("", str(exc)) from None
-    events_bind = m.get("events_bind", False)
-    if not isinstance(events_bind, bool):
-        raise r.fail(f"{where}.events_bind", f"expected true or false, got {events_bind!r}")
+    events_bind = r.flag(m.get("events_bind", False), f"{where}.events_bind")
     if events_bind and m.get("events") is None:
         raise r.fail(f"{where}.events_bind", "needs an events endpoint to bind")
     return ReplicaConfig(
@@ -374,16 +372,13 @@ def _proxy(r: ConfigReader, raw: Any) -> ProxyConfig:
     other replicas a request whose replica refused the connection goes to, and whether a text
     completion goes on as token ids."""
     px = r.mapping(raw, "proxy", _PROXY)
-    flags = {}
-    for name in ("enabled", "forward_token_ids"):
-        flags[name] = px.get(name, False)
-        if not isinstance(flags[name], bool):
-            raise r.fail(f"proxy.{name}", f"expected true or false, got {flags[name]!r}")
+    enabled = r.flag(px.get("enabled", False), "proxy.enabled")
+    forward_token_ids = r.flag(px.get("forward_token_ids", False), "proxy.forward_token_ids")
     return ProxyConfig(
-        flags["enabled"],
+        enabled,
         r.number(px.get("timeout_s", 600.0), "proxy.timeout_s"),
         r.integer(px.get("connect_retries", 2), "proxy.connect_retries", 0),
-        flags["forward_token_ids"],
+        forward_token_ids,
     )
 
 
@@ -397,9 +392,7 @@ def _health(r: ConfigReader, raw: Any) -> HealthConfig:
     probe_path = hc.get("probe_path", hd.probe_path)
     if not isinstance(probe_path, str) or not probe_path.startswith("/"):
         raise r.fail("health.probe_path", f"expected a path starting with '/', got {probe_path!r}")
-    attach_probe = hc.get("attach_probe", hd.attach_probe)
-    if not isinstance(attach_probe, bool):
-        raise r.fail("health.attach_probe", f"expected true or false, got {attach_probe!r}")
+    attach_probe = r.flag(hc.get("attach_probe", hd.attach_probe), "health.attach_probe")
     return HealthConfig(
         interval,
         r.number(hc.get("probe_timeout_s", hd.probe_timeout_s), "health.probe_timeout_s"),
@@ -413,16 +406,12 @@ def _delivery(r: ConfigReader, raw: Any) -> DeliveryConfig:
     """``delivery``: how many engine reports a replica's verdict reads, and how far off."""
     dc = r.mapping(raw, "delivery", _DELIVERY)
     d = DeliveryConfig()
-    enabled = dc.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise r.fail("delivery.enabled", f"expected true or false, got {enabled!r}")
+    enabled = r.flag(dc.get("enabled", True), "delivery.enabled")
     window = r.integer(dc.get("window", d.window), "delivery.window", 1)
     min_requests = r.integer(dc.get("min_requests", d.min_requests), "delivery.min_requests", 1)
     if min_requests > window:
         raise r.fail("delivery.min_requests", f"must be at most the window ({window})")
-    tolerance = r.number(dc.get("tolerance", d.tolerance), "delivery.tolerance")
-    if not 0 < tolerance <= 1:
-        raise r.fail("delivery.tolerance", f"expected a share in (0, 1], got {tolerance!r}")
+    tolerance = r.share(dc.get("tolerance", d.tolerance), "delivery.tolerance")
     return DeliveryConfig(enabled, window, min_requests, tolerance)
 
 
@@ -436,12 +425,8 @@ def _whatif(r: ConfigReader, raw: Any) -> WhatIfConfig:
             "trace (record_trace.path, then POST /v1/whatif/counterfactuals; docs/service.md)",
         )
     w = WhatIfConfig()
-    enabled = wc.get("enabled", w.enabled)
-    if not isinstance(enabled, bool):
-        raise r.fail("whatif.enabled", f"expected true or false, got {enabled!r}")
-    rate = r.number(wc.get("rate", w.rate), "whatif.rate")
-    if rate > 1:
-        raise r.fail("whatif.rate", f"expected a share in (0, 1], got {rate!r}")
+    enabled = r.flag(wc.get("enabled", w.enabled), "whatif.enabled")
+    rate = r.share(wc.get("rate", w.rate), "whatif.rate")
     memory = r.number(wc.get("max_memory_mib", w.max_memory_mib), "whatif.max_memory_mib")
     return WhatIfConfig(enabled, rate, memory)
 
@@ -454,9 +439,7 @@ def _record_trace(r: ConfigReader, raw: Any, base_dir: Path | None) -> TraceReco
     path = r.string(rc.get("path"), "record_trace.path")
     if path is not None and base_dir is not None and not Path(path).is_absolute():
         path = str(base_dir / path)
-    rate = r.number(rc.get("rate", d.rate), "record_trace.rate")
-    if rate > 1:
-        raise r.fail("record_trace.rate", f"expected a share in (0, 1], got {rate!r}")
+    rate = r.share(rc.get("rate", d.rate), "record_trace.rate")
     max_mib = r.number(rc.get("max_mib", d.max_mib), "record_trace.max_mib")
     keep = r.integer(rc.get("keep", d.keep), "record_trace.keep", 0)
     return TraceRecordConfig(path, rate, max_mib, keep)

@@ -62,6 +62,19 @@ class ConfigReader:
             raise self.fail(where, f"expected a positive finite number, got {value!r}")
         return float(value)
 
+    def share(self, value: Any, where: str) -> float:
+        """A share in (0, 1], as a float."""
+        share = self.number(value, where)
+        if share > 1:
+            raise self.fail(where, f"expected a share in (0, 1], got {share!r}")
+        return share
+
+    def flag(self, value: Any, where: str) -> bool:
+        """True or false (no other value stands for one)."""
+        if not isinstance(value, bool):
+            raise self.fail(where, f"expected true or false, got {value!r}")
+        return value
+
     def url(self, value: Any, where: str) -> str | None:
         """An http(s)://host[:port] URL without its trailing slash (None for None)."""
         text = self.string(value, where)
