@@ -214,6 +214,23 @@ class MemoryFleetIndex:
         return {r: counts.get(check_replica(r), 0) for r in replicas}
 
     # ---- beyond the contract --------------------------------------------------------------
+    def longest_elsewhere(self, digests: Sequence[bytes], replica: str) -> int:
+        """The most leading blocks of ``digests`` (on any medium) that one replica other than
+        ``replica`` holds: ``max`` of ``match``'s ``blocks`` over the others, 0 with none, read
+        in one walk that stops where the last of them stops matching."""
+        check_digests(digests)
+        alive = 0
+        for name, r in self._slot.copy().items():
+            if name != replica:
+                alive |= 1 << (2 * r)
+        if not alive:
+            return 0
+        for i, m in enumerate(map(self._masks.get, digests, repeat(0))):
+            alive &= m | (m >> 1)
+            if not alive:
+                return i
+        return len(digests)
+
     def overflow(self, replica: str) -> int:
         """Blocks refused for ``replica`` because it was at ``max_blocks_per_replica``."""
         return self._overflow.get(check_replica(replica), 0)

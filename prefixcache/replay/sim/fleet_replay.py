@@ -242,6 +242,7 @@ class FleetSimulator:
         rep = self.replicas[k]
         hasher = rep.mgr.hasher
         name = rep.name
+        longest = self.index.longest_elsewhere  # the most any other replica holds
 
         def elsewhere(live: LiveRequest) -> int:
             digests = live.digests
@@ -249,9 +250,7 @@ class FleetSimulator:
                 digests = hasher.hash_prompt(live.req.tokens, live.req.namespace)
             if not digests:
                 return 0
-            return max(
-                (m.blocks for m in self.index.match(digests) if m.replica != name), default=0
-            )
+            return longest(digests, name)
 
         return elsewhere
 
