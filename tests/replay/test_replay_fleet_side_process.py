@@ -105,6 +105,19 @@ def test_a_side_process_that_dies_leaves_its_passes_to_this_one(
     assert json.dumps(beside, sort_keys=True) == json.dumps(alone, sort_keys=True)
 
 
+def test_a_fork_that_fails_runs_every_pass_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    path, options = CASES["chat"]
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: False)
+    alone = report(path, options)
+
+    def no_process(*args: Any, **kwargs: Any) -> Any:
+        raise BlockingIOError(11, "Resource temporarily unavailable")  # fork's EAGAIN
+
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
+    monkeypatch.setattr(fleet_replay, "SideRun", no_process)
+    assert json.dumps(report(path, options), sort_keys=True) == json.dumps(alone, sort_keys=True)
+
+
 def test_no_point_of_a_sweep_starts_a_second_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sweep's points already take the cores (worker processes forked from this one inherit
     the patch below, so any point that made a ``SideRun`` would fail the sweep)."""

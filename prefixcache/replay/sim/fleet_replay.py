@@ -480,9 +480,13 @@ def run_fleet(
         side_process = side_process_available()
     side: SideRun[_SideLines] | None = None
     if side_process and first is not None:
-        side = SideRun(
-            lambda count, stage: _side_passes(reopen, cfg, namespace, count, stage), first_stage=1
-        )
+        try:
+            side = SideRun(
+                lambda count, stage: _side_passes(reopen, cfg, namespace, count, stage),
+                first_stage=1,
+            )
+        except OSError:  # no process to be had (memory, process limits): all passes here
+            side = None
     lines: _SideLines | None = None
     try:
         sim = FleetSimulator(cfg, acc, namespace, on_finish=_with_side(update, name, side))

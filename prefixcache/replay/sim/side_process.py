@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -61,7 +62,14 @@ class SideRun(Generic[T]):
         # and this process takes it once the child runs
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            self._proc.start()
+            with warnings.catch_warnings():
+                # Python 3.12 warns of fork beside threads (a progress bar's monitor): the
+                # child only runs the work, which takes no lock another thread could hold
+                warnings.filterwarnings("ignore", ".*fork.*", DeprecationWarning)
+                self._proc.start()
+        except BaseException:
+            self._recv.close()
+            raise
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             send.close()
