@@ -117,8 +117,17 @@ class MemoryFleetIndex:
         added = 0
         cap = self.max_blocks_per_replica
         get = masks.get
+        alone = interned.setdefault(bit, bit)  # the mask of a block this replica alone holds
         for k, d in enumerate(digests):
             m = get(d, 0)
+            if not m:  # no replica holds it yet: the common case, taken first
+                if count >= cap:
+                    self._overflow[replica] += len(digests) - k
+                    break
+                count += 1
+                added += 1
+                masks[d] = alone
+                continue
             if m & bit:
                 continue
             if not m & both:
@@ -153,8 +162,15 @@ class MemoryFleetIndex:
         count = self._count[replica]
         gpu_bit = 1 << (2 * r)
         gpu_count = self._gpu_count[replica]
+        gpu_drop = 1 if bits & gpu_bit else 0
+        get = masks.get
         for d in digests:
-            m = masks.get(d, 0)
+            m = get(d, 0)
+            if m == bits:  # held by this replica alone, on these media alone: the common case
+                del masks[d]
+                count -= 1
+                gpu_count -= gpu_drop
+                continue
             if not m & bits:
                 continue
             if m & bits & gpu_bit:
