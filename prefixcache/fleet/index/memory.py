@@ -241,10 +241,13 @@ class MemoryFleetIndex:
                 alive |= 1 << (2 * r)
         if not alive:
             return 0
+        last = -1
         for i, m in enumerate(map(self._masks.get, digests, repeat(0))):
-            alive &= m | (m >> 1)
-            if not alive:
-                return i
+            if m != last:  # a block like the one before it ends no replica's match
+                last = m
+                alive &= m | (m >> 1)
+                if not alive:
+                    return i
         return len(digests)
 
     def overflow(self, replica: str) -> int:
@@ -311,7 +314,11 @@ def match_masks(masks: Iterable[int], n: int, slots: Mapping[str, int]) -> list[
     gpu_alive = any_alive
     any_len: dict[int, int] = {}
     gpu_len: dict[int, int] = {}
+    last = -1  # no mask: a block like the one before it ends no replica's match
     for i, m in enumerate(masks):
+        if m == last:
+            continue
+        last = m
         held = (m | (m >> 1)) & any_alive
         if held != any_alive:
             _record(any_alive & ~held, i, any_len)
