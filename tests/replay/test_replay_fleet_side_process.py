@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from prefixcache.cli import main
 from prefixcache.replay import ReplayConfig, open_source
 from prefixcache.replay.runner import _replay, replay_sweep
 from prefixcache.replay.sim import fleet_replay
@@ -151,6 +152,30 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_error_in_the_fleet_pass_ends_the_second_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fleet pass refuses a second model after the second process has started: one line,
+    exit 2, and no process of this one left running."""
+    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
+    CountedSideRun.made = 0
+    monkeypatch.setattr(fleet_replay, "SideRun", CountedSideRun)
+    trace = tmp_path / "two_models.jsonl"
+    lines = [
+        {"timestamp": 0, "model": "a", "token_ids": list(range(40))},
+        {"timestamp": 1, "model": "b", "token_ids": list(range(40))},
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["replay", str(trace), "--mode", "serving", "--blocks", "100", "--replicas", "2"]
+    before = set(_children(os.getpid()))
+    assert main([*args, "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "serves one model" in err and "Traceback" not in err
+    assert CountedSideRun.made == 1
+    assert not [c for c in _children(os.getpid()) if c not in before and _running(c)]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
