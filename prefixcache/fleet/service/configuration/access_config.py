@@ -195,12 +195,7 @@ def parse_server(r: ConfigReader, raw: Any, raw_tls: Any, base_dir: Path | None)
     for name in TLS_KEYS:
         value = r.string(t.get(name), f"tls.{name}")
         if value is not None:
-            path = Path(value)
-            if not path.is_absolute() and base_dir is not None:
-                path = base_dir / path
-            if not path.is_file():
-                raise r.fail(f"tls.{name}", f"file {str(path)!r} does not exist")
-            value = str(path)
+            value = str(r.existing_file(value, f"tls.{name}", base_dir))
         files.append(value)
     if (files[0] is None) != (files[1] is None):
         raise r.fail("tls", "give both 'certfile' and 'keyfile'")

@@ -445,22 +445,12 @@ def _record_trace(r: ConfigReader, raw: Any, base_dir: Path | None) -> TraceReco
     return TraceRecordConfig(path, rate, max_mib, keep)
 
 
-def _existing_file(r: ConfigReader, text: str, where: str, base_dir: Path | None) -> Path:
-    """``text`` as a path (relative ones from ``base_dir``) to a file that exists."""
-    path = Path(text)
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path
-    if not path.is_file():
-        raise r.fail(where, f"file {str(path)!r} does not exist")
-    return path
-
-
 def _tokenizer(r: ConfigReader, raw: Any, base_dir: Path | None) -> str | None:
     """``tokenizer``: a tokenizer.json file, or None for ``bytes`` (UTF-8 bytes as ids)."""
     tokenizer = r.string(raw, "tokenizer")
     if tokenizer is None or tokenizer == "bytes":
         return None
-    return str(_existing_file(r, tokenizer, "tokenizer", base_dir))
+    return str(r.existing_file(tokenizer, "tokenizer", base_dir))
 
 
 def _chat_template(r: ConfigReader, raw: Any, base_dir: Path | None) -> str | None:
@@ -468,7 +458,7 @@ def _chat_template(r: ConfigReader, raw: Any, base_dir: Path | None) -> str | No
     chat_template = r.string(raw, "chat_template")
     if chat_template is None:
         return None
-    path = _existing_file(r, chat_template, "chat_template", base_dir)
+    path = r.existing_file(chat_template, "chat_template", base_dir)
     try:
         ChatTemplate.load(path)
     except ConfigError as exc:

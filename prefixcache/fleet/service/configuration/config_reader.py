@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,6 +75,15 @@ class ConfigReader:
         if not isinstance(value, bool):
             raise self.fail(where, f"expected true or false, got {value!r}")
         return value
+
+    def existing_file(self, text: str, where: str, base_dir: Path | None) -> Path:
+        """``text`` as a path (relative ones from ``base_dir``) to a file that exists."""
+        path = Path(text)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise self.fail(where, f"file {str(path)!r} does not exist")
+        return path
 
     def url(self, value: Any, where: str) -> str | None:
         """An http(s)://host[:port] URL without its trailing slash (None for None)."""
