@@ -128,7 +128,7 @@ def _percentile(values: list[float], q: int) -> float:
 
 class _Replica:
     """One replica: a serving simulation whose manager's events reach the fleet's index, and
-    whose finished requests the router releases."""
+    whose finished requests the router releases before its next route."""
 
     def __init__(
         self,
@@ -140,7 +140,6 @@ class _Replica:
         self.fleet, self.name = fleet, name
         sim = self.sim = Simulator(mgr, cfg, fleet.acc)
         sim.times = fleet.times  # indexed by the fleet's request index
-        sim.after_step = self.after_step
         self.live: dict[int, LiveRequest] = {}
         self.routed = 0
         if isinstance(mgr, CacheManager):
@@ -160,8 +159,9 @@ class _Replica:
         self.live[live.idx] = live
         self.routed += 1
 
-    def after_step(self) -> None:
-        """After a step that did something: release the requests that left."""
+    def release_left(self) -> None:
+        """Release the requests that left since the last call (the router reads their load at
+        the next route only, so releasing them then is releasing them as they leave)."""
         sim = self.sim
         if len(sim.running) + len(sim.waiting) < len(self.live):
             here = {r.idx for r in sim.running}
@@ -272,6 +272,8 @@ class FleetSimulator:
                     f"{self.model or 'the default model'!r}: replay each model on its own"
                 )
             self._advance(req.arrival_s)
+            for rep in self.replicas:
+                rep.release_left()
             ns = req.namespace
             if ns.adapter is not None and ns.adapter_version is not None:
                 self._name_version(ns.model, ns.adapter, ns.adapter_version)
@@ -289,6 +291,8 @@ class FleetSimulator:
             live.digests = digests
             self.replicas[k].take(live)
         self._advance(math.inf)
+        for rep in self.replicas:
+            rep.release_left()
         if self.tally is not None:
             self.tally.finish()
         self.truncated = sum(r.sim.truncated for r in self.replicas)
