@@ -19,20 +19,20 @@ Every replica serves the workload's model with any LoRA adapter and any salt (te
 engines do (adapters loaded at run time, ``cache_salt`` per request); blocks still never match
 across namespaces. A workload of several models is refused.
 
-The pooled line is one replica with N times the blocks and N times the compute: token budget,
-running sequences, peak FLOPs and memory bandwidth all scaled by N. With every block in one cache
-and no route to get wrong, its hit rate is what routing aims for.
+The pooled line (``pooled_line``) is one replica with N times the blocks and N times the
+compute: its hit rate is what routing aims for. It and the no-cache fleet read nothing of the
+fleet pass: where a second core is usable they run beside it in a second process
+(``side_process``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from prefixcache.blocks.namespace import Namespace
-from prefixcache.blocks.pool import UNBOUNDED
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.fleet.replica_spec import ANY_ADAPTER, ReplicaSpec
@@ -44,14 +44,15 @@ from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.index_feed import ReplicaIndexFeed
+from prefixcache.replay.sim.pooled_line import PooledLine, run_pooled, served_percentile
 from prefixcache.replay.sim.serving import LiveRequest, Simulator, advance_replicas
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
-from prefixcache.replay.sim.side_process import SideRun, side_process_available
+from prefixcache.replay.sim.side_process import SideRun, side_process_available, skip_first
 from prefixcache.replay.sim.step_tally import StepTally
 from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
 from prefixcache.replay.workload.request import Request
-from prefixcache.run_format import nearest_rank, rate
+from prefixcache.run_format import rate
 
 # the passes of a fleet replay, in order: each completes every request once
 FLEET_PASSES = ("fleet", "fleet without cache", "pooled cache")
@@ -68,16 +69,6 @@ class ReplicaStats(NamedTuple):
     busy_seconds: float  # simulated time spent in steps
     steps: int
     evicted_blocks: int
-    ttft_p50_s: float
-    ttft_p99_s: float
-
-
-class PooledLine(NamedTuple):
-    """One replica with N x the blocks and N x the compute, replaying the same requests."""
-
-    capacity_blocks: int
-    token_hit_rate: float
-    block_hit_rate: float
     ttft_p50_s: float
     ttft_p99_s: float
 
@@ -119,11 +110,6 @@ class FleetStats:
 def _imbalance(values: Sequence[float]) -> float:
     mean = sum(values) / len(values) if values else 0.0
     return max(values) / mean if mean else 1.0
-
-
-def _percentile(values: list[float], q: int) -> float:
-    served = [v for v in values if not math.isnan(v)]
-    return nearest_rank(served, q) if served else 0.0
 
 
 class _Replica:
@@ -334,8 +320,8 @@ class FleetSimulator:
                 r.sim.busy,
                 r.sim.steps,
                 r.mgr.stats.evicted_blocks,
-                _percentile(ttfts[k], 50),
-                _percentile(ttfts[k], 99),
+                served_percentile(ttfts[k], 50),
+                served_percentile(ttfts[k], 99),
             )
             for k, r in enumerate(self.replicas)
         ]
@@ -348,72 +334,6 @@ class FleetSimulator:
             for key in names:
                 setattr(total, key, getattr(total, key) + getattr(r.mgr.stats, key))
         return total
-
-
-def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
-    """One replica with N x the blocks, token budget, running sequences, FLOPs and bandwidth;
-    with tiers, N x the host memory and N x every link (the same shared pool)."""
-    o = cfg.options
-    n = o.replicas
-    gpu = cfg.gpu
-    if gpu is not None:
-        gpu = replace(gpu, peak_flops=gpu.peak_flops * n, hbm_bytes_per_s=gpu.hbm_bytes_per_s * n)
-    blocks = min(cfg.capacity_blocks * n, UNBOUNDED)  # n unbounded caches pool to one
-    tiers = cfg.tiers
-    if tiers is not None:
-        host_bw, pool_bw = tiers.host_bandwidth * n, tiers.pool_bandwidth * n
-        host, pool = tiers.host_transfer, tiers.pool_transfer
-        tiers = replace(
-            tiers,
-            host_blocks=tiers.host_blocks * n,
-            host_bytes=tiers.host_bytes * n,
-            host_bandwidth=host_bw,
-            pool_bandwidth=pool_bw,
-            recompute_seconds_per_token=tiers.recompute_seconds_per_token / n,
-            host_transfer=host._replace(host_bandwidth=host_bw, flops=host.flops * n),
-            pool_transfer=pool._replace(host_bandwidth=pool_bw, flops=pool.flops * n),
-        )
-    return replace(
-        cfg,
-        options=o.with_(
-            replicas=1,
-            routing=None,
-            record=False,
-            capacity_blocks=blocks,
-            kv_memory=None,
-            token_budget=o.token_budget * n,
-            max_seqs=o.max_seqs * n,
-        ),
-        capacity_blocks=blocks,
-        capacity_bytes=cfg.capacity_bytes * n if cfg.capacity_bytes is not None else None,
-        gpu=gpu,
-        tiers=tiers,
-    )
-
-
-def run_pooled(
-    requests: Iterable[Request],
-    cfg: ResolvedConfig,
-    on_finish: Callable[[int], None] | None = None,
-) -> PooledLine:
-    """Replay ``requests`` through the pooled cache of ``pooled_config(cfg)``; ``on_finish`` is
-    told how many requests each step completed."""
-    pooled = pooled_config(cfg)
-    mgr = pooled.cache_manager()
-    acc = Accountant(pooled.options.block_size, mgr.hasher, track_isolation=False, record=False)
-    sim = Simulator(mgr, pooled, acc)
-    sim.on_finish = on_finish
-    tiers = build_tiers(pooled, [mgr])
-    sim.tiers = tiers.admitters[0] if tiers is not None else None
-    sim.run(requests)
-    tot = acc.totals
-    return PooledLine(
-        pooled.capacity_blocks,
-        rate(tot.hit_tokens, tot.prompt_tokens),
-        rate(tot.hit_blocks, tot.prompt_blocks),
-        _percentile(sim.times.ttft, 50),
-        _percentile(sim.times.ttft, 99),
-    )
 
 
 class FleetRun(NamedTuple):
@@ -506,7 +426,7 @@ def run_fleet(
     if lines is None:  # no second process, or it ended without its figures: run them here
         counted = side.taken if side is not None else 0  # on the bar already
         lines = _side_passes(
-            reopen, cfg, namespace, _skipping(update, counted), lambda k: name(FLEET_PASSES[k])
+            reopen, cfg, namespace, skip_first(update, counted), lambda k: name(FLEET_PASSES[k])
         )
     times = sim.times
     o = cfg.options
@@ -571,24 +491,6 @@ def _with_side(
         if side.stage != shown:
             label(side.stage)
         n += side.counted()
-        if n:
-            update(n)
-
-    return on_finish
-
-
-def _skipping(update: Callable[[int], None] | None, skip: int) -> Callable[[int], None] | None:
-    """``update``, less the first ``skip`` requests counted (counted once already)."""
-    if update is None or not skip:
-        return update
-    left = skip
-
-    def on_finish(n: int) -> None:
-        nonlocal left
-        if left:
-            taken = min(left, n)
-            left -= taken
-            n -= taken
         if n:
             update(n)
 

@@ -147,3 +147,22 @@ def _child(work: Work[Any], send: Any, count: Any, stage: Any, parent: int) -> N
         code = 1
     finally:
         os._exit(code)
+
+
+def skip_first(update: Callable[[int], None] | None, skip: int) -> Callable[[int], None] | None:
+    """``update``, less the first ``skip`` counted (counted once already: by the child, when
+    the caller runs its work again)."""
+    if update is None or not skip:
+        return update
+    left = skip
+
+    def on_finish(n: int) -> None:
+        nonlocal left
+        if left:
+            taken = min(left, n)
+            left -= taken
+            n -= taken
+        if n:
+            update(n)
+
+    return on_finish
