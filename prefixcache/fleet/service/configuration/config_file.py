@@ -207,14 +207,10 @@ def _replica(r: ConfigReader, raw: Any, where: str) -> ReplicaConfig:
     adapter = r.string(m.get("adapter"), f"{where}.adapter")
     adapter_version = r.string(m.get("adapter_version"), f"{where}.adapter_version")
     salt = r.string(m.get("salt"), f"{where}.salt")
-    try:
+    with r.at(where, PrefixCacheError):
         namespace = Namespace(model or "", adapter, adapter_version, salt, tuple(extra))
-    except PrefixCacheError as exc:
-        raise r.fail(where, str(exc)) from None
-    try:
+    with r.at(""):
         engine_hash = parse_engine_hash(m.get("engine_hash"), f"{where}.engine_hash")
-    except ConfigError as exc:
-        raise r.fail("", str(exc)) from None
     events_bind = r.flag(m.get("events_bind", False), f"{where}.events_bind")
     if events_bind and m.get("events") is None:
         raise r.fail(f"{where}.events_bind", "needs an events endpoint to bind")
@@ -337,7 +333,7 @@ def _routing(r: ConfigReader, raw: Any) -> RoutingConfig:
             f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}",
         )
     d = RoutingParams()
-    try:
+    with r.at("routing"):
         params = check_params(
             RoutingParams(
                 rt.get("balance_abs_threshold", d.balance_abs_threshold),
@@ -346,8 +342,6 @@ def _routing(r: ConfigReader, raw: Any) -> RoutingConfig:
                 rt.get("prefill_weight", d.prefill_weight),
             )
         )
-    except ConfigError as exc:
-        raise r.fail("routing", str(exc)) from None
     timeout = rt.get("in_flight_timeout_s", RoutingConfig.in_flight_timeout_s)
     if timeout is not None:  # null: loads end only when released
         timeout = r.number(timeout, "routing.in_flight_timeout_s")
@@ -459,26 +453,20 @@ def _chat_template(r: ConfigReader, raw: Any, base_dir: Path | None) -> str | No
     if chat_template is None:
         return None
     path = r.existing_file(chat_template, "chat_template", base_dir)
-    try:
+    with r.at("chat_template"):
         ChatTemplate.load(path)
-    except ConfigError as exc:
-        raise r.fail("chat_template", str(exc)) from None
     return str(path)
 
 
 def _index(r: ConfigReader, raw: Any, raw_prefix: Any) -> tuple[str, str | None]:
     """``index`` (memory, or a Redis URL) and ``index_prefix``, which must agree with a prefix
     the URL names."""
-    try:
+    with r.at(""):
         index = check_index_url(raw)
-    except ConfigError as exc:
-        raise r.fail("", str(exc)) from None
     if raw_prefix is None:
         return index, None
-    try:
+    with r.at(""):
         check_index_prefix(raw_prefix, "index_prefix", cluster=is_cluster_url(index))
-    except ConfigError as exc:
-        raise r.fail("", str(exc)) from None
     in_url = split_prefix(index)[1] if index not in IN_PROCESS else None
     if in_url is not None and in_url != raw_prefix:
         raise r.fail(

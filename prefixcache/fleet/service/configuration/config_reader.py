@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from prefixcache.errors import ConfigError
+from prefixcache.errors import ConfigError, PrefixCacheError
 
 # tcp://host:port to connect to: ``*`` (bind to every interface) is an engine's bind address
 _ENDPOINT = re.compile(r"(tcp://[^\s:/*]+:\d{1,5}|ipc://\S+|inproc://\S+)")
@@ -27,6 +29,14 @@ class ConfigReader:
         return ConfigError(
             f"{self.source}: {where}: {message}" if where else f"{self.source}: {message}"
         )
+
+    @contextmanager
+    def at(self, where: str, kind: type[PrefixCacheError] = ConfigError) -> Iterator[None]:
+        """An error of ``kind`` inside (another module's check) as this reader's at ``where``."""
+        try:
+            yield
+        except kind as exc:
+            raise self.fail(where, str(exc)) from None
 
     def mapping(self, value: Any, where: str, known: tuple[str, ...]) -> dict[str, Any]:
         """A mapping whose keys are all ``known`` ({} for None)."""
