@@ -277,19 +277,23 @@ class CacheManager:
         k = as_size(num_tokens, "num_tokens")
         return self._requests.append_need(seq, k) <= self._supply.available(0)
 
-    def append(self, request_id: Hashable, tokens: TokenIds | int) -> AppendResult:
+    def append(
+        self, request_id: Hashable, tokens: TokenIds | int, *, map_slots: bool = True
+    ) -> AppendResult:
         """Append generated tokens (one int, numpy or 0-d tensor scalar, or any token
         container); allocates blocks as needed and copies a shared partial last block before
-        writing into it. Newly filled blocks enter the index."""
+        writing into it. Newly filled blocks enter the index. ``map_slots=False``: the result's
+        ``slots`` is empty, for a caller that maps slots from the block table itself (or
+        writes no K/V, as a simulation)."""
         seq = live_request(self._seqs, request_id)
         self._state.expire_store_writes()
         token = as_single_token(tokens)
         if token is not None:  # the decode fast path: no array round trip for one token
             data, k = token.to_bytes(4, "little"), 1
         else:
-            data = as_token_array(tokens).tobytes()
+            data = as_token_bytes(tokens)
             k = len(data) // 4
-        return self._requests.append(seq, data, k)
+        return self._requests.append(seq, data, k, map_slots)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks, the partial last

@@ -23,6 +23,8 @@ from prefixcache.manager.results import Admission, AppendResult, Copy, slots_of
 from prefixcache.manager.state import CacheState, RequestState
 from prefixcache.manager.step_ledger import StepLedger
 
+_NO_SLOTS = np.empty(0, dtype=np.int64)  # what an append that maps no slots returns
+_NO_SLOTS.flags.writeable = False
 _new = tuple.__new__  # a NamedTuple from a tuple in C (its generated __new__ is a Python call)
 
 
@@ -159,10 +161,10 @@ class RequestBlocks:
             need += 1
         return need
 
-    def append(self, seq: RequestState, data: bytes, k: int) -> AppendResult:
+    def append(self, seq: RequestState, data: bytes, k: int, map_slots: bool) -> AppendResult:
         """Append ``k`` tokens (``data``: int32 LE) to ``seq``, taking the blocks it needs
         (OutOfBlocksError, changing nothing, when they are not there); newly filled blocks
-        enter the index."""
+        enter the index. ``map_slots``: return the tokens' slots (else an empty array)."""
         state = self.state
         pool, p, t0 = state.pool, state.block_size, seq.num_tokens
         t1 = t0 + k
@@ -201,11 +203,9 @@ class RequestBlocks:
             self.indexer.index_blocks(seq, seq.tokens, t1 // p, None, now)
             if seq.claim is not None:  # the blocks it decoded carry its claim too
                 add_claim(seq.deepest, seq.claim, now)
-        if k == 1:
-            slots = np.array([seq.table[t0 // p] * p + t0 % p], dtype=np.int64)
-        else:
-            slots = slots_of(seq.table, p, t0, t1)
-        return AppendResult(slots, copies)
+        if not map_slots:
+            return _new(AppendResult, (_NO_SLOTS, copies))
+        return _new(AppendResult, (slots_of(seq.table, p, t0, t1), copies))
 
     def fork(self, parent: RequestState, child_id: Hashable) -> None:
         """Start ``child_id`` sharing every block of ``parent``, the partial last one too."""

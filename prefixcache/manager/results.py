@@ -32,8 +32,16 @@ class Lookup(NamedTuple):
     host_blocks: int = 0  # full blocks after them that would be loaded from the host tier
 
 
+_SHORT_RUN = 64  # up to this many slots, a list is cheaper to build than numpy's index arithmetic
+
+
 def slots_of(table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
     """Slot ids (block * block_size + offset) of positions ``start .. end-1``."""
+    if end - start <= _SHORT_RUN:  # a decode step's few tokens: numpy's per-call cost dominates
+        return np.array(
+            [table[t // block_size] * block_size + t % block_size for t in range(start, end)],
+            dtype=np.int64,
+        )
     first = start // block_size
     blocks = np.asarray(table[first : -(-end // block_size)], dtype=np.int64)
     pos = np.arange(start, end, dtype=np.int64)

@@ -17,6 +17,7 @@ from prefixcache import (
     RequestTooLargeError,
     UnknownRequestError,
 )
+from prefixcache.manager.results import slots_of
 from tests.snapshot import snapshot
 
 NS = Namespace(model="m")
@@ -112,6 +113,30 @@ def test_append_allocates_and_commits_filled_blocks():
     m.check_integrity()
     m.release("a")
     assert m.admit("b", toks(0, 9), NS).cached_len == 8
+
+
+def test_append_without_slot_mapping_changes_nothing_else():
+    mapped, unmapped = mgr_(), mgr_()
+    for m in (mapped, unmapped):
+        m.admit("a", toks(0, 6), NS)
+        m.fork("a", "b")  # b's first write copies the shared partial block
+    for tokens in ([6, 7, 8], 9, np.arange(10, 40, dtype=np.int32)):
+        for rid in ("a", "b"):
+            full = mapped.append(rid, tokens)
+            bare = unmapped.append(rid, tokens, map_slots=False)
+            assert len(bare.slots) == 0 and bare.slots.dtype == np.int64
+            assert bare.copies == full.copies and len(full.slots) == np.size(tokens)
+            assert mapped.block_table(rid) == unmapped.block_table(rid)
+    assert mapped.stats == unmapped.stats
+    unmapped.check_integrity()
+
+
+def test_slot_mapping_short_and_long_runs_agree():
+    table = [(7 * b + 3) % 31 for b in range(30)]  # 120 slots of 4-token blocks
+    for start, end in [(0, 0), (0, 1), (5, 6), (3, 17), (1, 65), (1, 66), (3, 110), (0, 120)]:
+        want = [table[t // 4] * 4 + t % 4 for t in range(start, end)]
+        got = slots_of(table, 4, start, end)
+        assert got.dtype == np.int64 and got.tolist() == want
 
 
 def test_fork_shares_everything_and_copies_on_write():

@@ -145,7 +145,8 @@ class ReplicaBatch:
             base = pos - s.generated + 1  # position of out[0]
             pending = s.out[flushed - base : pos - base + 1]
             try:
-                cache.append(s.rid, int(pending[0]) if len(pending) == 1 else pending)
+                token = int(pending[0]) if len(pending) == 1 else pending
+                cache.append(s.rid, token, map_slots=False)
             except OutOfBlocksError:
                 return False
         else:

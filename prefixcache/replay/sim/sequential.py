@@ -114,7 +114,7 @@ def _write_outputs(
         written = 0
         if len(out):
             try:
-                mgr.append(rid, out)
+                mgr.append(rid, out, map_slots=False)
                 written = len(out)
             except OutOfBlocksError:
                 cut += 1
