@@ -143,7 +143,6 @@ def _replay(
             try:
                 serving = run_serving(
                     requests,
-                    arrivals,
                     mgr,
                     acc,
                     resolved,

@@ -384,21 +384,21 @@ class Simulator:
 
 def run_serving(
     requests: Iterable[Request],
-    again: Iterable[Request],
     mgr: CacheManager,
     acc: Accountant,
     cfg: ResolvedConfig,
     on_finish: Callable[[int], None] | None = None,
     tiers: TierAdmitter | None = None,
 ) -> ServingStats:
-    """Simulate ``requests`` with the cache, then ``again`` (the same requests, iterated anew)
-    without it, at the same capacity, for the no-cache figures. ``on_finish`` is told how many
-    requests completed, step by step, in both simulations. ``tiers``: admit through the host
-    tier and pool it manages (their loads add to the step times)."""
+    """Simulate ``requests`` with the cache, then the same requests (kept whole) without it,
+    at the same capacity, for the no-cache figures. ``on_finish`` is told how many requests
+    completed, step by step, in both simulations. ``tiers``: admit through the host tier and
+    pool it manages (their loads add to the step times)."""
+    again = list(requests)
     sim = Simulator(mgr, cfg, acc)
     sim.on_finish = on_finish
     sim.tiers = tiers
-    sim.run(requests)
+    sim.run(again)
     plain = cfg.cache_manager(caching=False)
     base = Simulator(plain, cfg, None)
     base.on_finish = on_finish

@@ -27,6 +27,8 @@ from prefixcache.replay.sim.serving_figures import RequestTimes
 from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 from prefixcache.replay.workload.synth import TokenTape, stream_key
 
+_ZERO_TOKEN = np.zeros(1, dtype="<i4")  # what an uncached replica's outputs are broadcast from
+
 
 class ReplicaBatch:
     """One replica's requests in flight and the blocks they hold. ``mgr``: the cache manager,
@@ -109,7 +111,7 @@ class ReplicaBatch:
         req, kv = r.req, len(r.tokens)
         if r.out0 is None:
             given = req.output_tokens
-            r.out0 = given if given is not None else self.tape.take(req.output_len)
+            r.out0 = given if given is not None else self._outputs(req.output_len)
         now = self.steps
         first = DecodingSample(r, 0, r.idx, kv, r.resume + 1, r.out0, now)
         r.seqs = [first]
@@ -119,7 +121,7 @@ class ReplicaBatch:
             else:
                 assert self.counts is not None
                 self.counts.fork(r.idx, (r.idx, j))
-            out = self.tape.take(req.output_len)
+            out = self._outputs(req.output_len)
             r.seqs.append(DecodingSample(r, j, (r.idx, j), kv, 1, out, now))
         if req.n > 1:
             self.epoch += 1
@@ -127,6 +129,13 @@ class ReplicaBatch:
         self._kv_add(req.n * kv)
         self.logical += (req.n - 1) * -(-kv // self.block_size)
         return r.seqs
+
+    def _outputs(self, n: int) -> np.ndarray:
+        """A sample's ``n`` output tokens: drawn from the tape, or (caching nothing, so no token
+        is ever read) all 0 without drawing them."""
+        if self.cache is None:
+            return np.broadcast_to(_ZERO_TOKEN, (n,))
+        return self.tape.take(n)
 
     def _write_due(self, s: DecodingSample) -> bool:
         """Whether the token ``s`` decodes now (at ``kv_len``) goes to the manager: it starts a

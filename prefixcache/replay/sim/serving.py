@@ -474,24 +474,24 @@ def advance_replicas(sims: list[Simulator], until: float) -> None:
 
 def run_serving(
     requests: Iterable[Request],
-    again: Iterable[Request],
     mgr: CacheManager,
     acc: Accountant,
     cfg: ResolvedConfig,
     on_finish: Callable[[int], None] | None = None,
     tiers: TierAdmitter | None = None,
 ) -> ServingStats:
-    """Simulate ``requests`` with the cache, then ``again`` (the same requests, iterated anew)
-    without it, at the same capacity, for the no-cache figures. ``on_finish`` is told how many
-    requests completed, step by step, in both simulations. ``tiers``: admit through the host
-    tier and pool it manages (their loads add to the step times)."""
+    """Simulate ``requests`` with the cache, then the same requests without it (their lengths
+    alone, kept by the first pass), at the same capacity, for the no-cache figures.
+    ``on_finish`` is told how many requests completed, step by step, in both simulations.
+    ``tiers``: admit through the host tier and pool it manages (their loads add to the step
+    times)."""
     sim = Simulator(mgr, cfg, acc)
     sim.on_finish = on_finish
     sim.tiers = tiers
     sim.run(requests)
     base = Simulator(UncachedBlocks(cfg.capacity_blocks, cfg.options.block_size), cfg, None)
     base.on_finish = on_finish
-    base.run(again)
+    base.run(sim.times.lengths_only())
     times = sim.times
     return ServingStats(
         times.ttft,

@@ -19,14 +19,19 @@ the mean load over its replicas and the busiest replica's; the busiest one decid
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from prefixcache.blocks.namespace import DEFAULT_NAMESPACE
+from prefixcache.replay.workload.request import Request
 from prefixcache.run_format import nearest_rank
 
 OVERLOAD = 1.0  # offered load above which the queue can grow without bound
 QUEUE_GROWTH = 0.05  # ... and does: TTFT growth over the trace, as a fraction of its span
+_ZERO_TOKEN = np.zeros(1, dtype="<i4")  # broadcast to a prompt's length by ``lengths_only``
 
 
 @dataclass(frozen=True)
@@ -226,6 +231,15 @@ class RequestTimes:
         self.prompt_len.append(prompt_len)
         self.output_len.append(output_len * samples)
         self.samples.append(samples)
+
+    def lengths_only(self) -> Iterator[Request]:
+        """The requests added so far, again, as lengths alone: every token id 0 (a zero-stride
+        array, no memory), the default namespace. What a pass that caches nothing reads of a
+        request, so it need not read or generate the workload a second time."""
+        for k, arrival in enumerate(self.arrival):
+            n = self.samples[k]
+            tokens = np.broadcast_to(_ZERO_TOKEN, (self.prompt_len[k],))
+            yield Request(arrival, tokens, self.output_len[k] // n, DEFAULT_NAMESPACE, n)
 
     @property
     def span(self) -> float:
