@@ -55,6 +55,7 @@ class StepTally:
         self.fleet = fleet
         self.steps = 0  # a fleet's steps, every replica's together
         self.physical = [0] * len(members)  # each member's active blocks after its last step
+        self.physical_sum = 0  # their sum
         for k, sim in enumerate(members):
             sim.tally = self
             sim.tally_slot = k
@@ -73,15 +74,20 @@ class StepTally:
             self._row(sim.steps, sim.clock, False)
             return
         self.steps += 1
-        self.physical[sim.tally_slot] = sim.active_blocks()
-        physical = sum(self.physical)
+        slot = sim.tally_slot
+        active = sim.active_blocks()
+        physical = self.physical_sum + active - self.physical[slot]
+        self.physical[slot] = active
+        self.physical_sum = physical
         logical = 0
         for member in self.members:
             logical += member.logical
         if physical > acc.physical_peak or logical > acc.logical_peak:
             logical, frag = self._usage()
             acc.note_usage(physical, logical, frag)
-        self._row(self.steps, self._now(), False)
+        timeline = acc.timeline
+        if timeline is not None and self.steps % timeline.every == 0:  # the fleet's now, if due
+            self._row(self.steps, self._now(), False)
 
     def after_quiet(self, sim: TallyMember) -> None:
         """``sim`` took a step that only advanced its clock and its token counts."""
@@ -103,7 +109,7 @@ class StepTally:
             self._row(sim.steps, sim.clock, True)
             return
         logical, frag = self._usage()
-        acc.note_usage(sum(self.physical), logical, frag)
+        acc.note_usage(self.physical_sum, logical, frag)
         self._row(self.steps, self._now(), True)
 
     def _usage(self) -> tuple[int, int]:
