@@ -1,4 +1,5 @@
-"""Ctrl-C in any command ends with one line on stderr and exit code 130, never a traceback."""
+"""Ctrl-C in any command ends with one line on stderr (after what the command printed before it)
+and exit code 130, never a traceback."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
 module, name = sys.argv[1].rsplit(":", 1)
-setattr(importlib.import_module(module), name, interrupted)
+target = importlib.import_module(module)
+if not hasattr(target, name):  # a renamed target would leave the command uninterrupted
+    sys.exit(f"no {name} in {module} to interrupt")
+setattr(target, name, interrupted)
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -37,7 +41,7 @@ sys.exit(main(sys.argv[2:]))
             ["export", TRACE, "--format", "mooncake"],
         ),
         (
-            "prefixcache.replay.calibrate.measure_cli:_run",
+            "prefixcache.replay.calibrate.decoder_timing:run_bench",
             ["calibrate", "--device", "cpu", "--tiny"],
         ),
         ("prefixcache.demo:run_demo", ["demo", "--device", "cpu"]),
@@ -54,4 +58,7 @@ def test_ctrl_c_exits_130_with_one_line(target: str, argv: list[str]) -> None:
     )
     assert proc.returncode == 130, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == f"prefixcache {argv[0]}: interrupted"
+    # what the command said before the interrupt (calibrate names what it times), then one line
+    *before, last = proc.stderr.strip().splitlines()
+    assert last == f"prefixcache {argv[0]}: interrupted"
+    assert not any("interrupt" in line for line in before)
