@@ -44,6 +44,23 @@ def _start(
     return proc, run_fleet.wait_healthy(client, procs, name, proc, f"http://127.0.0.1:{port}")
 
 
+def _start_free(
+    procs: Any, client: httpx.Client, ports: dict[str, int], name: str, block_size: int,
+    events: str, replay: str,
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:  # fmt: skip
+    """``_start`` on ``ports[name]``, or on another free port when something bound that one
+    between its choice and the replica's bind (a replica started before it binds its ZMQ
+    sockets on any port); ``ports`` says the port it runs on."""
+    for attempt in range(3):
+        try:
+            return _start(procs, client, name, ports[name], block_size, events, replay)
+        except RuntimeError:
+            if attempt == 2 or "address already in use" not in procs.log(name):
+                raise
+            ports[name] = run_fleet.free_port()
+    raise AssertionError("unreachable")
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     proc.wait(timeout=20)
@@ -83,12 +100,12 @@ def test_degraded_replicas_are_named_with_a_reason_and_recover(tmp_path: Path) -
     try:
         with httpx.Client(timeout=60.0) as client:
             started = {
-                "healthy": _start(procs, client, "healthy", ports["healthy"], 16, any_port,
-                                  any_port),
-                "wrong-block": _start(procs, client, "wrong-block", ports["wrong-block"], 32,
-                                      any_port, any_port),
-                "silent": _start(procs, client, "silent", ports["silent"], 16, any_port,
-                                 any_port),
+                "healthy": _start_free(procs, client, ports, "healthy", 16, any_port,
+                                       any_port),
+                "wrong-block": _start_free(procs, client, ports, "wrong-block", 32,
+                                           any_port, any_port),
+                "silent": _start_free(procs, client, ports, "silent", 16, any_port,
+                                      any_port),
             }  # fmt: skip
             replicas = []
             for name, (_, health) in started.items():
