@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from stepwise_serving import LiveRequest, Simulator
 
 from prefixcache.blocks.namespace import Namespace
-from prefixcache.blocks.pool import UNBOUNDED
 from prefixcache.errors import ConfigError
 from prefixcache.fleet.events.publisher import to_wire
 from prefixcache.fleet.events.subscriber import KVEventSubscriber, ReplicaEndpoint
@@ -52,6 +51,7 @@ from prefixcache.replay.progress import Progress
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
+from prefixcache.replay.sim.pooled_line import pooled_config
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
 from prefixcache.replay.workload.request import Request
@@ -392,47 +392,6 @@ class FleetSimulator:
             for key in names:
                 setattr(total, key, getattr(total, key) + getattr(r.mgr.stats, key))
         return total
-
-
-def pooled_config(cfg: ResolvedConfig) -> ResolvedConfig:
-    """One replica with N x the blocks, token budget, running sequences, FLOPs and bandwidth;
-    with tiers, N x the host memory and N x every link (the same shared pool)."""
-    o = cfg.options
-    n = o.replicas
-    gpu = cfg.gpu
-    if gpu is not None:
-        gpu = replace(gpu, peak_flops=gpu.peak_flops * n, hbm_bytes_per_s=gpu.hbm_bytes_per_s * n)
-    blocks = min(cfg.capacity_blocks * n, UNBOUNDED)  # n unbounded caches pool to one
-    tiers = cfg.tiers
-    if tiers is not None:
-        host_bw, pool_bw = tiers.host_bandwidth * n, tiers.pool_bandwidth * n
-        host, pool = tiers.host_transfer, tiers.pool_transfer
-        tiers = replace(
-            tiers,
-            host_blocks=tiers.host_blocks * n,
-            host_bytes=tiers.host_bytes * n,
-            host_bandwidth=host_bw,
-            pool_bandwidth=pool_bw,
-            recompute_seconds_per_token=tiers.recompute_seconds_per_token / n,
-            host_transfer=host._replace(host_bandwidth=host_bw, flops=host.flops * n),
-            pool_transfer=pool._replace(host_bandwidth=pool_bw, flops=pool.flops * n),
-        )
-    return replace(
-        cfg,
-        options=o.with_(
-            replicas=1,
-            routing=None,
-            record=False,
-            capacity_blocks=blocks,
-            kv_memory=None,
-            token_budget=o.token_budget * n,
-            max_seqs=o.max_seqs * n,
-        ),
-        capacity_blocks=blocks,
-        capacity_bytes=cfg.capacity_bytes * n if cfg.capacity_bytes is not None else None,
-        gpu=gpu,
-        tiers=tiers,
-    )
 
 
 def run_pooled(
