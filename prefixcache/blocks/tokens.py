@@ -108,6 +108,22 @@ def as_token_bytes(tokens: TokenIds) -> bytes:
     return as_token_array(tokens).tobytes()  # an int32 array comes back as it is
 
 
+def checked_token_bytes(data: object) -> bytes:
+    """``data`` if it is int32 LE token ids, as ``as_token_bytes`` returns them (``bytes``, whole
+    ids, each in [0, 2**31)); else InvalidTokensError."""
+    if not isinstance(data, bytes) or type(data) is not bytes:
+        raise InvalidTokensError(f"token bytes must be bytes, got {type(data).__name__}")
+    if len(data) % 4:
+        raise InvalidTokensError(f"token bytes hold whole int32 ids; got {len(data)} bytes")
+    if _nonnegative is not None:
+        ok = _nonnegative(data)
+    else:
+        ok = not data or int(np.frombuffer(data, dtype=_INT32).min()) >= 0
+    if not ok:
+        raise InvalidTokensError("token ids must be >= 0 (valid: [0, 2**31))")
+    return data
+
+
 _BOOL_DTYPES = ("bool", "torch.bool")  # 0-d arrays and tensors in a list (list(tensor))
 
 

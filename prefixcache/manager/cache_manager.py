@@ -66,7 +66,7 @@ from prefixcache.manager.block_supply import BlockSupply
 from prefixcache.manager.integrity import check_state
 from prefixcache.manager.lower_tiers.store_tier import BlockPresence
 from prefixcache.manager.lower_tiers.transfers import StoreWrite, TransferModel, Transfers
-from prefixcache.manager.request_blocks import RequestBlocks
+from prefixcache.manager.request_blocks import RequestBlocks, TokenAppender
 from prefixcache.manager.results import Admission, AppendResult, Lookup
 from prefixcache.manager.state import CacheState, ManagerInternals, RequestState
 from prefixcache.manager.stats import BlockCounts, CacheStats
@@ -151,6 +151,7 @@ class CacheManager:
         self._ledger = ledger = StepLedger(state, supply)
         self._requests = RequestBlocks(state, supply, BlockIndexer(state), ledger)
         self._seqs = state.seqs  # the live requests (cleared in place): every call looks one up
+        self._appender = TokenAppender(self._requests)
 
     # ---- settings and components ----------------------------------------------------------
     @property
@@ -294,6 +295,14 @@ class CacheManager:
             data = as_token_bytes(tokens)
             k = len(data) // 4
         return self._requests.append(seq, data, k, map_slots)
+
+    def appender(self) -> TokenAppender:
+        """``append`` for a decode loop that keeps its tokens as int32 LE bytes: the returned
+        callable ``appender(request_id, data)`` does what ``append(request_id, data,
+        map_slots=False)`` does (same checks, blocks, copies and errors; ``slots`` empty), in the
+        compiled core from end to end, where the per-call cost of ``append`` is mostly its
+        argument handling. Take it once; it serves this manager for good."""
+        return self._appender
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks, the partial last

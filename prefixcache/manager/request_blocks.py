@@ -15,8 +15,10 @@ import numpy as np
 
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.radix import Node
+from prefixcache.blocks.tokens import checked_token_bytes
 from prefixcache.errors import OutOfBlocksError
 from prefixcache.manager.admission_planning import AdmissionPlan
+from prefixcache.manager.argument_checks import live_request
 from prefixcache.manager.block_indexing import BlockIndexer
 from prefixcache.manager.block_supply import BlockSupply
 from prefixcache.manager.results import Admission, AppendResult, Copy, slots_of
@@ -226,6 +228,26 @@ class RequestBlocks:
         self.ledger.add_fork(parent, child)
         state.seqs[child_id] = child
         state.stats.forks += 1
+
+
+class TokenAppender:
+    """``CacheManager.append(request_id, tokens, map_slots=False)`` for a decode loop that holds
+    its tokens as int32 LE bytes (``CacheManager.appender``): the same checks, blocks, copies,
+    index entries and typed errors, with no Python frame between the loop and the block tables.
+    Serves its manager for its whole life, across ``reset``."""
+
+    __slots__ = ("_blocks", "_state")
+
+    def __init__(self, blocks: RequestBlocks) -> None:
+        self._blocks = blocks
+        self._state = blocks.state
+
+    def __call__(self, request_id: Hashable, data: object) -> AppendResult:
+        """Append the tokens ``data`` (int32 LE ``bytes``) to ``request_id``."""
+        seq = live_request(self._state.seqs, request_id)
+        buf = checked_token_bytes(data)  # typed here: a compiled signature raises TypeError
+        self._state.expire_store_writes()
+        return self._blocks.append(seq, buf, len(buf) // 4, False)
 
 
 # ---- retention claims: the priority a request gives its blocks under the ``priority``

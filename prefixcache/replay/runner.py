@@ -74,7 +74,7 @@ def _replay(
     alone: bool = True,
 ) -> ReplayResult:
     """``shared``: a sweep's bar to count into (left open) instead of a bar of its own.
-    ``alone``: not a point of a sweep (only then may a fleet replay take a second core)."""
+    ``alone``: not a point of a sweep (only then may a serving replay take a second core)."""
     config = resolved.options
     mgr = resolved.cache_manager()
     acc = Accountant(
@@ -148,6 +148,7 @@ def _replay(
                     resolved,
                     bar.update if bar else None,
                     admitter,
+                    reopen=(lambda: iter(arrivals)) if alone else None,
                 )
                 finished = True
             finally:

@@ -131,6 +131,48 @@ def test_append_without_slot_mapping_changes_nothing_else():
     unmapped.check_integrity()
 
 
+def test_the_appender_does_what_append_does():
+    plain, fast = mgr_(num_blocks=24), mgr_(num_blocks=24)
+    append = fast.appender()
+    for m in (plain, fast):
+        m.admit("a", toks(0, 6), NS)
+        m.fork("a", "b")  # b's first write copies the shared partial block
+    runs = ([6, 7, 8], [9], list(range(10, 30)), [30], [31, 32])
+    for tokens in runs:
+        for rid in ("a", "b"):
+            want = plain.append(rid, tokens, map_slots=False)
+            got = append(rid, np.array(tokens, dtype="<i4").tobytes())
+            assert got.copies == want.copies and len(got.slots) == 0
+            assert fast.block_table(rid) == plain.block_table(rid)
+    assert fast.stats == plain.stats and snapshot(fast) == snapshot(plain)
+    with pytest.raises(OutOfBlocksError):  # as append: nothing left to grow into
+        append("a", bytes(4 * 64))
+    fast.check_integrity()
+    fast.reset(force=True)  # the appender serves the manager across a reset
+    fast.admit("c", toks(0, 3), NS)
+    append("c", (3).to_bytes(4, "little"))
+    assert fast.block_table("c") and fast.index.num_blocks == 1
+
+
+@pytest.mark.parametrize(
+    ("request_id", "data", "error"),
+    [
+        ("nobody", b"\x01\x00\x00\x00", UnknownRequestError),
+        ("a", [1, 2], InvalidTokensError),
+        ("a", bytearray(4), InvalidTokensError),
+        ("a", b"\x01\x00\x00", InvalidTokensError),
+        ("a", (-1).to_bytes(4, "little", signed=True), InvalidTokensError),
+    ],
+)
+def test_the_appender_refuses_bad_input_and_changes_nothing(request_id, data, error):
+    m = mgr_()
+    m.admit("a", toks(0, 6), NS)
+    before = snapshot(m)
+    with pytest.raises(error):
+        m.appender()(request_id, data)
+    assert snapshot(m) == before
+
+
 def test_slot_mapping_short_and_long_runs_agree():
     table = [(7 * b + 3) % 31 for b in range(30)]  # 120 slots of 4-token blocks
     for start, end in [(0, 0), (0, 1), (5, 6), (3, 17), (1, 65), (1, 66), (3, 110), (0, 120)]:

@@ -389,6 +389,8 @@ def run_serving(
     cfg: ResolvedConfig,
     on_finish: Callable[[int], None] | None = None,
     tiers: TierAdmitter | None = None,
+    *,
+    reopen: Callable[[], Iterable[Request]] | None = None,  # the same requests: kept here
 ) -> ServingStats:
     """Simulate ``requests`` with the cache, then the same requests (kept whole) without it,
     at the same capacity, for the no-cache figures. ``on_finish`` is told how many requests

@@ -38,7 +38,7 @@ class DecodingSample:
         rid: object,
         kv_len: int,
         generated: int,
-        out: np.ndarray,
+        out: bytes,
         synced: int,
     ) -> None:
         self.owner = owner
@@ -48,7 +48,7 @@ class DecodingSample:
         self.flushed = kv_len  # tokens handed to the manager
         self.generated = generated  # output tokens sampled so far
         self.limit = owner.req.output_len  # it finishes once it has sampled that many
-        self.out = out
+        self.out = out  # its output tokens, int32 LE
         self.must_flush = True  # the first write may copy a block shared with a fork
         self.synced = synced  # the step count at which kv_len and generated are exact
         self.version = 0  # its current entry in the event queue carries this number
@@ -96,6 +96,6 @@ class LiveRequest:
         self.first_done = False
         self.recorded = False
         self.prompt_bytes = b""  # the prompt's token bytes, once accounted
-        self.out0: np.ndarray | None = None
+        self.out0: bytes | None = None  # the first sample's output tokens (int32 LE)
         self.digests: list[bytes] | None = None  # the prompt's block digests, when known
         self.rank = 0  # admission order among the running requests (set when admitted)

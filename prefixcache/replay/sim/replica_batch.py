@@ -20,6 +20,7 @@ import numpy as np
 
 from prefixcache.errors import OutOfBlocksError
 from prefixcache.manager.cache_manager import CacheManager
+from prefixcache.manager.request_blocks import TokenAppender
 from prefixcache.manager.stats import BlockCounts
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.live_requests import DecodingSample, LiveRequest
@@ -27,7 +28,10 @@ from prefixcache.replay.sim.serving_figures import RequestTimes
 from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 from prefixcache.replay.workload.synth import TokenTape, stream_key
 
-_ZERO_TOKEN = np.zeros(1, dtype="<i4")  # what an uncached replica's outputs are broadcast from
+
+def _token_bytes(tokens: np.ndarray) -> bytes:
+    """Output tokens as the int32 LE bytes the manager is handed."""
+    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
 
 
 class ReplicaBatch:
@@ -38,6 +42,7 @@ class ReplicaBatch:
         self, mgr: CacheManager | UncachedBlocks, block_size: int, acc: Accountant | None
     ) -> None:
         self.cache: CacheManager | None = mgr if isinstance(mgr, CacheManager) else None
+        self.append: TokenAppender | None = self.cache.appender() if self.cache else None
         self.counts: UncachedBlocks | None = mgr if isinstance(mgr, UncachedBlocks) else None
         self.acc, self.block_size = acc, block_size
         self.commit_writes = self.cache is not None  # blocks are committed as they fill
@@ -111,7 +116,7 @@ class ReplicaBatch:
         req, kv = r.req, len(r.tokens)
         if r.out0 is None:
             given = req.output_tokens
-            r.out0 = given if given is not None else self._outputs(req.output_len)
+            r.out0 = _token_bytes(given) if given is not None else self._outputs(req.output_len)
         now = self.steps
         first = DecodingSample(r, 0, r.idx, kv, r.resume + 1, r.out0, now)
         r.seqs = [first]
@@ -130,12 +135,12 @@ class ReplicaBatch:
         self.logical += (req.n - 1) * -(-kv // self.block_size)
         return r.seqs
 
-    def _outputs(self, n: int) -> np.ndarray:
-        """A sample's ``n`` output tokens: drawn from the tape, or (caching nothing, so no token
-        is ever read) all 0 without drawing them."""
+    def _outputs(self, n: int) -> bytes:
+        """A sample's ``n`` output tokens (int32 LE): drawn from the tape, or (caching nothing,
+        so no token is ever read) all 0 without drawing them."""
         if self.cache is None:
-            return np.broadcast_to(_ZERO_TOKEN, (n,))
-        return self.tape.take(n)
+            return bytes(4 * n)
+        return _token_bytes(self.tape.take(n))
 
     def _write_due(self, s: DecodingSample) -> bool:
         """Whether the token ``s`` decodes now (at ``kv_len``) goes to the manager: it starts a
@@ -149,13 +154,11 @@ class ReplicaBatch:
         (it starts or fills a block, or follows a fork). False when no block is free for it."""
         pos = s.kv_len
         flushed = s.flushed
-        cache = self.cache
-        if cache is not None:
-            base = pos - s.generated + 1  # position of out[0]
-            pending = s.out[flushed - base : pos - base + 1]
+        append = self.append
+        if append is not None:
+            base = pos - s.generated + 1  # position of the first output token
             try:
-                token = int(pending[0]) if len(pending) == 1 else pending
-                cache.append(s.rid, token, map_slots=False)
+                append(s.rid, s.out[4 * (flushed - base) : 4 * (pos - base + 1)])
             except OutOfBlocksError:
                 return False
         else:
@@ -217,7 +220,8 @@ class ReplicaBatch:
         if r.seqs and r.req.n == 1:  # recompute the prompt and the output so far, then go on
             assert r.out0 is not None
             r.resume = r.seqs[0].generated
-            r.tokens = np.concatenate([r.req.tokens, r.out0[: r.resume]])
+            out = np.frombuffer(r.out0, dtype="<i4", count=r.resume)
+            r.tokens = np.concatenate([r.req.tokens, out])
         elif r.seqs:  # parallel samples restart from the prompt
             r.resume = 0
             r.tokens = r.req.tokens
@@ -242,7 +246,7 @@ class ReplicaBatch:
             first = r.seqs[0]
             for s in ending[i:j]:
                 if s is first and r.req.output_tokens is not None and acc is not None:
-                    written = r.prompt_bytes + s.out[: s.kv_len - len(r.req.tokens)].tobytes()
+                    written = r.prompt_bytes + s.out[: 4 * (s.kv_len - len(r.req.tokens))]
                     acc.note_output(r.req, written)
                 self._release(s.rid)
                 s.alive = False

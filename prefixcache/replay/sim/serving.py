@@ -33,7 +33,8 @@ the rest in closed form:
   decides who runs.
 
 The no-cache pass runs the same loop over ``UncachedBlocks``, which answers as a manager with
-caching off does, from block counts alone.
+caching off does, from block counts alone; where a second core is free, in a second process
+while the cached pass runs (``run_serving``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager.cache_manager import CacheManager
@@ -51,6 +53,7 @@ from prefixcache.replay.sim.live_requests import DecodingSample, LiveRequest
 from prefixcache.replay.sim.replica_batch import ReplicaBatch
 from prefixcache.replay.sim.roofline import Roofline, StepWork, context_pairs, prefill_pairs
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad
+from prefixcache.replay.sim.side_process import SideRun, side_process_available, skip_first
 from prefixcache.replay.sim.step_tally import StepTally
 from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 from prefixcache.replay.tiers.admission import TierAdmitter
@@ -472,6 +475,24 @@ def advance_replicas(sims: list[Simulator], until: float) -> None:
             sims[best].run_steps(second_clock, best < second)
 
 
+class _NoCacheLine(NamedTuple):
+    """What the serving figures need of the no-cache pass."""
+
+    ttft: list[float]  # by request index
+    figures: BenchmarkFigures
+    busy: float  # GPU seconds
+
+
+def _no_cache_pass(
+    requests: Iterable[Request], cfg: ResolvedConfig, on_finish: Callable[[int], None] | None
+) -> _NoCacheLine:
+    """``requests`` on a replica of the same capacity that caches nothing."""
+    base = Simulator(UncachedBlocks(cfg.capacity_blocks, cfg.options.block_size), cfg, None)
+    base.on_finish = on_finish
+    base.run(requests)
+    return _NoCacheLine(base.times.ttft, base.figures(), base.busy)
+
+
 def run_serving(
     requests: Iterable[Request],
     mgr: CacheManager,
@@ -479,35 +500,74 @@ def run_serving(
     cfg: ResolvedConfig,
     on_finish: Callable[[int], None] | None = None,
     tiers: TierAdmitter | None = None,
+    *,
+    reopen: Callable[[], Iterable[Request]] | None = None,
 ) -> ServingStats:
-    """Simulate ``requests`` with the cache, then the same requests without it (their lengths
-    alone, kept by the first pass), at the same capacity, for the no-cache figures.
-    ``on_finish`` is told how many requests completed, step by step, in both simulations.
-    ``tiers``: admit through the host tier and pool it manages (their loads add to the step
-    times)."""
+    """Simulate ``requests`` with the cache, then the same requests without it, at the same
+    capacity, for the no-cache figures. ``on_finish`` is told how many requests completed, step
+    by step, in both simulations. ``tiers``: admit through the host tier and pool it manages
+    (their loads add to the step times).
+
+    ``reopen``: where given (``reopen()`` yields the requests again) and a second core is
+    usable, the no-cache pass runs over it in a second process while the cached one runs here
+    (``side_process``); else here, after it, over the lengths the first pass kept."""
+    side: SideRun[_NoCacheLine] | None = None
+    if reopen is not None and side_process_available():
+        try:
+            side = SideRun(lambda count, stage: _no_cache_pass(reopen(), cfg, count))
+        except OSError:  # no process to be had (memory, process limits): both passes here
+            side = None
+    line: _NoCacheLine | None = None
     sim = Simulator(mgr, cfg, acc)
-    sim.on_finish = on_finish
     sim.tiers = tiers
-    sim.run(requests)
-    base = Simulator(UncachedBlocks(cfg.capacity_blocks, cfg.options.block_size), cfg, None)
-    base.on_finish = on_finish
-    base.run(sim.times.lengths_only())
+    try:
+        sim.on_finish = _with_side_counts(on_finish, side)
+        sim.run(requests)
+        if side is not None:
+            line = side.result(lambda: _count_side(on_finish, side))
+            _count_side(on_finish, side)
+    finally:
+        if side is not None:
+            side.stop()
+    if line is None:  # no second process, or it ended without its figures: run it here
+        counted = side.taken if side is not None else 0  # on the bar already
+        line = _no_cache_pass(sim.times.lengths_only(), cfg, skip_first(on_finish, counted))
     times = sim.times
     return ServingStats(
         times.ttft,
-        base.times.ttft,
+        line.ttft,
         sim.preemptions,
         sim.steps,
         sim.clock - min(times.arrival, default=sim.clock),  # first arrival to last finish
         sim.truncated,
         with_cache=sim.figures(),
-        without_cache=base.figures(),
+        without_cache=line.figures,
         load=OfferedLoad(
             times.span,
             sim.busy,
-            base.busy,
+            line.busy,
             cfg.options.rate_scale / cfg.options.time_scale,
             ttft_growth_s=times.ttft_growth(),
         ),
         assumptions=sim.roof.assumptions(),
     )
+
+
+def _with_side_counts(
+    on_finish: Callable[[int], None] | None, side: SideRun[_NoCacheLine] | None
+) -> Callable[[int], None] | None:
+    """``on_finish``, adding what the second process completed meanwhile."""
+    if on_finish is None or side is None:
+        return on_finish
+
+    def counted(n: int) -> None:
+        on_finish(n + side.counted())
+
+    return counted
+
+
+def _count_side(on_finish: Callable[[int], None] | None, side: SideRun[_NoCacheLine]) -> None:
+    """Count on the bar what the second process completed since it was last asked."""
+    n = side.counted()
+    if n and on_finish is not None:
+        on_finish(n)

@@ -1,5 +1,6 @@
-"""The fleet replay's no-cache and pooled passes in a second process: the same run as one pass
-after another, no second process left behind (Ctrl-C, a child that dies), none in a sweep."""
+"""A serving replay's passes that read nothing of the cached one in a second process (a fleet's
+no-cache and pooled passes, a single replica's no-cache pass): the same run as one pass after
+another, no second process left behind (Ctrl-C, a child that dies), none in a sweep."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.replay import ReplayConfig, open_source
 from prefixcache.replay.runner import _replay, replay_sweep
-from prefixcache.replay.sim import fleet_replay
+from prefixcache.replay.sim import fleet_replay, serving
 from prefixcache.replay.sim.side_process import SideRun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,12 +43,20 @@ class CountedSideRun(SideRun[Any]):
 
 
 def report(path: Path, options: dict[str, Any]) -> dict[str, Any]:
-    """The report of a fleet replay (serving, llama-3.1-8b), timings left out."""
+    """The report of a serving replay (llama-3.1-8b), timings left out."""
     config = ReplayConfig(mode="serving", model="llama-3.1-8b", **options)
     result = _replay(open_source(path, config), config.resolve(), False)
     out = result.to_report_dict()
     out["replay_seconds"] = out["requests_per_second"] = None
     return out
+
+
+def side_processes(monkeypatch: pytest.MonkeyPatch, usable: bool, made: Any = None) -> None:
+    """Say whether a second core is usable, and what makes the second process."""
+    for module in (fleet_replay, serving):
+        monkeypatch.setattr(module, "side_process_available", lambda: usable)
+        if made is not None:
+            monkeypatch.setattr(module, "SideRun", made)
 
 
 CASES = {
@@ -63,6 +72,11 @@ CASES = {
             "replicas": 2,
         },
     ),
+    "chat-one-replica": (CHAT, {"capacity_blocks": 150}),
+    "trace-one-replica-host": (
+        SAMPLE,
+        {"capacity_blocks": 100, "block_size": 512, "host_memory": 16 * GIB},
+    ),
 }
 
 
@@ -71,65 +85,78 @@ def test_the_side_process_reports_what_one_process_does(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, options = CASES[case]
-    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: False)
+    side_processes(monkeypatch, False)
     alone = report(path, options)
     CountedSideRun.made = 0
-    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
-    monkeypatch.setattr(fleet_replay, "SideRun", CountedSideRun)
+    side_processes(monkeypatch, True, CountedSideRun)
     beside = report(path, options)
     assert CountedSideRun.made == 1
     assert json.dumps(beside, sort_keys=True) == json.dumps(alone, sort_keys=True)
 
 
+@pytest.mark.parametrize(("case", "victim"), [("chat", "run_pooled"), ("chat-one-replica", "")])
 def test_a_side_process_that_dies_leaves_its_passes_to_this_one(
-    monkeypatch: pytest.MonkeyPatch,
+    case: str, victim: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A child that ends without its figures (here: killed in the pooled pass) costs time, not
-    figures: this process runs the two passes itself."""
-    path, options = CASES["chat"]
-    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: False)
+    """A child that ends without its figures (here: killed in the fleet's pooled pass, or in
+    the single replica's no-cache pass) costs time, not figures: this process runs the passes
+    itself."""
+    path, options = CASES[case]
+    side_processes(monkeypatch, False)
     alone = report(path, options)
     here = os.getpid()
-    run_pooled = fleet_replay.run_pooled
 
-    def pooled(*args: Any, **kwargs: Any) -> Any:
-        if os.getpid() != here:  # the child
-            os.kill(os.getpid(), signal.SIGKILL)
-        return run_pooled(*args, **kwargs)
+    class DyingSideRun(CountedSideRun):
+        def __init__(self, work: Any, *args: Any, **kwargs: Any) -> None:
+            def dying(count: Any, stage: Any) -> Any:
+                if not victim:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return work(count, stage)
 
-    monkeypatch.setattr(fleet_replay, "run_pooled", pooled)
-    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
+            super().__init__(dying, *args, **kwargs)
+
+    if victim:
+        run_pooled = fleet_replay.run_pooled
+
+        def pooled(*args: Any, **kwargs: Any) -> Any:
+            if os.getpid() != here:  # the child
+                os.kill(os.getpid(), signal.SIGKILL)
+            return run_pooled(*args, **kwargs)
+
+        monkeypatch.setattr(fleet_replay, "run_pooled", pooled)
     CountedSideRun.made = 0
-    monkeypatch.setattr(fleet_replay, "SideRun", CountedSideRun)
+    side_processes(monkeypatch, True, DyingSideRun)
     beside = report(path, options)
     assert CountedSideRun.made == 1
     assert json.dumps(beside, sort_keys=True) == json.dumps(alone, sort_keys=True)
 
 
-def test_a_fork_that_fails_runs_every_pass_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    path, options = CASES["chat"]
-    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: False)
+@pytest.mark.parametrize("case", ["chat", "chat-one-replica"])
+def test_a_fork_that_fails_runs_every_pass_here(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, options = CASES[case]
+    side_processes(monkeypatch, False)
     alone = report(path, options)
 
     def no_process(*args: Any, **kwargs: Any) -> Any:
         raise BlockingIOError(11, "Resource temporarily unavailable")  # fork's EAGAIN
 
-    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
-    monkeypatch.setattr(fleet_replay, "SideRun", no_process)
+    side_processes(monkeypatch, True, no_process)
     assert json.dumps(report(path, options), sort_keys=True) == json.dumps(alone, sort_keys=True)
 
 
-def test_no_point_of_a_sweep_starts_a_second_process(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_no_point_of_a_sweep_starts_a_second_process(
+    replicas: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sweep's points already take the cores (worker processes forked from this one inherit
     the patch below, so any point that made a ``SideRun`` would fail the sweep)."""
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a sweep point started a second process")
 
-    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
-    monkeypatch.setattr(fleet_replay, "SideRun", refuse)
+    side_processes(monkeypatch, True, refuse)
     configs = [
-        ReplayConfig(mode="serving", model="llama-3.1-8b", capacity_blocks=c, replicas=2)
+        ReplayConfig(mode="serving", model="llama-3.1-8b", capacity_blocks=c, replicas=replicas)
         for c in (200, 300, 400)
     ]
     result = replay_sweep(CHAT, configs, jobs=2)
@@ -160,9 +187,8 @@ def test_an_error_in_the_fleet_pass_ends_the_second_process(
 ) -> None:
     """The fleet pass refuses a second model after the second process has started: one line,
     exit 2, and no process of this one left running."""
-    monkeypatch.setattr(fleet_replay, "side_process_available", lambda: True)
     CountedSideRun.made = 0
-    monkeypatch.setattr(fleet_replay, "SideRun", CountedSideRun)
+    side_processes(monkeypatch, True, CountedSideRun)
     trace = tmp_path / "two_models.jsonl"
     lines = [
         {"timestamp": 0, "model": "a", "token_ids": list(range(40))},
@@ -179,7 +205,8 @@ def test_an_error_in_the_fleet_pass_ends_the_second_process(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ctrl_c_ends_both_processes_without_a_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replicas", ["4", "1"])
+def test_ctrl_c_ends_both_processes_without_a_traceback(tmp_path: Path, replicas: str) -> None:
     """Ctrl-C reaches the whole foreground process group: the replay says it was interrupted,
     writes no run, and its second process ends with it."""
     cmd = [
@@ -195,7 +222,7 @@ def test_ctrl_c_ends_both_processes_without_a_traceback(tmp_path: Path) -> None:
         "--kv-memory",
         "4GiB",
         "--replicas",
-        "4",
+        replicas,
         "--out",
         str(tmp_path / "run"),
     ]
