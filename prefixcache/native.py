@@ -58,6 +58,7 @@ COMPILED_MODULES = (
     "prefixcache.manager.step_ledger",
     "prefixcache.manager.tenant_shares",
     "prefixcache.replay.sim.accounting",
+    "prefixcache.replay.sim.index_feed",
     "prefixcache.replay.sim.keyset",
     "prefixcache.replay.sim.live_requests",
     "prefixcache.replay.sim.replica_batch",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeAlias
 
@@ -106,6 +107,17 @@ def as_token_bytes(tokens: TokenIds) -> bytes:
         if packed is not None:
             return packed
     return as_token_array(tokens).tobytes()  # an int32 array comes back as it is
+
+
+_NATIVE_INT32 = sys.byteorder == "little" and struct.calcsize("i") == 4
+
+
+def token_list(data: bytes | bytearray) -> list[int]:
+    """The token ids of int32 LE bytes as a list of ints (an event's ``token_ids``): read in
+    place where the machine's own ints are int32 LE, else through numpy."""
+    if _NATIVE_INT32:
+        return memoryview(data).cast("i").tolist()
+    return np.frombuffer(data, dtype=_INT32).tolist()
 
 
 def checked_token_bytes(data: object) -> bytes:

@@ -8,10 +8,9 @@ indexing for good.
 
 from __future__ import annotations
 
-import numpy as np
-
 from prefixcache.blocks.host_tier import HostTier
 from prefixcache.blocks.radix import Node
+from prefixcache.blocks.tokens import token_list
 from prefixcache.manager.block_events import BlockStored
 from prefixcache.manager.state import CacheState, RequestState
 
@@ -149,7 +148,7 @@ class BlockIndexer:
             state.tenants.note_stored(seq.namespace.salt, digests, loaded)
         events = state.listeners
         if events.callbacks:
-            tokens = np.frombuffer(run, dtype="<i4").tolist()
+            tokens = token_list(run)
             namespace = index.namespace_of(node)
             events.emit(BlockStored(digests, prev, tokens, index.block_size, namespace))
         seq.deepest = node

@@ -12,12 +12,11 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Final, NamedTuple
 
-import numpy as np
-
 from prefixcache.blocks.hashing import DIGEST_SIZE, BlockHasher, split_digests
 from prefixcache.blocks.host_tier import HostBlock, HostTier
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.radix import MatchResult, Node
+from prefixcache.blocks.tokens import token_list
 from prefixcache.manager.block_events import BlockRemoved, BlockStored
 from prefixcache.manager.listeners import Listeners
 from prefixcache.manager.lower_tiers.transfers import Load, Offload, TransferModel, Transfers
@@ -157,7 +156,7 @@ class HostOffload:
         stats.offloaded_blocks += stored
         if stored and events:
             hashes = split_digests(digests[: stored * D])
-            tokens = np.frombuffer(run[: stored * bb], dtype="<i4").tolist()
+            tokens = token_list(run[: stored * bb])
             self.events.emit(
                 BlockStored(
                     hashes, prev if position else None, tokens, self.block_size, namespace, CPU
