@@ -148,7 +148,7 @@ class BlockIndexer:
             state.tenants.note_stored(seq.namespace.salt, digests, loaded)
         events = state.listeners
         if events.callbacks:
-            tokens = token_list(run)
+            tokens = token_list(run) if events.token_ids else []
             namespace = index.namespace_of(node)
             events.emit(BlockStored(digests, prev, tokens, index.block_size, namespace))
         seq.deepest = node

@@ -473,17 +473,23 @@ class CacheManager:
         return self._state.block_counts()
 
     # ---- events ---------------------------------------------------------------------------
-    def add_listener(self, listener: EventListener) -> None:
+    def add_listener(self, listener: EventListener, *, token_ids: bool = True) -> None:
         """Call ``listener`` with BlockStored / BlockRemoved / AllBlocksCleared events.
 
         Events are emitted in the middle of an operation, so a listener that raises cannot stop
         it: the error is logged and counted in ``listener_errors``, and the operation completes
-        (the cache stays consistent; that listener misses the event)."""
+        (the cache stays consistent; that listener misses the event).
+
+        ``token_ids=False``: the listener reads digests only (an index fed in the same
+        process); while no listener reads token ids, BlockStored events carry none
+        (``token_ids == []``) and no list of ints is built for them."""
         if not callable(listener):
             raise InvalidArgumentError(
                 f"a listener must be a callable (it is called with each event), got {listener!r}"
             )
-        self._state.listeners.add(listener)
+        if type(token_ids) is not bool:
+            raise InvalidArgumentError(f"token_ids must be a bool, got {token_ids!r}")
+        self._state.listeners.add(listener, token_ids)
 
     def remove_listener(self, listener: EventListener) -> None:
         """Stop calling ``listener`` (InvalidArgumentError when it was not added); safe from

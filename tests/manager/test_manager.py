@@ -441,6 +441,30 @@ def test_events_carry_digests_tokens_and_namespace():
     assert isinstance(events[-1], AllBlocksCleared)
 
 
+def test_events_carry_token_ids_while_a_listener_reads_them():
+    m = mgr_(num_blocks=16, host_blocks=8)
+    digests_only, everything = [], []
+    m.add_listener(digests_only.append, token_ids=False)
+    m.admit("a", toks(0, 9), NS)
+    assert [e.token_ids for e in digests_only if isinstance(e, BlockStored)] == [[]]
+    m.add_listener(everything.append)  # one listener reads them: every listener gets them
+    m.append("a", [9, 10, 11])
+    assert [e.token_ids for e in everything if isinstance(e, BlockStored)] == [toks(8, 4)]
+    m.remove_listener(everything.append)
+    m.release("a")
+    m.admit("b", toks(50, 60), NS)  # offloads a's blocks to host: a CPU BlockStored
+    offloaded = [e for e in digests_only if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert offloaded and all(e.token_ids == [] for e in offloaded)
+    assert all(len(e.block_hashes) for e in digests_only if isinstance(e, BlockStored))
+    m.add_listener(digests_only.append)  # added again: its last say counts
+    m.release("b")
+    m.admit("c", toks(200, 8), NS)
+    assert [e for e in digests_only if isinstance(e, BlockStored)][-1].token_ids == toks(200, 8)
+    with pytest.raises(InvalidArgumentError):
+        m.add_listener(print, token_ids=1)
+    m.check_integrity()
+
+
 def test_a_listener_removing_itself_does_not_hide_the_event_from_the_next():
     m = mgr_(num_blocks=8)
     seen: dict[str, int] = {"a": 0, "b": 0}

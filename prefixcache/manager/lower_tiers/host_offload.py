@@ -156,7 +156,7 @@ class HostOffload:
         stats.offloaded_blocks += stored
         if stored and events:
             hashes = split_digests(digests[: stored * D])
-            tokens = token_list(run[: stored * bb])
+            tokens = token_list(run[: stored * bb]) if self.events.token_ids else []
             self.events.emit(
                 BlockStored(
                     hashes, prev if position else None, tokens, self.block_size, namespace, CPU

@@ -128,16 +128,25 @@ class _Replica:
         sim.times = fleet.times  # indexed by the fleet's request index
         self.live: dict[int, LiveRequest] = {}
         self.routed = 0
+        self.feed: ReplicaIndexFeed | None = None
         if isinstance(mgr, CacheManager):
             # the index takes every block a replica can hold on its GPU: media from its bits
             lean = cfg.capacity_blocks <= fleet.index.max_blocks_per_replica
-            feed = ReplicaIndexFeed(fleet.index, name, mgr.hasher, fleet.versions, lean=lean)
-            mgr.add_listener(feed)
+            self.feed = ReplicaIndexFeed(fleet.index, name, mgr.hasher, fleet.versions, lean=lean)
+            self.feed.token_ids = fleet.token_ids
+            mgr.add_listener(self.feed, token_ids=fleet.token_ids)
 
     @property
     def mgr(self) -> CacheManager:
         """The replica's cache manager (the no-cache fleet's replicas have none)."""
         return self.sim.mgr
+
+    def read_token_ids(self) -> None:
+        """From now on the feed's events carry token ids (it may hash a chain again)."""
+        if self.feed is not None and not self.feed.token_ids:
+            self.mgr.remove_listener(self.feed)
+            self.feed.token_ids = True
+            self.mgr.add_listener(self.feed)
 
     def take(self, live: LiveRequest) -> None:
         """Queue a request routed here."""
@@ -182,6 +191,7 @@ class FleetSimulator:
         self.times = RequestTimes()  # per request, by the fleet's request index
         self.index = MemoryFleetIndex()
         self.versions: dict[tuple[str, str], str] = {}  # adapter versions the requests name
+        self.token_ids = False  # whether the index feeds read token ids (a second version)
         names = [f"replica-{k}" for k in range(o.replicas)]
         self.router = Router(
             self.index,
@@ -243,8 +253,11 @@ class FleetSimulator:
     def _name_version(self, model: str, adapter: str, version: str) -> None:
         """The first version a request names for an adapter is the one the fleet serves (the
         replicas serve any adapter, so none pins it; KV events carry no version)."""
-        if (model, adapter) not in self.versions:
-            self.versions[(model, adapter)] = version
+        pinned = self.versions.setdefault((model, adapter), version)
+        if pinned != version and not self.token_ids:  # its chains are filed under the pinned
+            self.token_ids = True
+            for rep in self.replicas:
+                rep.read_token_ids()
 
     def run(self, requests: Iterable[Request]) -> None:
         """Route and serve every request, then run the fleet until all have finished."""

@@ -21,6 +21,11 @@ What the applier would make of an event, for a replica whose events carry prefix
   left. A reset clears the replica.
 - A run stored without tokens marks the media of the blocks already known.
 
+The feed reads token ids only to hash a chain again, so it listens without them
+(``add_listener(..., token_ids=False)``: the manager builds no token list for its events) until
+a request names an adapter version other than the pinned one (``FleetSimulator``); then every
+stored run carries its tokens, and a run without them is one of the above.
+
 The applier's caps (blocks per replica) and the checks a remote engine's events need (malformed
 runs, unknown parents, duplicate hashes) have nothing to catch here: the manager's events are
 well formed, and a run's parent is always held when it is stored.
@@ -72,6 +77,9 @@ class ReplicaIndexFeed:
         an event names another medium or a chain is filed under another digest."""
         self.index, self.replica, self.hasher, self.versions = index, replica, hasher, versions
         self.lean = lean
+        # whether its events carry token ids: registered without them (``token_ids=False``)
+        # while no chain can be filed under another digest, which needs them to hash it again
+        self.token_ids = True
         self.media: dict[bytes, int] = {}  # block digest -> mask of the media holding it
         # blocks filed under another digest than their own (another adapter version): own
         # digest -> (the index's digest, position in the sequence)
@@ -101,7 +109,7 @@ class ReplicaIndexFeed:
         if kind is BlockStored:
             stored: BlockStored = ev  # type: ignore[assignment]
             if (
-                stored.token_ids
+                (stored.token_ids or not self.token_ids)
                 and self._media_of.get(stored.medium) is _ON_GPU
                 and (
                     stored.parent_block_hash is not None
@@ -155,7 +163,7 @@ class ReplicaIndexFeed:
         hashes = ev.block_hashes
         media = self.media
         renamed = self.renamed
-        if not ev.token_ids:  # another medium for blocks held already
+        if not ev.token_ids and self.token_ids:  # another medium for blocks held already
             hashes = [h for h in hashes if h in media]
             digests = [renamed[h][0] if h in renamed else h for h in hashes]
         else:
@@ -172,6 +180,7 @@ class ReplicaIndexFeed:
             else:
                 rehash = False
             if rehash:
+                assert self.token_ids, "a chain filed under another digest needs token ids"
                 body = as_token_array(ev.token_ids).tobytes()
                 digests = self.hasher.hash_run(body, prev, pos)
                 for k, (h, d) in enumerate(zip(hashes, digests, strict=True)):

@@ -54,7 +54,7 @@ class TierAdmitter:
         self.write_through = pool is not None and settings.pool_write == "through"
         if pool is not None and not self.write_through:
             self.feed = PoolFeed(pool)
-            mgr.add_listener(self.feed)
+            mgr.add_listener(self.feed, token_ids=False)  # it reads digests only
         self.pool_found_blocks = 0  # pooled blocks that continued a prompt (loaded or not)
         self.pool_loaded_blocks = 0
 
