@@ -13,9 +13,10 @@ Prints requests/s, requests/min, microseconds per request and per prompt block.
 
 Planner: the multi-turn chat scenario (20,000 requests, llama-3.1-8b, 4 GiB of KV) replayed
 sequentially, in serving mode on one replica and on four (each with 4 GiB), and the Mooncake
-trace (512-token blocks, 400 blocks a replica) in serving mode on one and four replicas. Prints
-each replay's wall seconds (the best of ``--repeats``) and its ratio to the sequential replay of
-the same workload, run alongside. ``--baseline TREE`` times the same replays, in a child process
+trace (512-token blocks, 400 blocks a replica) in serving mode on one and four replicas, in
+``--repeats`` rounds (every workload once a round). Prints each replay's wall seconds (the best
+of the rounds) and the median over the rounds of its ratio to the sequential replay of the same
+workload in the same round. ``--baseline TREE`` times the same replays, in a child process
 each, with the ``prefixcache`` package found in ``TREE`` (an older checkout, built): the figures
 before a change, measured on the same machine in the same run.
 """
@@ -152,43 +153,55 @@ def time_in(tree: Path, path: Path, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def planner(repeats: int, baseline: Path | None) -> None:
-    """The serving and fleet replays against the sequential replay of the same workload."""
-    print("planner workloads (wall seconds, best of the repeats; x: against sequential)")
+    """The serving and fleet replays against the sequential replay of the same workload, in
+    rounds: each round times every workload once (and the baseline's right after), so a drift
+    of the machine's speed reaches a ratio's two sides alike. Prints each replay's best time and
+    the median over the rounds of its ratio to the round's sequential replay."""
+    print("planner workloads (wall seconds, best of the rounds; x: median over the rounds of")
+    print("the ratio to the sequential replay of the same workload in the same round)")
     if baseline is not None:
         print(f"  baseline: prefixcache from {baseline}")
-    reference: dict[str, float] = {}
-    core = None
-    for label, path, options in PLANNER:
+    work = [(label, path, options) for label, path, options in PLANNER if path.is_file()]
+    for label, path, _ in PLANNER:
         if not path.is_file():
             print(f"  {label}: (no {path}; skipped)")
-            continue
-        workload = label.split(",")[0]
-        runs = [time_replay(path, options) for _ in range(repeats)]
-        best = min(runs, key=lambda r: r["seconds"])
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in work}
+    before: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in work}
+    for _ in range(repeats):
+        for label, path, options in work:
+            runs[label].append(time_replay(path, options))
+            if baseline is not None:
+                before[label].append(time_in(baseline, path, options))
+    if baseline is not None and work:
+        print(f"  baseline core: {before[work[0][0]][0]['core']}")
+    for label, _, _ in work:
+        first = next(w for w, _, _ in work if w.split(",")[0] == label.split(",")[0])
+        best = min(runs[label], key=lambda r: r["seconds"])
         secs = best["seconds"]
-        reference.setdefault(workload, secs)
         line = (
             f"  {label:32} {secs:8.2f} s  {best['requests'] / secs:>8,.0f} req/s  "
-            f"x{secs / reference[workload]:5.2f}  hit {best['token_hit_rate']:.4f}"
+            f"x{_median_ratio(runs[label], runs[first]):5.2f}  hit {best['token_hit_rate']:.4f}"
         )
         if best["ttft_p50_s"] is not None:
             line += f"  TTFT p50 {best['ttft_p50_s']:.4g} s  {best['steps']:,} steps"
         if baseline is not None:
-            before = min(
-                (time_in(baseline, path, options) for _ in range(repeats)),
-                key=lambda r: r["seconds"],
+            old = min(before[label], key=lambda r: r["seconds"])
+            same = old["token_hit_rate"] == best["token_hit_rate"] and (
+                old["ttft_p50_s"] == best["ttft_p50_s"]
             )
-            if core is None:
-                core = before["core"]
-                print(f"  baseline core: {core}")
-            same = before["token_hit_rate"] == best["token_hit_rate"] and (
-                before["ttft_p50_s"] == best["ttft_p50_s"]
-            )
+            x = _median_ratio(before[label], before[first])
             line += (
-                f"  | baseline {before['seconds']:8.2f} s ({before['seconds'] / secs:5.1f}x this)"
-                f"{'' if same else '  FIGURES DIFFER'}"
+                f"  | baseline {old['seconds']:8.2f} s x{x:5.2f}"
+                f" ({old['seconds'] / secs:4.1f}x this){'' if same else '  FIGURES DIFFER'}"
             )
         print(line, flush=True)
+
+
+def _median_ratio(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> float:
+    """The median over the rounds of ``runs``' seconds over ``reference``'s."""
+    ratios = sorted(r["seconds"] / ref["seconds"] for r, ref in zip(runs, reference, strict=True))
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from itertools import repeat
 from prefixcache.blocks.hashing import DIGEST_SIZE
 from prefixcache.errors import FleetCapacityError, InvalidArgumentError
 from prefixcache.fleet.index.interface import MEDIA, ReplicaMatch
+from prefixcache.fleet.index.mask_writes import remove_masks, store_masks
 from prefixcache.medium import CPU, GPU
 
 DEFAULT_MAX_REPLICAS = 1024
@@ -106,41 +107,7 @@ class MemoryFleetIndex:
         """``store`` for a caller whose arguments are known good (a replica name as
         ``check_replica`` takes, 16-byte digests, one of ``MEDIA``): the same outcome, without
         the checks (an in-process feed that applies a manager's events)."""
-        r = self._slot.get(replica)
-        if r is None:
-            r = self._register(replica)
-        bit = 1 << (2 * r + (medium == CPU))
-        both = 3 << (2 * r)
-        masks = self._masks
-        interned = self._interned
-        count = self._count[replica]
-        added = 0
-        cap = self.max_blocks_per_replica
-        get = masks.get
-        alone = interned.setdefault(bit, bit)  # the mask of a block this replica alone holds
-        for k, d in enumerate(digests):
-            m = get(d, 0)
-            if not m:  # no replica holds it yet: the common case, taken first
-                if count >= cap:
-                    self._overflow[replica] += len(digests) - k
-                    break
-                count += 1
-                added += 1
-                masks[d] = alone
-                continue
-            if m & bit:
-                continue
-            if not m & both:
-                if count >= cap:
-                    self._overflow[replica] += len(digests) - k
-                    break
-                count += 1
-            added += 1
-            m |= bit
-            masks[d] = interned.setdefault(m, m)
-        self._count[replica] = count
-        if medium == GPU:
-            self._gpu_count[replica] += added
+        store_masks(self, replica, digests, medium)
 
     def remove(self, replica: str, digests: Sequence[bytes], medium: str | None = None) -> None:
         """``replica`` dropped ``digests`` from ``medium`` (from every medium when None)."""
@@ -152,40 +119,7 @@ class MemoryFleetIndex:
         self, replica: str, digests: Sequence[bytes], medium: str | None = None
     ) -> None:
         """``remove`` for a caller whose arguments are known good (as ``store_unchecked``)."""
-        r = self._slot.get(replica)
-        if r is None:
-            return
-        both = 3 << (2 * r)
-        bits = both if medium is None else 1 << (2 * r + (medium == CPU))
-        masks = self._masks
-        interned = self._interned
-        count = self._count[replica]
-        gpu_bit = 1 << (2 * r)
-        gpu_count = self._gpu_count[replica]
-        gpu_drop = 1 if bits & gpu_bit else 0
-        get = masks.get
-        for d in digests:
-            m = get(d, 0)
-            if m == bits:  # held by this replica alone, on these media alone: the common case
-                del masks[d]
-                count -= 1
-                gpu_count -= gpu_drop
-                continue
-            if not m & bits:
-                continue
-            if m & bits & gpu_bit:
-                gpu_count -= 1
-            m &= ~bits
-            if not m & both:
-                count -= 1
-            if m:
-                masks[d] = interned.setdefault(m, m)
-            else:
-                del masks[d]
-        self._count[replica] = count
-        self._gpu_count[replica] = gpu_count
-        if len(interned) > 4 * len(masks) + 1024:  # masks nobody uses any more
-            self._interned = {m: m for m in masks.values()}
+        remove_masks(self, replica, digests, medium)
 
     def clear(self, replica: str) -> None:
         """``replica`` holds nothing any more (restart, ``AllBlocksCleared``); it stays known."""

@@ -39,6 +39,7 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import as_token_array
 from prefixcache.fleet.events.index_writer import canonical_medium, index_medium
+from prefixcache.fleet.index.mask_writes import remove_masks, store_masks
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.manager.block_events import BlockRemoved, BlockStored, CacheEvent
 from prefixcache.medium import CPU, GPU
@@ -86,9 +87,9 @@ class ReplicaIndexFeed:
         self.renamed: dict[bytes, tuple[bytes, int]] = {}
         self._bits: dict[str, int] = {GPU: _GPU_BIT, CPU: 2}
         self._media_of: dict[str | None, _Medium] = {None: _ON_GPU, GPU: _ON_GPU}  # by name
-        # the index's writes, without the checks of arguments the manager's events satisfy
-        self._store = index.store_unchecked
-        self._remove = index.remove_unchecked
+        # the index's writes go without the checks of arguments the manager's events satisfy,
+        # into a MemoryFleetIndex's masks with no Python frame between (``mask_writes``)
+        self._direct = type(index) is MemoryFleetIndex
 
     def __call__(self, event: CacheEvent) -> None:
         kind = type(event)
@@ -102,6 +103,18 @@ class ReplicaIndexFeed:
             self.media.clear()
             self.renamed.clear()
             self.index.clear(self.replica)
+
+    def _store(self, digests: list[bytes], medium: str) -> None:
+        if self._direct:
+            store_masks(self.index, self.replica, digests, medium)
+        else:
+            self.index.store_unchecked(self.replica, digests, medium)
+
+    def _remove(self, digests: list[bytes], medium: str) -> None:
+        if self._direct:
+            remove_masks(self.index, self.replica, digests, medium)
+        else:
+            self.index.remove_unchecked(self.replica, digests, medium)
 
     def _lean_applied(self, ev: CacheEvent, kind: type) -> bool:
         """Apply ``ev`` without ``media`` when it is a GPU event filed under its own digests;
@@ -117,13 +130,13 @@ class ReplicaIndexFeed:
                     or self._filed_under(stored.namespace) is stored.namespace
                 )
             ):
-                self._store(self.replica, stored.block_hashes, GPU)
+                self._store(stored.block_hashes, GPU)
                 return True
         elif kind is BlockRemoved:
             removed: BlockRemoved = ev  # type: ignore[assignment]
             if self._media_of.get(removed.medium) is _ON_GPU:
                 # the index passes over the blocks it does not hold on the GPU, as media would
-                self._remove(self.replica, removed.block_hashes, GPU)
+                self._remove(removed.block_hashes, GPU)
                 return True
         else:
             return False  # a reset: as in full mode
@@ -191,7 +204,7 @@ class ReplicaIndexFeed:
         for h in hashes:
             media[h] = get(h, 0) | bit
         if digests:
-            self._store(self.replica, digests, where.index_medium)
+            self._store(digests, where.index_medium)
 
     def _removed(self, ev: BlockRemoved) -> None:
         where = self._media_of.get(ev.medium) or self._medium(ev.medium)
@@ -216,4 +229,4 @@ class ReplicaIndexFeed:
                 continue
             digests.append(digest)
         if digests:
-            self._remove(self.replica, digests, where.index_medium)
+            self._remove(digests, where.index_medium)
