@@ -43,7 +43,7 @@ COMPILED_MODULES = (
     "prefixcache.blocks.pool",
     "prefixcache.blocks.radix",
     "prefixcache.blocks.tokens",
-    "prefixcache.fleet.index.mask_writes",
+    "prefixcache.fleet.index.mask_loops",
     "prefixcache.fleet.whatif.group_regression",
     "prefixcache.fleet.whatif.shards",
     "prefixcache.manager.admission_planning",

@@ -39,7 +39,7 @@ from prefixcache.blocks.hashing import BlockHasher
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.blocks.tokens import as_token_array
 from prefixcache.fleet.events.index_writer import canonical_medium, index_medium
-from prefixcache.fleet.index.mask_writes import remove_masks, store_masks
+from prefixcache.fleet.index.mask_loops import remove_masks, store_masks
 from prefixcache.fleet.index.memory import MemoryFleetIndex
 from prefixcache.manager.block_events import BlockRemoved, BlockStored, CacheEvent
 from prefixcache.medium import CPU, GPU
@@ -88,7 +88,7 @@ class ReplicaIndexFeed:
         self._bits: dict[str, int] = {GPU: _GPU_BIT, CPU: 2}
         self._media_of: dict[str | None, _Medium] = {None: _ON_GPU, GPU: _ON_GPU}  # by name
         # the index's writes go without the checks of arguments the manager's events satisfy,
-        # into a MemoryFleetIndex's masks with no Python frame between (``mask_writes``)
+        # into a MemoryFleetIndex's masks with no Python frame between (``mask_loops``)
         self._direct = type(index) is MemoryFleetIndex
 
     def __call__(self, event: CacheEvent) -> None:

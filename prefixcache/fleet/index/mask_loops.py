@@ -1,15 +1,18 @@
-"""The in-memory fleet index's writes without argument checks, compiled with the core.
+"""The in-memory fleet index's loops over block masks, compiled with the core.
 
-``MemoryFleetIndex.store_unchecked`` and ``remove_unchecked`` are these two functions; a caller in
-the same process that applies a manager's events one block at a time (the fleet replay's index
-feed) calls them directly, with no Python frame per event. What the masks mean: memory.py.
+``MemoryFleetIndex.store_unchecked`` and ``remove_unchecked`` are ``store_masks`` and
+``remove_masks``; a caller in the same process that applies a manager's events one block at a
+time (the fleet replay's index feed) calls them directly, with no Python frame per event.
+``match_masks`` is the walk every index's ``match`` ends in (a route's). What the masks mean:
+memory.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from prefixcache.fleet.index.interface import ReplicaMatch
 from prefixcache.medium import CPU, GPU
 
 
@@ -103,3 +106,45 @@ def remove_masks(
     index._gpu_count[replica] = gpu_count
     if len(interned) > 4 * len(masks) + 1024:  # masks nobody uses any more
         index._interned = {m: m for m in masks.values()}
+
+
+def match_masks(masks: Iterable[int], n: int, slots: Mapping[str, int]) -> list[ReplicaMatch]:
+    """Per replica (``slots``: name -> slot ``r``), the leading blocks of a chain of ``n`` blocks
+    whose masks (bit ``2r`` GPU, ``2r + 1`` CPU) are ``masks``, in order."""
+    if not slots:
+        return []
+    any_alive = 0
+    for r in slots.values():
+        any_alive |= 1 << (2 * r)
+    gpu_alive = any_alive
+    any_len: dict[int, int] = {}
+    gpu_len: dict[int, int] = {}
+    last = -1  # no mask: a block like the one before it ends no replica's match
+    for i, m in enumerate(masks):
+        if m == last:
+            continue
+        last = m
+        held = (m | (m >> 1)) & any_alive
+        if held != any_alive:
+            _record(any_alive & ~held, i, any_len)
+            any_alive = held
+        gpu = m & gpu_alive
+        if gpu != gpu_alive:
+            _record(gpu_alive & ~gpu, i, gpu_len)
+            gpu_alive = gpu
+        if not any_alive:
+            break
+    _record(any_alive, n, any_len)
+    _record(gpu_alive, n, gpu_len)
+    return [
+        ReplicaMatch(name, any_len.get(r, 0), gpu_len.get(r, 0))
+        for name, r in sorted(slots.items())
+    ]
+
+
+def _record(gone: int, length: int, out: dict[int, int]) -> None:
+    """Give every replica whose even bit is set in ``gone`` the matched ``length``."""
+    while gone:
+        low = gone & -gone
+        out[(low.bit_length() - 1) >> 1] = length
+        gone ^= low
