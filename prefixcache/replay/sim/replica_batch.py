@@ -78,6 +78,15 @@ class ReplicaBatch:
         assert self.counts is not None
         return self.counts.active_blocks()
 
+    def free_or_evictable(self) -> int:
+        """Blocks an allocation could get now (free, or cached and held by nobody)."""
+        cache = self.cache
+        if cache is not None:
+            index = cache.index
+            return cache.pool.num_free + index.num_blocks - index.active_blocks
+        assert self.counts is not None
+        return self.counts.free
+
     def block_counts(self) -> BlockCounts:
         """Free, active and cached blocks now."""
         if self.cache is not None:

@@ -93,6 +93,10 @@ class Simulator(ReplicaBatch):
         self.blocked_epoch = 0
         self.blocked_committed = 0
         self.blocked_short = 0  # blocks it lacked
+        self.blocked_need = -1  # blocks it needed (-1: not said)
+        self.blocked_admissions = 0
+        self.admissions = 0  # successful admissions (each may lengthen any prompt's match)
+        self.short_epoch = self.short_committed = -1  # when the head was last found short
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self, requests: Iterable[Request]) -> None:
@@ -152,12 +156,24 @@ class Simulator(ReplicaBatch):
         return not self._known_short(head)
 
     def _known_short(self, head: LiveRequest) -> bool:
-        """``head`` failed to be admitted and nothing since could have made room for it."""
-        return (
-            head is self.blocked
-            and self.epoch == self.blocked_epoch
-            and self.committed - self.blocked_committed < self.blocked_short
-        )
+        """``head`` failed to be admitted and nothing since could have made room for it: no
+        call gave blocks back or changed the index but commits, fewer than it lacked; or, with
+        no admission since, what it needed less what the commits could have matched exceeds
+        the blocks free or evictable now (its need shrinks only as its match grows, and
+        releases only change what is available)."""
+        if head is not self.blocked:
+            return False
+        commits = self.committed - self.blocked_committed
+        if self.epoch == self.blocked_epoch and commits < self.blocked_short:
+            return True
+        if self.admissions != self.blocked_admissions:
+            return False
+        if self.short_epoch == self.epoch and self.short_committed == self.committed:
+            return True  # found short since, and nothing could have given it blocks
+        if self.blocked_need - commits > self.free_or_evictable():
+            self.short_epoch, self.short_committed = self.epoch, self.committed
+            return True
+        return False
 
     def _quiet_steps(self, limit: float, inclusive: bool) -> None:
         """Decode-only steps until an event is due or the clock reaches ``limit``."""
@@ -385,6 +401,7 @@ class Simulator(ReplicaBatch):
                 continue
             self.waiting.popleft()
             self.epoch += 1
+            self.admissions += 1
             cached_len = partial = host_tokens = pool_tokens = 0
             cow = False
             if adm is not None:
@@ -438,6 +455,9 @@ class Simulator(ReplicaBatch):
         self.blocked_epoch = self.epoch
         self.blocked_committed = self.committed
         self.blocked_short = short
+        self.blocked_need = exc.needed
+        self.blocked_admissions = self.admissions
+        self.short_epoch = -1
 
     # ---- measurements -----------------------------------------------------------------------
     @property
