@@ -121,16 +121,23 @@ def token_list(data: bytes | bytearray) -> list[int]:
 
 
 def checked_token_bytes(data: object) -> bytes:
-    """``data`` if it is int32 LE token ids, as ``as_token_bytes`` returns them (``bytes``, whole
-    ids, each in [0, 2**31)); else InvalidTokensError."""
-    if not isinstance(data, bytes) or type(data) is not bytes:
-        raise InvalidTokensError(f"token bytes must be bytes, got {type(data).__name__}")
+    """``data`` if it is int32 LE token ids, as ``as_token_bytes`` returns them (``bytes``, at
+    least one id, each in [0, 2**31)); else InvalidTokensError."""
+    if type(data) is not bytes:
+        raise InvalidTokensError(
+            f"token bytes must be bytes, got {type(data).__name__}: pass int32 little-endian "
+            "bytes (numpy: arr.astype('<i4').tobytes()), or use append() for other containers"
+        )
+    if not data:
+        raise InvalidTokensError("token ids are empty; a request needs at least one token")
     if len(data) % 4:
-        raise InvalidTokensError(f"token bytes hold whole int32 ids; got {len(data)} bytes")
+        raise InvalidTokensError(
+            f"token bytes hold whole int32 ids (4 bytes each); got {len(data)} bytes"
+        )
     if _nonnegative is not None:
         ok = _nonnegative(data)
     else:
-        ok = not data or int(np.frombuffer(data, dtype=_INT32).min()) >= 0
+        ok = int(np.frombuffer(data, dtype=_INT32).min()) >= 0
     if not ok:
         raise InvalidTokensError("token ids must be >= 0 (valid: [0, 2**31))")
     return data

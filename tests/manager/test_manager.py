@@ -161,6 +161,7 @@ def test_the_appender_does_what_append_does():
         ("a", [1, 2], InvalidTokensError),
         ("a", bytearray(4), InvalidTokensError),
         ("a", b"\x01\x00\x00", InvalidTokensError),
+        ("a", b"", InvalidTokensError),
         ("a", (-1).to_bytes(4, "little", signed=True), InvalidTokensError),
     ],
 )

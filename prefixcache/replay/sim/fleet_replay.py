@@ -132,9 +132,11 @@ class _Replica:
         if isinstance(mgr, CacheManager):
             # the index takes every block a replica can hold on its GPU: media from its bits
             lean = cfg.capacity_blocks <= fleet.index.max_blocks_per_replica
-            self.feed = ReplicaIndexFeed(fleet.index, name, mgr.hasher, fleet.versions, lean=lean)
-            self.feed.token_ids = fleet.token_ids
-            mgr.add_listener(self.feed, token_ids=fleet.token_ids)
+            # without token ids until a chain may be filed under another digest (read_token_ids)
+            self.feed = ReplicaIndexFeed(
+                fleet.index, name, mgr.hasher, fleet.versions, lean=lean, token_ids=False
+            )
+            mgr.add_listener(self.feed, token_ids=False)
 
     @property
     def mgr(self) -> CacheManager:
@@ -191,7 +193,6 @@ class FleetSimulator:
         self.times = RequestTimes()  # per request, by the fleet's request index
         self.index = MemoryFleetIndex()
         self.versions: dict[tuple[str, str], str] = {}  # adapter versions the requests name
-        self.token_ids = False  # whether the index feeds read token ids (a second version)
         names = [f"replica-{k}" for k in range(o.replicas)]
         self.router = Router(
             self.index,
@@ -253,10 +254,8 @@ class FleetSimulator:
     def _name_version(self, model: str, adapter: str, version: str) -> None:
         """The first version a request names for an adapter is the one the fleet serves (the
         replicas serve any adapter, so none pins it; KV events carry no version)."""
-        pinned = self.versions.setdefault((model, adapter), version)
-        if pinned != version and not self.token_ids:  # its chains are filed under the pinned
-            self.token_ids = True
-            for rep in self.replicas:
+        if self.versions.setdefault((model, adapter), version) != version:
+            for rep in self.replicas:  # its chains are filed under the pinned version's digests
                 rep.read_token_ids()
 
     def run(self, requests: Iterable[Request]) -> None:

@@ -72,15 +72,15 @@ class ReplicaIndexFeed:
         versions: dict[tuple[str, str], str],
         *,
         lean: bool = False,
+        token_ids: bool = True,
     ) -> None:
         """``lean``: the replica never holds more blocks on its GPU than the index takes for it
         (``max_blocks_per_replica``), so the index's GPU bits can stand for ``media`` until
-        an event names another medium or a chain is filed under another digest."""
+        an event names another medium or a chain is filed under another digest. ``token_ids``:
+        its events carry token ids (it was added as a listener that reads them)."""
         self.index, self.replica, self.hasher, self.versions = index, replica, hasher, versions
         self.lean = lean
-        # whether its events carry token ids: registered without them (``token_ids=False``)
-        # while no chain can be filed under another digest, which needs them to hash it again
-        self.token_ids = True
+        self.token_ids = token_ids
         self.media: dict[bytes, int] = {}  # block digest -> mask of the media holding it
         # blocks filed under another digest than their own (another adapter version): own
         # digest -> (the index's digest, position in the sequence)
