@@ -63,6 +63,7 @@ COMPILED_MODULES = (
     "prefixcache.replay.sim.keyset",
     "prefixcache.replay.sim.live_requests",
     "prefixcache.replay.sim.replica_batch",
+    "prefixcache.replay.sim.replica_trees",
     "prefixcache.replay.sim.request_rows",
     "prefixcache.replay.sim.roofline",
     "prefixcache.replay.sim.sequential",

@@ -11,10 +11,12 @@ import yaml
 from fleet_support import manager_digests
 
 from prefixcache.cli import main
+from prefixcache.fleet.index.interface import ReplicaMatch
 from prefixcache.replay import ReplayConfig, open_source
 from prefixcache.replay.runner import replay_source
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.fleet_replay import FleetSimulator
+from prefixcache.replay.sim.replica_trees import ReplicaTrees
 from prefixcache.run_format import MISS_CAUSES
 
 SCENARIO = Path(__file__).parents[2] / "scenarios" / "shared_system_prompt.yaml"
@@ -143,17 +145,64 @@ def test_fleet_overload_is_decided_by_the_busiest_replica() -> None:
 
 
 def test_index_equals_the_replicas_cached_blocks(small: Path) -> None:
+    """The fed index, kept by the replicas' events alone from the start, holds what they do."""
     cfg = config(3, "prefix_balanced")
     resolved = cfg.resolve()
     source = open_source(small, cfg)
     first = next(iter(source))
     sim = FleetSimulator(resolved, None, first.namespace)
+    assert not sim.index.filed  # lean replicas: their trees answer
+    sim.feed_index()
     sim.run(source)
     assert sim.router.in_flight() == 0
     for rep in sim.replicas:
-        held = set(sim.index.holdings(rep.name))
+        held = set(sim.index.fed.holdings(rep.name))
         assert held == manager_digests(rep.mgr)
         assert held  # something was cached
+
+
+class _BothIndexes:
+    """What the router reads, from the replicas' trees, checked against the index their events
+    keep at every read."""
+
+    def __init__(self, trees: ReplicaTrees) -> None:
+        self.trees = trees
+        self.reads = 0
+
+    def match(self, digests: list[bytes]) -> list[ReplicaMatch]:
+        got = self.trees.match(digests)
+        if not self.trees.filed:
+            fed = {m.replica: m for m in self.trees.fed.match(digests)}
+            for m in got:
+                assert m == fed.get(m.replica, ReplicaMatch(m.replica, 0, 0))
+            self.reads += 1
+        return got
+
+    def num_blocks_many(self, replicas: list[str], medium: str | None = None) -> dict[str, int]:
+        got = self.trees.num_blocks_many(replicas, medium)
+        if not self.trees.filed:
+            assert got == self.trees.fed.num_blocks_many(replicas, medium)
+        return got
+
+
+@pytest.mark.parametrize("name", ["shared_system_prompt.yaml", "multi_tenant.yaml"])
+def test_the_trees_answer_as_the_fed_index_would(name: str, tmp_path: Path) -> None:
+    """While the replicas are lean, every route reads from their trees what the index their
+    events keep would answer (the feeds run beside the trees here to compare)."""
+    path = _cut(name, tmp_path)
+    cfg = config(3, "prefix")
+    source = open_source(path, cfg)
+    sim = FleetSimulator(cfg.resolve(), None, next(iter(source)).namespace)
+    for rep in sim.replicas:  # the fed index kept beside the trees, which still answer
+        rep.start_feed(sim.lean)
+    both = _BothIndexes(sim.index)
+    sim.router._index = both  # type: ignore[assignment]
+    sim.run(source)
+    assert both.reads > 200 and not sim.index.filed
+    for rep in sim.replicas:
+        assert set(sim.index.fed.holdings(rep.name)) == manager_digests(rep.mgr)
+        assert sim.index.num_blocks(rep.name) == sim.index.fed.num_blocks(rep.name)
+    assert sum(sim.index.num_blocks(r.name) for r in sim.replicas) > 0
 
 
 def test_accountant_routing_cause_is_carved_from_capacity() -> None:
@@ -279,9 +328,10 @@ def test_tenants_and_adapters_replay_on_a_fleet(name: str, tmp_path: Path) -> No
     source = open_source(path, cfg)
     assert source.multi_namespace
     sim = FleetSimulator(resolved, None, next(iter(source)).namespace)
+    sim.feed_index()  # the index the events keep, keyed as the managers key
     sim.run(source)
     for rep in sim.replicas:
-        assert set(sim.index.holdings(rep.name)) == manager_digests(rep.mgr)
+        assert set(sim.index.fed.holdings(rep.name)) == manager_digests(rep.mgr)
     plain_cfg = ReplayConfig(capacity_blocks=BLOCKS, mode="serving", max_seqs=32)
     plain = replay_source(open_source(path, plain_cfg), plain_cfg).to_report_dict()
     one = replay_source(open_source(path, config(1, "prefix")), config(1, "prefix"))

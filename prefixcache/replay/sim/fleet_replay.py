@@ -2,8 +2,10 @@
 
 Every replica is a serving simulation (``serving.Simulator``) over its own ``CacheManager`` of the
 configured size: ``capacity_blocks`` is per replica. Requests are routed at arrival by the real
-``Router`` over a ``MemoryFleetIndex``, which each replica's manager events reach as they happen,
-applied as the service's KV-event path would apply them (``index_feed``). A request counts as
+``Router`` over the fleet index the service would keep from the replicas' KV events: read from the
+replicas' radix trees while it would hold just what they hold (``replica_trees``), else a
+``MemoryFleetIndex`` each replica's manager events reach as they happen, applied as the service's
+KV-event path would apply them (``index_feed``). A request counts as
 load on its replica from its route until it finishes (or is dropped), then the router releases
 it.
 
@@ -45,6 +47,7 @@ from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.index_feed import ReplicaIndexFeed
 from prefixcache.replay.sim.pooled_line import PooledLine, run_pooled, served_percentile
+from prefixcache.replay.sim.replica_trees import ReplicaTrees
 from prefixcache.replay.sim.serving import LiveRequest, Simulator, advance_replicas
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
 from prefixcache.replay.sim.side_process import SideRun, side_process_available, skip_first
@@ -128,15 +131,17 @@ class _Replica:
         sim.times = fleet.times  # indexed by the fleet's request index
         self.live: dict[int, LiveRequest] = {}
         self.routed = 0
-        self.feed: ReplicaIndexFeed | None = None
-        if isinstance(mgr, CacheManager):
-            # the index takes every block a replica can hold on its GPU: media from its bits
-            lean = cfg.capacity_blocks <= fleet.index.max_blocks_per_replica
-            # without token ids until a chain may be filed under another digest (read_token_ids)
-            self.feed = ReplicaIndexFeed(
-                fleet.index, name, mgr.hasher, fleet.versions, lean=lean, token_ids=False
-            )
-            mgr.add_listener(self.feed, token_ids=False)
+        self.feed: ReplicaIndexFeed | None = None  # once the fleet index is fed (replica_trees)
+
+    def start_feed(self, lean: bool) -> None:
+        """From now on the replica's events reach the fleet's fed index, read without token ids
+        until a chain may be filed under another digest (``read_token_ids``). ``lean``: it never
+        holds more GPU blocks than the index takes for it."""
+        fleet = self.fleet
+        self.feed = ReplicaIndexFeed(
+            fleet.index.fed, self.name, self.mgr.hasher, fleet.versions, lean=lean, token_ids=False
+        )
+        self.mgr.add_listener(self.feed, token_ids=False)
 
     @property
     def mgr(self) -> CacheManager:
@@ -191,7 +196,7 @@ class FleetSimulator:
         self.cfg, self.acc = cfg, acc
         self.block_size = o.block_size
         self.times = RequestTimes()  # per request, by the fleet's request index
-        self.index = MemoryFleetIndex()
+        self.index = ReplicaTrees({}, MemoryFleetIndex())  # the replicas' trees join below
         self.versions: dict[tuple[str, str], str] = {}  # adapter versions the requests name
         names = [f"replica-{k}" for k in range(o.replicas)]
         self.router = Router(
@@ -214,6 +219,12 @@ class FleetSimulator:
         if self.tiers is not None:
             for rep, admitter in zip(self.replicas, self.tiers.admitters, strict=True):
                 rep.sim.tiers = admitter
+        # the trees answer while each replica's GPU blocks are all the index would hold
+        self.lean = cfg.capacity_blocks <= self.index.max_blocks_per_replica
+        if caching:
+            self.index.managers = {r.name: r.mgr for r in self.replicas}
+            if self.tiers is not None or not self.lean:
+                self.feed_index()
         self.assignment: list[int] = []
         self.rules: dict[str, int] = {}
         self.truncated = 0
@@ -235,6 +246,12 @@ class FleetSimulator:
             return self.tally.steps
         return sum(r.sim.steps for r in self.replicas)
 
+    def feed_index(self) -> None:
+        """The fed index answers from now on: it takes what the trees hold, then every event."""
+        self.index.file_in_index()
+        for rep in self.replicas:
+            rep.start_feed(self.lean)
+
     def _elsewhere_of(self, k: int) -> Callable[[LiveRequest], int]:
         rep = self.replicas[k]
         hasher = rep.mgr.hasher
@@ -247,7 +264,7 @@ class FleetSimulator:
                 digests = hasher.hash_prompt(live.req.tokens, live.req.namespace)
             if not digests:
                 return 0
-            return longest(digests, name)
+            return longest(digests, name, live.req.namespace)
 
         return elsewhere
 
@@ -255,6 +272,8 @@ class FleetSimulator:
         """The first version a request names for an adapter is the one the fleet serves (the
         replicas serve any adapter, so none pins it; KV events carry no version)."""
         if self.versions.setdefault((model, adapter), version) != version:
+            if self.caching and not self.index.filed:  # no tree holds its chains' digests
+                self.feed_index()
             for rep in self.replicas:  # its chains are filed under the pinned version's digests
                 rep.read_token_ids()
 
@@ -280,6 +299,7 @@ class FleetSimulator:
                 route_digests = digests
             else:  # the no-cache fleet's index stays empty: no digest matches, none is computed
                 digests, route_digests = None, [_NO_BLOCK] * (len(req.tokens) // p)
+            self.index.namespace = req.namespace  # the trees' root its digests are under
             decision = self.router.route(req.namespace, req.tokens, str(idx), digests=route_digests)
             self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
             k = int(decision.replica.rsplit("-", 1)[1])
