@@ -309,8 +309,11 @@ class RadixIndex:
             self.roots[namespace] = node
         return node
 
-    def match(self, root: Node, buf: bytes, num_full: int) -> MatchResult:
-        """Longest cached prefix of the first ``num_full`` blocks of ``buf``. Read-only."""
+    def match(
+        self, root: Node, buf: bytes, num_full: int, digests: list[bytes] | None = None
+    ) -> MatchResult:
+        """Longest cached prefix of the first ``num_full`` blocks of ``buf`` (``digests``: their
+        digests, when the caller has them). Read-only."""
         bb = self.block_bytes
         hash_digest = self.hasher.digest
         starts = self.hasher.block_starts(num_full)
@@ -320,7 +323,10 @@ class RadixIndex:
             children = node.children
             if not children:
                 break
-            child = children.get(hash_digest(digest + starts[n] + buf[n * bb : (n + 1) * bb]))
+            if digests is not None:
+                child = children.get(digests[n])
+            else:
+                child = children.get(hash_digest(digest + starts[n] + buf[n * bb : (n + 1) * bb]))
             if child is None:
                 break
             k = len(child.blocks)

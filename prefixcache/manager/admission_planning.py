@@ -43,8 +43,16 @@ class AdmissionPlanner:
     def __init__(self, state: CacheState) -> None:
         self.state = state
 
-    def plan(self, buf: bytes, namespace: Namespace, *, check_size: bool = True) -> AdmissionPlan:
-        """Match and size the admission of the prompt ``buf`` (int32 LE tokens).
+    def plan(
+        self,
+        buf: bytes,
+        namespace: Namespace,
+        *,
+        check_size: bool = True,
+        digests: list[bytes] | None = None,
+    ) -> AdmissionPlan:
+        """Match and size the admission of the prompt ``buf`` (int32 LE tokens; ``digests``: its
+        full blocks' digests, when the caller has them).
 
         With ``check_size``, a prompt larger than the whole pool raises RequestTooLargeError.
         When the pool is too full to keep every matched block held while the new ones are
@@ -63,7 +71,7 @@ class AdmissionPlanner:
         root = index.roots.get(namespace)
         if root is None or not state.enable_caching:  # nothing cached in the namespace
             return self._uncached(buf, t, num_logical, namespace)
-        match = index.match(root, buf, t // p)
+        match = index.match(root, buf, t // p, digests)
         while True:
             n = match.n
             cow = n > 0 and n * p == t
@@ -108,7 +116,7 @@ class AdmissionPlanner:
                 return _new(AdmissionPlan, plan)
             # the copy of the last block needs one block more than the prompt: with the pool
             # that full, recompute the last block instead
-            match = index.match(root, buf, n - 1)
+            match = index.match(root, buf, n - 1, digests)
 
     def _uncached(
         self, buf: bytes, t: int, num_logical: int, namespace: Namespace

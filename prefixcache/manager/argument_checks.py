@@ -53,6 +53,23 @@ def check_namespace(namespace: Any) -> None:
         )
 
 
+def check_digests(digests: Any, num_full: int) -> list[bytes]:
+    """A prompt's full-block digests as ``admit`` takes them: ``num_full`` 16-byte digests."""
+    if isinstance(digests, str | bytes) or not hasattr(digests, "__len__"):
+        raise InvalidArgumentError(
+            f"digests must be a list of 16-byte digests, got {type(digests).__name__}"
+        )
+    out = list(digests)
+    if len(out) != num_full:
+        raise InvalidArgumentError(
+            f"digests must name the prompt's {num_full} full blocks, got {len(out)}"
+        )
+    for d in out:
+        if type(d) is not bytes or len(d) != 16:
+            raise InvalidArgumentError(f"digests must be 16-byte bytes, got {d!r:.60}")
+    return out
+
+
 def check_priority(priority: Any, retention: Any) -> tuple[int, float | None]:
     """A priority is an int (a numpy integer too); a retention is None or a number of clock
     units >= 0. Returns them as a plain int and float, which is what the compiled code takes."""

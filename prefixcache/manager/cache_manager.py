@@ -18,7 +18,7 @@ eviction (block_supply) and the step ledger (step_ledger); the tiers are the sta
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -47,6 +47,7 @@ from prefixcache.errors import (
 )
 from prefixcache.manager.admission_planning import AdmissionPlanner
 from prefixcache.manager.argument_checks import (
+    check_digests,
     check_force,
     check_namespace,
     check_pad,
@@ -245,12 +246,15 @@ class CacheManager:
         *,
         priority: int = 0,
         retention: float | None = None,
+        digests: Sequence[bytes] | None = None,
     ) -> Admission:
         """Admit a prompt: reuse its longest cached prefix, allocate the rest, index its full
         blocks (so requests of the same step share them at once) and return its block table.
 
         ``priority`` (with ``retention`` time units, default forever) orders eviction under the
-        ``priority`` policy: lower goes first.
+        ``priority`` policy: lower goes first. ``digests``: the prompt's full-block digests, when
+        the caller hashed it already (``hasher.hash_prompt(tokens, namespace)``, as a router
+        does): they are not computed again, and are trusted to be those.
         """
         if is_live(self._seqs, request_id):
             raise DuplicateRequestError(f"request {request_id!r} is already admitted")
@@ -259,8 +263,11 @@ class CacheManager:
             check_namespace(namespace)
         if type(priority) is not int or retention is not None:
             priority, retention = check_priority(priority, retention)
+        known = None
+        if digests is not None:
+            known = check_digests(digests, len(buf) // 4 // self._state.block_size)
         self._state.expire_store_writes()
-        plan = self._planner.plan(buf, namespace)
+        plan = self._planner.plan(buf, namespace, digests=known)
         available = self._supply.available(plan.held_cached)
         if plan.need > available:
             raise OutOfBlocksError(
@@ -269,7 +276,7 @@ class CacheManager:
                 needed=plan.need,
                 available=available,
             )
-        return self._requests.admit(request_id, namespace, buf, plan, priority, retention)
+        return self._requests.admit(request_id, namespace, buf, plan, priority, retention, known)
 
     # ---- decode ---------------------------------------------------------------------------
     def can_append(self, request_id: Hashable, num_tokens: int = 1) -> bool:

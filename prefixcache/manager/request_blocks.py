@@ -51,10 +51,11 @@ class RequestBlocks:
         plan: AdmissionPlan,
         priority: int,
         retention: float | None,
+        digests: list[bytes] | None = None,
     ) -> Admission:
         """Carry out a plan (its capacity checked): hold the matched prefix, take the new
-        blocks, plan the copies and loads, index the prompt's full blocks and register the
-        request."""
+        blocks, plan the copies and loads, index the prompt's full blocks (``digests``: theirs,
+        when the caller has them) and register the request."""
         state = self.state
         index, p, t = state.index, state.block_size, len(buf) // 4
         now = state.now()
@@ -112,6 +113,8 @@ class RequestBlocks:
             known = host_run
             if computed is not None:  # a store: every digest past the match is known
                 known = host_run + stored + computed
+            elif digests is not None and not host_run:
+                known = digests[matched:]
             self.indexer.index_blocks(
                 seq,
                 buf,

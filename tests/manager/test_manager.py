@@ -154,6 +154,33 @@ def test_the_appender_does_what_append_does():
     assert fast.block_table("c") and fast.index.num_blocks == 1
 
 
+def test_admitting_with_the_prompts_digests_does_what_hashing_it_does():
+    plain, given = mgr_(num_blocks=24), mgr_(num_blocks=24)
+    prompts = [toks(0, 13), toks(0, 9) + [90, 91, 92], toks(0, 13) + [7, 8, 9], toks(50, 3)]
+    for k, prompt in enumerate(prompts):
+        want = plain.admit(k, prompt, NS)
+        got = given.admit(k, prompt, NS, digests=given.hasher.hash_prompt(prompt, NS))
+        assert got == want
+        if k % 2:
+            plain.release(k)
+            given.release(k)
+    assert given.stats == plain.stats and snapshot(given) == snapshot(plain)
+    given.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "digests",
+    [b"x" * 48, "abc", 7, [bytes(16)] * 2, [bytes(16)] * 4, [bytes(16), bytes(16), b"short"]],
+)
+def test_admit_refuses_digests_that_do_not_fit_the_prompt(digests):
+    m = mgr_()
+    before = snapshot(m)
+    with pytest.raises(InvalidArgumentError):
+        m.admit("a", toks(0, 13), NS, digests=digests)  # 3 full blocks of 4
+    assert snapshot(m) == before
+    m.admit("a", toks(0, 13), NS)  # it was not admitted
+
+
 @pytest.mark.parametrize(
     ("request_id", "data", "error"),
     [

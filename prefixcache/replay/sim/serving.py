@@ -382,8 +382,9 @@ class Simulator(ReplicaBatch):
                 if cache is None:
                     assert counts is not None
                     counts.admit(r.idx, len(r.tokens))
-                elif tiers is None:
-                    adm = cache.admit(r.idx, r.tokens, r.req.namespace)
+                elif tiers is None:  # the route's digests, unless outputs joined the prompt
+                    digests = r.digests if len(r.tokens) == len(r.req.tokens) else None
+                    adm = cache.admit(r.idx, r.tokens, r.req.namespace, digests=digests)
                 else:
                     adm = tiers.admit(r.idx, r.tokens, r.req.namespace)
             except OutOfBlocksError as exc:
