@@ -24,6 +24,7 @@ from prefixcache.manager.block_supply import BlockSupply
 from prefixcache.manager.results import Admission, AppendResult, Copy, slots_of
 from prefixcache.manager.state import CacheState, RequestState
 from prefixcache.manager.step_ledger import StepLedger
+from prefixcache.manager.tenant_shares import ShareEvictor
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)  # what an append that maps no slots returns
 _NO_SLOTS.flags.writeable = False
@@ -174,29 +175,32 @@ class RequestBlocks:
         pool, p, t0 = state.pool, state.block_size, seq.num_tokens
         t1 = t0 + k
         need = -(-t1 // p) - len(seq.table)  # as append_need, inline on the decode path
-        if k and t0 % p and pool.refcount[seq.table[-1]] > 1:
+        shared_last = bool(k and t0 % p) and pool.refcount[seq.table[-1]] > 1
+        if shared_last:
             need += 1
-        available = self.supply.available(0)
-        if need > available:
-            raise OutOfBlocksError(
-                f"appending {k} tokens to {seq.request_id!r} needs {need} blocks but only "
-                f"{available} are free or evictable",
-                needed=need,
-                available=available,
-            )
+        if need > 0:  # none needed: nothing to check, take or evict (the usual block filling)
+            available = self.supply.available(0)
+            if need > available:
+                raise OutOfBlocksError(
+                    f"appending {k} tokens to {seq.request_id!r} needs {need} blocks but only "
+                    f"{available} are free or evictable",
+                    needed=need,
+                    available=available,
+                )
         if seq.copy_source is not None:  # the prefill that ran the partial copy is planned
             self.ledger.let_go_copy_source(seq)
-        fresh = self.supply.take(need, tenant=seq.namespace.salt)
         copies: list[Copy] = []
-        if t0 % p and pool.refcount[seq.table[-1]] > 1:  # shared partial block: copy first
-            old, dst = seq.table[-1], fresh.pop(0)
-            copies.append(Copy(old, dst, t0 % p))
-            self.ledger.let_go_copied_block(old)
-            seq.private[seq.private.index(old)] = dst
-            seq.table[-1] = dst
-            state.stats.cow_copies += 1
-        seq.table.extend(fresh)
-        seq.private.extend(fresh)
+        if need > 0 or isinstance(state.evictor, ShareEvictor):  # a capped tenant evicts first
+            fresh = self.supply.take(need, tenant=seq.namespace.salt)
+            if shared_last:  # shared partial block: copy first
+                old, dst = seq.table[-1], fresh.pop(0)
+                copies.append(Copy(old, dst, t0 % p))
+                self.ledger.let_go_copied_block(old)
+                seq.private[seq.private.index(old)] = dst
+                seq.table[-1] = dst
+                state.stats.cow_copies += 1
+            seq.table.extend(fresh)
+            seq.private.extend(fresh)
         if type(seq.tokens) is bytes:  # first append: the prompt's buffer becomes growable
             seq.tokens = bytearray(seq.tokens)
         seq.tokens += data
@@ -247,9 +251,11 @@ class TokenAppender:
 
     def __call__(self, request_id: Hashable, data: object) -> AppendResult:
         """Append the tokens ``data`` (int32 LE ``bytes``) to ``request_id``."""
-        seq = live_request(self._state.seqs, request_id)
+        state = self._state
+        seq = live_request(state.seqs, request_id)
         buf = checked_token_bytes(data)  # typed here: a compiled signature raises TypeError
-        self._state.expire_store_writes()
+        if state.store is not None:
+            state.store.expire()  # as ``expire_store_writes``, inline on the decode path
         return self._blocks.append(seq, buf, len(buf) // 4, False)
 
 

@@ -194,7 +194,7 @@ def test_the_trees_answer_as_the_fed_index_would(name: str, tmp_path: Path) -> N
     source = open_source(path, cfg)
     sim = FleetSimulator(cfg.resolve(), None, next(iter(source)).namespace)
     for rep in sim.replicas:  # the fed index kept beside the trees, which still answer
-        rep.start_feed(sim.lean)
+        rep.start_feed()
     both = _BothIndexes(sim.index)
     sim.router._index = both  # type: ignore[assignment]
     sim.run(source)

@@ -133,13 +133,13 @@ class _Replica:
         self.routed = 0
         self.feed: ReplicaIndexFeed | None = None  # once the fleet index is fed (replica_trees)
 
-    def start_feed(self, lean: bool) -> None:
-        """From now on the replica's events reach the fleet's fed index, read without token ids
-        until a chain may be filed under another digest (``read_token_ids``). ``lean``: it never
-        holds more GPU blocks than the index takes for it."""
+    def start_feed(self, held: Iterable[bytes] = ()) -> None:
+        """From now on the replica's events reach the fleet's fed index (``held``: the blocks it
+        holds now, filed there already), read without token ids until a chain may be filed
+        under another digest (``read_token_ids``)."""
         fleet = self.fleet
         self.feed = ReplicaIndexFeed(
-            fleet.index.fed, self.name, self.mgr.hasher, fleet.versions, lean=lean, token_ids=False
+            fleet.index.fed, self.name, self.mgr.hasher, fleet.versions, held=held, token_ids=False
         )
         self.mgr.add_listener(self.feed, token_ids=False)
 
@@ -219,11 +219,11 @@ class FleetSimulator:
         if self.tiers is not None:
             for rep, admitter in zip(self.replicas, self.tiers.admitters, strict=True):
                 rep.sim.tiers = admitter
-        # the trees answer while each replica's GPU blocks are all the index would hold
-        self.lean = cfg.capacity_blocks <= self.index.max_blocks_per_replica
         if caching:
             self.index.managers = {r.name: r.mgr for r in self.replicas}
-            if self.tiers is not None or not self.lean:
+            # the trees answer while each replica's GPU blocks are all the index would hold
+            lean = cfg.capacity_blocks <= self.index.max_blocks_per_replica
+            if self.tiers is not None or not lean:
                 self.feed_index()
         self.assignment: list[int] = []
         self.rules: dict[str, int] = {}
@@ -248,9 +248,9 @@ class FleetSimulator:
 
     def feed_index(self) -> None:
         """The fed index answers from now on: it takes what the trees hold, then every event."""
-        self.index.file_in_index()
+        held = self.index.file_in_index()
         for rep in self.replicas:
-            rep.start_feed(self.lean)
+            rep.start_feed(held.get(rep.name, ()))
 
     def _elsewhere_of(self, k: int) -> Callable[[LiveRequest], int]:
         rep = self.replicas[k]

@@ -33,6 +33,7 @@ well formed, and a run's parent is always held when it is stored.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from prefixcache.blocks.hashing import BlockHasher
@@ -71,17 +72,16 @@ class ReplicaIndexFeed:
         hasher: BlockHasher,
         versions: dict[tuple[str, str], str],
         *,
-        lean: bool = False,
+        held: Iterable[bytes] = (),
         token_ids: bool = True,
     ) -> None:
-        """``lean``: the replica never holds more blocks on its GPU than the index takes for it
-        (``max_blocks_per_replica``), so the index's GPU bits can stand for ``media`` until
-        an event names another medium or a chain is filed under another digest. ``token_ids``:
-        its events carry token ids (it was added as a listener that reads them)."""
+        """``held``: the blocks the replica holds on its GPU as the feed starts, each filed in
+        ``index`` under its own digest already. ``token_ids``: its events carry token ids (it
+        was added as a listener that reads them)."""
         self.index, self.replica, self.hasher, self.versions = index, replica, hasher, versions
-        self.lean = lean
         self.token_ids = token_ids
-        self.media: dict[bytes, int] = {}  # block digest -> mask of the media holding it
+        # block digest -> mask of the media holding it
+        self.media: dict[bytes, int] = dict.fromkeys(held, _GPU_BIT)
         # blocks filed under another digest than their own (another adapter version): own
         # digest -> (the index's digest, position in the sequence)
         self.renamed: dict[bytes, tuple[bytes, int]] = {}
@@ -93,8 +93,6 @@ class ReplicaIndexFeed:
 
     def __call__(self, event: CacheEvent) -> None:
         kind = type(event)
-        if self.lean and self._lean_applied(event, kind):
-            return
         if kind is BlockStored:
             self._stored(event)  # type: ignore[arg-type]
         elif kind is BlockRemoved:
@@ -115,37 +113,6 @@ class ReplicaIndexFeed:
             remove_masks(self.index, self.replica, digests, medium)
         else:
             self.index.remove_unchecked(self.replica, digests, medium)
-
-    def _lean_applied(self, ev: CacheEvent, kind: type) -> bool:
-        """Apply ``ev`` without ``media`` when it is a GPU event filed under its own digests;
-        else leave the lean mode (``media`` rebuilt from the index) and return False."""
-        if kind is BlockStored:
-            stored: BlockStored = ev  # type: ignore[assignment]
-            if (
-                (stored.token_ids or not self.token_ids)
-                and self._media_of.get(stored.medium) is _ON_GPU
-                and (
-                    stored.parent_block_hash is not None
-                    or stored.namespace.adapter is None
-                    or self._filed_under(stored.namespace) is stored.namespace
-                )
-            ):
-                self._store(stored.block_hashes, GPU)
-                return True
-        elif kind is BlockRemoved:
-            removed: BlockRemoved = ev  # type: ignore[assignment]
-            if self._media_of.get(removed.medium) is _ON_GPU:
-                # the index passes over the blocks it does not hold on the GPU, as media would
-                self._remove(removed.block_hashes, GPU)
-                return True
-        else:
-            return False  # a reset: as in full mode
-        # the GPU bits of the index are exactly the blocks this replica holds: no other medium
-        # so far, no block refused (``lean``), every digest its own
-        self.lean = False
-        held = self.index.holdings(self.replica)
-        self.media = {d: _GPU_BIT for d, where in held.items() if GPU in where}
-        return False
 
     def _medium(self, name: str | None) -> _Medium:
         """How an event's medium is filed: its bit named once, in order of appearance (the

@@ -45,17 +45,20 @@ class ReplicaTrees:
         self.namespace: Namespace | None = None
         self.max_blocks_per_replica = fed.max_blocks_per_replica
 
-    def file_in_index(self) -> None:
-        """From now on the fed index answers: it takes every block the trees hold, on GPU."""
+    def file_in_index(self) -> dict[str, list[bytes]]:
+        """From now on the fed index answers: it takes every block the trees hold, on GPU.
+        Returns them, by replica (nothing when it answers already)."""
+        held: dict[str, list[bytes]] = {}
         if self.filed:
-            return
+            return held
         self.filed = True
         for name, mgr in self.managers.items():
-            digests: list[bytes] = []
+            digests = held[name] = []
             for node in mgr.index.iter_nodes():
                 raw = bytes(node.digests)
                 digests.extend(raw[i : i + D] for i in range(0, len(raw), D))
             store_masks(self.fed, name, digests, GPU)
+        return held
 
     # ---- what the router and the fleet read ------------------------------------------------
     def match(self, digests: Sequence[bytes]) -> list[ReplicaMatch]:
