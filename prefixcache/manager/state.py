@@ -295,6 +295,11 @@ class ManagerInternals:
         return self._state.index
 
     @property
+    def pool(self) -> BlockPool:
+        """The physical block pool: its free blocks, and the refcounts of the private ones."""
+        return self._state.pool
+
+    @property
     def states(self) -> Mapping[Hashable, RequestState]:
         """Every live request's state, by request id."""
         return MappingProxyType(self._state.seqs)

@@ -220,7 +220,7 @@ class FleetSimulator:
             for rep, admitter in zip(self.replicas, self.tiers.admitters, strict=True):
                 rep.sim.tiers = admitter
         if caching:
-            self.index.managers = {r.name: r.mgr for r in self.replicas}
+            self.index.caches = {r.name: r.mgr.internals for r in self.replicas}
             # the trees answer while each replica's GPU blocks are all the index would hold
             lean = cfg.capacity_blocks <= self.index.max_blocks_per_replica
             if self.tiers is not None or not lean:

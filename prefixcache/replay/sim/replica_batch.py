@@ -21,6 +21,7 @@ import numpy as np
 from prefixcache.errors import OutOfBlocksError
 from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.manager.request_blocks import TokenAppender
+from prefixcache.manager.state import ManagerInternals
 from prefixcache.manager.stats import BlockCounts
 from prefixcache.replay.sim.accounting import Accountant
 from prefixcache.replay.sim.live_requests import DecodingSample, LiveRequest
@@ -43,6 +44,8 @@ class ReplicaBatch:
     ) -> None:
         self.cache: CacheManager | None = mgr if isinstance(mgr, CacheManager) else None
         self.append: TokenAppender | None = self.cache.appender() if self.cache else None
+        # its counts read from inside, with no Python property between (a reset is seen)
+        self.inside: ManagerInternals | None = self.cache.internals if self.cache else None
         self.counts: UncachedBlocks | None = mgr if isinstance(mgr, UncachedBlocks) else None
         self.acc, self.block_size = acc, block_size
         self.commit_writes = self.cache is not None  # blocks are committed as they fill
@@ -72,18 +75,18 @@ class ReplicaBatch:
     def active_blocks(self) -> int:
         """Physical blocks in use now (``block_counts().active``, read without building the
         counts)."""
-        cache = self.cache
-        if cache is not None:
-            return cache.index.active_blocks + cache.pool.num_private
+        inside = self.inside
+        if inside is not None:
+            return inside.radix_index.active_blocks + inside.pool.num_private
         assert self.counts is not None
         return self.counts.active_blocks()
 
     def free_or_evictable(self) -> int:
         """Blocks an allocation could get now (free, or cached and held by nobody)."""
-        cache = self.cache
-        if cache is not None:
-            index = cache.index
-            return cache.pool.num_free + index.num_blocks - index.active_blocks
+        inside = self.inside
+        if inside is not None:
+            index = inside.radix_index
+            return inside.pool.num_free + index.num_blocks - index.active_blocks
         assert self.counts is not None
         return self.counts.free
 

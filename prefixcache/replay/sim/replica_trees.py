@@ -26,7 +26,7 @@ from prefixcache.blocks.radix import Node, RadixIndex
 from prefixcache.fleet.index.interface import ReplicaMatch
 from prefixcache.fleet.index.mask_loops import store_masks
 from prefixcache.fleet.index.memory import MemoryFleetIndex
-from prefixcache.manager.cache_manager import CacheManager
+from prefixcache.manager.state import ManagerInternals
 from prefixcache.medium import GPU
 
 D = DIGEST_SIZE
@@ -38,8 +38,8 @@ class ReplicaTrees:
     digests the next reads are for (the fleet sets it before a route: a chain is found under
     its namespace's root)."""
 
-    def __init__(self, managers: dict[str, CacheManager], fed: MemoryFleetIndex) -> None:
-        self.managers = managers
+    def __init__(self, caches: dict[str, ManagerInternals], fed: MemoryFleetIndex) -> None:
+        self.caches = caches  # each replica's manager, looked inside (its trees read anew)
         self.fed = fed
         self.filed = False  # the fed index answers
         self.namespace: Namespace | None = None
@@ -52,9 +52,9 @@ class ReplicaTrees:
         if self.filed:
             return held
         self.filed = True
-        for name, mgr in self.managers.items():
+        for name, inside in self.caches.items():
             digests = held[name] = []
-            for node in mgr.index.iter_nodes():
+            for node in inside.radix_index.iter_nodes():
                 raw = bytes(node.digests)
                 digests.extend(raw[i : i + D] for i in range(0, len(raw), D))
             store_masks(self.fed, name, digests, GPU)
@@ -65,13 +65,13 @@ class ReplicaTrees:
         """Leading blocks of ``digests`` each replica holds (all on GPU), by name."""
         if self.filed:
             return self.fed.match(digests)
-        if not self.managers:
+        if not self.caches:
             return []
         chain = b"".join(digests)
         n = len(digests)
         out = []
-        for name, mgr in sorted(self.managers.items()):
-            k = self._held(mgr.index, self.namespace, chain, n)
+        for name, inside in sorted(self.caches.items()):
+            k = self._held(inside.radix_index, self.namespace, chain, n)
             out.append(ReplicaMatch(name, k, k))
         return out
 
@@ -85,9 +85,9 @@ class ReplicaTrees:
         chain = b"".join(digests)
         n = len(digests)
         most = 0
-        for name, mgr in self.managers.items():
+        for name, inside in self.caches.items():
             if name != replica and most < n:
-                k = self._held(mgr.index, namespace, chain, n)
+                k = self._held(inside.radix_index, namespace, chain, n)
                 if k > most:
                     most = k
         return most
@@ -96,8 +96,8 @@ class ReplicaTrees:
         """Blocks ``replica`` holds."""
         if self.filed:
             return self.fed.num_blocks(replica)
-        mgr = self.managers.get(replica)
-        return mgr.index.num_blocks if mgr is not None else 0
+        inside = self.caches.get(replica)
+        return inside.radix_index.num_blocks if inside is not None else 0
 
     def num_blocks_many(self, replicas: Sequence[str], medium: str | None = None) -> dict[str, int]:
         """Blocks each of ``replicas`` holds (on GPU: every block it holds, lean)."""
@@ -107,7 +107,7 @@ class ReplicaTrees:
 
     def replicas(self) -> list[str]:
         """The replicas, sorted."""
-        return self.fed.replicas() if self.filed else sorted(self.managers)
+        return self.fed.replicas() if self.filed else sorted(self.caches)
 
     # ---- writes (none while the trees answer: the managers write them) -------------------
     def store(self, replica: str, digests: Sequence[bytes], medium: str = GPU) -> None:
