@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.blocks.eviction import POLICIES
+from prefixcache.blocks.hashing import DIGEST_SIZE
 from prefixcache.blocks.namespace import Namespace
 from prefixcache.errors import ConfigError, InvalidArgumentError, UnknownRequestError
 from prefixcache.manager.lower_tiers.transfers import TransferModel
@@ -53,20 +54,25 @@ def check_namespace(namespace: Any) -> None:
         )
 
 
-def check_digests(digests: Any, num_full: int) -> list[bytes]:
-    """A prompt's full-block digests as ``admit`` takes them: ``num_full`` 16-byte digests."""
+def check_prompt_digests(digests: Any, num_full: int) -> list[bytes]:
+    """A prompt's full-block digests as ``admit`` takes them: ``num_full`` digests of
+    ``DIGEST_SIZE`` bytes, as ``hasher.hash_prompt(tokens, namespace)`` returns them."""
+    how = "pass mgr.hasher.hash_prompt(tokens, namespace), or no digests to have them computed"
     if isinstance(digests, str | bytes) or not hasattr(digests, "__len__"):
         raise InvalidArgumentError(
-            f"digests must be a list of 16-byte digests, got {type(digests).__name__}"
+            f"digests must be a list of {DIGEST_SIZE}-byte digests, got "
+            f"{type(digests).__name__}: {how}"
         )
     out = list(digests)
     if len(out) != num_full:
         raise InvalidArgumentError(
-            f"digests must name the prompt's {num_full} full blocks, got {len(out)}"
+            f"the prompt has {num_full} full blocks but {len(out)} digests were given: {how}"
         )
     for d in out:
-        if type(d) is not bytes or len(d) != 16:
-            raise InvalidArgumentError(f"digests must be 16-byte bytes, got {d!r:.60}")
+        if type(d) is not bytes or len(d) != DIGEST_SIZE:
+            raise InvalidArgumentError(
+                f"digests must be {DIGEST_SIZE}-byte bytes, got {d!r:.60}: {how}"
+            )
     return out
 
 

@@ -47,12 +47,12 @@ from prefixcache.errors import (
 )
 from prefixcache.manager.admission_planning import AdmissionPlanner
 from prefixcache.manager.argument_checks import (
-    check_digests,
     check_force,
     check_namespace,
     check_pad,
     check_policy,
     check_priority,
+    check_prompt_digests,
     check_settings,
     check_store,
     check_transfer_model,
@@ -265,7 +265,7 @@ class CacheManager:
             priority, retention = check_priority(priority, retention)
         known = None
         if digests is not None:
-            known = check_digests(digests, len(buf) // 4 // self._state.block_size)
+            known = check_prompt_digests(digests, len(buf) // 4 // self._state.block_size)
         self._state.expire_store_writes()
         plan = self._planner.plan(buf, namespace, digests=known)
         available = self._supply.available(plan.held_cached)

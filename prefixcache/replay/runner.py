@@ -187,7 +187,7 @@ def _fleet_replay() -> Callable[..., Any]:
     """The fleet simulation, which runs the service's own router (msgspec's library, from the
     service extra)."""
     try:
-        from prefixcache.replay.sim.fleet_replay import run_fleet
+        from prefixcache.replay.sim.fleet.simulator import run_fleet
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "msgspec":
             raise
@@ -297,7 +297,7 @@ def _point_size(source: Source, resolved: ResolvedConfig, progress: bool | None)
     if options.mode != "serving":
         return total
     if options.is_fleet:
-        from prefixcache.replay.sim.fleet_replay import FLEET_PASSES
+        from prefixcache.replay.sim.fleet.simulator import FLEET_PASSES
 
         return total * len(FLEET_PASSES)
     return 2 * total
@@ -344,7 +344,7 @@ def _serving_progress(
         return None
     total = _total(source, progress)
     if options.is_fleet:
-        from prefixcache.replay.sim.fleet_replay import FLEET_PASSES
+        from prefixcache.replay.sim.fleet.simulator import FLEET_PASSES
 
         passes = len(FLEET_PASSES)
         label = f"replay {source.name} ({passes} passes)"

@@ -51,7 +51,7 @@ from prefixcache.replay.progress import Progress
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
-from prefixcache.replay.sim.pooled_line import pooled_config
+from prefixcache.replay.sim.fleet.pooled_line import pooled_config
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
 from prefixcache.replay.tiers.admission import Tiers, build_tiers
 from prefixcache.replay.workload.request import Request

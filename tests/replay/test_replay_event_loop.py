@@ -31,7 +31,8 @@ from prefixcache.replay.model_specs import get_gpu, get_model
 from prefixcache.replay.run_result import write_run
 from prefixcache.replay.runner import _replay
 from prefixcache.replay.share_specs import parse_shares
-from prefixcache.replay.sim import fleet_replay, serving
+from prefixcache.replay.sim import serving
+from prefixcache.replay.sim.fleet import simulator as fleet_replay
 from prefixcache.replay.sim.roofline import Roofline
 from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 

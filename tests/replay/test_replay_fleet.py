@@ -15,8 +15,8 @@ from prefixcache.fleet.index.interface import ReplicaMatch
 from prefixcache.replay import ReplayConfig, open_source
 from prefixcache.replay.runner import replay_source
 from prefixcache.replay.sim.accounting import Accountant
-from prefixcache.replay.sim.fleet_replay import FleetSimulator
-from prefixcache.replay.sim.replica_trees import ReplicaTrees
+from prefixcache.replay.sim.fleet.replica_trees import ReplicaTrees
+from prefixcache.replay.sim.fleet.simulator import FleetSimulator
 from prefixcache.run_format import MISS_CAUSES
 
 SCENARIO = Path(__file__).parents[2] / "scenarios" / "shared_system_prompt.yaml"

@@ -13,7 +13,7 @@ import pytest
 from prefixcache.replay import progress, runner
 from prefixcache.replay.progress import Progress, count_lines
 from prefixcache.replay.run_config import ReplayConfig
-from prefixcache.replay.sim import fleet_replay
+from prefixcache.replay.sim.fleet import simulator as fleet_replay
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = ROOT / "tests" / "golden" / "chat_small.yaml"

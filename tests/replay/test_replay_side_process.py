@@ -18,7 +18,8 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.replay import ReplayConfig, open_source
 from prefixcache.replay.runner import _replay, replay_sweep
-from prefixcache.replay.sim import fleet_replay, serving
+from prefixcache.replay.sim import serving
+from prefixcache.replay.sim.fleet import simulator as fleet_replay
 from prefixcache.replay.sim.side_process import SideRun
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Work that needs nothing from this process's next steps, run in a forked second process.
 
 A fleet replay's no-cache and pooled passes read only the workload and the configuration, so
-they can run on a spare core while the fleet pass runs here (``fleet_replay.run_fleet``).
+they can run on a spare core while the fleet pass runs here (``fleet.simulator.run_fleet``).
 ``SideRun`` forks a child that runs ``work``, hands back its result through a pipe, and passes
 on, about five times a second, the requests it completed and the pass it is in, for the
 progress bar here. Only where ``fork`` is available (the child starts with the workload already

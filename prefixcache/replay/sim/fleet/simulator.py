@@ -45,9 +45,9 @@ from prefixcache.replay.progress import Progress
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
 from prefixcache.replay.sim.accounting import Accountant
-from prefixcache.replay.sim.index_feed import ReplicaIndexFeed
-from prefixcache.replay.sim.pooled_line import PooledLine, run_pooled, served_percentile
-from prefixcache.replay.sim.replica_trees import ReplicaTrees
+from prefixcache.replay.sim.fleet.index_feed import ReplicaIndexFeed
+from prefixcache.replay.sim.fleet.pooled_line import PooledLine, run_pooled, served_percentile
+from prefixcache.replay.sim.fleet.replica_trees import ReplicaTrees
 from prefixcache.replay.sim.serving import LiveRequest, Simulator, advance_replicas
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad, RequestTimes
 from prefixcache.replay.sim.side_process import SideRun, side_process_available, skip_first
