@@ -324,7 +324,7 @@ class Simulator:
                 if s.generated >= r.req.output_len:
                     if s is r.seqs[0] and r.req.output_tokens is not None and self.acc:
                         written = r.prompt_bytes + s.out[: s.kv_len - len(r.req.tokens)].tobytes()
-                        self.acc.note_output(r.req, written)
+                        self.acc.note_output(r.idx, r.req, written)
                     self.mgr.release(s.rid)
                     self.live_seqs -= 1
                 else:

@@ -76,6 +76,24 @@ def test_rows_keep_the_rolling_hit_rate_across_flushes() -> None:
     assert rows.rolling_hit_rate() == want and len(rows) == 9000
 
 
+def test_rows_take_columns_settled_later() -> None:
+    """The shadow's misses, answered after the rows were spooled: written over those columns
+    of the rows from a given one on (across the spool's flushes and the read chunks), the
+    other columns and rows untouched; a column of the wrong length changes nothing."""
+    rows = RequestRows()
+    for i in range(70_000):
+        rows.add(float(i), (i, 0, 100, i % 100, 6, 1, 0, 0, 0, 4, 0, 8))
+    later = np.arange(70_000 - 5, dtype=np.int64) * 3
+    with pytest.raises(ValueError, match="values for"):
+        rows.set_columns(5, {"miss_cold": later, "miss_routing": later[1:]})
+    assert not rows.column("miss_cold").any()
+    rows.set_columns(5, {"miss_cold": later, "miss_routing": later + 1})
+    assert rows.column("miss_cold").tolist() == [0] * 5 + later.tolist()
+    assert rows.column("miss_routing").tolist() == [0] * 5 + (later + 1).tolist()
+    assert rows.column("hit_tokens").tolist() == [i % 100 for i in range(70_000)]
+    assert rows.column("request_id").tolist() == list(range(70_000))
+
+
 def test_rows_reach_disk_while_the_replay_runs() -> None:
     rows = RequestRows()
     for i in range(20_000):

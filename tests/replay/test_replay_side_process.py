@@ -132,6 +132,73 @@ def test_a_side_process_that_dies_leaves_its_passes_to_this_one(
     assert json.dumps(beside, sort_keys=True) == json.dumps(alone, sort_keys=True)
 
 
+MULTI_TENANT = ROOT / "scenarios" / "multi_tenant.yaml"
+SHADOW_CASES = {
+    "chat": (CHAT, {"capacity_blocks": 150}),
+    "tenants": (MULTI_TENANT, {"capacity_blocks": 200}),  # namespaces: isolation misses
+    "trace-host": (SAMPLE, {"capacity_blocks": 100, "block_size": 512, "host_memory": 16 * GIB}),
+    "too-large": (SAMPLE, {"capacity_blocks": 30, "block_size": 512}),  # rejected requests
+}
+
+
+def rows_and_report(path: Path, options: dict[str, Any]) -> tuple[bytes, str, int]:
+    """A one-replica serving replay's request rows, its report (timings left out) and the
+    prefixes its own shadow holds at the end."""
+    config = ReplayConfig(mode="serving", model="llama-3.1-8b", **options)
+    result = _replay(open_source(path, config), config.resolve(), False)
+    out = result.to_report_dict()
+    out["replay_seconds"] = out["requests_per_second"] = None
+    assert result.acc.log is not None
+    rows = b"".join(ints.tobytes() + times.tobytes() for ints, times in result.acc.log.chunks())
+    return rows, json.dumps(out, sort_keys=True), len(result.acc.shadow.seen)
+
+
+@pytest.mark.parametrize("case", list(SHADOW_CASES))
+def test_the_shadow_made_beside_gives_the_same_rows_and_report(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a second process, a single replica's cached pass logs the shadow's observations
+    and the second process makes them: every row's misses and every figure as when the
+    shadow is made in the pass itself (which then holds the prefixes; here none)."""
+    path, options = SHADOW_CASES[case]
+    side_processes(monkeypatch, False)
+    rows, text, held = rows_and_report(path, options)
+    assert held > 0
+    side_processes(monkeypatch, True)
+    rows_beside, text_beside, held_beside = rows_and_report(path, options)
+    assert held_beside == 0  # made in the second process
+    assert text_beside == text
+    assert rows_beside == rows
+
+
+def test_a_side_process_that_dies_in_the_shadow_leaves_it_to_this_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Killed after its no-cache pass, while making the shadow: this process makes it from
+    the log it kept, and the no-cache pass again; the rows and the report are the same."""
+    path, options = SHADOW_CASES["tenants"]
+    side_processes(monkeypatch, False)
+    expected = rows_and_report(path, options)[:2]
+    here = os.getpid()
+    finish, answer = serving.finish_shadow, serving.answer_shadow
+    made_here = []
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        assert os.getpid() != here  # the child, with the workload read and its pass done
+        os.kill(os.getpid(), signal.SIGKILL)
+        return finish(*args, **kwargs)
+
+    def answered_here(*args: Any, **kwargs: Any) -> Any:
+        made_here.append(os.getpid() == here)
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "finish_shadow", dying)
+    monkeypatch.setattr(serving, "answer_shadow", answered_here)
+    side_processes(monkeypatch, True)
+    assert rows_and_report(path, options)[:2] == expected
+    assert made_here == [True]
+
+
 @pytest.mark.parametrize("case", ["chat", "chat-one-replica"])
 def test_a_fork_that_fails_runs_every_pass_here(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     path, options = CASES[case]

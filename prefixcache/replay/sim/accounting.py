@@ -23,6 +23,8 @@ without the upper bound keeps none.
 from __future__ import annotations
 
 import heapq
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -90,6 +92,37 @@ class Accountant:
         self.physical_peak = 0
         self.fragmentation_at_peak = 0
         self.logical_peak = 0
+        self.deferred: DeferredShadow | None = None  # the shadow answers elsewhere, later
+
+    def defer_shadow(self, sink: Callable[[bytes], None]) -> None:
+        """From now on hand the shadow's observations to ``sink`` (``DeferredShadow``) instead
+        of making them here; ``settle_shadow`` adds what the shadow answers. Only with the
+        upper bound on (without it the shadow keeps nothing and costs next to nothing)."""
+        assert self.shadow.enabled and self.deferred is None
+        self.deferred = DeferredShadow(sink, len(self.log) if self.log is not None else 0)
+
+    def settle_shadow(self, answers: ShadowAnswers) -> None:
+        """Add the misses the shadow split for the deferred records (in the order recorded):
+        to the totals, and to their rows."""
+        deferred = self.deferred
+        assert deferred is not None
+        cols = np.frombuffer(answers.misses, dtype=np.int64).reshape(-1, len(MISS_COLUMNS))
+        if len(cols) != deferred.records:
+            raise ValueError(
+                f"the shadow answered {len(cols)} records; {deferred.records} were deferred"
+            )
+        tot = self.totals
+        tot.cold += int(cols[:, 0].sum())
+        tot.capacity += int(cols[:, 1].sum())
+        tot.isolation += int(cols[:, 2].sum())
+        tot.routing += int(cols[:, 3].sum())
+        tot.ub_tokens += answers.ub_tokens
+        tot.ub_blocks += answers.ub_blocks
+        if self.log is not None:
+            self.log.set_columns(
+                deferred.first_row, {name: cols[:, k] for k, name in enumerate(MISS_COLUMNS)}
+            )
+        self.deferred = None
 
     def record(
         self,
@@ -119,44 +152,42 @@ class Accountant:
         ns_index = self.namespaces.get(namespace)
         if ns_index is None:
             ns_index = self.namespaces[namespace] = len(self.namespaces)
-        if cow:
-            n, m = f, 0
-        else:
-            n, m = divmod(cached_len, p)
-        anchor, u, v = self.shadow.observe(buf, f, namespace, n)
-        routing = 0
-        if cow:
-            cold = capacity = isolation = 0
-            tail = 1
-        else:
-            tail = t - f * p - (m if n == f else 0)
-            lost = m if n < f else 0  # slots of block n that were copied, not missed
-            capacity = (u - n) * p - (lost if u > n else 0)
-            isolation = (v - u) * p - (lost if u == n < v else 0)
-            cold = (f - v) * p - (lost if v == n < f else 0)
-            w = min(elsewhere, u)
-            if w > n:  # blocks n..w-1 were on another replica: the route missed them
-                routing = (w - n) * p - lost
-                capacity = (u - w) * p
-        ub = u * p if u < f else (t - 1 if f * p == t else f * p)
+        n = f if cow else cached_len // p
+        tail = 1 if cow else t - f * p - (cached_len - n * p if n == f else 0)
         outputs = output_len * samples
 
         tot = self.totals
+        deferred = self.deferred
+        if deferred is None:
+            anchor, u, v = self.shadow.observe(buf, f, namespace, n)
+            cold, capacity, isolation, routing, ub = split_misses(
+                p, t, cached_len, cow, u, v, elsewhere
+            )
+            tot.cold += cold
+            tot.capacity += capacity
+            tot.isolation += isolation
+            tot.routing += routing
+            tot.ub_tokens += ub
+            tot.ub_blocks += u
+        else:  # the shadow answers later, elsewhere: settle_shadow adds these
+            anchor = self.shadow.anchor(buf, namespace, n)
+            deferred.prompt(
+                request_id,
+                cached_len,
+                cow,
+                elsewhere,
+                not rejected and req.output_tokens is not None,
+            )
+            cold = capacity = isolation = routing = 0
         tot.requests += 1
         tot.prompt_tokens += t
         tot.hit_tokens += cached_len
         tot.prompt_blocks += f
         tot.hit_blocks += n
-        tot.ub_tokens += ub if ub > cached_len else cached_len
-        tot.ub_blocks += u
         tot.zero_hit += cached_len == 0
         tot.host_hit_tokens += host_tokens
         tot.pool_hit_tokens += pool_tokens
-        tot.cold += cold
-        tot.capacity += capacity
-        tot.isolation += isolation
         tot.tail += tail
-        tot.routing += routing
         tot.output_tokens += outputs
         tot.partial_copy_tokens += partial_tokens
         tot.rejected += rejected
@@ -184,9 +215,13 @@ class Accountant:
                 ),
             )
 
-    def note_output(self, req: Request, full_tokens_buf: bytes) -> None:
-        """A sequence grew by its output, which a later request may reuse: the infinite cache
-        holds those blocks too (its prompt's were just recorded)."""
+    def note_output(self, request_id: int, req: Request, full_tokens_buf: bytes) -> None:
+        """A sequence grew by its output (``full_tokens_buf``: the prompt, then the first
+        output tokens of ``req.output_tokens``), which a later request may reuse: the infinite
+        cache holds those blocks too (its prompt's were just recorded)."""
+        if self.deferred is not None:
+            self.deferred.output(request_id, len(full_tokens_buf) // 4 - len(req.tokens))
+            return
         f = len(full_tokens_buf) // (4 * self.block_size)
         self.shadow.observe(full_tokens_buf, f, req.namespace, len(req.tokens) // self.block_size)
 
@@ -294,6 +329,90 @@ class Shadow:
             neutral = xxh3_64(buf[: u * bb], NEUTRAL_SEED)
             v = _extend(neutral, buf, bb, u, num_blocks, self.seen_neutral)
         return ShadowMatch(anchor, u, v)
+
+    def anchor(self, buf: bytes, namespace: Namespace, known: int) -> int | None:
+        """``observe(...).anchor`` alone: the key of the first ``known`` blocks (None: none),
+        remembering nothing."""
+        if not known:
+            return None
+        seed = self.seed.known.get(namespace)
+        if seed is None:
+            seed = self.seed(namespace)
+        return _h64(buf[: known * self.block_bytes], seed)
+
+
+def split_misses(
+    p: int, t: int, cached_len: int, cow: bool, u: int, v: int, elsewhere: int
+) -> tuple[int, int, int, int, int]:
+    """A request's missed tokens by cause, from what the shadow knew (``u`` / ``v`` leading
+    blocks seen before in its namespace / in any): ``(cold, capacity, isolation, routing,
+    ub)``, ``ub`` being the infinite cache's hit tokens (at least ``cached_len``). ``p``: the
+    block size; ``t``: prompt tokens; ``elsewhere``: leading blocks another replica holds."""
+    f = t // p
+    ub = u * p if u < f else (t - 1 if f * p == t else f * p)
+    if ub < cached_len:
+        ub = cached_len
+    if cow:
+        return 0, 0, 0, 0, ub
+    n, m = divmod(cached_len, p)
+    lost = m if n < f else 0  # slots of block n that were copied, not missed
+    capacity = (u - n) * p - (lost if u > n else 0)
+    isolation = (v - u) * p - (lost if u == n < v else 0)
+    cold = (f - v) * p - (lost if v == n < f else 0)
+    routing = 0
+    w = min(elsewhere, u)
+    if w > n:  # blocks n..w-1 were on another replica: the route missed them
+        routing = (w - n) * p - lost
+        capacity = (u - w) * p
+    return cold, capacity, isolation, routing, ub
+
+
+# the row columns the shadow settles, in ``ShadowAnswers.misses`` order
+MISS_COLUMNS = ("miss_cold", "miss_capacity", "miss_isolation", "miss_routing")
+
+
+class ShadowAnswers(NamedTuple):
+    """What a shadow run elsewhere answered for the deferred records, in their order."""
+
+    misses: bytes  # int64 per record and ``MISS_COLUMNS`` entry, row after row
+    ub_tokens: int  # the infinite cache's hit tokens, summed
+    ub_blocks: int  # its hit blocks, summed
+
+
+class DeferredShadow:
+    """The shadow's observations, in order, handed to ``sink`` in batches (int64 triples, see
+    ``PROMPT`` / ``OUTPUT``) for a shadow elsewhere to make (``replay.sim.shadow_feed``)."""
+
+    BATCH = 3 * 512  # int64s a batch (a few hundred requests)
+
+    def __init__(self, sink: Callable[[bytes], None], first_row: int) -> None:
+        self.sink = sink
+        self.first_row = first_row  # the first deferred record's row
+        self.records = 0
+        self.events = array("q")
+
+    def prompt(
+        self, request_id: int, cached_len: int, cow: bool, elsewhere: int, expects_output: bool
+    ) -> None:
+        """A record: ``(2 * request_id, cached_len, 4 * elsewhere + 2 * expects_output +
+        cow)``; ``expects_output``: an ``output`` of it may follow."""
+        self.records += 1
+        self.events.extend((2 * request_id, cached_len, 4 * elsewhere + 2 * expects_output + cow))
+        if len(self.events) >= self.BATCH:
+            self.flush()
+
+    def output(self, request_id: int, outputs: int) -> None:
+        """A sequence grew by ``outputs`` tokens of its given output: ``(2 * request_id + 1,
+        outputs, 0)``."""
+        self.events.extend((2 * request_id + 1, outputs, 0))
+        if len(self.events) >= self.BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the batch so far to the sink."""
+        if self.events:
+            self.sink(self.events.tobytes())
+            self.events = array("q")
 
 
 def _extend(state: xxh3_64, buf: bytes, bb: int, start: int, end: int, seen: KeySet) -> int:

@@ -259,7 +259,7 @@ class ReplicaBatch:
             for s in ending[i:j]:
                 if s is first and r.req.output_tokens is not None and acc is not None:
                     written = r.prompt_bytes + s.out[: 4 * (s.kv_len - len(r.req.tokens))]
-                    acc.note_output(r.req, written)
+                    acc.note_output(r.idx, r.req, written)
                 self._release(s.rid)
                 s.alive = False
                 self.live_seqs -= 1

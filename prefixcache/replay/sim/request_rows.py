@@ -96,6 +96,28 @@ class RequestRows:
             self._arrivals_file.flush()
             self._open = False
 
+    def set_columns(self, first: int, columns: dict[str, np.ndarray]) -> None:
+        """Overwrite integer columns of the rows from ``first`` on (each array: one value a
+        row, to the last row): figures known only after the rows were added. Finishes the
+        rows."""
+        self.finish()
+        width = 8 * _WIDTH
+        count = len(self) - first
+        where = [(INT_COLUMNS.index(name), values) for name, values in columns.items()]
+        for name, values in columns.items():
+            if len(values) != count:
+                raise ValueError(f"{name}: {len(values)} values for {count} rows")
+        ints = self._ints_file
+        for start in range(0, count, 65_536):
+            rows = min(65_536, count - start)
+            ints.seek((first + start) * width)
+            table = np.frombuffer(ints.read(rows * width), dtype="<i8").reshape(-1, _WIDTH).copy()
+            for k, values in where:
+                table[:, k] = values[start : start + rows]
+            ints.seek((first + start) * width)
+            ints.write(table.tobytes())
+        ints.flush()
+
     def chunks(self, rows: int = 65_536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """The rows so far, ``rows`` at a time: an int64 array of ``INT_COLUMNS`` per row, and
         the arrival times (read-only arrays)."""

@@ -120,7 +120,7 @@ def _write_outputs(
                 cut += 1
         lengths.append(t + written)
         if j == 0 and req.output_tokens is not None and written:
-            acc.note_output(req, buf + out.tobytes())
+            acc.note_output(i, req, buf + out.tobytes())
     arr = np.asarray(lengths)
     blocks = -(-arr // p)
     logical = int(blocks.sum())

@@ -48,12 +48,24 @@ from prefixcache.errors import OutOfBlocksError, RequestTooLargeError
 from prefixcache.manager.cache_manager import CacheManager
 from prefixcache.replay.run_config import ResolvedConfig
 from prefixcache.replay.run_result import ServingStats
-from prefixcache.replay.sim.accounting import Accountant
+from prefixcache.replay.sim.accounting import Accountant, ShadowAnswers
 from prefixcache.replay.sim.live_requests import DecodingSample, LiveRequest
 from prefixcache.replay.sim.replica_batch import ReplicaBatch
 from prefixcache.replay.sim.roofline import Roofline, StepWork, context_pairs, prefill_pairs
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad
-from prefixcache.replay.sim.side_process import SideRun, side_process_available, skip_first
+from prefixcache.replay.sim.shadow_feed import (
+    ShadowFeed,
+    ShadowMaker,
+    answer_shadow,
+    finish_shadow,
+    paced_with_shadow,
+)
+from prefixcache.replay.sim.side_process import (
+    FeedPipe,
+    SideRun,
+    side_process_available,
+    skip_first,
+)
 from prefixcache.replay.sim.step_tally import StepTally
 from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
 from prefixcache.replay.tiers.admission import TierAdmitter
@@ -504,6 +516,25 @@ class _NoCacheLine(NamedTuple):
     busy: float  # GPU seconds
 
 
+_SideLines = tuple[_NoCacheLine, ShadowAnswers | None]
+
+
+def _side_passes(
+    reopen: Callable[[], Iterable[Request]],
+    cfg: ResolvedConfig,
+    on_finish: Callable[[int], None] | None,
+    pipe: FeedPipe | None,
+    track_isolation: bool,
+) -> _SideLines:
+    """The side process's work: the no-cache pass, then the shadow over the log ``pipe``
+    brings (where the cached pass defers it)."""
+    if pipe is None:
+        return _no_cache_pass(reopen(), cfg, on_finish), None
+    maker = ShadowMaker(cfg.options.block_size, track_isolation)
+    line = _no_cache_pass(paced_with_shadow(reopen(), pipe, maker), cfg, on_finish)
+    return line, finish_shadow(pipe, maker)
+
+
 def _no_cache_pass(
     requests: Iterable[Request], cfg: ResolvedConfig, on_finish: Callable[[int], None] | None
 ) -> _NoCacheLine:
@@ -532,27 +563,49 @@ def run_serving(
     ``reopen``: where given (``reopen()`` yields the requests again) and a second core is
     usable, the no-cache pass runs over it in a second process while the cached one runs here
     (``side_process``); else here, after it, over the lengths the first pass kept."""
-    side: SideRun[_NoCacheLine] | None = None
+    side: SideRun[_SideLines] | None = None
+    feed: ShadowFeed | None = None
     if reopen is not None and side_process_available():
+        # the shadow goes with the no-cache pass (shadow_feed), unless it keeps nothing
+        pipe = FeedPipe() if acc.shadow.enabled and acc.deferred is None else None
+        track = acc.shadow.track_isolation
         try:
-            side = SideRun(lambda count, stage: _no_cache_pass(reopen(), cfg, count))
+            side = SideRun(
+                lambda count, stage: _side_passes(reopen, cfg, count, pipe, track), feed=pipe
+            )
         except OSError:  # no process to be had (memory, process limits): both passes here
             side = None
-    line: _NoCacheLine | None = None
+        if side is not None and pipe is not None:
+            feed = ShadowFeed(pipe)
+            acc.defer_shadow(feed)
+    lines: _SideLines | None = None
     sim = Simulator(mgr, cfg, acc)
     sim.tiers = tiers
     try:
         sim.on_finish = _with_side_counts(on_finish, side)
         sim.run(requests)
+        if feed is not None:
+            assert acc.deferred is not None
+            acc.deferred.flush()
+            feed.end()
         if side is not None:
-            line = side.result(lambda: _count_side(on_finish, side))
+            lines = side.result(lambda: _count_side(on_finish, side))
             _count_side(on_finish, side)
     finally:
         if side is not None:
             side.stop()
-    if line is None:  # no second process, or it ended without its figures: run it here
+    if lines is not None:
+        line, answers = lines
+    else:  # no second process, or it ended without its figures: run it here
         counted = side.taken if side is not None else 0  # on the bar already
         line = _no_cache_pass(sim.times.lengths_only(), cfg, skip_first(on_finish, counted))
+        answers = None
+    if feed is not None:  # the shadow's answers: the side's, else made here from the log
+        if answers is None:
+            assert reopen is not None
+            answers = answer_shadow(reopen(), feed.batches(), cfg.options.block_size, track)
+        feed.close()
+        acc.settle_shadow(answers)
     times = sim.times
     return ServingStats(
         times.ttft,
@@ -575,7 +628,7 @@ def run_serving(
 
 
 def _with_side_counts(
-    on_finish: Callable[[int], None] | None, side: SideRun[_NoCacheLine] | None
+    on_finish: Callable[[int], None] | None, side: SideRun[_SideLines] | None
 ) -> Callable[[int], None] | None:
     """``on_finish``, adding what the second process completed meanwhile."""
     if on_finish is None or side is None:
@@ -587,7 +640,7 @@ def _with_side_counts(
     return counted
 
 
-def _count_side(on_finish: Callable[[int], None] | None, side: SideRun[_NoCacheLine]) -> None:
+def _count_side(on_finish: Callable[[int], None] | None, side: SideRun[_SideLines]) -> None:
     """Count on the bar what the second process completed since it was last asked."""
     n = side.counted()
     if n and on_finish is not None:

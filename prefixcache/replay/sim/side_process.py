@@ -20,9 +20,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable
+from queue import Empty, SimpleQueue
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -47,7 +49,8 @@ def side_process_available() -> bool:
 class SideRun(Generic[T]):
     """``work`` running in a forked child; ``result`` waits for what it returns."""
 
-    def __init__(self, work: Work[T], first_stage: int = 0) -> None:
+    def __init__(self, work: Work[T], first_stage: int = 0, feed: FeedPipe | None = None) -> None:
+        """``feed``: a pipe this process sends the child messages through while it works."""
         ctx = mp.get_context("fork")
         self._count = ctx.RawValue("q", 0)  # requests the child completed, as last reported
         self._stage = ctx.RawValue("i", first_stage)
@@ -55,7 +58,7 @@ class SideRun(Generic[T]):
         self._recv, send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_child,
-            args=(work, send, self._count, self._stage, os.getpid()),
+            args=(work, send, self._count, self._stage, os.getpid(), feed),
             daemon=True,  # ended by multiprocessing's exit handler, should stop be missed
         )
         # Ctrl-C held back while the child starts: it ignores it from its first instruction,
@@ -73,6 +76,8 @@ class SideRun(Generic[T]):
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             send.close()
+            if feed is not None:
+                feed.parent_side()
 
     def counted(self) -> int:
         """Requests the child completed since the last call (as it last reported)."""
@@ -112,10 +117,14 @@ class SideRun(Generic[T]):
         self._recv.close()
 
 
-def _child(work: Work[Any], send: Any, count: Any, stage: Any, parent: int) -> None:
+def _child(
+    work: Work[Any], send: Any, count: Any, stage: Any, parent: int, feed: FeedPipe | None
+) -> None:
     """The child's body: run ``work`` and send ``("ok", result)``; nothing when it fails."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if feed is not None:
+        feed.child_side()
     pending = 0
     sent_at = time.monotonic()
 
@@ -147,6 +156,69 @@ def _child(work: Work[Any], send: Any, count: Any, stage: Any, parent: int) -> N
         code = 1
     finally:
         os._exit(code)
+
+
+class FeedPipe:
+    """Messages (bytes) this process hands a ``SideRun``'s child while both work: ``send``
+    here (``close`` ends them), ``received`` there. A thread of the child reads them as they
+    come, so the sender never waits on a child busy with other work."""
+
+    def __init__(self) -> None:
+        self._recv, self._send = mp.get_context("fork").Pipe(duplex=False)
+        self._queue: SimpleQueue[bytes | None] = SimpleQueue()
+        self.broken = False  # the child is gone: what is sent goes nowhere
+        self.ended = False  # (in the child) every message is received
+
+    def send(self, data: bytes) -> None:
+        """One message (not empty) to the child; nothing once the child is gone."""
+        if not self.broken:
+            try:
+                self._send.send_bytes(data)
+            except OSError:  # the child ended: the caller learns it from SideRun.result
+                self.broken = True
+
+    def close(self) -> None:
+        """The end of the messages."""
+        self.send(b"")
+        self._send.close()
+
+    def received(self, wait: bool) -> list[bytes]:
+        """(In the child) the messages come since the last call; ``wait``: at least one,
+        unless they have ended (``ended``: the end came, or the sender is gone)."""
+        queue = self._queue
+        got: list[bytes] = []
+        while not self.ended:
+            if got or not wait:
+                try:
+                    data = queue.get_nowait()
+                except Empty:
+                    break
+            else:
+                data = queue.get()
+            if data is None:
+                self.ended = True
+            else:
+                got.append(data)
+        return got
+
+    def parent_side(self) -> None:
+        """The child started: this process keeps the sending end alone."""
+        self._recv.close()
+
+    def child_side(self) -> None:
+        """The child's first step: keep the receiving end alone (so the sender's end closes
+        when this process's parent is gone) and start reading."""
+        self._send.close()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        queue = self._queue
+        try:
+            while data := self._recv.recv_bytes():
+                queue.put(data)
+        except (EOFError, OSError):
+            pass
+        queue.put(None)
 
 
 def skip_first(update: Callable[[int], None] | None, skip: int) -> Callable[[int], None] | None:
