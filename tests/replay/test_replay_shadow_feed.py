@@ -25,8 +25,18 @@ TENANTS = ROOT / "scenarios" / "multi_tenant.yaml"  # namespaces: isolation miss
 CHAT = ROOT / "tests" / "golden" / "chat_small.yaml"  # outputs reused by later turns
 
 
+class SentPipe:
+    """What a ``FeedPipe`` is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
 class LoggedPipe:
-    """A ``FeedPipe`` as the second process sees it, fed from a kept log: a batch only when
+    """A ``FeedPipe`` as the second process sees it, fed what was sent: a message only when
     waited for (the slowest a cached pass can send)."""
 
     def __init__(self, batches: list[bytes]) -> None:
@@ -44,14 +54,15 @@ class LoggedPipe:
 
 def cached_pass(path: Path, defer: bool) -> tuple[Accountant, ShadowFeed, list]:
     """A one-replica cached pass over ``path`` (llama-3.1-8b, 200 blocks), its shadow made in
-    the pass or logged; the accountant, the log and the workload."""
+    the pass or logged (kept, and sent to a ``SentPipe``); the accountant, the log and the
+    workload."""
     cfg = ReplayConfig(mode="serving", model="llama-3.1-8b", capacity_blocks=200).resolve()
     source = open_source(path, cfg.options)
     mgr = cfg.cache_manager()
     acc = Accountant(cfg.options.block_size, mgr.hasher, track_isolation=source.multi_namespace)
-    feed = ShadowFeed(None)
+    feed = ShadowFeed(SentPipe())  # type: ignore[arg-type]
     if defer:
-        acc.defer_shadow(feed)
+        acc.defer_shadow(feed, 16)
     Simulator(mgr, cfg, acc).run(iter(source))
     if defer:
         assert acc.deferred is not None
@@ -73,12 +84,12 @@ def test_the_log_answers_as_the_shadow_in_the_pass(path: Path, paced: bool) -> N
     block_size, track = acc.block_size, acc.shadow.track_isolation
     if paced:
         maker = ShadowMaker(block_size, track)
-        pipe = LoggedPipe(list(feed.batches()))
-        held = []
+        pipe = LoggedPipe(feed.pipe.sent)  # type: ignore[union-attr]
+        ahead = []  # requests read beyond the cached pass (as it last sent)
         for _ in paced_with_shadow(iter(requests), pipe, maker, ahead=8):  # type: ignore[arg-type]
-            held.append(maker.ahead)
+            ahead.append(maker.read - maker.main_read)
         answers = finish_shadow(pipe, maker)  # type: ignore[arg-type]
-        assert max(held) == 8 + 1  # read before the log names them: 8, and the one just read
+        assert max(ahead) == 8 + 1  # 8, and the one just read
     else:
         answers = answer_shadow(iter(requests), feed.batches(), block_size, track)
     acc.settle_shadow(answers)

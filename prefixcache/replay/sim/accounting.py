@@ -94,12 +94,13 @@ class Accountant:
         self.logical_peak = 0
         self.deferred: DeferredShadow | None = None  # the shadow answers elsewhere, later
 
-    def defer_shadow(self, sink: Callable[[bytes], None]) -> None:
+    def defer_shadow(self, sink: Callable[[bytes, int], None], batch: int = 256) -> None:
         """From now on hand the shadow's observations to ``sink`` (``DeferredShadow``) instead
-        of making them here; ``settle_shadow`` adds what the shadow answers. Only with the
-        upper bound on (without it the shadow keeps nothing and costs next to nothing)."""
+        of making them here, ``batch`` observations at a time; ``settle_shadow`` adds what the
+        shadow answers. Only with the upper bound on (without it the shadow keeps nothing and
+        costs next to nothing)."""
         assert self.shadow.enabled and self.deferred is None
-        self.deferred = DeferredShadow(sink, len(self.log) if self.log is not None else 0)
+        self.deferred = DeferredShadow(sink, len(self.log) if self.log is not None else 0, batch)
 
     def settle_shadow(self, answers: ShadowAnswers) -> None:
         """Add the misses the shadow split for the deferred records (in the order recorded):
@@ -380,16 +381,18 @@ class ShadowAnswers(NamedTuple):
 
 
 class DeferredShadow:
-    """The shadow's observations, in order, handed to ``sink`` in batches (int64 triples, see
-    ``PROMPT`` / ``OUTPUT``) for a shadow elsewhere to make (``replay.sim.shadow_feed``)."""
+    """The shadow's observations, in order, handed to ``sink`` in batches (int64 triples: see
+    ``prompt`` and ``output``) for a shadow elsewhere to make (``replay.sim.shadow_feed``),
+    each with the number of requests the pass has read of its workload by then (``read_to``),
+    so a pass reading the same workload elsewhere can keep pace."""
 
-    BATCH = 3 * 512  # int64s a batch (a few hundred requests)
-
-    def __init__(self, sink: Callable[[bytes], None], first_row: int) -> None:
+    def __init__(self, sink: Callable[[bytes, int], None], first_row: int, batch: int) -> None:
         self.sink = sink
+        self.batch = 3 * batch  # int64s a batch
         self.first_row = first_row  # the first deferred record's row
         self.records = 0
         self.events = array("q")
+        self.read = self.sent_read = 0  # requests read by the pass; as last handed on
 
     def prompt(
         self, request_id: int, cached_len: int, cow: bool, elsewhere: int, expects_output: bool
@@ -398,21 +401,28 @@ class DeferredShadow:
         cow)``; ``expects_output``: an ``output`` of it may follow."""
         self.records += 1
         self.events.extend((2 * request_id, cached_len, 4 * elsewhere + 2 * expects_output + cow))
-        if len(self.events) >= self.BATCH:
+        if len(self.events) >= self.batch:
             self.flush()
 
     def output(self, request_id: int, outputs: int) -> None:
         """A sequence grew by ``outputs`` tokens of its given output: ``(2 * request_id + 1,
         outputs, 0)``."""
         self.events.extend((2 * request_id + 1, outputs, 0))
-        if len(self.events) >= self.BATCH:
+        if len(self.events) >= self.batch:
+            self.flush()
+
+    def read_to(self, read: int) -> None:
+        """The pass has read ``read`` requests of its workload (handed on once it read a
+        batch's worth more, with or without observations)."""
+        self.read = read
+        if read - self.sent_read >= self.batch // 3:
             self.flush()
 
     def flush(self) -> None:
-        """Hand the batch so far to the sink."""
-        if self.events:
-            self.sink(self.events.tobytes())
-            self.events = array("q")
+        """Hand the batch so far, and the requests read, to the sink."""
+        self.sink(self.events.tobytes(), self.read)
+        self.sent_read = self.read
+        self.events = array("q")
 
 
 def _extend(state: xxh3_64, buf: bytes, bb: int, start: int, end: int, seen: KeySet) -> int:

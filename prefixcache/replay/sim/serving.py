@@ -54,6 +54,7 @@ from prefixcache.replay.sim.replica_batch import ReplicaBatch
 from prefixcache.replay.sim.roofline import Roofline, StepWork, context_pairs, prefill_pairs
 from prefixcache.replay.sim.serving_figures import BenchmarkFigures, OfferedLoad
 from prefixcache.replay.sim.shadow_feed import (
+    SHADOW_BATCH,
     ShadowFeed,
     ShadowMaker,
     answer_shadow,
@@ -118,12 +119,15 @@ class Simulator(ReplicaBatch):
         it: Iterator[Request] = iter(requests)
         nxt = next(it, None)
         idx = 0
+        deferred = self.acc.deferred if self.acc is not None else None
         while True:
             while nxt is not None and nxt.arrival_s <= self.clock:
                 self.waiting.append(LiveRequest(idx, nxt))
                 self.times.add(nxt.arrival_s, len(nxt.tokens), nxt.output_len, nxt.n)
                 idx += 1
                 nxt = next(it, None)
+            if deferred is not None:
+                deferred.read_to(idx)
             if not self.running and not self.waiting:
                 if nxt is None:
                     break
@@ -577,7 +581,7 @@ def run_serving(
             side = None
         if side is not None and pipe is not None:
             feed = ShadowFeed(pipe)
-            acc.defer_shadow(feed)
+            acc.defer_shadow(feed, SHADOW_BATCH)
     lines: _SideLines | None = None
     sim = Simulator(mgr, cfg, acc)
     sim.tiers = tiers

@@ -22,14 +22,15 @@ from typing import IO
 
 import numpy as np
 
-from prefixcache.replay.sim.accounting import MISS_COLUMNS, Shadow, ShadowAnswers, split_misses
+from prefixcache.replay.sim.accounting import Shadow, ShadowAnswers, split_misses
 from prefixcache.replay.sim.side_process import FeedPipe
 from prefixcache.replay.workload.request import Request
 
 __all__ = ["ShadowFeed", "ShadowMaker", "answer_shadow", "finish_shadow", "paced_with_shadow"]
 
 _READ = 3 * 8 * 4096  # bytes of the kept log read at a time (whole events)
-AHEAD = 512  # requests the no-cache pass may read before the log names them (two batches)
+SHADOW_BATCH = 256  # observations (or requests read) the cached pass sends at a time
+AHEAD = 512  # requests the no-cache pass may read beyond the cached pass (two batches at least)
 
 
 class ShadowFeed:
@@ -41,10 +42,11 @@ class ShadowFeed:
         # open as long as the feed is (no context manager): gone with it, a crash included
         self._kept: IO[bytes] = tempfile.TemporaryFile(prefix="prefixcache-shadow-")  # noqa: SIM115
 
-    def __call__(self, batch: bytes) -> None:
+    def __call__(self, batch: bytes, read: int) -> None:
+        """A batch, and the requests the cached pass has read by then (sent before it)."""
         self._kept.write(batch)
         if self.pipe is not None:
-            self.pipe.send(batch)
+            self.pipe.send(read.to_bytes(8, "little") + batch)
 
     def end(self) -> None:
         """No more batches: the side process's shadow can finish."""
@@ -75,18 +77,20 @@ class ShadowMaker:
         self.read = 0  # requests offered
         self.events = array("q")  # received, from ``done`` on not made yet
         self.done = 0
+        self.main_read = 0  # requests the cached pass had read, as last sent
         self.misses = array("q")
         self.ub_tokens = self.ub_blocks = 0
-
-    @property
-    def ahead(self) -> int:
-        """Requests offered that no record of the log has named yet (each is named once)."""
-        return self.read - len(self.misses) // len(MISS_COLUMNS)
 
     def offer(self, req: Request) -> None:
         """The next request of the workload."""
         self.held[self.read] = req
         self.read += 1
+
+    def receive_sent(self, message: bytes) -> None:
+        """More of the log, as ``ShadowFeed`` sends it: the requests the cached pass read, then
+        the batch."""
+        self.main_read = int.from_bytes(message[:8], "little")
+        self.receive(message[8:])
 
     def receive(self, batch: bytes) -> None:
         """More of the log."""
@@ -158,19 +162,19 @@ def paced_with_shadow(
     requests: Iterable[Request], pipe: FeedPipe, maker: ShadowMaker, ahead: int = AHEAD
 ) -> Iterator[Request]:
     """``requests`` for another pass (the no-cache pass) that reads the workload once for both:
-    each is offered to ``maker`` too, and the log received so far made; while more than
-    ``ahead`` requests read wait for the log to name them, the pass waits for the log (which
-    the cached pass sends as it goes). The requests held: those, and those whose output the log
-    names later (the cached pass's running ones)."""
+    each is offered to ``maker`` too, and the log received so far made. The pass reads at most
+    ``ahead`` requests beyond those the cached pass had read when it last sent, and waits for
+    the log otherwise, so the requests held stay about the cached pass's own: those it has read
+    and not admitted yet, and those whose output it will log."""
     for req in requests:
         maker.offer(req)
         yield req
         wait = False
         while True:
-            for batch in pipe.received(wait):
-                maker.receive(batch)
+            for message in pipe.received(wait):
+                maker.receive_sent(message)
             maker.make()
-            wait = maker.ahead > ahead and not pipe.ended
+            wait = maker.read > maker.main_read + ahead and not pipe.ended
             if not wait:
                 break
 
@@ -178,8 +182,8 @@ def paced_with_shadow(
 def finish_shadow(pipe: FeedPipe, maker: ShadowMaker) -> ShadowAnswers:
     """The rest of the log, made once the workload has been offered whole."""
     while True:
-        for batch in pipe.received(True):
-            maker.receive(batch)
+        for message in pipe.received(True):
+            maker.receive_sent(message)
         maker.make()
         if pipe.ended:
             break
