@@ -1,16 +1,19 @@
 """A serving replay's infinite-cache shadow, made beside the cached pass instead of in it.
 
 The shadow (``accounting.Shadow``) hashes every full-block prefix a replay admits or grows by its
-output, and remembers it: about a sixth of a one-replica serving replay's cached pass. Nothing in
-that pass reads what the shadow answers (the misses it splits by cause, the upper bound) before
-the end, where they go to the totals and to the rows. So where the no-cache pass runs in a side
-process (``side_process.SideRun``), the cached pass only logs each observation
-(``Accountant.defer_shadow``: three integers for a record, three for an output), streams the log
-to the side process and keeps a copy in an anonymous temporary file (``ShadowFeed``). The side
-process, its own pass done, reads the workload again, makes the same observations in the same
-order (``answer_shadow``) and sends back what the shadow answered, which
-``Accountant.settle_shadow`` adds. Where the side process ends without its answers, the same
-function answers here over the copy: the figures are the same either way.
+output, and remembers it: about a sixth of a one-replica serving replay's cached pass on 16-token
+blocks. Nothing in that pass reads what the shadow answers (the misses it splits by cause, the
+upper bound) before the end, where they go to the totals and to the rows. So where the no-cache
+pass runs in a side process (``side_process.SideRun``), the cached pass only logs each
+observation (``Accountant.defer_shadow``: three integers for a record, three for an output),
+streams the log to the side process with the number of requests it has read so far, and keeps a
+copy in an anonymous temporary file (``ShadowFeed``). The side process reads the workload once
+for both its passes (``paced_with_shadow``): its no-cache pass reads at most ``AHEAD`` requests
+beyond the cached pass, and a ``ShadowMaker`` makes the observations in the log's order as their
+requests come, holding each request until the log has named it. What the shadow answered goes
+back with the no-cache figures, and ``Accountant.settle_shadow`` adds it. Where the side process
+ends without it, ``answer_shadow`` makes the same observations here, over the copy: the figures
+are the same either way.
 """
 
 from __future__ import annotations

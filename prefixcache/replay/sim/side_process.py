@@ -4,8 +4,10 @@ A fleet replay's no-cache and pooled passes read only the workload and the confi
 they can run on a spare core while the fleet pass runs here (``fleet.simulator.run_fleet``).
 ``SideRun`` forks a child that runs ``work``, hands back its result through a pipe, and passes
 on, about five times a second, the requests it completed and the pass it is in, for the
-progress bar here. Only where ``fork`` is available (the child starts with the workload already
-open, nothing is pickled on the way in) and at least two cores are usable.
+progress bar here; a ``FeedPipe`` carries messages the other way while both work (a serving
+replay's log for the shadow it defers, ``shadow_feed``). Only where ``fork`` is available (the
+child starts with the workload already open, nothing is pickled on the way in) and at least two
+cores are usable.
 
 The child never outlives this process's interest in it: it ignores Ctrl-C (this process gets
 it, and ``stop`` ends the child), ends itself when this process is gone, and leaves by
