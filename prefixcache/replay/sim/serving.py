@@ -566,7 +566,9 @@ def run_serving(
 
     ``reopen``: where given (``reopen()`` yields the requests again) and a second core is
     usable, the no-cache pass runs over it in a second process while the cached one runs here
-    (``side_process``); else here, after it, over the lengths the first pass kept."""
+    (``side_process``), and the infinite-cache shadow with it, from the log of observations
+    this pass streams there (``shadow_feed``); else both here, after this pass: the no-cache
+    pass over the lengths this pass kept."""
     side: SideRun[_SideLines] | None = None
     feed: ShadowFeed | None = None
     if reopen is not None and side_process_available():
