@@ -135,7 +135,7 @@ def _replay(
             tiers = build_tiers(resolved, [mgr])
             truncated = run_sequential(requests, mgr, acc, tiers.admitters[0] if tiers else None)
         else:
-            from prefixcache.replay.sim.serving import run_serving
+            from prefixcache.replay.sim.serving_passes import run_serving
 
             tiers = build_tiers(resolved, [mgr])
             admitter = tiers.admitters[0] if tiers else None

@@ -31,7 +31,7 @@ from prefixcache.replay.model_specs import get_gpu, get_model
 from prefixcache.replay.run_result import write_run
 from prefixcache.replay.runner import _replay
 from prefixcache.replay.share_specs import parse_shares
-from prefixcache.replay.sim import serving
+from prefixcache.replay.sim import serving_passes
 from prefixcache.replay.sim.fleet import simulator as fleet_replay
 from prefixcache.replay.sim.roofline import Roofline
 from prefixcache.replay.sim.uncached_blocks import UncachedBlocks
@@ -133,13 +133,13 @@ for _path in SHIPPED:
 @contextmanager
 def step_by_step() -> Iterator[None]:
     """Replays in this block run the step-by-step simulation."""
-    was = serving.run_serving, fleet_replay.run_fleet
-    serving.run_serving = stepwise_serving.run_serving  # type: ignore[assignment]
+    was = serving_passes.run_serving, fleet_replay.run_fleet
+    serving_passes.run_serving = stepwise_serving.run_serving  # type: ignore[assignment]
     fleet_replay.run_fleet = stepwise_fleet.run_fleet  # type: ignore[assignment]
     try:
         yield
     finally:
-        serving.run_serving, fleet_replay.run_fleet = was
+        serving_passes.run_serving, fleet_replay.run_fleet = was
 
 
 def run_dir(path: Path, n: int | None, options: dict[str, Any], out: Path) -> dict[str, bytes]:

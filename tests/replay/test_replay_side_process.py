@@ -18,7 +18,7 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.replay import ReplayConfig, open_source
 from prefixcache.replay.runner import _replay, replay_sweep
-from prefixcache.replay.sim import serving
+from prefixcache.replay.sim import serving_passes
 from prefixcache.replay.sim.fleet import simulator as fleet_replay
 from prefixcache.replay.sim.side_process import SideRun
 
@@ -54,7 +54,7 @@ def report(path: Path, options: dict[str, Any]) -> dict[str, Any]:
 
 def side_processes(monkeypatch: pytest.MonkeyPatch, usable: bool, made: Any = None) -> None:
     """Say whether a second core is usable, and what makes the second process."""
-    for module in (fleet_replay, serving):
+    for module in (fleet_replay, serving_passes):
         monkeypatch.setattr(module, "side_process_available", lambda: usable)
         if made is not None:
             monkeypatch.setattr(module, "SideRun", made)
@@ -180,7 +180,7 @@ def test_a_side_process_that_dies_in_the_shadow_leaves_it_to_this_one(
     side_processes(monkeypatch, False)
     expected = rows_and_report(path, options)[:2]
     here = os.getpid()
-    finish, answer = serving.finish_shadow, serving.answer_shadow
+    finish, answer = serving_passes.finish_shadow, serving_passes.answer_shadow
     made_here = []
 
     def dying(*args: Any, **kwargs: Any) -> Any:
@@ -192,8 +192,8 @@ def test_a_side_process_that_dies_in_the_shadow_leaves_it_to_this_one(
         made_here.append(os.getpid() == here)
         return answer(*args, **kwargs)
 
-    monkeypatch.setattr(serving, "finish_shadow", dying)
-    monkeypatch.setattr(serving, "answer_shadow", answered_here)
+    monkeypatch.setattr(serving_passes, "finish_shadow", dying)
+    monkeypatch.setattr(serving_passes, "answer_shadow", answered_here)
     side_processes(monkeypatch, True)
     assert rows_and_report(path, options)[:2] == expected
     assert made_here == [True]

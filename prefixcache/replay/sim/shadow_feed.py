@@ -23,8 +23,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from typing import IO
 
-import numpy as np
-
+from prefixcache.blocks.tokens import as_token_bytes
 from prefixcache.replay.sim.accounting import Shadow, ShadowAnswers, split_misses
 from prefixcache.replay.sim.side_process import FeedPipe
 from prefixcache.replay.workload.request import Request
@@ -118,11 +117,11 @@ class ShadowMaker:
             req = held.pop(idx, None)
             if req is None:
                 raise ValueError(f"the shadow's log names request {idx} once too often")
-            prompt = _token_bytes(req.tokens)
+            prompt = as_token_bytes(req.tokens)
             t = len(prompt) // 4
             if code & 1:  # the sequence grew by ``amount`` tokens of its given output
                 assert req.output_tokens is not None
-                grown = prompt + _token_bytes(req.output_tokens)[: 4 * amount]
+                grown = prompt + as_token_bytes(req.output_tokens)[: 4 * amount]
                 shadow.observe(grown, len(grown) // (4 * p), req.namespace, t // p)
                 continue
             cow = bool(flags & 1)
@@ -193,8 +192,3 @@ def finish_shadow(pipe: FeedPipe, maker: ShadowMaker) -> ShadowAnswers:
     if maker.waiting:
         raise ValueError("the shadow's log names a request past the workload's end")
     return maker.answers()
-
-
-def _token_bytes(tokens: np.ndarray) -> bytes:
-    """Token ids as the int32 LE bytes the cached pass handed the shadow."""
-    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
